@@ -1,0 +1,36 @@
+"""Every error autopar raises on bad input is an ``AutoparError`` subclass.
+
+Each message says what was wrong and what to do about it.
+"""
+
+
+class AutoparError(Exception):
+    """Base class of all autopar errors."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be captured with ``torch.export`` (names the op or line)."""
+
+
+class MeshError(AutoparError):
+    """The mesh is not a ``DeviceMesh``/``MeshSpec``, or does not fit the request."""
+
+
+class InputMismatchError(AutoparError):
+    """Example inputs do not match what the model's ``forward`` accepts."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits the memory budget; carries the minimum memory that would be needed."""
+
+    def __init__(self, message: str, min_memory_bytes: float | None = None) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+class PlanFileError(AutoparError):
+    """A plan file is malformed, from another autopar version, or from another model/mesh."""
+
+
+class HardwareError(AutoparError):
+    """Unknown hardware preset or malformed hardware description."""

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="autopar",
+    version="0.1.0",
+    description="Auto-parallelizing compiler for PyTorch training",
+    packages=find_packages(include=["autopar*", "cost_models*", "solver*", "codegen*"]),
+    python_requires=">=3.10",
+    # torch is pinned narrowly: autopar relies on private DTensor APIs that move between releases.
+    install_requires=[
+        "torch>=2.13.0,<2.14",
+        "networkx>=3.0",
+        "ortools>=9.12",
+        "sympy>=1.12",
+    ],
+    extras_require={"test": ["pytest>=8", "transformers>=4.50"]},
+    entry_points={"console_scripts": ["autopar=autopar.cli:main"]},
+)

@@ -1,0 +1,58 @@
+"""Public entry points: ``plan``, ``compile``, ``full_state_dict``."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import capture
+from autopar.errors import MeshError
+from autopar.mesh import MeshSpec, as_mesh_spec
+from autopar.plan import Plan
+from autopar.planner import plan_captured
+from codegen.module import ShardedModule, full_state_dict
+
+__all__ = ["plan", "compile", "full_state_dict"]
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, example_kwargs: dict | None = None, *,
+         memory_budget: float | None = None, time_limit: float | None = None) -> Plan:
+    """Choose a placement for every op of ``model`` on ``mesh``; runs no collective.
+
+    ``memory_budget``: bytes per device (default: the hardware's memory). The model and inputs
+    may live on the ``meta`` device.
+    """
+    spec = as_mesh_spec(mesh)
+    t0 = time.perf_counter()
+    captured = capture(model, _as_tuple(example_inputs), example_kwargs)
+    timings = {"capture": time.perf_counter() - t0}
+    return plan_captured(captured, spec, memory_budget=memory_budget, time_limit=time_limit, timings=timings)
+
+
+def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,
+            plan: Plan | None = None, keep_outputs_sharded: bool = False, **plan_options: Any) -> ShardedModule:
+    """Shard ``model`` over a live ``mesh`` and return a module every rank calls with global inputs.
+
+    The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
+    this rank's shard, under the original names.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(
+            f"compile needs a live torch.distributed DeviceMesh (got {type(mesh).__name__}); "
+            "use autopar.plan() with a MeshSpec to plan for a mesh that does not exist here"
+        )
+    args = _as_tuple(example_inputs)
+    captured = capture(model, args, example_kwargs)
+    spec = as_mesh_spec(mesh)
+    if plan is None:
+        plan = plan_captured(captured, spec, **plan_options)
+    else:
+        plan.check_matches(captured.fingerprint, spec)
+    return ShardedModule(model, mesh, plan, captured, keep_outputs_sharded)

@@ -1,0 +1,163 @@
+"""Capture: the unmodified model -> ``CapturedGraph`` (a ``torch.export`` program plus the maps
+from graph placeholders to parameter, buffer, constant and user-input names).
+
+Export is non-strict (Python runs normally, ATen ops are recorded), which handles HuggingFace
+models that ``torch.fx.symbolic_trace`` cannot. It works on ``meta`` models, so huge models are
+captured without allocating their weights.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+from autopar.errors import CaptureError, InputMismatchError
+
+
+@dataclass
+class CapturedGraph:
+    """What capture hands to the planner and the code generator.
+
+    ``graph`` nodes carry ``meta["val"]`` (FakeTensor: global shape and dtype) and
+    ``meta["nn_module_stack"]`` (the module path, used to name layers in reports).
+    """
+
+    program: ExportedProgram
+    param_of: dict[str, str]          # placeholder name -> parameter FQN
+    buffer_of: dict[str, str]         # placeholder name -> buffer FQN
+    constant_of: dict[str, str]       # placeholder name -> lifted constant name
+    user_inputs: list[str]            # placeholder names of user inputs, in flattened (args, kwargs) order
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    model_name: str
+    fingerprint: str                  # identifies model structure + input shapes, for plan files
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.program.graph_module.graph
+
+
+def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Fail early, with the signature, when the example inputs cannot be passed to forward."""
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputMismatchError(
+            f"example inputs do not match {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
+            "Pass example_inputs as a tuple of positional args and example_kwargs as a dict."
+        ) from None
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: the model line that failed to trace."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} ({f.line})"
+
+
+def fingerprint(program: ExportedProgram, model_name: str) -> str:
+    """A stable id of the graph (ops and shapes), so a plan is never applied to another model."""
+    import hashlib
+
+    h = hashlib.sha256(model_name.encode())
+    for n in program.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        h.update(f"{n.op}:{n.target}:{shape};".encode())
+    return h.hexdigest()[:16]
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedGraph:
+    kwargs = kwargs or {}
+    if not isinstance(args, tuple):
+        args = (args,)
+    check_inputs(model, args, kwargs)
+    try:
+        # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
+        # around the caller must not see that tracing.
+        with maybe_disable_local_tensor_mode():
+            program = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # export raises many types; all mean "not traceable"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}{_user_frame(e)}: {type(e).__name__}: {first}. "
+            "Data-dependent Python control flow on tensor values is the usual cause; "
+            "rewrite it with torch.cond/torch.where or make it depend on shapes only."
+        ) from e
+    sig = program.graph_signature
+    param_of, buffer_of, constant_of, user_inputs = {}, {}, {}, []
+    for spec in sig.input_specs:
+        name = spec.arg.name if hasattr(spec.arg, "name") else None
+        if spec.kind == InputKind.PARAMETER:
+            param_of[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffer_of[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constant_of[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+    warnings = []
+    if sig.buffers_to_mutate:
+        warnings.append(
+            f"forward mutates buffers {sorted(sig.buffers_to_mutate.values())}; autopar keeps them replicated and "
+            "does not write the mutation back (running statistics are not updated)"
+        )
+    name = type(model).__name__
+    return CapturedGraph(
+        program=program,
+        param_of=param_of,
+        buffer_of=buffer_of,
+        constant_of=constant_of,
+        user_inputs=user_inputs,
+        in_spec=program.call_spec.in_spec,
+        out_spec=program.call_spec.out_spec,
+        model_name=name,
+        fingerprint=fingerprint(program, name),
+        warnings=warnings,
+    )
+
+
+def readable_name(node: fx.Node) -> str:
+    """Layer path of a node, e.g. ``transformer.h.0.attn``, from export's module stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return re.sub(r"L\['self'\]\.?|\['(\w+)'\]", lambda m: m.group(1) or "", path).replace("_modules.", "")
+
+
+def flat_tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Tensor-valued argument nodes in argument order (duplicates kept: ``x * x`` has two)."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and _is_tensor_like(a)]
+
+
+def _is_tensor_like(n: fx.Node) -> bool:
+    val = n.meta.get("val")
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
+    )
+
+
+def output_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """Global shape of a node's (first) tensor output."""
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def describe_args(args: Any) -> Any:
+    return pytree.tree_map(lambda a: a.name if isinstance(a, fx.Node) else a, args)

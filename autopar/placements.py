@@ -1,0 +1,77 @@
+"""Placements per mesh axis, as DTensor's own tiny values: ``Shard(d)``, ``Replicate()``, ``Partial()``.
+
+A node's placement on an N-D mesh is a tuple with one placement per axis. This module holds
+the few pure functions on them used by every stage: text form (reports, JSON), local shapes
+(uneven shards included) and how much an axis splits the work.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.errors import PlanFileError
+
+Placements = tuple[Placement, ...]
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    raise PlanFileError(f"placement {p!r} is not one autopar plans with (Shard, Replicate, Partial)")
+
+
+def placements_str(ps: Sequence[Placement]) -> str:
+    return "(" + ", ".join(placement_str(p) for p in ps) + ")"
+
+
+_SHARD = re.compile(r"S\((-?\d+)\)")
+_PARTIAL = re.compile(r"P\((\w+)\)")
+
+
+def parse_placement(text: str) -> Placement:
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    if m := _SHARD.fullmatch(text):
+        return Shard(int(m.group(1)))
+    if m := _PARTIAL.fullmatch(text):
+        return Partial(m.group(1))
+    raise PlanFileError(f"cannot read placement {text!r}: expected R, P, P(op) or S(dim)")
+
+
+def is_split(p: Placement) -> bool:
+    """Does this axis divide the work (sharded or partial) rather than repeat it?"""
+    return isinstance(p, (Shard, Partial))
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Largest local shape over ranks (ceil division, as DTensor pads uneven shards)."""
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            out[p.dim] = -(-out[p.dim] // n)
+    return tuple(out)
+
+
+def shard_fraction(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> float:
+    """Fraction of a tensor's elements one rank holds (1.0 = replicated; partial holds all)."""
+    frac = 1.0
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            frac /= n
+    return frac

@@ -1,0 +1,168 @@
+"""``Plan``: the placement chosen for every node, with predicted costs; the contract between the
+planner and the code generator, and what users read, save and reload.
+
+Plans are JSON (versioned; never pickle) and round-trip exactly. A plan names the model
+fingerprint and mesh it was made for, so it is never applied to another.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.errors import PlanFileError
+from autopar.mesh import MeshSpec
+from autopar.placements import Placements, parse_placement, placements_str
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One graph node's chosen strategy and what it is predicted to cost per device."""
+
+    name: str                         # graph node name (unique)
+    op: str                           # ATen op, "parameter", "input", "buffer" or "output"
+    layer: str                        # module path, e.g. "transformer.h.0.attn"
+    strategy: str                     # rule names per axis, e.g. "batch x column"
+    out: Placements                   # output placement per mesh axis
+    ins: tuple[Placements, ...]       # placement each tensor input is redistributed to
+    storage: Placements | None        # parameters: how they are stored (differs from out under ZeRO-3)
+    fqn: str | None                   # parameter/buffer name
+    compute_s: float                  # forward+backward compute time of this node
+    comm_s: float                     # communication time charged to this node (incoming resharding, gradient sync)
+    memory_bytes: float               # bytes this node holds per device at the peak
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out"] = placements_str(self.out)
+        d["ins"] = [placements_str(p) for p in self.ins]
+        d["storage"] = placements_str(self.storage) if self.storage is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NodePlan":
+        return cls(**{**d, "out": _parse(d["out"]), "ins": tuple(_parse(p) for p in d["ins"]),
+                      "storage": _parse(d["storage"]) if d["storage"] is not None else None})
+
+
+def _parse(text: str) -> Placements:
+    inner = text.strip()[1:-1]
+    return tuple(parse_placement(t.strip()) for t in inner.split(",") if t.strip())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost of one training step (forward, backward, optimizer) on the worst device."""
+
+    step_time_s: float
+    peak_memory_bytes: float
+    comm_bytes: dict[str, float]      # bytes sent per device, per mesh axis name
+    compute_s: float
+    comm_s: float
+    memory_breakdown: dict[str, float]  # parameters, gradients, optimizer, activations
+
+
+@dataclass
+class Plan:
+    mesh: MeshSpec
+    model_name: str
+    fingerprint: str
+    nodes: list[NodePlan]
+    predicted: Prediction
+    memory_budget: float
+    solver: dict[str, Any] = field(default_factory=dict)   # status, gap, variables, constraints
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per planning stage
+    warnings: list[str] = field(default_factory=list)
+    feasible: bool = True
+    version: int = PLAN_FORMAT_VERSION
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node {name!r} in this plan")
+
+    @property
+    def parameters(self) -> dict[str, NodePlan]:
+        return {n.fqn: n for n in self.nodes if n.op == "parameter"}
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "autopar-plan",
+            "version": self.version,
+            "model_name": self.model_name,
+            "fingerprint": self.fingerprint,
+            "mesh": self.mesh.to_dict(),
+            "memory_budget": self.memory_budget,
+            "feasible": self.feasible,
+            "predicted": asdict(self.predicted),
+            "solver": self.solver,
+            "timings": self.timings,
+            "warnings": self.warnings,
+            "nodes": [n.to_dict() for n in self.nodes],
+        }
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Plan":
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            try:
+                with open(text_or_path) as f:
+                    text = f.read()
+            except OSError as e:
+                raise PlanFileError(f"cannot read plan file {text_or_path!r}: {e}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(f"plan file is not valid JSON ({e}); plans are written by Plan.to_json()") from None
+        if not isinstance(d, dict) or d.get("format") != "autopar-plan":
+            raise PlanFileError("this JSON is not an autopar plan (no 'format': 'autopar-plan')")
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise PlanFileError(
+                f"plan format version {d.get('version')} is not this autopar's version {PLAN_FORMAT_VERSION}; re-plan the model"
+            )
+        try:
+            return cls(
+                mesh=MeshSpec.from_dict(d["mesh"]),
+                model_name=d["model_name"],
+                fingerprint=d["fingerprint"],
+                nodes=[NodePlan.from_dict(n) for n in d["nodes"]],
+                predicted=Prediction(**d["predicted"]),
+                memory_budget=d["memory_budget"],
+                solver=d["solver"],
+                timings=d["timings"],
+                warnings=d["warnings"],
+                feasible=d["feasible"],
+                version=d["version"],
+            )
+        except (KeyError, TypeError) as e:
+            raise PlanFileError(f"plan file is missing or has a malformed field: {e}") from None
+
+    def check_matches(self, fingerprint: str, mesh: MeshSpec) -> None:
+        """Refuse to apply a plan made for another model, input shape or mesh."""
+        if fingerprint != self.fingerprint:
+            raise PlanFileError(
+                f"this plan was made for another model or input shapes ({self.model_name}, fingerprint "
+                f"{self.fingerprint}); the model given has fingerprint {fingerprint}. Re-plan with autopar.plan()."
+            )
+        if tuple(mesh.shape) != tuple(self.mesh.shape):
+            raise PlanFileError(f"this plan is for mesh {self.mesh.shape}, not {mesh.shape}; re-plan for this mesh")
+
+    def report(self, top: int = 12) -> str:
+        from autopar.report import format_report
+
+        return format_report(self, top=top)
+
+    def __repr__(self) -> str:
+        p = self.predicted
+        return (f"Plan({self.model_name} on {self.mesh.describe()}: step {p.step_time_s * 1e3:.3f} ms, "
+                f"peak {p.peak_memory_bytes / 2**30:.3f} GiB)")

@@ -1,0 +1,123 @@
+"""Planning: capture -> strategies -> costs -> ILP -> ``Plan``. Runs no collective; works on
+``meta`` models, so clusters that do not exist here can be planned.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from autopar.capture import CapturedGraph, capture, readable_name
+from autopar.mesh import MeshSpec
+from autopar.placements import Placements
+from autopar.plan import NodePlan, Plan, Prediction
+from autopar.strategies import StrategySpace, Strategy, build_space
+from cost_models.estimate import Cost, CostModel
+from solver import Edge, Problem, solve
+
+log = logging.getLogger("autopar")
+
+# Multi-output producers (split) cannot be redistributed as a whole: their readers must agree.
+MISMATCH_S = 1e3
+
+
+@contextmanager
+def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
+    log.info("autopar: %s...", name)
+    t0 = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - t0
+    log.info("autopar: %s done in %.2f s", name, timings[name])
+
+
+def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
+                  time_limit: float | None = None, timings: dict[str, float] | None = None,
+                  forced: dict[str, Strategy] | None = None) -> Plan:
+    """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, baselines)."""
+    timings = dict(timings or {})
+    with _stage(timings, "strategies"):
+        space = build_space(captured, mesh)
+        if forced:
+            _force(space, forced)
+    with _stage(timings, "costs"):
+        model = CostModel(mesh)
+        budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
+        problem, edge_index = _problem(space, model, budget)
+    with _stage(timings, "solve"):
+        solution = solve(problem, time_limit=time_limit)
+    chosen = [space.nodes[i].strategies[c] for i, c in enumerate(solution.choices)]
+    return _make_plan(captured, space, model, chosen, edge_index, budget, solution, timings)
+
+
+def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
+    for nc in space.nodes:
+        if nc.node.name in forced:
+            want = forced[nc.node.name]
+            if want not in nc.strategies:
+                raise ValueError(f"{want} is not a candidate strategy of {nc.node.name}")
+            nc.strategies = [want]
+
+
+def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Problem, list[tuple[int, int, int]]]:
+    costs, memory, edges, edge_index = [], [], [], []
+    for nc in space.nodes:
+        node_costs = [model.node(nc, s) for s in nc.strategies]
+        costs.append(tuple(c.time_s for c in node_costs))
+        memory.append(tuple(c.memory_bytes for c in node_costs))
+    for j, nc in enumerate(space.nodes):
+        for k, inp in enumerate(nc.inputs):
+            i = space.index.get(inp)
+            if i is None:
+                continue
+            src = space.nodes[i]
+            multi = isinstance(inp.meta.get("val"), (list, tuple))
+            matrix = tuple(
+                tuple(
+                    (0.0 if s.out == d.ins[k] else MISMATCH_S) if multi else model.edge(src, s, nc, d, k).time_s
+                    for d in nc.strategies
+                )
+                for s in src.strategies
+            )
+            edges.append(Edge(i, j, matrix))
+            edge_index.append((i, j, k))
+    names = tuple(nc.node.name for nc in space.nodes)
+    return Problem(tuple(costs), tuple(memory), tuple(edges), budget, names), edge_index
+
+
+def _make_plan(captured, space, model, chosen, edge_index, budget, solution, timings) -> Plan:
+    incoming: dict[int, Cost] = {}
+    for i, j, k in edge_index:
+        c = model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k)
+        incoming[j] = incoming.get(j, Cost()) + c
+    nodes, total = [], Cost()
+    breakdown = {"parameters+gradients+optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
+    for idx, (nc, s) in enumerate(zip(space.nodes, chosen)):
+        c = model.node(nc, s) + incoming.get(idx, Cost())
+        total = total + c
+        key = {"param": "parameters+gradients+optimizer", "op": "activations"}.get(nc.kind, "inputs")
+        breakdown[key] += c.memory_bytes
+        nodes.append(NodePlan(
+            name=nc.node.name,
+            op={"param": "parameter", "input": "input", "buffer": "buffer", "output": "output"}.get(nc.kind, str(nc.node.target)),
+            layer=readable_name(nc.node),
+            strategy=s.label(),
+            out=s.out,
+            ins=s.ins,
+            storage=s.storage,
+            fqn=nc.fqn,
+            compute_s=c.compute_s,
+            comm_s=c.comm_s,
+            memory_bytes=c.memory_bytes,
+        ))
+    axes = space.mesh.axis_names
+    comm_bytes = {a: (total.comm_bytes[i] if i < len(total.comm_bytes) else 0.0) for i, a in enumerate(axes)}
+    predicted = Prediction(step_time_s=total.time_s, peak_memory_bytes=total.memory_bytes, comm_bytes=comm_bytes,
+                           compute_s=total.compute_s, comm_s=total.comm_s, memory_breakdown=breakdown)
+    solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
+                   "constraints": solution.num_constraints, "objective_s": solution.objective}
+    return Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
+                predicted=predicted, memory_budget=budget, solver=solver_info, timings=timings,
+                warnings=captured.warnings + space.warnings)

@@ -1,0 +1,408 @@
+"""Sharding rules: for one op and ONE mesh axis of size ``n``, the ways it can run split.
+
+Each rule is an ``AxisRule``: the placement every tensor input must have on that axis, the
+placement the output then has, and a name a reader knows (``batch``, ``column``, ``row``,
+``vocab``, ``heads``, ``seq``...). ``strategies.py`` combines rules across mesh axes.
+
+Rules are autopar's own, written per op family from the op's semantics (the families and the
+partial-sum algebra follow DTensor's rules, which the runtime then executes). Every op has at
+least the replicate rule; an op no family knows gets only that, with a warning naming it.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.capture import flat_tensor_inputs, output_shape
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial()
+P_AVG = Partial("avg")
+
+
+@dataclass(frozen=True)
+class AxisRule:
+    out: Placement
+    ins: tuple[Placement, ...]   # one per flat tensor input of the node
+    name: str
+
+
+@dataclass(frozen=True)
+class OpView:
+    """What a rule may look at: the node, its tensor inputs' shapes and its output shape,
+    already local to the mesh axes applied before this one."""
+
+    node: fx.Node
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shape: tuple[int, ...]
+
+    def arg(self, i: int, name: str, default=None):
+        args, kwargs = self.node.args, self.node.kwargs
+        return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+RuleFn = Callable[[OpView, int], list[AxisRule]]
+
+
+def replicate(v: OpView) -> AxisRule:
+    return AxisRule(R, tuple(R for _ in v.in_shapes), "replicate")
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _fits(size: int, n: int, even: bool) -> bool:
+    return size >= n and (not even or size % n == 0)
+
+
+# ---------------------------------------------------------------- elementwise and friends
+
+PARTIAL_UNARY = {
+    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.detach.default,
+}
+PARTIAL_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
+PARTIAL_NUMERATOR = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
+
+
+def pointwise(v: OpView, n: int) -> list[AxisRule]:
+    """Broadcasting elementwise op: shard any output dim; inputs follow (or stay replicated where broadcast)."""
+    out = v.out_shape
+    rules = [replicate(v)]
+    for d in range(len(out)):
+        if not _fits(out[d], n, even=False):
+            continue
+        ins = []
+        for shape in v.in_shapes:
+            di = d - (len(out) - len(shape))
+            ins.append(Shard(di) if di >= 0 and shape[di] == out[d] else R)
+        rules.append(AxisRule(Shard(d), tuple(ins), "elementwise"))
+    rules += partial_rules(v)
+    return rules
+
+
+def partial_rules(v: OpView) -> list[AxisRule]:
+    """Partial sums pass through ops linear in their (partial) inputs."""
+    target = v.node.target
+    k = len(v.in_shapes)
+    if target in PARTIAL_UNARY and k == 1:
+        return [AxisRule(P, (P,), "partial")]
+    if target in PARTIAL_ADDITIVE and k == 2 and len(v.node.args) == 2 and v.node.kwargs.get("alpha", 1) == 1:
+        return [AxisRule(P, (P, P), "partial")]
+    if target in PARTIAL_NUMERATOR and k >= 1:
+        rules = [AxisRule(P, (P,) + (R,) * (k - 1), "partial")]
+        if target is aten.mul.Tensor and k == 2:
+            rules.append(AxisRule(P, (R, P), "partial"))
+        return rules
+    return []
+
+
+def identity_dims(v: OpView, n: int, keep: Callable[[int], int | None], even: bool = False, partial: bool = True) -> list[AxisRule]:
+    """Single-input op whose output dim ``keep(d)`` is input dim ``d`` (None: dim cannot be sharded)."""
+    rules = [replicate(v)]
+    shape = v.in_shapes[0]
+    extra = (R,) * (len(v.in_shapes) - 1)
+    for d in range(len(shape)):
+        od = keep(d)
+        if od is not None and _fits(shape[d], n, even):
+            rules.append(AxisRule(Shard(od), (Shard(d),) + extra, "follow"))
+    if partial:
+        rules.append(AxisRule(P, (P,) + extra, "partial"))
+    return rules
+
+
+def same_dims(v: OpView, n: int) -> list[AxisRule]:
+    return identity_dims(v, n, lambda d: d, partial=v.node.target in PARTIAL_UNARY)
+
+
+def transpose(v: OpView, n: int) -> list[AxisRule]:
+    nd = len(v.in_shapes[0])
+    if v.node.target is aten.t.default:
+        a, b = 0, 1 if nd == 2 else 0
+    else:
+        a, b = _norm(v.node.args[1], nd), _norm(v.node.args[2], nd)
+    swap = {a: b, b: a}
+    return identity_dims(v, n, lambda d: swap.get(d, d))
+
+
+def permute(v: OpView, n: int) -> list[AxisRule]:
+    nd = len(v.in_shapes[0])
+    dims = [_norm(d, nd) for d in v.node.args[1]]
+    return identity_dims(v, n, lambda d: dims.index(d))
+
+
+def unsqueeze(v: OpView, n: int) -> list[AxisRule]:
+    d0 = _norm(v.node.args[1], len(v.out_shape))
+    return identity_dims(v, n, lambda d: d if d < d0 else d + 1)
+
+
+def squeeze(v: OpView, n: int) -> list[AxisRule]:
+    shape = v.in_shapes[0]
+    arg = v.arg(1, "dim")
+    dims = range(len(shape)) if arg is None else ([arg] if isinstance(arg, int) else arg)
+    gone = {_norm(d, len(shape)) for d in dims if shape[_norm(d, len(shape))] == 1}
+    return identity_dims(v, n, lambda d: None if d in gone else d - sum(g < d for g in gone))
+
+
+def along_dim(dim_arg: int, dim_name: str = "dim", default: int = 0, partial: bool = False) -> RuleFn:
+    """Ops that work along one dim (slice, select, split, softmax, cat...): shard the others."""
+
+    def rule(v: OpView, n: int) -> list[AxisRule]:
+        shape = v.in_shapes[0]
+        dim = _norm(v.arg(dim_arg, dim_name, default), len(shape))
+        dropped = v.node.target in (aten.select.int,)
+        return identity_dims(
+            v, n, lambda d: None if d == dim else (d - 1 if dropped and d > dim else d), partial=partial
+        )
+
+    return rule
+
+
+def cat(v: OpView, n: int) -> list[AxisRule]:
+    nd = len(v.out_shape)
+    dim = _norm(v.arg(1, "dim", 0), nd)
+    rules = [replicate(v)]
+    for d in range(nd):
+        if d != dim and _fits(v.out_shape[d], n, even=False) and all(len(s) == nd for s in v.in_shapes):
+            rules.append(AxisRule(Shard(d), tuple(Shard(d) for _ in v.in_shapes), "follow"))
+    return rules
+
+
+def expand(v: OpView, n: int) -> list[AxisRule]:
+    shape, out = v.in_shapes[0], v.out_shape
+    off = len(out) - len(shape)
+    return identity_dims(v, n, lambda d: d + off if shape[d] == out[d + off] else None, partial=False)
+
+
+def view(v: OpView, n: int) -> list[AxisRule]:
+    """Reshape: a dim keeps its shard when it maps to one output dim, or is the outer dim of a
+    split/merge group whose division by ``n`` keeps each rank's block contiguous."""
+    src, dst = v.in_shapes[0], v.out_shape
+    rules = [replicate(v), AxisRule(P, (P,), "partial")]
+    for in_dim, out_dim, even in _view_groups(src, dst):
+        if _fits(src[in_dim], n, even) and (not even or dst[out_dim] % n == 0):
+            rules.append(AxisRule(Shard(out_dim), (Shard(in_dim),), "follow"))
+    return rules
+
+
+def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """(input dim, output dim, needs even split) for the outer dim of each reshape group."""
+    groups, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        if src[i] == dst[j]:
+            if src[i] != 1:
+                groups.append((i, j, False))
+            i, j = i + 1, j + 1
+            continue
+        gi, gj, a, b = i, j, src[i], dst[j]
+        while a != b:
+            if a < b:
+                i += 1
+                a *= src[i]
+            else:
+                j += 1
+                b *= dst[j]
+        groups.append((gi, gj, True))
+        i, j = i + 1, j + 1
+    return groups
+
+
+def reduction(v: OpView, n: int) -> list[AxisRule]:
+    """sum/mean/amax over dims: shard kept dims; sharding a summed dim leaves a partial sum."""
+    shape = v.in_shapes[0]
+    dims_arg = v.arg(1, "dim")
+    keepdim = bool(v.arg(2, "keepdim", False))
+    if dims_arg is None or dims_arg == []:
+        dims = set(range(len(shape)))
+    else:
+        dims = {_norm(d, len(shape)) for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
+    rules = identity_dims(
+        v, n, lambda d: None if d in dims else (d if keepdim else d - sum(x < d for x in dims)), partial=False
+    )
+    target = v.node.target
+    for d in dims:
+        if target in (aten.sum.dim_IntList, aten.sum.default) and _fits(shape[d], n, even=False):
+            rules.append(AxisRule(P, (Shard(d),), "partial-sum"))
+        if target is aten.mean.dim and _fits(shape[d], n, even=True):
+            rules.append(AxisRule(P_AVG, (Shard(d),), "partial-mean"))
+    if target in (aten.sum.dim_IntList, aten.sum.default):
+        rules.append(AxisRule(P, (P,), "partial"))
+    return rules
+
+
+# ---------------------------------------------------------------- layers
+
+def linear(v: OpView, n: int) -> list[AxisRule]:
+    """y = x W^T + b: batch (any leading dim of x), column (W rows), row (reduction dim -> partial)."""
+    x, w = v.in_shapes[0], v.in_shapes[1]
+    has_bias = len(v.in_shapes) == 3
+    nd = len(x)
+    rules = [replicate(v)]
+    for d in range(nd - 1):
+        if _fits(x[d], n, even=False):
+            name = "batch" if d == 0 else "seq"
+            rules.append(AxisRule(Shard(d), (Shard(d), R) + ((R,) if has_bias else ()), name))
+    if _fits(w[0], n, even=False):
+        rules.append(AxisRule(Shard(nd - 1), (R, Shard(0)) + ((Shard(0),) if has_bias else ()), "column"))
+    if _fits(w[1], n, even=False):
+        rules.append(AxisRule(P, (Shard(nd - 1), Shard(1)) + ((R,) if has_bias else ()), "row"))
+    rules.append(AxisRule(P, (P, R) + ((P,) if has_bias else ()), "partial"))
+    return rules
+
+
+def matmul(v: OpView, n: int) -> list[AxisRule]:
+    """a @ b with broadcast batch dims: batch, rows of a, columns of b, or the reduction dim."""
+    a, b = v.in_shapes
+    out = v.out_shape
+    na, nb, no = len(a), len(b), len(out)
+    rules = [replicate(v)]
+    for d in range(no - 2):
+        da, db = d - (no - na), d - (no - nb)
+        ia = Shard(da) if da >= 0 and a[da] == out[d] else R
+        ib = Shard(db) if db >= 0 and b[db] == out[d] else R
+        if _fits(out[d], n, even=False):
+            rules.append(AxisRule(Shard(d), (ia, ib), "batch"))
+    if na >= 2 and _fits(a[-2], n, even=False):
+        rules.append(AxisRule(Shard(no - 2), (Shard(na - 2), R), "rows"))
+    if nb >= 2 and _fits(b[-1], n, even=False):
+        rules.append(AxisRule(Shard(no - 1), (R, Shard(nb - 1)), "columns"))
+    if _fits(a[-1], n, even=False):
+        rules.append(AxisRule(P, (Shard(na - 1), Shard(max(nb - 2, 0))), "reduction"))
+    rules += [AxisRule(P, (P, R), "partial"), AxisRule(P, (R, P), "partial")]
+    return rules
+
+
+def embedding(v: OpView, n: int) -> list[AxisRule]:
+    """weight[V, D] indexed by ids: batch (ids), embedding dim (weight cols), vocab (weight rows -> partial)."""
+    w, ids = v.in_shapes
+    out_nd = len(v.out_shape)
+    rules = [replicate(v)]
+    for d in range(len(ids)):
+        if _fits(ids[d], n, even=False):
+            rules.append(AxisRule(Shard(d), (R, Shard(d)), "batch" if d == 0 else "seq"))
+    if _fits(w[1], n, even=False):
+        rules.append(AxisRule(Shard(out_nd - 1), (Shard(1), R), "embed-dim"))
+    if _fits(w[0], n, even=False):
+        rules.append(AxisRule(P, (Shard(0), R), "vocab"))
+    return rules
+
+
+def layer_norm(v: OpView, n: int) -> list[AxisRule]:
+    """Normalise the last dims; any leading dim (batch, sequence) can be sharded."""
+    x = v.in_shapes[0]
+    norm_nd = len(v.arg(1, "normalized_shape"))
+    params = (R,) * (len(v.in_shapes) - 1)
+    rules = [replicate(v)]
+    for d in range(len(x) - norm_nd):
+        if _fits(x[d], n, even=False):
+            rules.append(AxisRule(Shard(d), (Shard(d),) + params, "batch" if d == 0 else "seq"))
+    return rules
+
+
+def rms_norm(v: OpView, n: int) -> list[AxisRule]:
+    x = v.in_shapes[0]
+    norm_nd = len(v.arg(1, "normalized_shape"))
+    params = (R,) * (len(v.in_shapes) - 1)
+    return [replicate(v)] + [
+        AxisRule(Shard(d), (Shard(d),) + params, "batch" if d == 0 else "seq")
+        for d in range(len(x) - norm_nd)
+        if _fits(x[d], n, even=False)
+    ]
+
+
+def attention(v: OpView, n: int) -> list[AxisRule]:
+    """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads).
+
+    Runs per shard locally, so both need an even split; a mask follows q where it has that dim.
+    """
+    q, k = v.in_shapes[0], v.in_shapes[1]
+    rules = [replicate(v)]
+    for d, name in ((0, "batch"), (1, "heads")):
+        if not (_fits(q[d], n, even=True) and _fits(k[d], n, even=True)):
+            continue
+        ins = [Shard(d), Shard(d), Shard(d)]
+        for extra in v.in_shapes[3:]:
+            de = d - (len(q) - len(extra))
+            if de >= 0 and extra[de] == q[d]:
+                ins.append(Shard(de))
+            elif de < 0 or extra[de] == 1:
+                ins.append(R)
+            else:
+                break
+        else:
+            rules.append(AxisRule(Shard(d), tuple(ins), name))
+    return rules
+
+
+def cross_entropy(v: OpView, n: int) -> list[AxisRule]:
+    """Loss over [N, C] logits: split the batch. A sum is a partial sum; a mean is computed
+    exactly by the runtime as (sum of local sums) / (global count of counted targets)."""
+    logits, target = v.in_shapes[0], v.in_shapes[1]
+    rules = [replicate(v)]
+    if len(v.in_shapes) == 2 and _fits(logits[0], n, even=False) and v.arg(3, "reduction", 1) in (1, 2):
+        rules.append(AxisRule(P, (Shard(0), Shard(0)), "batch"))
+    return rules
+
+
+def getitem(v: OpView, n: int) -> list[AxisRule]:
+    """Picks one output of a multi-output node: same placement as its producer."""
+    nd = len(v.out_shape)
+    return [AxisRule(p, (p,), "follow") for p in [R, P] + [Shard(d) for d in range(nd) if _fits(v.out_shape[d], n, False)]]
+
+
+RULES: dict[object, RuleFn] = {
+    aten.linear.default: linear,
+    aten.matmul.default: matmul, aten.mm.default: matmul, aten.bmm.default: matmul,
+    aten.embedding.default: embedding,
+    aten.layer_norm.default: layer_norm,
+    aten.rms_norm.default: rms_norm,
+    aten.scaled_dot_product_attention.default: attention,
+    aten.cross_entropy_loss.default: cross_entropy,
+    aten.view.default: view, aten.reshape.default: view, aten._unsafe_view.default: view,
+    aten.transpose.int: transpose, aten.t.default: transpose,
+    aten.permute.default: permute,
+    aten.unsqueeze.default: unsqueeze,
+    aten.squeeze.dim: squeeze, aten.squeeze.dims: squeeze, aten.squeeze.default: squeeze,
+    aten.expand.default: expand,
+    aten.slice.Tensor: along_dim(1),
+    aten.select.int: along_dim(1),
+    aten.split.Tensor: along_dim(2), aten.split_with_sizes.default: along_dim(2), aten.chunk.default: along_dim(2),
+    aten.softmax.int: along_dim(1), aten._softmax.default: along_dim(1),
+    aten.log_softmax.int: along_dim(1), aten._log_softmax.default: along_dim(1),
+    aten.cat.default: cat,
+    aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.sum.default: reduction,
+    aten.amax.default: reduction,
+    aten.contiguous.default: same_dims, aten.clone.default: same_dims, aten.alias.default: same_dims,
+    aten._to_copy.default: same_dims, aten.to.dtype: same_dims, aten.to.dtype_layout: same_dims,
+    aten.detach.default: same_dims, aten.dropout.default: same_dims, aten.type_as.default: pointwise,
+    operator.getitem: getitem,
+}
+
+# Ops that run on DTensor shards through autopar's own local implementation (DTensor has no
+# CPU rule for them, or its rule is not exact for uneven shards): see codegen/runtime.py.
+LOCAL_OPS = {aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default}
+
+
+def rule_for(node: fx.Node) -> RuleFn | None:
+    """The rule family of a node, or None when only replication is known."""
+    if node.target in RULES:
+        return RULES[node.target]
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        return pointwise
+    return None
+
+
+def axis_rules(node: fx.Node, in_shapes: tuple[tuple[int, ...], ...], out_shape: tuple[int, ...], n: int) -> list[AxisRule]:
+    v = OpView(node, in_shapes, out_shape)
+    fn = rule_for(node)
+    if fn is None or not in_shapes or n == 1:
+        return [replicate(v)]
+    return fn(v, n)

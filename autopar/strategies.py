@@ -1,0 +1,207 @@
+"""Candidate strategies of every node on an N-D mesh: per-axis rules (``rules.py``) combined.
+
+The contract handed to the cost model and the solver is ``StrategySpace``: for each graph node
+that takes part in the plan, its flat tensor inputs and a list of ``Strategy`` (one placement per
+mesh axis for the output and for each input). Parameters also choose a *storage* placement:
+stored sharded but used replicated is ZeRO-3/FSDP (all-gather on use, reduce-scatter of grads).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.capture import CapturedGraph, flat_tensor_inputs, output_shape
+from autopar.mesh import MeshSpec
+from autopar.placements import Placements, local_shape, placements_str
+from autopar.rules import AxisRule, axis_rules, rule_for
+
+log = logging.getLogger(__name__)
+R = Replicate()
+
+# Ops whose output aliases their input: they move no data and save nothing for backward.
+VIEW_OPS = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.permute.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+    torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+    torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default, operator.getitem,
+}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    out: Placements                     # output placement, one per mesh axis
+    ins: tuple[Placements, ...]         # placement each flat tensor input must have
+    names: tuple[str, ...]              # rule name per mesh axis, e.g. ("batch", "column")
+    storage: Placements | None = None   # parameters only: how the parameter is stored
+
+    def label(self) -> str:
+        uniq = [n for n in self.names if n != "replicate"]
+        text = " x ".join(uniq) if uniq else "replicate"
+        if self.storage is not None and self.storage != self.out:
+            text += f" (stored {placements_str(self.storage)}, gathered on use)"
+        return text
+
+
+@dataclass
+class NodeChoices:
+    node: fx.Node
+    kind: str                            # "param", "buffer", "input", "op", "output"
+    inputs: list[fx.Node]                # flat tensor inputs (edges come from these)
+    strategies: list[Strategy]
+    fqn: str | None = None               # parameter/buffer name, for params and buffers
+
+
+@dataclass
+class StrategySpace:
+    mesh: MeshSpec
+    nodes: list[NodeChoices]
+    index: dict[fx.Node, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.index = {c.node: i for i, c in enumerate(self.nodes)}
+
+
+def _tensor_val(node: fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def tensor_placements(shape: tuple[int, ...], mesh: MeshSpec) -> list[Placements]:
+    """Every Replicate/Shard combination over the mesh axes that leaves each rank >= 1 element."""
+    per_axis: list[list[Placement]] = []
+    for n in mesh.shape:
+        per_axis.append([R] + ([Shard(d) for d in range(len(shape)) if shape[d] >= n] if n > 1 else []))
+    out = []
+    for combo in itertools.product(*per_axis):
+        if all(s > 0 for s in local_shape(shape, combo, mesh.shape)) and _no_tiny_shards(shape, combo, mesh):
+            out.append(tuple(combo))
+    return out
+
+
+def _no_tiny_shards(shape, combo, mesh) -> bool:
+    cur = list(shape)
+    for p, n in zip(combo, mesh.shape):
+        if isinstance(p, Shard):
+            if cur[p.dim] < n:
+                return False
+            cur[p.dim] = -(-cur[p.dim] // n)
+    return True
+
+
+def param_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
+    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3), or replicated."""
+    per_axis: list[list[tuple[Placement, Placement, str]]] = []
+    for n in mesh.shape:
+        opts = [(R, R, "replicate")]
+        if n > 1:
+            fits = [d for d in range(len(shape)) if shape[d] >= n]
+            opts += [(Shard(d), Shard(d), f"shard-dim{d}") for d in fits]
+            if fits:  # one ZeRO-3 layout is enough: sharding dim 0 or 1 costs the same
+                opts.append((Shard(fits[0]), R, "zero3"))
+        per_axis.append(opts)
+    out = []
+    for combo in itertools.product(*per_axis):
+        storage = tuple(c[0] for c in combo)
+        use = tuple(c[1] for c in combo)
+        if _no_tiny_shards(shape, storage, mesh):
+            out.append(Strategy(use, (), tuple(c[2] for c in combo), storage))
+    return out
+
+
+_rule_cache: dict[tuple, list[Strategy]] = {}
+
+
+def _cache_key(node: fx.Node, in_shapes, out_shape, mesh: MeshSpec) -> tuple:
+    args = torch.utils._pytree.tree_map(lambda a: "T" if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    return (node.target, repr(args), in_shapes, out_shape, mesh.shape)
+
+
+def op_strategies(node: fx.Node, inputs: list[fx.Node], mesh: MeshSpec) -> list[Strategy]:
+    """Cartesian product of per-axis rules; each axis sees shapes already split by earlier axes."""
+    in_shapes = tuple(output_shape(i) or () for i in inputs)
+    out_shape = output_shape(node) or ()
+    key = _cache_key(node, in_shapes, out_shape, mesh)
+    if key not in _rule_cache:
+        _rule_cache[key] = list(_expand(node, in_shapes, out_shape, mesh.shape, ()))
+    return _rule_cache[key]
+
+
+def _expand(node, in_shapes, out_shape, mesh_shape, chosen: tuple[AxisRule, ...]) -> Iterator[Strategy]:
+    axis = len(chosen)
+    if axis == len(mesh_shape):
+        yield Strategy(
+            tuple(r.out for r in chosen),
+            tuple(tuple(r.ins[i] for r in chosen) for i in range(len(in_shapes))),
+            tuple(r.name for r in chosen),
+        )
+        return
+    for rule in axis_rules(node, in_shapes, out_shape, mesh_shape[axis]):
+        n = mesh_shape[axis]
+        yield from _expand(
+            node,
+            tuple(_split(s, p, n) for s, p in zip(in_shapes, rule.ins)),
+            _split(out_shape, rule.out, n),
+            mesh_shape,
+            chosen + (rule,),
+        )
+
+
+def _split(shape: tuple[int, ...], p: Placement, n: int) -> tuple[int, ...]:
+    if isinstance(p, Shard) and shape:
+        s = list(shape)
+        s[p.dim] = -(-s[p.dim] // n)
+        return tuple(s)
+    return shape
+
+
+def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
+    nodes: list[NodeChoices] = []
+    warnings: list[str] = []
+    unknown: dict[str, int] = {}
+    for node in captured.graph.nodes:
+        if node.op == "placeholder":
+            val = _tensor_val(node)
+            if val is None:
+                continue
+            shape = tuple(val.shape)
+            if node.name in captured.param_of:
+                nodes.append(NodeChoices(node, "param", [], param_strategies(shape, mesh), captured.param_of[node.name]))
+            elif node.name in captured.user_inputs:
+                strategies = [Strategy(p, (), _names(p)) for p in tensor_placements(shape, mesh)]
+                nodes.append(NodeChoices(node, "input", [], strategies))
+            else:
+                fqn = captured.buffer_of.get(node.name) or captured.constant_of.get(node.name)
+                nodes.append(NodeChoices(node, "buffer", [], [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)], fqn))
+        elif node.op == "call_function":
+            if _tensor_val(node) is None:
+                continue  # asserts and symbolic-int helpers: no placement to choose
+            inputs = flat_tensor_inputs(node)
+            if rule_for(node) is None and inputs:
+                unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
+            nodes.append(NodeChoices(node, "op", inputs, op_strategies(node, inputs, mesh)))
+        elif node.op == "output":
+            outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and _tensor_val(a) is not None]
+            rep = (R,) * mesh.ndim
+            nodes.append(NodeChoices(node, "output", outs, [Strategy(rep, tuple(rep for _ in outs), ("replicate",) * mesh.ndim)]))
+    for op, count in sorted(unknown.items()):
+        msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
+        warnings.append(msg)
+        log.warning("autopar: %s", msg)
+    return StrategySpace(mesh, nodes, warnings=warnings)
+
+
+def _names(p: Placements) -> tuple[str, ...]:
+    return tuple("replicate" if isinstance(x, Replicate) else f"shard-dim{x.dim}" for x in p)

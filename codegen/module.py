@@ -1,0 +1,103 @@
+"""``ShardedModule``: the original module's parameters, sharded as planned (same names), with the
+generated forward. Every rank calls it with the same global inputs and gets the same outputs."""
+from __future__ import annotations
+
+import linecache
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils import _pytree as pytree
+
+import codegen.runtime as runtime
+from torch.distributed._local_tensor import LocalTensor, local_tensor_mode, rank_map
+from autopar.capture import CapturedGraph
+from autopar.errors import InputMismatchError
+from autopar.plan import Plan
+from codegen.generate import generate_source
+
+_counter = [0]
+
+
+def compile_forward(source: str) -> Any:
+    """Compile generated source; register it with linecache so tracebacks show its lines."""
+    _counter[0] += 1
+    filename = f"<autopar generated forward {_counter[0]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {
+        "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(),
+        "P_AVG": Partial("avg"), "shard_input": runtime.shard_input, "replicated": runtime.replicated,
+        "redistribute": runtime.redistribute, "planned": runtime.as_planned, "local_op": runtime.local_op,
+        "sharded_cross_entropy": runtime.sharded_cross_entropy, "full": runtime.full,
+    }
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["forward"]
+
+
+class ShardedModule(nn.Module):
+    """Holds the original submodules (so parameter names are unchanged) with DTensor parameters."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, captured: CapturedGraph,
+                 keep_outputs_sharded: bool = False) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        self.mesh = mesh
+        self.plan = plan
+        self.code = generate_source(captured, plan, keep_outputs_sharded)
+        self._forward = compile_forward(self.code)
+        self._in_spec = captured.in_spec
+        self._out_spec = captured.out_spec
+        self._device = torch.device(mesh.device_type)
+        self._shard_state(plan, captured, mesh)
+
+    def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> None:
+        replicate = [Replicate()] * mesh.ndim
+        for fqn, node in plan.parameters.items():
+            owner, _, leaf = fqn.rpartition(".")
+            mod = self.get_submodule(owner)
+            p = getattr(mod, leaf)
+            shard = _own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
+            dp = nn.Parameter(shard, requires_grad=p.requires_grad)
+            setattr(mod, leaf, dp)
+            runtime.sync_grad_to(dp)
+        for fqn in captured.buffer_of.values():
+            owner, _, leaf = fqn.rpartition(".")
+            mod = self.get_submodule(owner)
+            setattr(mod, leaf, distribute_tensor(getattr(mod, leaf), mesh, replicate))
+        self._autopar_constants = {
+            name: distribute_tensor(t, mesh, replicate) if isinstance(t, torch.Tensor) else t
+            for name, t in captured.program.constants.items()
+        }
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise InputMismatchError(
+                "inputs have another structure than the example inputs the module was compiled with "
+                f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
+            )
+        outs = self._forward(self, self.mesh, self._device, *flat)
+        return pytree.tree_unflatten(list(outs), self._out_spec)
+
+
+def _own_storage(t: DTensor) -> DTensor:
+    """Give every rank its own copy of a replicated shard. Under LocalTensorMode (all ranks in one
+    process) a replica is one plain tensor shared by all ranks, and the optimizer's in-place
+    update would hit it once per rank."""
+    local = t.to_local()
+    if local_tensor_mode() is None or isinstance(local, LocalTensor):
+        return t
+    copies = rank_map(lambda _rank: local.clone())
+    return DTensor.from_local(copies, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict: same keys and shapes as the original model's."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pmodel.state_dict().items()}

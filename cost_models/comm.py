@@ -1,0 +1,109 @@
+"""Alpha-beta (latency-bandwidth) cost of collectives over one group of ``n`` devices.
+
+All times are in seconds, sizes in bytes, bandwidths in bytes/s per device.
+
+Meaning of ``nbytes`` per collective (``N`` below), and the model used
+(ring algorithms, ``a`` = ``link.latency``, ``B`` = ``link.bandwidth``):
+
+==============  ==========================================================  ======================================
+kind            N is                                                        time
+==============  ==========================================================  ======================================
+all_reduce      the tensor each rank holds (input size == output size)      2(n-1)*a + 2(n-1)/n * N/B
+all_gather      the FULL gathered output; each rank contributes N/n         (n-1)*a + (n-1)/n * N/B
+reduce_scatter  the FULL input each rank holds; each rank keeps N/n         (n-1)*a + (n-1)/n * N/B
+all_to_all      each rank's whole send buffer (== its receive buffer);      (n-1)*a + (n-1)/n * N/B
+                it sends N/n to each of the n-1 peers and keeps N/n
+broadcast       the FULL tensor, sent from the root to every rank;          (n-1)*a + N/B
+                pipelined (chunked) ring as NCCL does: every link
+                carries the whole tensor once, n-1 hops of start-up
+send_recv       the message sent from one rank to another                   a + N/B
+==============  ==========================================================  ======================================
+
+``n == 1`` costs 0 for every kind (no communication happens), as does ``N == 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .hardware import Hardware
+
+__all__ = ["Link", "COLLECTIVE_KINDS", "collective_time", "link_for_axis"]
+
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+    "broadcast",
+)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as seen by one device: ``bandwidth`` in bytes/s per device (one direction),
+    ``latency`` in seconds per message step."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"Link.bandwidth must be a positive finite number of bytes/s, got {self.bandwidth!r}")
+        if not (isinstance(self.latency, (int, float)) and math.isfinite(self.latency) and self.latency >= 0):
+            raise ValueError(f"Link.latency must be a non-negative finite number of seconds, got {self.latency!r}")
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds for collective ``kind`` moving ``nbytes`` (see the module docstring for what
+    ``nbytes`` means per kind) over a group of ``n`` devices joined by ``link``."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(COLLECTIVE_KINDS)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"group size n must be an integer >= 1, got {n!r}")
+    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"nbytes must be a non-negative finite number, got {nbytes!r}")
+    if n == 1 or nbytes == 0:
+        return 0.0
+
+    a, bw = link.latency, link.bandwidth
+    if kind == "all_reduce":
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / bw
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) * a + (n - 1) / n * nbytes / bw
+    if kind == "broadcast":
+        return (n - 1) * a + nbytes / bw
+    # send_recv
+    return a + nbytes / bw
+
+
+def link_for_axis(hw: "Hardware", axis_sizes: Sequence[int], axis: int) -> Link:
+    """The link used by collectives along mesh axis ``axis``.
+
+    Devices are numbered row-major over ``axis_sizes`` (the last axis varies
+    fastest) and fill nodes of ``hw.devices_per_node`` consecutive ranks.  A
+    group along ``axis`` then spans ``prod(axis_sizes[axis:])`` consecutive
+    ranks; the axis is intra-node when that span is <= ``devices_per_node``
+    and no group straddles a node boundary (the span divides
+    ``devices_per_node``, or the whole mesh fits in one node).  Otherwise the
+    collective is bottlenecked by the inter-node link (each device uses its own
+    NIC, so the per-device inter-node bandwidth applies).
+    """
+    sizes = [int(s) for s in axis_sizes]
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"axis_sizes must be a non-empty sequence of positive ints, got {list(axis_sizes)!r}")
+    ndim = len(sizes)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} out of range for a {ndim}-d mesh {tuple(sizes)}")
+    axis %= ndim
+    span = math.prod(sizes[axis:])
+    total = math.prod(sizes)
+    dpn = hw.devices_per_node
+    intra = span <= dpn and (dpn % span == 0 or total <= dpn)
+    if intra:
+        return Link(bandwidth=hw.intra_node_bandwidth, latency=hw.intra_node_latency)
+    return Link(bandwidth=hw.inter_node_bandwidth, latency=hw.inter_node_latency)

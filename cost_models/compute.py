@@ -1,0 +1,36 @@
+"""Roofline compute cost of one operator, in seconds."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .hardware import Hardware
+
+__all__ = ["compute_time"]
+
+
+def compute_time(
+    flops: float,
+    bytes_moved: float,
+    hw: Hardware,
+    dtype: torch.dtype,
+    *,
+    allow_tf32: bool = False,
+) -> float:
+    """Seconds for one op doing ``flops`` FLOPs and moving ``bytes_moved`` bytes
+    (bytes read + bytes written to device memory) in ``dtype``.
+
+    ``max(flops / hw.flops_for(dtype), bytes_moved / hw.memory_bandwidth) + hw.op_overhead_s``;
+    exactly 0 when both ``flops`` and ``bytes_moved`` are 0 (views, no-ops).
+    ``allow_tf32`` selects the TF32 tensor-core peak for float32 where the hardware has one.
+    """
+    for label, value in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{label} must be a non-negative finite number, got {value!r}")
+    if flops == 0 and bytes_moved == 0:
+        return 0.0
+    t_compute = flops / hw.flops_for(dtype, allow_tf32=allow_tf32)
+    t_memory = bytes_moved / hw.memory_bandwidth
+    return max(t_compute, t_memory) + hw.op_overhead_s

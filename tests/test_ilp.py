@@ -1,0 +1,233 @@
+"""Tests for the sharding ILP (solver/ilp.py): optimality against brute force, reductions,
+memory budget, infeasibility reporting, time limits and input validation."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopar.errors import AutoparError, InfeasibleError
+from solver import Edge, Problem, Solution, evaluate, solve
+from solver import ilp
+
+GIB = float(1 << 30)
+
+
+def _matrix(rng: random.Random, ks: int, kd: int) -> tuple[tuple[float, ...], ...]:
+    """A random edge matrix; sometimes zero, constant or separable to exercise the folding."""
+    kind = rng.random()
+    if kind < 0.1:
+        return tuple(tuple(0.0 for _ in range(kd)) for _ in range(ks))
+    if kind < 0.2:
+        c = rng.uniform(0, 1)
+        return tuple(tuple(c for _ in range(kd)) for _ in range(ks))
+    if kind < 0.3:
+        a = [rng.uniform(0, 1) for _ in range(ks)]
+        b = [rng.uniform(0, 1) for _ in range(kd)]
+        return tuple(tuple(a[s] + b[d] for d in range(kd)) for s in range(ks))
+    return tuple(tuple(rng.uniform(0, 2) for _ in range(kd)) for _ in range(ks))
+
+
+def random_problem(seed: int, n: int, num_edges: int, kmax: int = 4, budget_frac: float | None = None) -> Problem:
+    rng = random.Random(seed)
+    k = [rng.randint(1, kmax) for _ in range(n)]
+    costs = tuple(tuple(rng.uniform(0, 1) for _ in range(ki)) for ki in k)
+    memory = tuple(tuple(rng.uniform(0, 4) * GIB for _ in range(ki)) for ki in k)
+    edges = []
+    for _ in range(num_edges):
+        u, v = rng.randrange(n), rng.randrange(n)  # may repeat pairs, reverse them, or loop
+        edges.append(Edge(u, v, _matrix(rng, k[u], k[v])))
+    budget = None
+    if budget_frac is not None:
+        lo = sum(min(m) for m in memory)
+        hi = sum(max(m) for m in memory)
+        budget = lo + budget_frac * (hi - lo)
+    return Problem(costs, memory, tuple(edges), budget)
+
+
+def brute_force(problem: Problem) -> tuple[float, tuple[int, ...]]:
+    best = (float("inf"), ())
+    for choices in itertools.product(*(range(len(c)) for c in problem.costs)):
+        obj, mem = evaluate(problem, choices)
+        if problem.memory_budget is not None and mem > problem.memory_budget:
+            continue
+        best = min(best, (obj, choices))
+    return best
+
+
+def check_solution(problem: Problem, sol: Solution) -> None:
+    assert isinstance(sol, Solution)
+    assert len(sol.choices) == len(problem.costs)
+    assert all(0 <= c < len(problem.costs[i]) for i, c in enumerate(sol.choices))
+    obj, mem = evaluate(problem, sol.choices)
+    assert sol.objective == pytest.approx(obj, rel=1e-12, abs=1e-12)
+    assert sol.memory == pytest.approx(mem, rel=1e-12)
+    if problem.memory_budget is not None:
+        assert sol.memory <= problem.memory_budget * (1 + 1e-9)
+    assert sol.status in ("optimal", "feasible")
+    assert sol.solve_time_s >= 0
+
+
+@pytest.mark.parametrize("solver", ["highs", "scip"])
+@pytest.mark.parametrize("budget_frac", [None, 0.15, 0.5])
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_brute_force(seed: int, budget_frac: float | None, solver: str) -> None:
+    problem = random_problem(seed, n=6, num_edges=9, budget_frac=budget_frac)
+    want, _ = brute_force(problem)
+    sol = solve(problem, solver=solver)
+    check_solution(problem, sol)
+    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.objective == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_deterministic_and_warm_start() -> None:
+    problem = random_problem(42, n=6, num_edges=10, budget_frac=0.4)
+    first = solve(problem)
+    assert solve(problem).choices == first.choices
+    hinted = Problem(problem.costs, problem.memory, problem.edges, problem.memory_budget,
+                     warm_start=tuple(0 for _ in problem.costs))
+    assert solve(hinted).objective == pytest.approx(first.objective, rel=1e-6)
+
+
+def test_infeasible_budget_reports_minimum() -> None:
+    problem = random_problem(3, n=5, num_edges=4)
+    min_mem = sum(min(m) for m in problem.memory)
+    names = tuple(f"op{i}" for i in range(5))
+    problem = Problem(problem.costs, problem.memory, problem.edges, min_mem * 0.9, names=names)
+    with pytest.raises(InfeasibleError) as info:
+        solve(problem)
+    assert info.value.min_memory_bytes == pytest.approx(min_mem)
+    biggest = max(range(5), key=lambda i: min(problem.memory[i]))
+    assert names[biggest] in str(info.value)
+    assert "GiB" in str(info.value)
+    # A budget exactly at the minimum is feasible: every node takes its lowest-memory choice.
+    tight = Problem(problem.costs, problem.memory, problem.edges, min_mem)
+    sol = solve(tight)
+    assert sol.choices == tuple(min(range(len(m)), key=m.__getitem__) for m in problem.memory)
+
+
+def test_infeasible_does_not_call_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args, **kwargs):
+        raise AssertionError("solver must not be called")
+
+    monkeypatch.setattr(ilp.mathopt, "solve", boom)
+    problem = Problem(costs=((1.0, 2.0),), memory=((3.0, 4.0),), edges=(), memory_budget=2.0)
+    with pytest.raises(InfeasibleError) as info:
+        solve(problem)
+    assert info.value.min_memory_bytes == 3.0
+
+
+def test_chain_forces_consistent_choice() -> None:
+    # Each node slightly prefers a different choice, but switching along the chain costs a lot:
+    # the optimum is the single choice with the lowest total node cost (choice 1 here).
+    n, k = 10, 3
+    costs = tuple(tuple(1.0 + 0.1 * ((i + c) % k) for c in range(k)) for i in range(n))
+    costs = tuple(tuple(cost - (0.05 if c == 1 else 0.0) for c, cost in enumerate(row)) for row in costs)
+    reshard = tuple(tuple(0.0 if s == d else 10.0 for d in range(k)) for s in range(k))
+    edges = tuple(Edge(i, i + 1, reshard) for i in range(n - 1))
+    problem = Problem(costs, tuple((1.0,) * k for _ in range(n)), edges)
+    for solver in ("highs", "scip"):
+        sol = solve(problem, solver=solver)
+        assert sol.choices == (1,) * n
+        check_solution(problem, sol)
+
+
+def test_memory_budget_changes_choice() -> None:
+    # Choice 0 is fast but memory-hungry; under a tight budget some nodes must switch.
+    n = 4
+    problem = Problem(costs=((1.0, 2.0),) * n, memory=((4.0, 1.0),) * n, edges=(), memory_budget=10.0)
+    sol = solve(problem)
+    assert sol.memory <= 10.0
+    assert sorted(sol.choices) == [0, 0, 1, 1]
+    assert sol.objective == pytest.approx(6.0)
+
+
+def test_single_choice_nodes_and_zero_edges() -> None:
+    costs = ((1.0,), (3.0, 1.0), (2.0,), (0.5, 0.7, 0.1))
+    memory = ((1.0,), (1.0, 1.0), (1.0,), (1.0, 1.0, 1.0))
+    edges = (
+        Edge(0, 1, ((0.0, 5.0),)),  # fixed -> free: folded into node 1
+        Edge(0, 2, ((4.0,),)),  # fixed -> fixed: a constant
+        Edge(1, 3, ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0))),  # all zero: skipped
+        Edge(3, 2, ((1.0,), (0.0,), (2.0,))),  # free -> fixed: folded into node 3
+        Edge(3, 3, ((1.0, 9.0, 9.0), (9.0, 1.0, 9.0), (9.0, 9.0, 1.0))),  # self-loop: its diagonal
+    )
+    problem = Problem(costs, memory, edges)
+    sol = solve(problem)
+    check_solution(problem, sol)
+    want, choices = brute_force(problem)
+    assert sol.objective == pytest.approx(want)
+    assert sol.choices == choices == (0, 0, 0, 1)
+    assert sol.num_variables == 5  # only the one-hot binaries of nodes 1 and 3
+    # All nodes fixed: nothing to solve.
+    fixed = Problem(((1.0,), (2.0,)), ((1.0,), (1.0,)), (Edge(0, 1, ((3.0,),)),))
+    sol = solve(fixed)
+    assert sol.choices == (0, 0) and sol.objective == 6.0 and sol.num_variables == 0
+    # No nodes at all.
+    assert solve(Problem((), (), ())).choices == ()
+
+
+def test_separable_and_parallel_edges_need_no_pair_variables() -> None:
+    sep = ((1.0, 2.0, 3.0), (2.0, 3.0, 4.0))  # a[s] + b[d]
+    problem = Problem(
+        costs=((0.0, 0.5), (0.3, 0.0, 0.2)),
+        memory=((0.0, 0.0), (0.0, 0.0, 0.0)),
+        edges=(Edge(0, 1, sep), Edge(1, 0, ((7.0, 7.0),) * 3)),
+    )
+    sol = solve(problem)
+    assert sol.num_variables == 5
+    assert sol.objective == pytest.approx(brute_force(problem)[0])
+    # Two parallel edges whose sum is not separable do get pair variables (2 x 3 of them).
+    swap = Problem(problem.costs, problem.memory, (Edge(0, 1, sep), Edge(1, 0, ((0.0, 5.0), (5.0, 0.0), (1.0, 1.0)))))
+    sol = solve(swap)
+    assert sol.num_variables == 5 + 6
+    assert sol.objective == pytest.approx(brute_force(swap)[0])
+
+
+def test_time_limit_returns_incumbent() -> None:
+    rng = random.Random(7)
+    n, k = 300, 6
+    costs = tuple(tuple(rng.uniform(0, 1) for _ in range(k)) for _ in range(n))
+    memory = tuple(tuple(rng.uniform(1, 2) * GIB for _ in range(k)) for _ in range(n))
+    edges = tuple(
+        Edge(rng.randrange(i), i, tuple(tuple(rng.uniform(0, 1) for _ in range(k)) for _ in range(k)))
+        for i in itertools.chain(range(1, n), (rng.randrange(1, n) for _ in range(n // 2)))
+    )
+    budget = 1.4 * GIB * n
+    problem = Problem(costs, memory, edges, budget)
+    sol = solve(problem, time_limit=1.0)
+    check_solution(problem, sol)
+    if sol.status == "feasible":
+        assert sol.gap is None or sol.gap >= 0
+    assert sol.num_variables <= n * k + len(edges) * k * k
+
+
+@pytest.mark.parametrize(
+    "problem, match",
+    [
+        (Problem(((1.0, 2.0),), ((1.0,),), ()), "memory entries"),
+        (Problem(((1.0,), (2.0,)), ((1.0,),), ()), "memory has 1"),
+        (Problem(((1.0, 2.0), (1.0,)), ((1.0, 1.0), (1.0,)), (Edge(0, 1, ((1.0, 2.0),)),)), "expected \\(2, 1\\)"),
+        (Problem(((1.0, 2.0), (1.0,)), ((1.0, 1.0), (1.0,)), (Edge(0, 1, ((1.0,), (2.0, 3.0))),)), "rectangular"),
+        (Problem(((1.0, -2.0),), ((1.0, 1.0),), ()), "negative"),
+        (Problem(((1.0, 2.0),), ((1.0, float("nan")),), ()), "NaN"),
+        (Problem(((1.0, 2.0),), ((1.0, 1.0),), (Edge(0, 3, ((1.0, 1.0),)),)), "node 3"),
+        (Problem(((),), ((),), ()), "non-empty"),
+        (Problem(((1.0, 2.0),), ((1.0, 1.0),), (), memory_budget=-1.0), "memory_budget"),
+        (Problem(((1.0, 2.0),), ((1.0, 1.0),), (), warm_start=(2,)), "warm_start"),
+        (Problem(((1.0, 2.0),), ((1.0, 1.0),), (), names=("a", "b")), "names"),
+    ],
+)
+def test_invalid_input(problem: Problem, match: str) -> None:
+    with pytest.raises(AutoparError, match=match):
+        solve(problem)
+
+
+def test_invalid_solver_and_time_limit() -> None:
+    problem = Problem(((1.0, 2.0),), ((1.0, 1.0),), ())
+    with pytest.raises(AutoparError, match="highs.*scip"):
+        solve(problem, solver="gurobi")
+    with pytest.raises(AutoparError, match="time_limit"):
+        solve(problem, time_limit=0)

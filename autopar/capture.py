@@ -8,6 +8,7 @@ captured without allocating their weights.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -60,7 +61,9 @@ def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch: the model line that failed to trace."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    own = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and not f.filename.startswith(own)]
     if not frames:
         return ""
     f = frames[-1]

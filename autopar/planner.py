@@ -67,21 +67,26 @@ def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Pro
         node_costs = [model.node(nc, s) for s in nc.strategies]
         costs.append(tuple(c.time_s for c in node_costs))
         memory.append(tuple(c.memory_bytes for c in node_costs))
+    matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
     for j, nc in enumerate(space.nodes):
         for k, inp in enumerate(nc.inputs):
             i = space.index.get(inp)
             if i is None:
                 continue
             src = space.nodes[i]
-            multi = isinstance(inp.meta.get("val"), (list, tuple))
-            matrix = tuple(
-                tuple(
-                    (0.0 if s.out == d.ins[k] else MISMATCH_S) if multi else model.edge(src, s, nc, d, k).time_s
-                    for d in nc.strategies
+            val = inp.meta.get("val")
+            multi = isinstance(val, (list, tuple))
+            key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind,
+                   None if multi else (tuple(val.shape), val.dtype))
+            if key not in matrices:
+                matrices[key] = tuple(
+                    tuple(
+                        (0.0 if s.out == d.ins[k] else MISMATCH_S) if multi else model.edge(src, s, nc, d, k).time_s
+                        for d in nc.strategies
+                    )
+                    for s in src.strategies
                 )
-                for s in src.strategies
-            )
-            edges.append(Edge(i, j, matrix))
+            edges.append(Edge(i, j, matrices[key]))
             edge_index.append((i, j, k))
     names = tuple(nc.node.name for nc in space.nodes)
     return Problem(tuple(costs), tuple(memory), tuple(edges), budget, names), edge_index

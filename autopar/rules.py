@@ -280,6 +280,29 @@ def matmul(v: OpView, n: int) -> list[AxisRule]:
     return rules
 
 
+def addmm(v: OpView, n: int) -> list[AxisRule]:
+    """bias + a @ b on 2-D a [M, K], b [K, N] (GPT-2's Conv1D): rows, columns, or reduction."""
+    bias, a, b = v.in_shapes
+    bias_cols = Shard(len(bias) - 1) if bias and bias[-1] == b[1] and bias[-1] > 1 else R
+    rules = [replicate(v)]
+    if _fits(a[0], n, even=False):
+        bias_rows = Shard(0) if len(bias) == 2 and bias[0] == a[0] else R
+        rules.append(AxisRule(Shard(0), (bias_rows, Shard(0), R), "batch"))
+    if _fits(b[1], n, even=False):
+        rules.append(AxisRule(Shard(1), (bias_cols, R, Shard(1)), "column"))
+    if _fits(a[1], n, even=False):
+        rules.append(AxisRule(P, (P, Shard(1), Shard(0)), "row"))
+    return rules
+
+
+def pad(v: OpView, n: int) -> list[AxisRule]:
+    """Constant padding of the last dims: shard the dims that are not padded."""
+    shape = v.in_shapes[0]
+    amounts = list(v.arg(1, "pad"))
+    padded = {len(shape) - 1 - i // 2 for i, a in enumerate(amounts) if a != 0}
+    return identity_dims(v, n, lambda d: None if d in padded else d, partial=False)
+
+
 def embedding(v: OpView, n: int) -> list[AxisRule]:
     """weight[V, D] indexed by ids: batch (ids), embedding dim (weight cols), vocab (weight rows -> partial)."""
     w, ids = v.in_shapes
@@ -360,6 +383,8 @@ def getitem(v: OpView, n: int) -> list[AxisRule]:
 
 RULES: dict[object, RuleFn] = {
     aten.linear.default: linear,
+    aten.addmm.default: addmm,
+    aten.constant_pad_nd.default: pad, aten.pad.default: pad,
     aten.matmul.default: matmul, aten.mm.default: matmul, aten.bmm.default: matmul,
     aten.embedding.default: embedding,
     aten.layer_norm.default: layer_norm,

@@ -7,6 +7,7 @@ stored sharded but used replicated is ZeRO-3/FSDP (all-gather on use, reduce-sca
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -101,8 +102,11 @@ def _no_tiny_shards(shape, combo, mesh) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def param_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
-    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3), or replicated."""
+    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3), or replicated.
+
+    Cached (and so shared by parameters of equal shape): callers must not mutate the list."""
     per_axis: list[list[tuple[Placement, Placement, str]]] = []
     for n in mesh.shape:
         opts = [(R, R, "replicate")]
@@ -180,7 +184,7 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
             if node.name in captured.param_of:
                 nodes.append(NodeChoices(node, "param", [], param_strategies(shape, mesh), captured.param_of[node.name]))
             elif node.name in captured.user_inputs:
-                strategies = [Strategy(p, (), _names(p)) for p in tensor_placements(shape, mesh)]
+                strategies = input_strategies(shape, mesh)
                 nodes.append(NodeChoices(node, "input", [], strategies))
             else:
                 fqn = captured.buffer_of.get(node.name) or captured.constant_of.get(node.name)
@@ -201,6 +205,11 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
         warnings.append(msg)
         log.warning("autopar: %s", msg)
     return StrategySpace(mesh, nodes, warnings=warnings)
+
+
+@functools.lru_cache(maxsize=None)
+def input_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
+    return [Strategy(p, (), _names(p)) for p in tensor_placements(shape, mesh)]
 
 
 def _names(p: Placements) -> tuple[str, ...]:

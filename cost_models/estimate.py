@@ -58,10 +58,17 @@ class CostModel:
         self.hw = get_hardware(self.mesh.hardware)
         self.links = [link_for_axis(self.hw, self.mesh.shape, a) for a in range(self.mesh.ndim)]
         self._flops: dict[tuple, float] = {}
+        self._moves: dict[tuple, Cost] = {}
 
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis)."""
+        key = (tuple(shape), dtype, src, dst)
+        if key not in self._moves:
+            self._moves[key] = self._redistribute(shape, dtype, src, dst)
+        return self._moves[key]
+
+    def _redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
         full = _numel(shape) * _itemsize(dtype)
         time, sent = 0.0, []
         for a, (s, d) in enumerate(zip(src, dst)):

@@ -1,0 +1,250 @@
+"""``format_report``: the human-readable explanation of a ``Plan`` (what ``Plan.report()`` returns).
+
+Sections: header (model, mesh, hardware, memory budget); the predicted step (time split into
+compute and communication, peak memory per device with its breakdown, bytes sent per mesh axis);
+the solver's result; time per planning stage; the parameters (grouped by layer pattern, so a
+96-layer model reads as one row per kind of parameter); the most expensive nodes; warnings.
+
+Everything here reads only the ``Plan`` (a plan loaded with ``Plan.from_json`` reports the same).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from autopar.placements import placements_str
+from autopar.plan import NodePlan, Plan
+
+__all__ = ["format_report", "fmt", "param_pattern"]
+
+_BYTE_UNITS = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """``value`` with an adaptive unit: ``unit`` is ``"B"`` (B/KiB/MiB/GiB/TiB) or ``"s"`` (ns/us/ms/s).
+
+    Three significant digits: ``fmt(5151236, "B") == "4.91 MiB"``, ``fmt(0.0030029, "s") == "3.00 ms"``.
+    """
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if unit == "B":
+        if abs(value) < 1024:
+            return f"{value:.0f} B"
+        units = _BYTE_UNITS
+    elif unit == "s":
+        if value == 0:
+            return "0 s"
+        units = _TIME_UNITS
+    else:
+        raise ValueError(f"unit must be 'B' or 's', got {unit!r}")
+    for name, scale in units:
+        if abs(value) >= scale or scale == units[-1][1]:
+            x = value / scale
+            digits = 2 if abs(x) < 10 else 1 if abs(x) < 100 else 0
+            return f"{x:.{digits}f} {name}"
+    raise AssertionError("unreachable")
+
+
+def _op_name(op: str) -> str:
+    """``aten.linear.default`` -> ``linear``; ``<built-in function getitem>`` -> ``getitem``."""
+    m = re.fullmatch(r"<built-in function (\w+)>", op)
+    if m:
+        return m.group(1)
+    if op.startswith("aten."):
+        op = op[len("aten."):]
+        if op.endswith(".default"):
+            op = op[: -len(".default")]
+    return op
+
+
+def param_pattern(fqn: str) -> str:
+    """The layer pattern of a parameter name: numeric path components become ``*``.
+
+    ``transformer.h.11.attn.c_attn.weight`` -> ``transformer.h.*.attn.c_attn.weight`` (``ln_1``
+    keeps its digit: only whole components that are numbers are layer indices).
+    """
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
+def _index_ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``."""
+    out, start, prev = [], None, None
+    for i in sorted(set(indices)):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(out)
+
+
+@dataclass
+class _ParamRow:
+    name: str
+    count: int
+    strategy: str
+    storage: str
+    memory_bytes: float
+
+
+def _storage_text(n: NodePlan) -> str:
+    return placements_str(n.storage) if n.storage is not None else placements_str(n.out)
+
+
+def _strategy_text(n: NodePlan) -> str:
+    # The label spells out ZeRO-3 storage ("stored (S(0), R), gathered on use"); the storage
+    # column already shows it, so keep the strategy column short.
+    return re.sub(r" \(stored .*, gathered on use\)$", "", n.strategy)
+
+
+def _param_rows(params: list[NodePlan]) -> list[_ParamRow]:
+    """One row per layer pattern whose members all share a strategy, else one row per
+    (pattern, strategy) with the layer indices spelled out (or per parameter)."""
+    groups: dict[str, list[NodePlan]] = {}
+    for n in params:
+        groups.setdefault(param_pattern(n.fqn or n.name), []).append(n)
+    rows = []
+    for pattern, members in groups.items():
+        by_choice: dict[tuple[str, str], list[NodePlan]] = {}
+        for n in members:
+            by_choice.setdefault((_strategy_text(n), _storage_text(n)), []).append(n)
+        if len(by_choice) == 1 or "*" not in pattern:
+            for (strategy, storage), ms in by_choice.items():
+                name = pattern if len(ms) > 1 else (ms[0].fqn or ms[0].name)
+                rows.append(_ParamRow(name, len(ms), strategy, storage, sum(m.memory_bytes for m in ms)))
+            continue
+        for (strategy, storage), ms in by_choice.items():
+            if pattern.count("*") == 1 and len(ms) > 1:
+                pos = pattern.split(".").index("*")
+                idx = [int((m.fqn or m.name).split(".")[pos]) for m in ms]
+                name = pattern.replace("*", f"[{_index_ranges(idx)}]")
+                rows.append(_ParamRow(name, len(ms), strategy, storage, sum(m.memory_bytes for m in ms)))
+            else:
+                rows.extend(_ParamRow(m.fqn or m.name, 1, strategy, storage, m.memory_bytes) for m in ms)
+    return rows
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return indent + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers), indent + "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def _hardware_line(name: str) -> str:
+    try:
+        from cost_models.hardware import get_hardware
+
+        hw = get_hardware(name)
+    except Exception:  # noqa: BLE001 - a report never fails on a hardware file that moved
+        return name
+    flops = hw.peak_flops.get("float32")
+    return (f"{hw.name} ({fmt(hw.memory_bytes, 'B')} memory, {flops / 1e12:.3g} TFLOP/s fp32, "
+            f"{hw.devices_per_node} devices per node)")
+
+
+def format_report(plan: Plan, top: int = 12) -> str:
+    """A readable planning report: what was chosen, what it is predicted to cost, and why it is slow."""
+    p = plan.predicted
+    mesh = plan.mesh
+    axes = ", ".join(mesh.axis_names)
+    out: list[str] = []
+    add = out.append
+
+    # ------------------------------------------------------------------ header
+    add(f"autopar plan: {plan.model_name} on {mesh.describe()}")
+    add(f"  hardware        {_hardware_line(mesh.hardware)}")
+    add(f"  memory budget   {fmt(plan.memory_budget, 'B')} per device")
+    add(f"  fingerprint     {plan.fingerprint} (model structure + input shapes)")
+    if not plan.feasible:
+        add("  FEASIBLE        no: no plan fits the memory budget; the one below is the least bad")
+    add("")
+
+    # ------------------------------------------------------------------ prediction
+    add("Predicted training step (forward + backward + optimizer, slowest device)")
+    total = p.compute_s + p.comm_s
+    share = (lambda x: f"{100 * x / total:.0f}%") if total > 0 else (lambda x: "-")
+    add(f"  step time       {fmt(p.step_time_s, 's')}  "
+        f"(compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, communication {fmt(p.comm_s, 's')} {share(p.comm_s)})")
+    used = f", {100 * p.peak_memory_bytes / plan.memory_budget:.1f}% of the budget" if plan.memory_budget > 0 else ""
+    add(f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}")
+    if p.memory_breakdown:
+        width = max(len(k) for k in p.memory_breakdown)
+        for k, v in p.memory_breakdown.items():
+            add(f"    {k.ljust(width)}  {fmt(v, 'B').rjust(10)}")
+    comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
+    add(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
+    add("")
+
+    # ------------------------------------------------------------------ solver and timings
+    s = plan.solver
+    if s:
+        gap = s.get("gap")
+        gap_text = f"{100 * gap:.2f}%" if isinstance(gap, (int, float)) and math.isfinite(gap) else str(gap)
+        add(f"Solver          {s.get('status', '?')}, gap {gap_text}, {s.get('variables', '?')} variables, "
+            f"{s.get('constraints', '?')} constraints")
+    if plan.timings:
+        stages = ", ".join(f"{k} {fmt(v, 's')}" for k, v in plan.timings.items())
+        add(f"Planning time   {fmt(sum(plan.timings.values()), 's')} ({stages})")
+    if s or plan.timings:
+        add("")
+
+    # ------------------------------------------------------------------ parameters
+    params = [n for n in plan.nodes if n.op == "parameter"]
+    if params:
+        rows = _param_rows(params)
+        grouped = "" if len(rows) == len(params) else f", {len(rows)} rows: layers with the same choice share one"
+        add(f"Parameters ({len(params)}{grouped})")
+        add(f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d; "
+            "memory = parameter + gradient + optimizer state per device")
+        add(f"  strategy counts: {_counts(params)}")
+        table = [[r.name, f"x{r.count}" if r.count > 1 else "", r.strategy, r.storage, fmt(r.memory_bytes, "B")]
+                 for r in rows]
+        out.extend(_table(["parameter", "n", "strategy", "storage", "memory"], table, right={1, 4}))
+        add("")
+
+    # ------------------------------------------------------------------ ops
+    ops = [n for n in plan.nodes if n.op not in ("parameter", "input", "buffer", "output")]
+    if ops:
+        add(f"Ops ({len(ops)}): {_counts(ops)}")
+        add("")
+    if top > 0:
+        ranked = sorted(plan.nodes, key=lambda n: n.compute_s + n.comm_s, reverse=True)
+        ranked = [n for n in ranked if n.compute_s + n.comm_s > 0][:top]
+        if ranked:
+            add(f"Top {len(ranked)} nodes by predicted time (compute: forward + backward, and the optimizer "
+                "for parameters; comm: resharding into the node, gathers and gradient sync)")
+            table = [[n.name, _op_name(n.op), n.layer or n.fqn or "-",
+                      _strategy_text(n) if n.op == "parameter" else n.strategy,
+                      fmt(n.compute_s, "s"), fmt(n.comm_s, "s") if n.comm_s else "-"] for n in ranked]
+            out.extend(_table(["node", "op", "layer / parameter", "strategy", "compute", "comm"], table, right={4, 5}))
+            add("")
+
+    # ------------------------------------------------------------------ warnings
+    warnings = list(plan.warnings)
+    if plan.memory_budget > 0 and p.peak_memory_bytes > plan.memory_budget:
+        warnings.append(f"predicted peak memory {fmt(p.peak_memory_bytes, 'B')} exceeds the budget "
+                        f"{fmt(plan.memory_budget, 'B')}")
+    if warnings:
+        add(f"Warnings ({len(warnings)})")
+        out.extend(f"  - {w}" for w in warnings)
+    else:
+        add("Warnings: none (every op has a sharding rule)")
+    return "\n".join(out)
+
+
+def _counts(nodes: list[NodePlan]) -> str:
+    counts = Counter(_strategy_text(n) if n.op == "parameter" else n.strategy for n in nodes)
+    return ", ".join(f"{label} {c}" for label, c in counts.most_common())

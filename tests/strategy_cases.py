@@ -1,0 +1,439 @@
+"""Tiny modules, one op family each, for the per-strategy numeric tests (test_strategies_numeric.py).
+
+Each ``Case`` wraps the ops the zoo's test models (gpt-tiny, gpt2-tiny, llama-tiny, bert-tiny)
+use, in the form those models use them, with shapes that some mesh axes divide and others do
+not (batch 3 or 5 on a 2-rank axis...). Float inputs first go through ``Pre`` (multiply by a
+parameter of the input's full shape) so that the backward of the op under test is checked
+through a parameter gradient: its gradient is the op's input gradient times the input.
+
+``targets`` names the ATen ops whose every node is forced, strategy by strategy. Nodes inside
+``pre`` are not forced (their mul is plumbing, not the op under test).
+``expect`` lists, per op, rule names that must be among its candidates on a 2-rank axis, so the
+test fails when a rule silently disappears.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+class Pre(nn.Module):
+    """``x * g`` with ``g`` of x's full shape: makes the backward of what follows observable."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.g = nn.Parameter(1.0 + 0.5 * torch.randn(*shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], tuple]
+    targets: tuple
+    expect: dict = field(default_factory=dict)   # target -> rule names required on a 2-rank axis
+    meshes: tuple = ((2,), (3,), (2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.Linear (aten.linear): GPT / Llama / BERT projections and lm_head
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 6)
+        self.lin = nn.Linear(6, 10)
+
+    def forward(self, x):
+        return self.lin(self.pre(x))
+
+
+class LinearNoBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(4, 3, 8)
+        self.lin = nn.Linear(8, 5, bias=False)
+
+    def forward(self, x):
+        return self.lin(self.pre(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# embeddings: token + position (arange), as GPT; BERT's token types (slice/expand/gather)
+# ---------------------------------------------------------------------------------------------
+
+
+class Embeddings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, 6)
+        self.wpe = nn.Embedding(8, 6)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        pos = torch.arange(T, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
+
+
+class BertEmbeddings(nn.Module):
+    """BERT's position ids (buffer sliced) and token type ids (buffer expanded and gathered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word = nn.Embedding(11, 6)
+        self.position = nn.Embedding(8, 6)
+        self.token_type = nn.Embedding(2, 6)
+        self.register_buffer("position_ids", torch.arange(8).expand((1, -1)), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(1, 8, dtype=torch.long), persistent=False)
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        position_ids = self.position_ids[:, :T]
+        buffered = self.token_type_ids.expand(B, -1)
+        token_type_ids = torch.gather(buffered, dim=1, index=position_ids.expand(B, -1))
+        return self.word(input_ids) + self.token_type(token_type_ids) + self.position(position_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# norms
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 6)
+        self.ln = nn.LayerNorm(6)
+        with torch.no_grad():
+            self.ln.weight.add_(0.3 * torch.randn(6))
+            self.ln.bias.add_(0.3 * torch.randn(6))
+
+    def forward(self, x):
+        return self.ln(self.pre(x))
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: to(float32), pow, mean, add eps, rsqrt, mul, weight * x, to(dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 6)
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(6))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        h = self.pre(x)
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, B: int, H: int, KV: int, T: int, D: int, **sdpa_kwargs) -> None:
+        super().__init__()
+        self.pq, self.pk, self.pv = Pre(B, H, T, D), Pre(B, KV, T, D), Pre(B, KV, T, D)
+        self.kw = sdpa_kwargs
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(self.pq(q), self.pk(k), self.pv(v), **self.kw)
+
+
+class GPTAttentionHeads(nn.Module):
+    """nanoGPT's head split and merge: split(C) -> getitem -> view -> transpose -> sdpa ->
+    transpose -> contiguous -> view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 24)
+        self.n_head, self.n_embd = 4, 8
+
+    def forward(self, x):
+        x = self.pre(x)
+        B, T, _ = x.shape
+        C, H = self.n_embd, self.n_head
+        q, k, v = x.split(C, dim=2)
+        q = q.view(B, T, H, C // H).transpose(1, 2)
+        k = k.view(B, T, H, C // H).transpose(1, 2)
+        v = v.view(B, T, H, C // H).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, T, C)
+
+
+class HFAttentionHeads(nn.Module):
+    """HF's head split and merge: view(B, T, -1, D) -> transpose, then transpose -> reshape(B, T, -1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(2, 3, 16)
+
+    def forward(self, x):
+        x = self.pre(x)
+        B, T, _ = x.shape
+        h = x.view(B, T, -1, 4).transpose(1, 2)
+        return h.transpose(1, 2).contiguous().reshape(B, T, -1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# views, pointwise, rotary
+# ---------------------------------------------------------------------------------------------
+
+
+class Views(nn.Module):
+    """view splitting the last dim, merging the leading dims (uneven batch), unsqueeze, alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 12)
+
+    def forward(self, x):
+        x = self.pre(x)
+        a = x.view(3, 5, 4, 3)                 # split last dim
+        b = x.view(15, 12)                     # merge batch and seq
+        c = x.reshape(3, 60)                   # merge seq and hidden
+        d = torch.ops.aten.alias(x).unsqueeze(0)
+        return a.sum(-1), b, c, d
+
+
+class Pointwise(nn.Module):
+    """gelu (erf and tanh), GPT-2's NewGELU (pow/tanh/mul/add), silu, broadcasting add/mul,
+    dropout(p=0), to(dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 6)
+        self.w = nn.Parameter(torch.randn(6))
+        self.b = nn.Parameter(torch.randn(5, 1))
+
+    def forward(self, x):
+        x = self.pre(x)
+        g = F.gelu(x) * self.w + self.b
+        new_gelu = 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+        s = F.silu(x) * x
+        d = F.dropout(s, 0.0, True)
+        return g + new_gelu.to(torch.float32) - d
+
+
+class RotaryHalf(nn.Module):
+    """Llama's rotary embedding: cos/sin of a cat'ed frequency table, rotate_half (slice, neg, cat)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 2, 5, 8)
+        self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+
+    def forward(self, q):
+        q = self.pre(q)
+        T = q.shape[2]
+        t = torch.arange(T, device=q.device).float()
+        freqs = t[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().unsqueeze(0).unsqueeze(0), emb.sin().unsqueeze(0).unsqueeze(0)
+        x1, x2 = q[..., : q.shape[-1] // 2], q[..., q.shape[-1] // 2 :]
+        rot = torch.cat((-x2, x1), dim=-1)
+        return q * cos + rot * sin
+
+
+class SplitGetitem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 12)
+
+    def forward(self, x):
+        a, b, c = self.pre(x).split(4, dim=2)
+        return a * b + c
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul family: GPT-2's Conv1D (view -> addmm -> view), torch.matmul
+# ---------------------------------------------------------------------------------------------
+
+
+class Conv1D(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 6)
+        self.weight = nn.Parameter(torch.randn(6, 10) * 0.3)
+        self.bias = nn.Parameter(torch.randn(10))
+
+    def forward(self, x):
+        x = self.pre(x)
+        size_out = x.size()[:-1] + (10,)
+        y = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return y.view(size_out)
+
+
+class Matmul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pa = Pre(3, 2, 5, 4)
+        self.pb = Pre(3, 2, 4, 5)
+        self.w = nn.Parameter(torch.randn(5, 7) * 0.3)
+
+    def forward(self, a, b):
+        s = torch.matmul(self.pa(a), self.pb(b))       # 4-D @ 4-D (attention scores)
+        return torch.matmul(s, self.w)                 # 4-D @ 2-D (a projection)
+
+
+# ---------------------------------------------------------------------------------------------
+# losses and reductions
+# ---------------------------------------------------------------------------------------------
+
+
+class GPTLoss(nn.Module):
+    """nanoGPT: cross_entropy(logits.view(-1, V), targets.view(-1)), mean over targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 7)
+
+    def forward(self, logits, targets):
+        logits = self.pre(logits)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class HFCausalLoss(nn.Module):
+    """HF ForCausalLMLoss: labels padded with -100 and shifted by a slice; ignore_index -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 7)
+
+    def forward(self, logits, labels):
+        logits = self.pre(logits).float()
+        labels = labels.to(logits.device)
+        labels = F.pad(labels, (0, 1), value=-100)
+        shift_labels = labels[..., 1:].contiguous()
+        logits = logits.view(-1, logits.size(-1))
+        shift_labels = shift_labels.view(-1).to(logits.device)
+        return F.cross_entropy(logits, shift_labels, ignore_index=-100, reduction="mean")
+
+
+class SumLoss(nn.Module):
+    """cross_entropy with reduction='sum' and a few ignored targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(5, 7)
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(self.pre(logits), targets, reduction="sum")
+
+
+class Reductions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 6)
+
+    def forward(self, x):
+        x = self.pre(x)
+        return x.sum(dim=1), x.mean(-1, keepdim=True), x.mean(dim=(0, 1)), x.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _randn(*shape: int) -> Callable[[], torch.Tensor]:
+    return lambda: torch.randn(*shape)
+
+
+def _ids(vocab: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, vocab, shape)
+
+
+def _targets_with_ignored(vocab: int, *shape: int) -> torch.Tensor:
+    t = torch.randint(0, vocab, shape)
+    flat = t.view(-1)
+    flat[1] = -100
+    flat[-3] = -100
+    return t
+
+
+CASES: list[Case] = [
+    Case("linear-bias", LinearBias, lambda: (torch.randn(3, 5, 6),), (aten.linear.default,),
+         {aten.linear.default: {"batch", "seq", "column", "row"}}),
+    Case("linear-nobias", LinearNoBias, lambda: (torch.randn(4, 3, 8),), (aten.linear.default,),
+         {aten.linear.default: {"batch", "seq", "column", "row"}}),
+    Case("embedding", Embeddings, lambda: (_ids(11, 3, 5),),
+         (aten.embedding.default, aten.arange.default, aten.add.Tensor),
+         {aten.embedding.default: {"batch", "vocab", "embed-dim"}, aten.add.Tensor: {"elementwise"}}),
+    Case("bert-embeddings", BertEmbeddings, lambda: (_ids(11, 3, 5),),
+         (aten.embedding.default, aten.slice.Tensor, aten.expand.default, aten.gather.default),
+         {aten.embedding.default: {"vocab", "embed-dim"}}),
+    Case("layer-norm", LayerNorm, lambda: (torch.randn(3, 5, 6),), (aten.layer_norm.default,),
+         {aten.layer_norm.default: {"batch", "seq"}}),
+    Case("rms-norm", RMSNorm, lambda: (torch.randn(3, 5, 6),),
+         (aten.to.dtype, aten.pow.Tensor_Scalar, aten.mean.dim, aten.add.Tensor, aten.rsqrt.default,
+          aten.mul.Tensor),
+         {aten.mean.dim: {"follow"}, aten.rsqrt.default: {"elementwise"}, aten.mul.Tensor: {"elementwise"}}),
+    Case("sdpa-causal", lambda: Attention(3, 4, 4, 5, 8, is_causal=True),
+         lambda: (torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8)),
+         (aten.scaled_dot_product_attention.default,),
+         {aten.scaled_dot_product_attention.default: {"heads"}}),
+    Case("sdpa-gqa", lambda: Attention(2, 4, 2, 5, 8, is_causal=True, scale=0.25, enable_gqa=True),
+         lambda: (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)),
+         (aten.scaled_dot_product_attention.default,),
+         {aten.scaled_dot_product_attention.default: {"batch", "heads"}}),
+    Case("sdpa-bidirectional", lambda: Attention(2, 6, 6, 5, 4, scale=0.25),
+         lambda: (torch.randn(2, 6, 5, 4), torch.randn(2, 6, 5, 4), torch.randn(2, 6, 5, 4)),
+         (aten.scaled_dot_product_attention.default,),
+         {aten.scaled_dot_product_attention.default: {"batch", "heads"}}),
+    Case("gpt-attention-heads", GPTAttentionHeads, lambda: (torch.randn(3, 5, 24),),
+         (aten.split.Tensor, operator.getitem, aten.view.default, aten.transpose.int, aten.contiguous.default),
+         {aten.split.Tensor: {"follow"}, aten.view.default: {"follow"}, aten.transpose.int: {"follow"}}),
+    Case("hf-attention-heads", HFAttentionHeads, lambda: (torch.randn(2, 3, 16),),
+         (aten.view.default, aten.transpose.int, aten.reshape.default, aten.contiguous.default),
+         {aten.reshape.default: {"follow"}}),
+    Case("views", Views, lambda: (torch.randn(3, 5, 12),),
+         (aten.view.default, aten.reshape.default, aten.alias.default, aten.unsqueeze.default),
+         {aten.view.default: {"follow", "partial"}, aten.unsqueeze.default: {"follow"}}),
+    Case("split-getitem", SplitGetitem, lambda: (torch.randn(3, 5, 12),),
+         (aten.split.Tensor, operator.getitem),
+         {aten.split.Tensor: {"follow"}, operator.getitem: {"follow"}}),
+    Case("pointwise", Pointwise, lambda: (torch.randn(3, 5, 6),),
+         (aten.gelu.default, aten.tanh.default, aten.pow.Tensor_Scalar, aten.silu.default, aten.mul.Tensor,
+          aten.add.Tensor, aten.sub.Tensor, aten.dropout.default, aten.to.dtype),
+         {aten.gelu.default: {"elementwise"}, aten.mul.Tensor: {"elementwise", "partial"},
+          aten.add.Tensor: {"elementwise", "partial"}}),
+    Case("rotary", RotaryHalf, lambda: (torch.randn(3, 2, 5, 8),),
+         (aten.slice.Tensor, aten.neg.default, aten.cat.default, aten.cos.default, aten.sin.default,
+          aten.unsqueeze.default, aten.mul.Tensor, aten.add.Tensor),
+         {aten.cat.default: {"follow"}, aten.neg.default: {"elementwise", "partial"}}),
+    Case("conv1d-addmm", Conv1D, lambda: (torch.randn(3, 5, 6),), (aten.addmm.default, aten.view.default),
+         {aten.view.default: {"follow"}}),
+    Case("matmul", Matmul, lambda: (torch.randn(3, 2, 5, 4), torch.randn(3, 2, 4, 5)),
+         (aten.matmul.default,),
+         {aten.matmul.default: {"batch", "rows", "columns", "reduction"}}),
+    Case("gpt-loss", GPTLoss, lambda: (torch.randn(3, 5, 7), _ids(7, 3, 5)),
+         (aten.cross_entropy_loss.default, aten.view.default),
+         {aten.cross_entropy_loss.default: {"batch"}}),
+    Case("hf-causal-loss", HFCausalLoss, lambda: (torch.randn(3, 5, 7), _targets_with_ignored(7, 3, 5)),
+         (aten.cross_entropy_loss.default, aten.pad.default, aten.slice.Tensor, aten.contiguous.default,
+          aten.view.default, aten.to.dtype_layout, aten.to.dtype),
+         {aten.cross_entropy_loss.default: {"batch"}}),
+    Case("sum-loss", SumLoss, lambda: (torch.randn(5, 7), _targets_with_ignored(7, 5)),
+         (aten.cross_entropy_loss.default,),
+         {aten.cross_entropy_loss.default: {"batch"}}),
+    Case("reductions", Reductions, lambda: (torch.randn(3, 5, 6),), (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default),
+         {aten.sum.dim_IntList: {"follow", "partial-sum"}, aten.mean.dim: {"follow", "partial-mean"}, aten.sum.default: {"partial-sum"}}),
+]

@@ -151,9 +151,8 @@ class _Emitter:
         elif node.target in LOCAL_OPS or rule_for(node) is None:
             args = self.arg_renamed(tuple(node.args), rename)
             kwargs = "{" + ", ".join(f"{k!r}: {self.arg_renamed(v, rename)}" for k, v in node.kwargs.items()) + "}"
-            val = node.meta["val"]
             self.emit(f"{node.name} = local_op({_op_name(node.target)}, {args}, {kwargs}, {out}, mesh, "
-                      f"{list(val.shape)}, {list(val.stride())})",
+                      f"{list(node.meta['val'].shape)})",
                       comment + " (on local shards)")
         else:
             self.emit(f"{node.name} = planned({call}, {out}, {node.name!r})", comment)
@@ -181,7 +180,14 @@ class _Emitter:
                   "outputs" + ("" if self.keep else ": gathered to full tensors on every rank"))
 
 
+# Redistribution can leave a shard non-contiguous where the model's view assumed contiguity:
+# generated code reshapes (a view whenever the layout allows, a copy otherwise).
+_AS_RESHAPE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
 def _op_name(target: Any) -> str:
+    if target in _AS_RESHAPE:
+        return "aten.reshape.default"
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.__name__}" if target.namespace == "aten" else f"torch.ops.{target.namespace}.{target.__name__}"
     return f"{target.__module__}.{target.__name__}"

@@ -47,7 +47,25 @@ def redistribute(t: DTensor, placements: Sequence[Placement]) -> DTensor:
     """Change placement: all-gather, all-reduce, reduce-scatter or all-to-all (its backward is the dual)."""
     if _same(t.placements, placements):
         return t
-    return t.redistribute(t.device_mesh, list(placements))
+    # Replicate -> Partial is local (DTensor keeps it internal): do the rest first, then split.
+    to_partial = [isinstance(w, Partial) and not h.is_partial() for h, w in zip(t.placements, placements)]
+    first = [h if p else w for h, w, p in zip(t.placements, placements, to_partial)]
+    if not _same(t.placements, first):
+        t = t.redistribute(t.device_mesh, first)
+    return _replicate_to_partial(t, placements) if any(to_partial) else t
+
+
+def _replicate_to_partial(t: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """Each rank keeps 1/n of a replicated value, so the ranks' sum is the value. Differentiable:
+    the gradient reaching this replicated input is partial (its sum over ranks is the true grad)."""
+    mesh = t.device_mesh
+    grad_placements = [w if isinstance(w, Partial) else h for h, w in zip(t.placements, placements)]
+    n = 1
+    for h, w, size in zip(t.placements, placements, mesh.shape):
+        if isinstance(w, Partial) and not h.is_partial():
+            n *= size
+    local = t.to_local(grad_placements=grad_placements) / n
+    return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=t.shape, stride=t.stride())
 
 
 def _same(have: Sequence[Placement], want: Sequence[Placement]) -> bool:
@@ -72,14 +90,24 @@ def as_planned(t: Any, placements: Sequence[Placement], where: str) -> Any:
 
 
 def local_op(op: Any, args: tuple, kwargs: dict, placements: Sequence[Placement], mesh: DeviceMesh,
-             shape: Sequence[int], stride: Sequence[int]) -> DTensor:
+             shape: Sequence[int]) -> DTensor:
     """Run ``op`` on each rank's shards (inputs already placed so this is exact) and rewrap.
 
-    ``shape``/``stride`` are the global ones export recorded (uneven shards need them given)."""
+    ``shape`` is the global shape export recorded (uneven shards need it given). The shard is
+    made contiguous so the layout DTensor is told matches the one it holds (kernels such as CPU
+    flash attention return permuted layouts)."""
     local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
-    out = op(*local_args, **local_kwargs)
+    out = op(*local_args, **local_kwargs).contiguous()
     return DTensor.from_local(out, mesh, list(placements), run_check=False, shape=torch.Size(shape),
-                              stride=tuple(stride))
+                              stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def sharded_cross_entropy(logits: DTensor, target: DTensor, weight=None, reduction: int = 1,

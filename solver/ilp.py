@@ -6,8 +6,10 @@ memory budget bounds ``sum(memory[node][choice])``.
 
 Formulation (Alpa-style): one-hot binaries ``x[i, c]`` per node and, per edge, continuous
 ``e[s, d]`` in [0, 1] with ``sum_d e[s, d] = x_src[s]`` and ``sum_s e[s, d] = x_dst[d]``.
-With integral ``x`` the marginals force ``e`` to be the outer product, and the LP relaxation
-is tight on typical sharding problems, so the MIP usually closes at the root.
+With integral ``x`` the marginals force ``e`` to be the outer product. The LP relaxation is
+tight on typical sharding problems, so the MIP usually closes at the root; it is not on
+random dense cost matrices, where large instances end at the time limit with the incumbent
+(at worst the local-search hint built here, see ``_hint``).
 
 Before building the model we shrink it: parallel edges are merged; edges touching a
 single-choice node, and edges whose matrix is additively separable
@@ -52,6 +54,8 @@ _MAX_SWEEPS = 50
 
 @dataclass(frozen=True)
 class Edge:
+    """A pairwise (resharding) cost between two nodes' choices."""
+
     src: int  # node index
     dst: int  # node index
     cost: tuple[tuple[float, ...], ...]  # cost[src_choice][dst_choice], seconds (resharding cost)
@@ -59,6 +63,8 @@ class Edge:
 
 @dataclass(frozen=True)
 class Problem:
+    """One choice per node; minimise node costs + edge costs subject to the memory budget."""
+
     costs: tuple[tuple[float, ...], ...]  # costs[node][choice]: seconds (compute+comm of that node under that choice)
     memory: tuple[tuple[float, ...], ...]  # memory[node][choice]: bytes per device contributed to the peak
     edges: tuple[Edge, ...]
@@ -69,6 +75,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class Solution:
+    """The chosen plan; objective and memory are recomputed from the problem's own data."""
+
     choices: tuple[int, ...]  # one per node
     objective: float  # seconds: sum of chosen node costs + chosen edge costs
     memory: float  # bytes: sum of chosen node memory

@@ -1,0 +1,426 @@
+"""The ``autopar`` command line (also ``python -m autopar``).
+
+``autopar demo``
+    Plan the demo GPT for a local CPU mesh, train it on that mesh (one gloo process per
+    device) and, side by side, on a single device; print the plan report, both loss curves and
+    the generated code.
+``autopar plan --model NAME --mesh 8x8``
+    Plan a zoo model (or ``pkg.module:factory``) for a mesh that need not exist: the model is
+    built on the ``meta`` device, so a 175B model plans on a laptop. Prints the report and can
+    save the plan as JSON.
+``autopar models``
+    List the model zoo.
+
+Progress lines go to stderr; reports, tables and code to stdout. Bad input (any
+``AutoparError``) prints ``error: <message>`` to stderr and exits with status 2, like a
+command-line usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import re
+import sys
+import time
+from typing import Any, Sequence
+
+from autopar.errors import AutoparError, MeshError
+
+__all__ = ["main", "parse_mesh", "build_parser"]
+
+DEMO_SEED = 1234
+DEMO_LR = 1e-3
+# Per-step losses of the sharded and the single-device model must agree this closely (fp32;
+# the sharded model sums in another order, so they are not bit-identical).
+DEMO_TOLERANCE = 1e-4
+# Every rank of the demo holds the model (and rank 0 a second copy) in host memory.
+DEMO_MAX_PARAMS = 50_000_000
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------- parsing
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x2"`` -> ``(2, 2)``, ``"8"`` -> ``(8,)``, ``"2x4x8"`` -> ``(2, 4, 8)``."""
+    parts = re.split(r"[xX*,]", text.strip()) if text and text.strip() else []
+    if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise MeshError(
+            f"bad mesh {text!r}: expected positive device counts per mesh axis separated by 'x', "
+            "e.g. '4' (1-D), '2x2' or '8x8' (2-D), '2x4x8' (3-D)"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _parse_axis_names(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise MeshError(f"bad --axis-names {text!r}: expected comma-separated names, e.g. 'dp,tp'")
+    return names
+
+
+def _mesh_spec(mesh: str, axis_names: str | None, hardware: str):
+    from autopar.mesh import MeshSpec
+
+    shape = parse_mesh(mesh)
+    names = _parse_axis_names(axis_names)
+    if names is not None and len(names) != len(shape):
+        raise MeshError(f"--axis-names {axis_names!r} names {len(names)} axes but mesh {mesh!r} has {len(shape)}")
+    return MeshSpec(shape, names, hardware)
+
+
+def _check_positive(**values: int | float | None) -> None:
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise AutoparError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _fmt_count(n: int | None) -> str:
+    if not n:
+        return "?"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _stages(timings: dict[str, float]) -> str:
+    from autopar.report import fmt
+
+    return ", ".join(f"{k} {fmt(v, 's')}" for k, v in timings.items())
+
+
+# --------------------------------------------------------------------------------------- models
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from autopar.zoo import get_model, list_models
+
+    rows = []
+    for name in list_models():
+        e = get_model(name)
+        rows.append((name, _fmt_count(e.num_params), f"{e.default_batch}x{e.default_seq}", e.description))
+    w = [max(len(r[i]) for r in rows + [("model", "params", "batch x seq", "")]) for i in range(3)]
+    print(f"{'model'.ljust(w[0])}  {'params'.rjust(w[1])}  {'batch x seq'.ljust(w[2])}  description")
+    for name, params, shape, desc in rows:
+        print(f"{name.ljust(w[0])}  {params.rjust(w[1])}  {shape.ljust(w[2])}  {desc}")
+    print("\nAlso: --model pkg.module:factory (a function returning an nn.Module or a ZooEntry).")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    import autopar
+    from autopar.zoo import get_model
+    from cost_models.hardware import get_hardware
+
+    spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
+    get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
+    _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget_gib,
+                    time_limit=args.time_limit)
+    entry = get_model(args.model)
+    _progress(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for {spec.describe()}...")
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = entry.build()
+    example_args, example_kwargs = entry.example(args.batch, args.seq, device="meta")
+    budget = args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None
+    plan = autopar.plan(model, spec, example_args, example_kwargs, memory_budget=budget, time_limit=args.time_limit)
+    _progress(f"planned in {time.perf_counter() - t0:.1f} s ({_stages(plan.timings)})")
+    print(plan.report(top=args.top))
+    if args.json:
+        plan.to_json(args.json)
+        _progress(f"plan saved to {args.json} (load it with autopar.Plan.from_json and pass it to autopar.compile(plan=...))")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- demo
+
+
+def _vocab_size(model: Any) -> int | None:
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+
+
+# The demo cycles through this many fixed random batches: few enough that the model visibly
+# fits them within a few steps (the loss falls), more than one so that inputs change between steps.
+DEMO_DISTINCT_BATCHES = 2
+
+
+def _demo_batches(example: tuple[tuple, dict], vocab: int | None, steps: int, seed: int) -> list[tuple[tuple, dict]]:
+    """Batches for ``steps`` steps, shaped like ``example`` (token ids below ``vocab``), cycling through
+    ``DEMO_DISTINCT_BATCHES`` fixed random ones; the same on every rank."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    batches = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(seed + 1 + step % DEMO_DISTINCT_BATCHES)
+
+        def fresh(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dtype.is_floating_point:
+                return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+            high = vocab if vocab is not None else int(t.max()) + 1
+            return torch.randint(0, max(high, 1), t.shape, generator=gen, dtype=t.dtype)
+
+        batches.append(pytree.tree_map(fresh, example))
+    return batches
+
+
+def _loss_value(out: Any) -> Any:
+    """The scalar loss of a zoo model's output (a tensor, a ModelOutput with ``.loss``, or a tuple)."""
+    loss = out
+    if not hasattr(loss, "backward"):
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, (tuple, list)):
+            loss = out[0]
+    if loss is None:
+        raise AutoparError(f"cannot find the loss in the model's output ({type(out).__name__})")
+    return loss
+
+
+def _scalar(loss: Any) -> float:
+    from torch.distributed.tensor import DTensor
+
+    return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().item())
+
+
+def _train(model: Any, batches: list[tuple[tuple, dict]]) -> list[float]:
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
+    losses = []
+    for args, kwargs in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss_value(model(*args, **kwargs))
+        loss.backward()
+        opt.step()
+        losses.append(_scalar(loss))
+    return losses
+
+
+def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None, steps: int, seed: int,
+                 plan_json: str, verbose: bool) -> dict[str, Any] | None:
+    """One rank of ``autopar demo`` (module-level: it is pickled into every gloo process).
+
+    Every rank builds the same model (same seed), compiles it with the plan made by the parent
+    and trains it on the same global batches; rank 0 also trains an unsharded copy.
+    """
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.zoo import get_model
+
+    rank = dist.get_rank()
+    say = _progress if (verbose and rank == 0) else (lambda msg: None)
+    entry = get_model(model_name)
+    torch.manual_seed(seed)
+    model = entry.build()
+    # Copy BEFORE compiling: autopar.compile takes over the model's submodules (their
+    # parameters become DTensors holding this rank's shard).
+    reference = copy.deepcopy(model) if rank == 0 else None
+    example = entry.example(batch, seq, device="cpu")
+    batches = _demo_batches(example, _vocab_size(model), steps, seed)
+
+    t0 = time.perf_counter()
+    plan = autopar.Plan.from_json(plan_json)
+    pmodel = autopar.compile(model, mesh, *example, plan=plan)
+    say(f"  rank 0: compiled in {time.perf_counter() - t0:.1f} s (capture + code generation + sharding the weights)")
+    t0 = time.perf_counter()
+    losses = _train(pmodel, batches)
+    train_s = time.perf_counter() - t0
+    say(f"  rank 0: trained {steps} sharded steps in {train_s:.2f} s")
+    if rank != 0:
+        return None
+    t0 = time.perf_counter()
+    reference_losses = _train(reference, batches)
+    say(f"  rank 0: trained {steps} single-device steps in {time.perf_counter() - t0:.2f} s")
+    return {"losses": losses, "reference_losses": reference_losses, "code": pmodel.code, "train_s": train_s}
+
+
+def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, batch: int | None = None,
+             seq: int | None = None, seed: int = DEMO_SEED, verbose: bool = True,
+             timeout_s: float = 300) -> dict[str, Any]:
+    """Plan ``model_name`` for a local CPU mesh, then train it sharded (gloo) and on one device.
+
+    Returns ``{"plan", "losses", "reference_losses", "max_abs_diff", "code", "timings"}``.
+    The plan is made once, here, and handed to every rank:
+    ranks that planned independently would repeat the work and could, in principle, disagree.
+    """
+    import torch
+
+    import autopar
+    from autopar.launch import run_on_gloo_mesh
+    from autopar.mesh import MeshSpec
+    from autopar.zoo import get_model
+
+    say = _progress if verbose else (lambda msg: None)
+    _check_positive(steps=steps, batch=batch, seq=seq)
+    shape = parse_mesh(mesh)
+    spec = MeshSpec(shape, None, "cpu")
+    entry = get_model(model_name)
+    if entry.num_params is not None and entry.num_params > DEMO_MAX_PARAMS:
+        raise AutoparError(
+            f"{entry.name} has {_fmt_count(entry.num_params)} parameters; the demo trains it on local CPU "
+            f"processes (and once more on one device), so it takes models up to {_fmt_count(DEMO_MAX_PARAMS)}. "
+            f"Plan big models without running them: autopar plan --model {entry.name} --mesh 8x8"
+        )
+    timings: dict[str, float] = {}
+
+    say(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for a local mesh of "
+        f"{spec.describe()}...")
+    t0 = time.perf_counter()
+    # On the CPU, not the meta device: the captured graph (and so the plan's fingerprint) must be
+    # exactly what the ranks capture from their CPU models.
+    torch.manual_seed(seed)
+    plan = autopar.plan(entry.build(), spec, *entry.example(batch, seq, device="cpu"))
+    timings["plan"] = time.perf_counter() - t0
+    say(f"planned in {timings['plan']:.1f} s ({_stages(plan.timings)}); predicted step "
+        f"{plan.predicted.step_time_s * 1e3:.2f} ms")
+
+    say(f"starting {spec.size} gloo processes (forkserver), mesh {shape} with axes {spec.axis_names}; "
+        f"each compiles the plan and trains {steps} steps...")
+    t0 = time.perf_counter()
+    results = run_on_gloo_mesh(
+        _demo_worker, shape, entry.name, batch, seq, steps, seed, plan.to_json(), verbose,
+        axis_names=spec.axis_names, timeout_s=timeout_s, start_method="forkserver",
+    )
+    timings["distributed run"] = time.perf_counter() - t0
+    say(f"distributed run done in {timings['distributed run']:.1f} s")
+    r0 = results[0]
+    diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"])]
+    return {"plan": plan, "losses": r0["losses"], "reference_losses": r0["reference_losses"],
+            "max_abs_diff": max(diffs), "code": r0["code"], "timings": timings}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    result = run_demo(args.model, args.mesh, args.steps, args.batch, args.seq, verbose=True)
+    plan = result["plan"]
+    print()
+    print(plan.report(top=args.top))
+    print()
+    print(f"Training: {args.steps} AdamW steps (lr {DEMO_LR:g}) cycling through {DEMO_DISTINCT_BATCHES} fixed random "
+          f"batches, sharded on {plan.mesh.size} gloo processes vs. one device:")
+    rows = [(str(i), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}")
+            for i, (a, b) in enumerate(zip(result["losses"], result["reference_losses"]))]
+    headers = ("step", "autopar loss", "single-device loss", "abs diff")
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print("  " + " | ".join(h.rjust(w[i]) for i, h in enumerate(headers)))
+    print("  " + "-+-".join("-" * x for x in w))
+    for r in rows:
+        print("  " + " | ".join(c.rjust(w[i]) for i, c in enumerate(r)))
+    max_diff = result["max_abs_diff"]
+    ok = max_diff <= DEMO_TOLERANCE
+    print(f"max abs diff: {max_diff:.2e} ({'OK' if ok else 'MISMATCH'}: tolerance {DEMO_TOLERANCE:g})")
+    print()
+
+    code = result["code"]
+    lines = code.splitlines()
+    if args.code_out:
+        with open(args.code_out, "w") as f:
+            f.write(code)
+    n = len(lines) if args.code_lines <= 0 else min(args.code_lines, len(lines))
+    print(f"Generated code (pmodel.code), {'all' if n == len(lines) else f'first {n} of'} {len(lines)} lines:")
+    print("\n".join("    " + line for line in lines[:n]))
+    if n < len(lines):
+        where = f"saved in full to {args.code_out}" if args.code_out else \
+            "see all of it with --code-lines 0, save it with --code-out FILE, or read pmodel.code in Python"
+        print(f"    ... ({len(lines) - n} more lines; {where})")
+    elif args.code_out:
+        print(f"(saved to {args.code_out})")
+    print()
+    print(f"demo finished in {time.perf_counter() - t0:.1f} s")
+    if not ok:
+        print(f"error: sharded and single-device losses differ by {max_diff:.2e} > {DEMO_TOLERANCE:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar",
+        description="autopar: an auto-parallelizing compiler for PyTorch training.",
+        epilog="Examples: autopar demo | autopar plan --model gpt-13b --mesh 8x8 --hardware h100-80gb | autopar models",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every planning stage")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser("demo", help="train a tiny GPT on a local CPU mesh and compare with one device",
+                          description="Plan a zoo model for a local CPU mesh, train it sharded on gloo processes and "
+                                      "on a single device with the same batches, and compare the losses.")
+    demo.add_argument("--mesh", default="2x2", help="local mesh shape, e.g. 2, 2x2 (default 2x2)")
+    demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    demo.add_argument("--model", default="gpt-tiny", help="zoo model (default gpt-tiny; see `autopar models`)")
+    demo.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
+    demo.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    demo.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
+    demo.add_argument("--code-lines", type=int, default=40,
+                      help="lines of generated code to print (default 40; 0 prints all)")
+    demo.add_argument("--code-out", metavar="FILE", default=None, help="save the generated code to FILE")
+    demo.set_defaults(func=cmd_demo)
+
+    plan = sub.add_parser("plan", help="plan a model for a mesh that need not exist (built on the meta device)",
+                          description="Plan a zoo model (or pkg.module:factory) for a device mesh; nothing is "
+                                      "allocated or run, so any cluster size can be planned here.")
+    plan.add_argument("--model", required=True, help="zoo model name (see `autopar models`) or pkg.module:factory")
+    plan.add_argument("--mesh", required=True, help="mesh shape, e.g. 8, 8x8, 2x4x8")
+    plan.add_argument("--hardware", default="h100-80gb",
+                      help="hardware preset (cpu, a100-40gb, a100-80gb, h100-80gb, h200) or a JSON file "
+                           "(default h100-80gb)")
+    plan.add_argument("--axis-names", default=None, help="mesh axis names, e.g. dp,tp (default: dp,tp for 2-D)")
+    plan.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    plan.add_argument("--memory-budget-gib", type=float, default=None,
+                      help="memory per device in GiB (default: the hardware's)")
+    plan.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
+    plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
+    plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
+    plan.set_defaults(func=cmd_plan)
+
+    models = sub.add_parser("models", help="list the model zoo")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns 0 on success (1 if the demo's losses disagree).
+
+    Bad input raises ``SystemExit(2)`` after printing ``error: <message>`` (as argparse does for
+    usage errors), so a console script exits with status 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except AutoparError as e:
+        # (a DistributedRunError's message carries the failing rank's traceback)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

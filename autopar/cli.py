@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import re
 import sys
 import time
@@ -34,6 +35,9 @@ DEMO_LR = 1e-3
 # Per-step losses of the sharded and the single-device model must agree this closely (fp32;
 # the sharded model sums in another order, so they are not bit-identical).
 DEMO_TOLERANCE = 1e-4
+# The demo's batch shape: big enough that sharding pays off in the CPU cost model (gpt-tiny's
+# zoo default, 8 x 32, is planned as plain replication: too little work per collective).
+DEMO_BATCH, DEMO_SEQ = 32, 64
 # Every rank of the demo holds the model (and rank 0 a second copy) in host memory.
 DEMO_MAX_PARAMS = 50_000_000
 
@@ -198,18 +202,21 @@ def _scalar(loss: Any) -> float:
     return float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().item())
 
 
-def _train(model: Any, batches: list[tuple[tuple, dict]]) -> list[float]:
+def _train(model: Any, batches: list[tuple[tuple, dict]]) -> tuple[list[float], list[float]]:
+    """AdamW steps on ``batches``: (loss per step, seconds per step)."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
-    losses = []
+    losses, seconds = [], []
     for args, kwargs in batches:
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = _loss_value(model(*args, **kwargs))
         loss.backward()
         opt.step()
         losses.append(_scalar(loss))
-    return losses
+        seconds.append(time.perf_counter() - t0)
+    return losses, seconds
 
 
 def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None, steps: int, seed: int,
@@ -225,6 +232,9 @@ def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None,
     import autopar
     from autopar.zoo import get_model
 
+    # DTensor logs a performance hint on every rank each time it all-gathers over two mesh axes
+    # one after the other; it would drown the demo's output.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rank = dist.get_rank()
     say = _progress if (verbose and rank == 0) else (lambda msg: None)
     entry = get_model(model_name)
@@ -241,15 +251,14 @@ def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None,
     pmodel = autopar.compile(model, mesh, *example, plan=plan)
     say(f"  rank 0: compiled in {time.perf_counter() - t0:.1f} s (capture + code generation + sharding the weights)")
     t0 = time.perf_counter()
-    losses = _train(pmodel, batches)
-    train_s = time.perf_counter() - t0
-    say(f"  rank 0: trained {steps} sharded steps in {train_s:.2f} s")
+    losses, step_s = _train(pmodel, batches)
+    say(f"  rank 0: trained {steps} sharded steps in {time.perf_counter() - t0:.2f} s")
     if rank != 0:
         return None
     t0 = time.perf_counter()
-    reference_losses = _train(reference, batches)
+    reference_losses, _ = _train(reference, batches)
     say(f"  rank 0: trained {steps} single-device steps in {time.perf_counter() - t0:.2f} s")
-    return {"losses": losses, "reference_losses": reference_losses, "code": pmodel.code, "train_s": train_s}
+    return {"losses": losses, "reference_losses": reference_losses, "code": pmodel.code, "step_s": step_s}
 
 
 def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, batch: int | None = None,
@@ -257,7 +266,8 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
              timeout_s: float = 300) -> dict[str, Any]:
     """Plan ``model_name`` for a local CPU mesh, then train it sharded (gloo) and on one device.
 
-    Returns ``{"plan", "losses", "reference_losses", "max_abs_diff", "code", "timings"}``.
+    Returns ``{"plan", "losses", "reference_losses", "max_abs_diff", "code", "timings", "batch", "seq",
+    "step_s"}`` (``batch``/``seq`` default to the zoo entry's; ``step_s``: rank 0's seconds per sharded step).
     The plan is made once, here, and handed to every rank:
     ranks that planned independently would repeat the work and could, in principle, disagree.
     """
@@ -281,8 +291,10 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
         )
     timings: dict[str, float] = {}
 
-    say(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for a local mesh of "
-        f"{spec.describe()}...")
+    batch = entry.default_batch if batch is None else batch
+    seq = entry.default_seq if seq is None else seq
+    say(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters, batch {batch} x seq {seq}) "
+        f"for a local mesh of {spec.describe()}...")
     t0 = time.perf_counter()
     # On the CPU, not the meta device: the captured graph (and so the plan's fingerprint) must be
     # exactly what the ranks capture from their CPU models.
@@ -304,18 +316,22 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     r0 = results[0]
     diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"])]
     return {"plan": plan, "losses": r0["losses"], "reference_losses": r0["reference_losses"],
-            "max_abs_diff": max(diffs), "code": r0["code"], "timings": timings}
+            "max_abs_diff": max(diffs), "code": r0["code"], "timings": timings, "batch": batch, "seq": seq,
+            "step_s": r0["step_s"]}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from autopar.report import fmt
+
     t0 = time.perf_counter()
     result = run_demo(args.model, args.mesh, args.steps, args.batch, args.seq, verbose=True)
+    batch, seq = result["batch"], result["seq"]
     plan = result["plan"]
     print()
     print(plan.report(top=args.top))
     print()
     print(f"Training: {args.steps} AdamW steps (lr {DEMO_LR:g}) cycling through {DEMO_DISTINCT_BATCHES} fixed random "
-          f"batches, sharded on {plan.mesh.size} gloo processes vs. one device:")
+          f"batches of {batch} x {seq} tokens, sharded on {plan.mesh.size} gloo processes vs. one device:")
     rows = [(str(i), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}")
             for i, (a, b) in enumerate(zip(result["losses"], result["reference_losses"]))]
     headers = ("step", "autopar loss", "single-device loss", "abs diff")
@@ -327,6 +343,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     max_diff = result["max_abs_diff"]
     ok = max_diff <= DEMO_TOLERANCE
     print(f"max abs diff: {max_diff:.2e} ({'OK' if ok else 'MISMATCH'}: tolerance {DEMO_TOLERANCE:g})")
+    later = sorted(result["step_s"][1:] or result["step_s"])
+    print(f"measured time per sharded step: {fmt(later[len(later) // 2], 's')} (median after the first step; "
+          f"predicted {fmt(plan.predicted.step_time_s, 's')}; {plan.mesh.size} processes share "
+          f"{os.cpu_count()} CPU cores here and DTensor's eager per-op overhead is not in the cost model)")
     print()
 
     code = result["code"]
@@ -370,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mesh", default="2x2", help="local mesh shape, e.g. 2, 2x2 (default 2x2)")
     demo.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     demo.add_argument("--model", default="gpt-tiny", help="zoo model (default gpt-tiny; see `autopar models`)")
-    demo.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
-    demo.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    demo.add_argument("--batch", type=int, default=DEMO_BATCH,
+                      help=f"global batch size (default {DEMO_BATCH})")
+    demo.add_argument("--seq", type=int, default=DEMO_SEQ, help=f"sequence length (default {DEMO_SEQ})")
     demo.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     demo.add_argument("--code-lines", type=int, default=40,
                       help="lines of generated code to print (default 40; 0 prints all)")

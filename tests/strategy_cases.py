@@ -43,6 +43,9 @@ class Case:
     targets: tuple
     expect: dict = field(default_factory=dict)   # target -> rule names required on a 2-rank axis
     meshes: tuple = ((2,), (3,), (2, 2))
+    # On a 2-D mesh: force every candidate (True), or a subset covering every per-axis rule and
+    # every kind of axis pair (False; see ``covering_2d`` in test_strategies_numeric.py).
+    all_2d: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,10 +356,6 @@ class Reductions(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def _randn(*shape: int) -> Callable[[], torch.Tensor]:
-    return lambda: torch.randn(*shape)
-
-
 def _ids(vocab: int, *shape: int) -> torch.Tensor:
     return torch.randint(0, vocab, shape)
 
@@ -371,7 +370,7 @@ def _targets_with_ignored(vocab: int, *shape: int) -> torch.Tensor:
 
 CASES: list[Case] = [
     Case("linear-bias", LinearBias, lambda: (torch.randn(3, 5, 6),), (aten.linear.default,),
-         {aten.linear.default: {"batch", "seq", "column", "row"}}),
+         {aten.linear.default: {"batch", "seq", "column", "row"}}, all_2d=True),
     Case("linear-nobias", LinearNoBias, lambda: (torch.randn(4, 3, 8),), (aten.linear.default,),
          {aten.linear.default: {"batch", "seq", "column", "row"}}),
     Case("embedding", Embeddings, lambda: (_ids(11, 3, 5),),
@@ -381,7 +380,7 @@ CASES: list[Case] = [
          (aten.embedding.default, aten.slice.Tensor, aten.expand.default, aten.gather.default),
          {aten.embedding.default: {"vocab", "embed-dim"}}),
     Case("layer-norm", LayerNorm, lambda: (torch.randn(3, 5, 6),), (aten.layer_norm.default,),
-         {aten.layer_norm.default: {"batch", "seq"}}),
+         {aten.layer_norm.default: {"batch", "seq"}}, all_2d=True),
     Case("rms-norm", RMSNorm, lambda: (torch.randn(3, 5, 6),),
          (aten.to.dtype, aten.pow.Tensor_Scalar, aten.mean.dim, aten.add.Tensor, aten.rsqrt.default,
           aten.mul.Tensor),
@@ -389,20 +388,20 @@ CASES: list[Case] = [
     Case("sdpa-causal", lambda: Attention(3, 4, 4, 5, 8, is_causal=True),
          lambda: (torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8)),
          (aten.scaled_dot_product_attention.default,),
-         {aten.scaled_dot_product_attention.default: {"heads"}}),
+         {aten.scaled_dot_product_attention.default: {"heads"}}, all_2d=True),
     Case("sdpa-gqa", lambda: Attention(2, 4, 2, 5, 8, is_causal=True, scale=0.25, enable_gqa=True),
          lambda: (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)),
          (aten.scaled_dot_product_attention.default,),
-         {aten.scaled_dot_product_attention.default: {"batch", "heads"}}),
+         {aten.scaled_dot_product_attention.default: {"batch", "heads"}}, all_2d=True),
     Case("sdpa-bidirectional", lambda: Attention(2, 6, 6, 5, 4, scale=0.25),
          lambda: (torch.randn(2, 6, 5, 4), torch.randn(2, 6, 5, 4), torch.randn(2, 6, 5, 4)),
          (aten.scaled_dot_product_attention.default,),
-         {aten.scaled_dot_product_attention.default: {"batch", "heads"}}),
+         {aten.scaled_dot_product_attention.default: {"batch", "heads"}}, all_2d=True),
     Case("gpt-attention-heads", GPTAttentionHeads, lambda: (torch.randn(3, 5, 24),),
-         (aten.split.Tensor, operator.getitem, aten.view.default, aten.transpose.int, aten.contiguous.default),
+         (aten.split.Tensor, aten.view.default, aten.transpose.int),
          {aten.split.Tensor: {"follow"}, aten.view.default: {"follow"}, aten.transpose.int: {"follow"}}),
     Case("hf-attention-heads", HFAttentionHeads, lambda: (torch.randn(2, 3, 16),),
-         (aten.view.default, aten.transpose.int, aten.reshape.default, aten.contiguous.default),
+         (aten.view.default, aten.transpose.int, aten.reshape.default),
          {aten.reshape.default: {"follow"}}),
     Case("views", Views, lambda: (torch.randn(3, 5, 12),),
          (aten.view.default, aten.reshape.default, aten.alias.default, aten.unsqueeze.default),
@@ -420,20 +419,20 @@ CASES: list[Case] = [
           aten.unsqueeze.default, aten.mul.Tensor, aten.add.Tensor),
          {aten.cat.default: {"follow"}, aten.neg.default: {"elementwise", "partial"}}),
     Case("conv1d-addmm", Conv1D, lambda: (torch.randn(3, 5, 6),), (aten.addmm.default, aten.view.default),
-         {aten.view.default: {"follow"}}),
+         {aten.addmm.default: {"batch", "column", "row"}, aten.view.default: {"follow"}}),
     Case("matmul", Matmul, lambda: (torch.randn(3, 2, 5, 4), torch.randn(3, 2, 4, 5)),
          (aten.matmul.default,),
          {aten.matmul.default: {"batch", "rows", "columns", "reduction"}}),
     Case("gpt-loss", GPTLoss, lambda: (torch.randn(3, 5, 7), _ids(7, 3, 5)),
          (aten.cross_entropy_loss.default, aten.view.default),
-         {aten.cross_entropy_loss.default: {"batch"}}),
+         {aten.cross_entropy_loss.default: {"batch"}}, all_2d=True),
     Case("hf-causal-loss", HFCausalLoss, lambda: (torch.randn(3, 5, 7), _targets_with_ignored(7, 3, 5)),
          (aten.cross_entropy_loss.default, aten.pad.default, aten.slice.Tensor, aten.contiguous.default,
           aten.view.default, aten.to.dtype_layout, aten.to.dtype),
-         {aten.cross_entropy_loss.default: {"batch"}}),
+         {aten.cross_entropy_loss.default: {"batch"}, aten.pad.default: {"follow"}}),
     Case("sum-loss", SumLoss, lambda: (torch.randn(5, 7), _targets_with_ignored(7, 5)),
          (aten.cross_entropy_loss.default,),
-         {aten.cross_entropy_loss.default: {"batch"}}),
+         {aten.cross_entropy_loss.default: {"batch"}}, all_2d=True),
     Case("reductions", Reductions, lambda: (torch.randn(3, 5, 6),), (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default),
          {aten.sum.dim_IntList: {"follow", "partial-sum"}, aten.mean.dim: {"follow", "partial-mean"}, aten.sum.default: {"partial-sum"}}),
 ]

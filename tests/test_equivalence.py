@@ -90,3 +90,28 @@ def test_local_memory_constrained_plan(name, mesh_shape):
 def test_gloo_processes(mesh_shape):
     budget = _tight_budget("gpt-tiny", 6, 16, mesh_shape)
     _check("gpt-tiny", 6, 16, mesh_shape, _gloo_runner, {"memory_budget": budget})
+
+
+@pytest.mark.parametrize("keep_sharded", [False, True])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_logits_without_labels(name, keep_sharded):
+    """HuggingFace models called without labels return logits; sharded logits equal the original's."""
+    from torch.distributed.tensor import DTensor
+
+    args, _ = make_batches(name, 5, 16, steps=1)[0]
+    torch.manual_seed(0)
+    want = build(name)(*args)[0].detach()
+    model = build(name)
+    budget = _tight_budget(name, 5, 16, (2, 2))
+
+    def body(mesh):
+        import autopar
+
+        pm = autopar.compile(model, mesh, args, keep_outputs_sharded=keep_sharded, memory_budget=budget)
+        out = pm(*args)[0]
+        assert isinstance(out, DTensor) == keep_sharded
+        full = out.full_tensor() if keep_sharded else out
+        return [t.clone() for t in per_rank(full)]
+
+    for got in run_on_local_tensor_mesh(body, (2, 2)):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

@@ -75,3 +75,21 @@ def shard_fraction(placements: Sequence[Placement], mesh_shape: Sequence[int]) -
         if isinstance(p, Shard):
             frac /= n
     return frac
+
+
+def grad_placement(placements: Sequence[Placement], op_inputs: Sequence[Sequence[Placement]],
+                   op_out: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Placement of the gradient w.r.t. an op input placed as ``placements``: on an axis where the
+    op runs split (some input sharded or the output sharded/partial), a replicated input gets a
+    partial gradient (each rank saw part of the work); a sharded one a sharded gradient; a partial
+    input a replicated one (every summand has the same derivative)."""
+    out = []
+    for a, p in enumerate(placements):
+        split = is_split(op_out[a]) or any(is_split(x[a]) for x in op_inputs)
+        if isinstance(p, Shard):
+            out.append(p)
+        elif isinstance(p, Replicate) and split:
+            out.append(Partial())
+        else:
+            out.append(Replicate())
+    return tuple(out)

@@ -186,7 +186,9 @@ def view(v: OpView, n: int) -> list[AxisRule]:
     """Reshape: a dim keeps its shard when it maps to one output dim, or is the outer dim of a
     split/merge group whose division by ``n`` keeps each rank's block contiguous."""
     src, dst = v.in_shapes[0], v.out_shape
-    rules = [replicate(v), AxisRule(P, (P,), "partial")]
+    rules = [replicate(v)]
+    if v.node.args[0].meta["val"].is_contiguous():  # else reshape copies, and DTensor's copy of a partial reduces it
+        rules.append(AxisRule(P, (P,), "partial"))
     for in_dim, out_dim, even in _view_groups(src, dst):
         if _fits(src[in_dim], n, even) and (not even or dst[out_dim] % n == 0):
             rules.append(AxisRule(Shard(out_dim), (Shard(in_dim),), "follow"))
@@ -252,8 +254,8 @@ def linear(v: OpView, n: int) -> list[AxisRule]:
             rules.append(AxisRule(Shard(d), (Shard(d), R) + ((R,) if has_bias else ()), name))
     if _fits(w[0], n, even=False):
         rules.append(AxisRule(Shard(nd - 1), (R, Shard(0)) + ((Shard(0),) if has_bias else ()), "column"))
-    if _fits(w[1], n, even=False):
-        rules.append(AxisRule(P, (Shard(nd - 1), Shard(1)) + ((R,) if has_bias else ()), "row"))
+    if _fits(w[1], n, even=False):  # each rank adds 1/n of the bias to its partial sum
+        rules.append(AxisRule(P, (Shard(nd - 1), Shard(1)) + ((P,) if has_bias else ()), "row"))
     rules.append(AxisRule(P, (P, R) + ((P,) if has_bias else ()), "partial"))
     return rules
 
@@ -411,11 +413,6 @@ RULES: dict[object, RuleFn] = {
     operator.getitem: getitem,
 }
 
-# Ops that run on DTensor shards through autopar's own local implementation (DTensor has no
-# CPU rule for them, or its rule is not exact for uneven shards): see codegen/runtime.py.
-LOCAL_OPS = {aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default}
-
-
 def rule_for(node: fx.Node) -> RuleFn | None:
     """The rule family of a node, or None when only replication is known."""
     if node.target in RULES:
@@ -430,4 +427,14 @@ def axis_rules(node: fx.Node, in_shapes: tuple[tuple[int, ...], ...], out_shape:
     fn = rule_for(node)
     if fn is None or not in_shapes or n == 1:
         return [replicate(v)]
-    return fn(v, n)
+    rules = fn(v, n)
+    if not _floating(node):  # a partial sum of integers (ids, masks) means nothing
+        rules = [r for r in rules if not isinstance(r.out, Partial) and not any(isinstance(p, Partial) for p in r.ins)]
+    return rules
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((x for x in val if isinstance(x, torch.Tensor)), None)
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point

@@ -12,7 +12,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
-from torch.distributed._local_tensor import LocalTensor, local_tensor_mode, rank_map
 from autopar.capture import CapturedGraph
 from autopar.errors import InputMismatchError
 from autopar.plan import Plan
@@ -30,7 +29,8 @@ def compile_forward(source: str) -> Any:
         "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(),
         "P_AVG": Partial("avg"), "shard_input": runtime.shard_input, "replicated": runtime.replicated,
         "redistribute": runtime.redistribute, "planned": runtime.as_planned, "local_op": runtime.local_op,
-        "sharded_cross_entropy": runtime.sharded_cross_entropy, "full": runtime.full,
+        "sharded_cross_entropy": runtime.sharded_cross_entropy,
+        "sharded_embedding": runtime.sharded_embedding, "full": runtime.full,
     }
     exec(compile(source, filename, "exec"), namespace)
     return namespace["forward"]
@@ -63,16 +63,16 @@ class ShardedModule(nn.Module):
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
             p = getattr(mod, leaf)
-            shard = _own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
+            shard = runtime.own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
             dp = nn.Parameter(shard, requires_grad=p.requires_grad)
             setattr(mod, leaf, dp)
             runtime.sync_grad_to(dp)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
-            setattr(mod, leaf, distribute_tensor(getattr(mod, leaf), mesh, replicate))
+            setattr(mod, leaf, runtime.own_storage(distribute_tensor(getattr(mod, leaf), mesh, replicate)))
         self._autopar_constants = {
-            name: distribute_tensor(t, mesh, replicate) if isinstance(t, torch.Tensor) else t
+            name: runtime.own_storage(distribute_tensor(t, mesh, replicate)) if isinstance(t, torch.Tensor) else t
             for name, t in captured.program.constants.items()
         }
 
@@ -85,17 +85,6 @@ class ShardedModule(nn.Module):
             )
         outs = self._forward(self, self.mesh, self._device, *flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
-
-
-def _own_storage(t: DTensor) -> DTensor:
-    """Give every rank its own copy of a replicated shard. Under LocalTensorMode (all ranks in one
-    process) a replica is one plain tensor shared by all ranks, and the optimizer's in-place
-    update would hit it once per rank."""
-    local = t.to_local()
-    if local_tensor_mode() is None or isinstance(local, LocalTensor):
-        return t
-    copies = rank_map(lambda _rank: local.clone())
-    return DTensor.from_local(copies, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:

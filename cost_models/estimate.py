@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.mesh import MeshSpec
-from autopar.placements import Placements, shard_fraction
+from autopar.placements import Placements, grad_placement, shard_fraction
 from autopar.strategies import VIEW_OPS, NodeChoices, Strategy
 from cost_models.comm import collective_time, link_for_axis
 from cost_models.compute import compute_time
@@ -135,24 +135,9 @@ class CostModel:
         fwd = self.redistribute(val.shape, val.dtype, s.out, want)
         if dst.kind == "output" or not val.dtype.is_floating_point:
             return fwd
-        grad = grad_placement(d, i)
+        grad = grad_placement(d.ins[i], d.ins, d.out)
         target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)
         return fwd + self.redistribute(val.shape, val.dtype, grad, target)
-
-
-def grad_placement(d: Strategy, i: int) -> Placements:
-    """Placement of the gradient w.r.t. input ``i``: a replicated input of an op split along an
-    axis gets a partial gradient there (each rank saw part of the work); a sharded one stays sharded."""
-    out = []
-    for a, p in enumerate(d.ins[i]):
-        split = _is_split(d.out[a]) or any(_is_split(x[a]) for x in d.ins)
-        if isinstance(p, Shard):
-            out.append(p)
-        elif isinstance(p, Replicate) and split:
-            out.append(Partial())
-        else:
-            out.append(Replicate())
-    return tuple(out)
 
 
 def _collective(s: Placement, d: Placement) -> str | None:

@@ -24,7 +24,6 @@ from autopar.capture import flat_tensor_inputs, output_shape
 aten = torch.ops.aten
 R = Replicate()
 P = Partial()
-P_AVG = Partial("avg")
 
 
 @dataclass(frozen=True)
@@ -218,7 +217,9 @@ def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int,
 
 
 def reduction(v: OpView, n: int) -> list[AxisRule]:
-    """sum/mean/amax over dims: shard kept dims; sharding a summed dim leaves a partial sum."""
+    """sum/mean/amax over dims: shard kept dims; sharding a summed dim leaves a partial sum.
+    (A mean over a sharded dim is not offered: an average of local means needs even shards and a
+    backward that DTensor's Partial("avg") does not scale.)"""
     shape = v.in_shapes[0]
     dims_arg = v.arg(1, "dim")
     keepdim = bool(v.arg(2, "keepdim", False))
@@ -233,8 +234,6 @@ def reduction(v: OpView, n: int) -> list[AxisRule]:
     for d in dims:
         if target in (aten.sum.dim_IntList, aten.sum.default) and _fits(shape[d], n, even=False):
             rules.append(AxisRule(P, (Shard(d),), "partial-sum"))
-        if target is aten.mean.dim and _fits(shape[d], n, even=True):
-            rules.append(AxisRule(P_AVG, (Shard(d),), "partial-mean"))
     if target in (aten.sum.dim_IntList, aten.sum.default):
         rules.append(AxisRule(P, (P,), "partial"))
     return rules

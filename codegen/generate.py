@@ -50,7 +50,7 @@ def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) ->
 
 def _fmt_placements(ps: Placements) -> str:
     body = ", ".join("R" if isinstance(p, Replicate) else f"S({p.dim})" if isinstance(p, Shard)
-                     else ("P" if p.reduce_op == "sum" else f"P_{p.reduce_op.upper()}") for p in ps)
+                     else ("P" if p.reduce_op == "sum" else f"Partial({p.reduce_op!r})") for p in ps)
     return f"({body},)" if len(ps) == 1 else f"({body})"
 
 

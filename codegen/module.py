@@ -26,8 +26,8 @@ def compile_forward(source: str) -> Any:
     filename = f"<autopar generated forward {_counter[0]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {
-        "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(),
-        "P_AVG": Partial("avg"), "shard_input": runtime.shard_input, "replicated": runtime.replicated,
+        "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
+        "shard_input": runtime.shard_input, "replicated": runtime.replicated,
         "redistribute": runtime.redistribute, "planned": runtime.as_planned, "local_op": runtime.local_op,
         "sharded_cross_entropy": runtime.sharded_cross_entropy,
         "sharded_embedding": runtime.sharded_embedding, "full": runtime.full,

@@ -85,7 +85,7 @@ def _replicate_to_partial(t: DTensor, placements: Sequence[Placement]) -> DTenso
             grad_placements.append(Partial())
         else:
             grad_placements.append(Replicate() if h.is_partial() else h)
-    local = t.to_local(grad_placements=grad_placements) / n
+    local = _LocalShard.apply(t, tuple(grad_placements)) / n
     return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=t.shape, stride=t.stride())
 
 

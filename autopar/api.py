@@ -12,7 +12,7 @@ from autopar.capture import capture
 from autopar.errors import MeshError
 from autopar.mesh import MeshSpec, as_mesh_spec
 from autopar.plan import Plan
-from autopar.planner import plan_captured
+from autopar.planner import DEFAULT_TIME_LIMIT_S, plan_captured
 from codegen.module import ShardedModule, full_state_dict
 
 __all__ = ["plan", "compile", "full_state_dict"]
@@ -23,11 +23,12 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 
 def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, example_kwargs: dict | None = None, *,
-         memory_budget: float | None = None, time_limit: float | None = None) -> Plan:
+         memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> Plan:
     """Choose a placement for every op of ``model`` on ``mesh``; runs no collective.
 
-    ``memory_budget``: bytes per device (default: the hardware's memory). The model and inputs
-    may live on the ``meta`` device.
+    ``memory_budget``: bytes per device (default: the hardware's memory). ``time_limit``: seconds
+    for the solver, after which the best plan found is returned with its optimality gap
+    (``None``: solve to optimality). The model and inputs may live on the ``meta`` device.
     """
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()

@@ -20,9 +20,10 @@ from solver import Edge, Problem, solve
 
 log = logging.getLogger("autopar")
 
-# Multi-output producers (split) cannot be redistributed as a whole: their readers must agree.
-MISMATCH_S = 1e3
-
+# Stop when the plan is provably within 0.1% of the best: far inside the cost model's own error,
+# and it spares the solver proving optimality on large problems.
+RELATIVE_GAP = 1e-3
+DEFAULT_TIME_LIMIT_S = 60.0
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
@@ -34,7 +35,7 @@ def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
 
 
 def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
-                  time_limit: float | None = None, timings: dict[str, float] | None = None,
+                  time_limit: float | None = DEFAULT_TIME_LIMIT_S, timings: dict[str, float] | None = None,
                   forced: dict[str, Strategy] | None = None) -> Plan:
     """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, baselines)."""
     timings = dict(timings or {})
@@ -45,51 +46,64 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
     with _stage(timings, "costs"):
         model = CostModel(mesh)
         budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
-        problem, edge_index = _problem(space, model, budget)
+        problem, edge_index, owner = _problem(space, model, budget)
     with _stage(timings, "solve"):
-        solution = solve(problem, time_limit=time_limit)
-    chosen = [space.nodes[i].strategies[c] for i, c in enumerate(solution.choices)]
+        solution = solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
+    chosen = [nc.strategies[solution.choices[owner[i]]] for i, nc in enumerate(space.nodes)]
     return _make_plan(captured, space, model, chosen, edge_index, budget, solution, timings)
 
 
 def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
-    for nc in space.nodes:
-        if nc.node.name in forced:
-            want = forced[nc.node.name]
-            if want not in nc.strategies:
-                raise ValueError(f"{want} is not a candidate strategy of {nc.node.name}")
+    """Pin nodes to one strategy. Forcing an alias (getitem of a split) pins its source to the
+    strategies that give that output placement; aliases then follow their sources again."""
+    by_name = {nc.node.name: nc for nc in space.nodes}
+    for name, want in forced.items():
+        nc = by_name[name]
+        if want not in nc.strategies:
+            raise ValueError(f"{want} is not a candidate strategy of {name}")
+        if nc.kind == "alias":
+            src = space.nodes[space.index[nc.source]]
+            src.strategies = [s for s in src.strategies if s.out == want.out]
+        else:
             nc.strategies = [want]
-
-
-def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Problem, list[tuple[int, int, int]]]:
-    costs, memory, edges, edge_index = [], [], [], []
     for nc in space.nodes:
-        node_costs = [model.node(nc, s) for s in nc.strategies]
-        costs.append(tuple(c.time_s for c in node_costs))
-        memory.append(tuple(c.memory_bytes for c in node_costs))
+        if nc.kind == "alias":
+            src = space.nodes[space.index[nc.source]]
+            nc.strategies = [Strategy(s.out, (s.out,), nc.strategies[0].names) for s in src.strategies]
+
+
+def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Problem, list[tuple[int, int, int]], list[int]]:
+    """The ILP over decision nodes. Aliases (one output of a split) share their source's variable:
+    their edges are priced with their own tensor but attached to the source's choice."""
+    decision = {}   # space index -> ILP index
+    for i, nc in enumerate(space.nodes):
+        if nc.kind != "alias":
+            decision[i] = len(decision)
+    owner = [decision[i] if nc.kind != "alias" else decision[space.index[nc.source]] for i, nc in enumerate(space.nodes)]
+    costs, memory, edges, edge_index = [], [], [], []
+    for i, nc in enumerate(space.nodes):
+        if i in decision:
+            node_costs = [model.node(nc, s) for s in nc.strategies]
+            costs.append(tuple(c.time_s for c in node_costs))
+            memory.append(tuple(c.memory_bytes for c in node_costs))
     matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
     for j, nc in enumerate(space.nodes):
+        if nc.kind == "alias":
+            continue
         for k, inp in enumerate(nc.inputs):
             i = space.index.get(inp)
             if i is None:
                 continue
             src = space.nodes[i]
             val = inp.meta.get("val")
-            multi = isinstance(val, (list, tuple))
-            key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind,
-                   None if multi else (tuple(val.shape), val.dtype))
+            key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
             if key not in matrices:
-                matrices[key] = tuple(
-                    tuple(
-                        (0.0 if s.out == d.ins[k] else MISMATCH_S) if multi else model.edge(src, s, nc, d, k).time_s
-                        for d in nc.strategies
-                    )
-                    for s in src.strategies
-                )
-            edges.append(Edge(i, j, matrices[key]))
+                matrices[key] = tuple(tuple(model.edge(src, s, nc, d, k).time_s for d in nc.strategies)
+                                      for s in src.strategies)
+            edges.append(Edge(owner[i], decision[j], matrices[key]))
             edge_index.append((i, j, k))
-    names = tuple(nc.node.name for nc in space.nodes)
-    return Problem(tuple(costs), tuple(memory), tuple(edges), budget, names), edge_index
+    names = tuple(nc.node.name for i, nc in enumerate(space.nodes) if i in decision)
+    return Problem(tuple(costs), tuple(memory), tuple(edges), budget, names), edge_index, owner
 
 
 def _make_plan(captured, space, model, chosen, edge_index, budget, solution, timings) -> Plan:

@@ -376,12 +376,6 @@ def cross_entropy(v: OpView, n: int) -> list[AxisRule]:
     return rules
 
 
-def getitem(v: OpView, n: int) -> list[AxisRule]:
-    """Picks one output of a multi-output node: same placement as its producer."""
-    nd = len(v.out_shape)
-    return [AxisRule(p, (p,), "follow") for p in [R, P] + [Shard(d) for d in range(nd) if _fits(v.out_shape[d], n, False)]]
-
-
 RULES: dict[object, RuleFn] = {
     aten.linear.default: linear,
     aten.addmm.default: addmm,
@@ -409,7 +403,6 @@ RULES: dict[object, RuleFn] = {
     aten.contiguous.default: same_dims, aten.clone.default: same_dims, aten.alias.default: same_dims,
     aten._to_copy.default: same_dims, aten.to.dtype: same_dims, aten.to.dtype_layout: same_dims,
     aten.detach.default: same_dims, aten.dropout.default: same_dims, aten.type_as.default: pointwise,
-    operator.getitem: getitem,
 }
 
 def rule_for(node: fx.Node) -> RuleFn | None:

@@ -56,10 +56,13 @@ class Strategy:
 @dataclass
 class NodeChoices:
     node: fx.Node
-    kind: str                            # "param", "buffer", "input", "op", "output"
+    kind: str                            # "param", "buffer", "input", "op", "output", "alias"
     inputs: list[fx.Node]                # flat tensor inputs (edges come from these)
     strategies: list[Strategy]
     fqn: str | None = None               # parameter/buffer name, for params and buffers
+    # "alias" nodes pick one output of a multi-output op (getitem of split): not a decision of
+    # their own, their i-th strategy is the source's i-th.
+    source: fx.Node | None = None
 
 
 @dataclass
@@ -193,6 +196,11 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
             if _tensor_val(node) is None:
                 continue  # asserts and symbolic-int helpers: no placement to choose
             inputs = flat_tensor_inputs(node)
+            if node.target is operator.getitem and inputs and isinstance(inputs[0].meta.get("val"), (list, tuple)):
+                src = nodes[next(i for i, c in enumerate(nodes) if c.node is inputs[0])]
+                aliases = [Strategy(st.out, (st.out,), ("follow",) * mesh.ndim) for st in src.strategies]
+                nodes.append(NodeChoices(node, "alias", inputs, aliases, source=inputs[0]))
+                continue
             if rule_for(node) is None and inputs:
                 unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
             nodes.append(NodeChoices(node, "op", inputs, op_strategies(node, inputs, mesh)))

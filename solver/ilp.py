@@ -44,7 +44,6 @@ SOLVERS: dict[str, mathopt.SolverType] = {
     "scip": mathopt.SolverType.GSCIP,
 }
 
-_GIB = float(1 << 30)
 # An edge whose matrix minus its best separable fit is below this (relative to the matrix's
 # largest entry) is folded into linear costs: the difference is far below solver tolerances.
 _SEPARABLE_RTOL = 1e-12
@@ -182,13 +181,14 @@ def _validate(problem: Problem) -> _Data:
 def _infeasible(problem: Problem, data: _Data, why: str) -> Exception:
     """The ``InfeasibleError`` that says how far off the budget is and which nodes are to blame."""
     from autopar.errors import InfeasibleError  # late, see _error
+    from autopar.units import fmt
 
     floor = data.min_memory()
     top = sorted(range(len(data.memory)), key=lambda i: (-data.memory[i].min(), i))[:3]
-    who = ", ".join(f"{_label(problem, i)}: {data.memory[i].min() / _GIB:.3f} GiB" for i in top)
+    who = ", ".join(f"{_label(problem, i)}: {fmt(float(data.memory[i].min()), 'B')}" for i in top)
     return InfeasibleError(
-        f"{why}: the memory budget is {problem.memory_budget / _GIB:.3f} GiB per device, but even the "
-        f"lowest-memory choice for every node needs {floor / _GIB:.3f} GiB. Largest contributors to that "
+        f"{why}: the memory budget is {fmt(float(problem.memory_budget), 'B')} per device, but even the "
+        f"lowest-memory choice for every node needs {fmt(float(floor), 'B')}. Largest contributors to that "
         f"minimum: {who}. Raise the budget, use more devices, or shrink the model/batch.",
         min_memory_bytes=floor,
     )
@@ -391,8 +391,9 @@ def evaluate(problem: Problem, choices: Sequence[int]) -> tuple[float, float]:
     return float(obj), float(mem)
 
 
-def solve(problem: Problem, time_limit: float | None = None, solver: str = "highs") -> Solution:
-    """Solve the sharding ILP.
+def solve(problem: Problem, time_limit: float | None = None, solver: str = "highs",
+          relative_gap: float = 1e-6) -> Solution:
+    """Solve the sharding ILP, to within ``relative_gap`` of the optimum.
 
     ``time_limit`` (seconds) covers the whole call, model building included; the solver may
     overrun it by a second or so on very large models. When it is hit, the best solution
@@ -432,7 +433,7 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
 
     params = mathopt.SolveParameters(
         random_seed=0,  # fixed seed: same problem, same plan
-        relative_gap_tolerance=1e-6,
+        relative_gap_tolerance=relative_gap,
         absolute_gap_tolerance=1e-9,
     )
     if time_limit is not None:

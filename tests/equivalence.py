@@ -41,8 +41,8 @@ def loss_of(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out.loss
 
 
-def train_reference(name: str, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = build(name)
+def train(model: torch.nn.Module, batches) -> list[torch.Tensor]:
+    """A few AdamW steps; the loss of each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for args, kwargs in batches:
@@ -50,20 +50,19 @@ def train_reference(name: str, batches) -> tuple[list[float], dict[str, torch.Te
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        losses.append(loss.detach())
+    return losses
+
+
+def train_reference(name: str, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build(name)
+    losses = train(model, batches)
+    return [l.item() for l in losses], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train_sharded(mesh, model: torch.nn.Module, batches, plan_options: dict) -> tuple[list, dict, autopar.Plan]:
     """Runs on every rank (or once under LocalTensorMode, with ``model`` built outside it)."""
     args, kwargs = batches[0]
     pmodel = autopar.compile(model, mesh, args, kwargs, **plan_options)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for args, kwargs in batches:
-        loss = loss_of(pmodel(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    losses = train(pmodel, batches)
     return losses, autopar.full_state_dict(pmodel), pmodel.plan

@@ -45,7 +45,8 @@ def test_infeasible_budget_states_minimum():
     with pytest.raises(autopar.InfeasibleError) as info:
         autopar.plan(model, MeshSpec((2,)), args, kwargs, memory_budget=1000)
     assert info.value.min_memory_bytes > 1000
-    assert "budget" in str(info.value) and "minimum" in str(info.value).lower() or "needs" in str(info.value)
+    message = str(info.value)
+    assert "budget is 1000 B per device" in message and "needs" in message, message
 
 
 def test_plan_is_deterministic_and_json_round_trips(tmp_path):

@@ -186,10 +186,9 @@ def covering_2d(strategies: list[Strategy]) -> list[Strategy]:
 def _candidates(case: Case, space, node: fx.Node, mesh_shape) -> list[Strategy]:
     strategies = space.nodes[space.index[node]].strategies
     if node.target is operator.getitem:
-        # A getitem's placement is its producer's (codegen reads it from there): the ones the
-        # producer cannot have make plans the ILP never picks (MISMATCH_S), and test nothing.
-        producer = space.nodes[space.index[node.args[0]]].strategies
-        strategies = [s for s in strategies if any(p.out == s.ins[0] for p in producer)]
+        # A getitem aliases one output of its producer: its candidates are the producer's output
+        # placements, each tested once.
+        strategies = list({s.out: s for s in strategies}.values())
     return covering_2d(strategies) if len(mesh_shape) == 2 and not case.all_2d else strategies
 
 

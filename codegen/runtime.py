@@ -70,8 +70,16 @@ def redistribute(t: DTensor, placements: Sequence[Placement]) -> DTensor:
     first = [Replicate() if p else (h if h.is_partial() and isinstance(w, Partial) else w)
              for h, w, p in zip(t.placements, placements, to_partial)]
     if not _same(t.placements, first):
-        t = t.redistribute(t.device_mesh, first)
+        t = _contiguous_shards(t.redistribute(t.device_mesh, first))
     return _replicate_to_partial(t, placements) if any(to_partial) else t
+
+
+def _contiguous_shards(t: DTensor) -> DTensor:
+    """Collectives (all-to-all of uneven shards) can return a shard laid out unlike the contiguous
+    stride DTensor records; a later view would then fail. Copy the shard into that layout."""
+    grad = tuple(Replicate() if p.is_partial() else p for p in t.placements)
+    local = _LocalShard.apply(t, grad).contiguous()
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def _replicate_to_partial(t: DTensor, placements: Sequence[Placement]) -> DTensor:

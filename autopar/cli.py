@@ -27,6 +27,7 @@ import time
 from typing import Any, Sequence
 
 from autopar.errors import AutoparError, MeshError
+from autopar.planner import DEFAULT_TIME_LIMIT_S
 
 __all__ = ["main", "parse_mesh", "build_parser"]
 
@@ -412,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     plan.add_argument("--memory-budget-gib", type=float, default=None,
                       help="memory per device in GiB (default: the hardware's)")
-    plan.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
+    plan.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+                      help=f"solver time limit in seconds; the best plan found by then is kept (default {DEFAULT_TIME_LIMIT_S:g})")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
     plan.set_defaults(func=cmd_plan)

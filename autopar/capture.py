@@ -70,12 +70,21 @@ def _user_frame(exc: BaseException) -> str:
     return f" at {f.filename}:{f.lineno} ({f.line})"
 
 
+# Ops that change no value. Export records them or not depending on the device's layouts (a
+# transpose of CPU flash attention's output is already contiguous, of a meta tensor it is not),
+# so they are left out of the fingerprint and plans are matched without them.
+IDENTITY_OPS = {torch.ops.aten.contiguous.default, torch.ops.aten.alias.default,
+                torch.ops.aten.clone.default, torch.ops.aten.detach.default}
+
+
 def fingerprint(program: ExportedProgram, model_name: str) -> str:
     """A stable id of the graph (ops and shapes), so a plan is never applied to another model."""
     import hashlib
 
     h = hashlib.sha256(model_name.encode())
     for n in program.graph.nodes:
+        if n.target in IDENTITY_OPS:
+            continue
         val = n.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
         h.update(f"{n.op}:{n.target}:{shape};".encode())

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
-from autopar.capture import CapturedGraph, flat_tensor_inputs
+from autopar.capture import IDENTITY_OPS, CapturedGraph, flat_tensor_inputs
 from autopar.placements import Placements, placements_str
 from autopar.plan import NodePlan, Plan
 
@@ -129,6 +129,10 @@ class _Emitter:
     def call(self, node: fx.Node, np_: NodePlan | None) -> None:
         if node.target is operator.getitem:
             self.emit(f"{node.name} = {node.args[0].name}[{node.args[1]!r}]")
+            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+            return
+        if np_ is None and node.target in IDENTITY_OPS:  # planned on a capture without it
+            self.emit(f"{node.name} = {node.args[0].name}", "value-preserving op the plan does not list")
             self.out_of[node.name] = self.out_of.get(node.args[0].name)
             return
         if np_ is None:  # no tensor output (asserts, symbolic ints): nothing to place

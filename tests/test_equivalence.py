@@ -119,3 +119,20 @@ def test_logits_without_labels(name, keep_sharded):
 
     for got in run_on_local_tensor_mesh(body, (2, 2)):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_plan_made_on_meta_compiles_on_cpu():
+    """The offline workflow: plan a meta-device copy, save the JSON, compile the real model with it."""
+    import autopar
+    from autopar.mesh import MeshSpec
+    from autopar.zoo import get_model
+
+    name = "gpt-tiny"
+    batches = make_batches(name, 6, 16)
+    args, kwargs = batches[0]
+    with torch.device("meta"):
+        meta_model = get_model(name).build()
+    meta_args = tuple(a.to("meta") for a in args)
+    plan = autopar.plan(meta_model, MeshSpec((2, 2)), meta_args, kwargs, memory_budget=_tight_budget(name, 6, 16, (2, 2)))
+    saved = autopar.Plan.from_json(plan.to_json())
+    _check(name, 6, 16, (2, 2), _local_runner, {"plan": saved})

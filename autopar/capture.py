@@ -12,7 +12,6 @@ import os
 import re
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -169,7 +168,3 @@ def output_shape(node: fx.Node) -> tuple[int, ...] | None:
     if isinstance(val, (list, tuple)):
         val = next((v for v in val if isinstance(v, torch.Tensor)), None)
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def describe_args(args: Any) -> Any:
-    return pytree.tree_map(lambda a: a.name if isinstance(a, fx.Node) else a, args)

@@ -16,14 +16,6 @@ from autopar.errors import PlanFileError
 
 Placements = tuple[Placement, ...]
 
-R = Replicate()
-P = Partial()
-
-
-def S(dim: int) -> Shard:
-    return Shard(dim)
-
-
 def placement_str(p: Placement) -> str:
     if isinstance(p, Shard):
         return f"S({p.dim})"

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.mesh import MeshSpec
-from autopar.placements import Placements, grad_placement, shard_fraction
+from autopar.placements import Placements, grad_placement, is_split, shard_fraction
 from autopar.strategies import VIEW_OPS, NodeChoices, Strategy
 from cost_models.comm import collective_time, link_for_axis
 from cost_models.compute import compute_time
@@ -102,7 +102,7 @@ class CostModel:
             return Cost()
         split = 1
         for a, n in enumerate(self.mesh.shape):
-            if _is_split(s.out[a]) or any(_is_split(i[a]) for i in s.ins):
+            if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
                 split *= n
         in_bytes = sum(_bytes(_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins))
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
@@ -148,10 +148,6 @@ def _collective(s: Placement, d: Placement) -> str | None:
     if isinstance(d, Shard):
         return "reduce_scatter" if isinstance(s, Partial) else "all_to_all" if isinstance(s, Shard) else None
     return "all_gather" if isinstance(s, Shard) else None   # to Partial: shard -> replicate first
-
-
-def _is_split(p: Placement) -> bool:
-    return isinstance(p, (Shard, Partial))
 
 
 def _val(node: fx.Node):

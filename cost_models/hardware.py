@@ -207,6 +207,14 @@ _HOPPER_FLOPS = {
     "float8_e5m2": 1979 * _TF,
 }
 
+def _nvidia_8gpu_node(name: str, flops: Mapping[str, float], *, memory_bandwidth: float, memory_bytes: float,
+                      nvlink: float, infiniband: float, source: str) -> Hardware:
+    """An 8-GPU NVLink node on InfiniBand; latencies and per-op overhead are shared estimates."""
+    return Hardware(name=name, peak_flops=dict(flops), memory_bandwidth=memory_bandwidth, memory_bytes=memory_bytes,
+                    devices_per_node=8, intra_node_bandwidth=nvlink, intra_node_latency=2e-6,
+                    inter_node_bandwidth=infiniband, inter_node_latency=5e-6, op_overhead_s=5e-6, source=source)
+
+
 PRESETS: dict[str, Hardware] = {
     "cpu": Hardware(
         name="cpu",
@@ -238,56 +246,24 @@ PRESETS: dict[str, Hardware] = {
             "(0.5 GB/s, 200 us; gloo over TCP) are assumptions, not measured."
         ),
     ),
-    "a100-40gb": Hardware(
-        name="a100-40gb",
-        peak_flops=dict(_A100_FLOPS),
-        memory_bandwidth=1555 * _GB,
-        memory_bytes=40 * _GB,
-        devices_per_node=8,
-        intra_node_bandwidth=300 * _GB,
-        intra_node_latency=2e-6,
-        inter_node_bandwidth=25 * _GB,
-        inter_node_latency=5e-6,
-        op_overhead_s=5e-6,
+    "a100-40gb": _nvidia_8gpu_node(
+        "a100-40gb", _A100_FLOPS, memory_bandwidth=1555 * _GB, memory_bytes=40 * _GB,
+        nvlink=300 * _GB, infiniband=25 * _GB,
         source=_A100_SRC + "A100 40GB SXM4: 40 GB HBM2, 1555 GB/s. " + _NV_LATENCY_NOTE,
     ),
-    "a100-80gb": Hardware(
-        name="a100-80gb",
-        peak_flops=dict(_A100_FLOPS),
-        memory_bandwidth=2039 * _GB,
-        memory_bytes=80 * _GB,
-        devices_per_node=8,
-        intra_node_bandwidth=300 * _GB,
-        intra_node_latency=2e-6,
-        inter_node_bandwidth=25 * _GB,
-        inter_node_latency=5e-6,
-        op_overhead_s=5e-6,
+    "a100-80gb": _nvidia_8gpu_node(
+        "a100-80gb", _A100_FLOPS, memory_bandwidth=2039 * _GB, memory_bytes=80 * _GB,
+        nvlink=300 * _GB, infiniband=25 * _GB,
         source=_A100_SRC + "A100 80GB SXM4: 80 GB HBM2e, 2039 GB/s. " + _NV_LATENCY_NOTE,
     ),
-    "h100-80gb": Hardware(
-        name="h100-80gb",
-        peak_flops=dict(_HOPPER_FLOPS),
-        memory_bandwidth=3350 * _GB,
-        memory_bytes=80 * _GB,
-        devices_per_node=8,
-        intra_node_bandwidth=450 * _GB,
-        intra_node_latency=2e-6,
-        inter_node_bandwidth=50 * _GB,
-        inter_node_latency=5e-6,
-        op_overhead_s=5e-6,
+    "h100-80gb": _nvidia_8gpu_node(
+        "h100-80gb", _HOPPER_FLOPS, memory_bandwidth=3350 * _GB, memory_bytes=80 * _GB,
+        nvlink=450 * _GB, infiniband=50 * _GB,
         source=_HOPPER_SRC + "H100 SXM5: 80 GB HBM3, 3.35 TB/s. " + _NV_LATENCY_NOTE,
     ),
-    "h200": Hardware(
-        name="h200",
-        peak_flops=dict(_HOPPER_FLOPS),
-        memory_bandwidth=4800 * _GB,
-        memory_bytes=141 * _GB,
-        devices_per_node=8,
-        intra_node_bandwidth=450 * _GB,
-        intra_node_latency=2e-6,
-        inter_node_bandwidth=50 * _GB,
-        inter_node_latency=5e-6,
-        op_overhead_s=5e-6,
+    "h200": _nvidia_8gpu_node(
+        "h200", _HOPPER_FLOPS, memory_bandwidth=4800 * _GB, memory_bytes=141 * _GB,
+        nvlink=450 * _GB, infiniband=50 * _GB,
         source=(
             _HOPPER_SRC
             + "H200 SXM (NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/): "

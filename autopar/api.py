@@ -5,10 +5,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._local_tensor import local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.capture import capture
+from autopar.capture import CapturedGraph, capture
 from autopar.errors import MeshError
 from autopar.mesh import MeshSpec, as_mesh_spec
 from autopar.plan import Plan
@@ -53,7 +55,25 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     captured = capture(model, args, example_kwargs)
     spec = as_mesh_spec(mesh)
     if plan is None:
-        plan = plan_captured(captured, spec, **plan_options)
+        plan = _plan_shared_by_all_ranks(captured, spec, mesh, plan_options)
     else:
         plan.check_matches(captured.fingerprint, spec)
     return ShardedModule(model, mesh, plan, captured, keep_outputs_sharded)
+
+
+def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: dict) -> Plan:
+    """Every rank must run the same plan, and a time-limited solve can end differently in two
+    processes: the first rank plans, the others receive its plan (JSON) and check it."""
+    if local_tensor_mode() is not None or not dist.is_initialized() or dist.get_world_size() == 1 \
+            or dist.get_backend() == "fake":
+        return plan_captured(captured, spec, **options)
+    if mesh.size() != dist.get_world_size():
+        raise MeshError(
+            f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
+            f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
+        )
+    message = [plan_captured(captured, spec, **options).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    shared = Plan.from_json(message[0])
+    shared.check_matches(captured.fingerprint, spec)
+    return shared

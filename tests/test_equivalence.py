@@ -58,6 +58,7 @@ def _gloo_worker(mesh, name, batches, plan_options):
 
 def _gloo_runner(mesh_shape, name, batches, plan_options):
     results = run_on_gloo_mesh(_gloo_worker, mesh_shape, name, batches, plan_options, start_method="forkserver")
+    assert len({res[2] for res in results}) == 1, "every rank must run the same plan"
     losses = [[results[r][0][s] for r in range(len(results))] for s in range(len(results[0][0]))]
     state = {k: [res[1][k] for res in results] for k in results[0][1]}
     return losses, state, results[0][2]

@@ -91,9 +91,10 @@ def test_local_memory_constrained_plan(name, mesh_shape):
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
-def test_gloo_processes(mesh_shape):
-    budget = _tight_budget("gpt-tiny", 6, 16, mesh_shape)
-    _check("gpt-tiny", 6, 16, mesh_shape, _gloo_runner, {"memory_budget": budget, "time_limit": SOLVE_S})
+@pytest.mark.parametrize("name", MODELS)
+def test_gloo_processes(name, mesh_shape):
+    budget = _tight_budget(name, 6, 16, mesh_shape)
+    _check(name, 6, 16, mesh_shape, _gloo_runner, {"memory_budget": budget, "time_limit": SOLVE_S})
 
 
 @pytest.mark.parametrize("keep_sharded", [False, True])

@@ -75,11 +75,13 @@ class _Emitter:
     def emit(self, line: str, comment: str = "") -> None:
         self.lines.append(f"    {line}" + (f"  # {comment}" if comment else ""))
 
-    def arg(self, a: Any) -> str:
+    def arg(self, a: Any, rename: dict[str, str] | None = None) -> str:
+        """Python text of an op argument; graph values by their variable (``rename``: the
+        redistributed copy a consumer reads instead)."""
         if isinstance(a, fx.Node):
-            return a.name
+            return (rename or {}).get(a.name, a.name)
         if isinstance(a, (list, tuple)):
-            inner = ", ".join(self.arg(x) for x in a)
+            inner = ", ".join(self.arg(x, rename) for x in a)
             return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
         if isinstance(a, torch.device):
             return "device"
@@ -145,7 +147,7 @@ class _Emitter:
             rename[inp.name] = self.placed_as(inp, want, f"{node.name} ({np_.strategy}) needs {placements_str(want)}")
         out = _fmt_placements(np_.out)
         comment = f"{np_.strategy} -> {placements_str(np_.out)}"
-        args = ", ".join(self.arg_renamed(a, rename) for a in node.args)
+        args = ", ".join(self.arg(a, rename) for a in node.args)
         shape = _global_shapes(node)
         if not inputs:
             self.emit(f"{node.name} = replicated({self._call_text(node, rename)}, mesh)", comment)
@@ -157,22 +159,14 @@ class _Emitter:
             # shape arguments are global: DTensor translates them to each rank's local shape
             self.emit(f"{node.name} = planned({self._call_text(node, rename)}, {out}, {node.name!r})", comment)
         else:
-            kwargs = "{" + ", ".join(f"{k!r}: {self.arg_renamed(v, rename)}" for k, v in node.kwargs.items()) + "}"
-            self.emit(f"{node.name} = local_op({_op_name(node.target)}, {self.arg_renamed(tuple(node.args), rename)}, "
+            kwargs = "{" + ", ".join(f"{k!r}: {self.arg(v, rename)}" for k, v in node.kwargs.items()) + "}"
+            self.emit(f"{node.name} = local_op({_op_name(node.target)}, {self.arg(tuple(node.args), rename)}, "
                       f"{kwargs}, {out}, mesh, {shape})", comment)
         self.out_of[node.name] = np_.out
 
-    def arg_renamed(self, a: Any, rename: dict[str, str]) -> str:
-        if isinstance(a, fx.Node):
-            return rename.get(a.name, a.name)
-        if isinstance(a, (list, tuple)):
-            inner = ", ".join(self.arg_renamed(x, rename) for x in a)
-            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
-        return self.arg(a)
-
     def _call_text(self, node: fx.Node, rename: dict[str, str]) -> str:
-        parts = [self.arg_renamed(a, rename) for a in node.args]
-        parts += [f"{k}={self.arg_renamed(v, rename)}" for k, v in node.kwargs.items()]
+        parts = [self.arg(a, rename) for a in node.args]
+        parts += [f"{k}={self.arg(v, rename)}" for k, v in node.kwargs.items()]
         return f"{_op_name(node.target)}({', '.join(parts)})"
 
     def output(self, node: fx.Node) -> None:

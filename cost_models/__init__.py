@@ -2,6 +2,9 @@
 
 Units: seconds, bytes, bytes/s, FLOP/s (never mixed).
 """
+# cost_models raises autopar's errors, and autopar's planner uses cost_models: loading the autopar
+# package first keeps every import order free of cycles.
+import autopar  # noqa: F401
 
 from .comm import COLLECTIVE_KINDS, Link, collective_time, link_for_axis
 from .compute import compute_time

@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._local_tensor import local_tensor_mode

@@ -156,15 +156,18 @@ def flat_tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _is_tensor_like(n: fx.Node) -> bool:
-    val = n.meta.get("val")
-    return isinstance(val, torch.Tensor) or (
-        isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val)
-    )
+    return tensor_val(n) is not None
+
+
+def tensor_val(node: fx.Node) -> torch.Tensor | None:
+    """A node's (first) tensor output as export recorded it (global shape and dtype), or None."""
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val if isinstance(val, torch.Tensor) else None
 
 
 def output_shape(node: fx.Node) -> tuple[int, ...] | None:
     """Global shape of a node's (first) tensor output."""
-    val = node.meta.get("val")
-    if isinstance(val, (list, tuple)):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    val = tensor_val(node)
+    return tuple(val.shape) if val is not None else None

@@ -6,15 +6,12 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
-import torch
-
-from autopar.capture import CapturedGraph, capture, readable_name
+from autopar.capture import CapturedGraph, readable_name
 from autopar.mesh import MeshSpec
-from autopar.placements import Placements
 from autopar.plan import NodePlan, Plan, Prediction
-from autopar.strategies import StrategySpace, Strategy, build_space
+from autopar.strategies import StrategySpace, Strategy, alias_strategies, build_space
 from cost_models.estimate import Cost, CostModel
 from solver import Edge, Problem, solve
 
@@ -69,7 +66,7 @@ def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
     for nc in space.nodes:
         if nc.kind == "alias":
             src = space.nodes[space.index[nc.source]]
-            nc.strategies = [Strategy(s.out, (s.out,), nc.strategies[0].names) for s in src.strategies]
+            nc.strategies = alias_strategies(src.strategies)
 
 
 def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Problem, list[tuple[int, int, int]], list[int]]:

@@ -10,7 +10,6 @@ least the replicate rule; an op no family knows gets only that, with a warning n
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.capture import flat_tensor_inputs, output_shape
+from autopar.capture import tensor_val
 
 aten = torch.ops.aten
 R = Replicate()
@@ -369,7 +368,7 @@ def attention(v: OpView, n: int) -> list[AxisRule]:
 def cross_entropy(v: OpView, n: int) -> list[AxisRule]:
     """Loss over [N, C] logits: split the batch. A sum is a partial sum; a mean is computed
     exactly by the runtime as (sum of local sums) / (global count of counted targets)."""
-    logits, target = v.in_shapes[0], v.in_shapes[1]
+    logits = v.in_shapes[0]
     rules = [replicate(v)]
     if len(v.in_shapes) == 2 and _fits(logits[0], n, even=False) and v.arg(3, "reduction", 1) in (1, 2):
         rules.append(AxisRule(P, (Shard(0), Shard(0)), "batch"))
@@ -426,7 +425,5 @@ def axis_rules(node: fx.Node, in_shapes: tuple[tuple[int, ...], ...], out_shape:
 
 
 def _floating(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    if isinstance(val, (list, tuple)):
-        val = next((x for x in val if isinstance(x, torch.Tensor)), None)
-    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+    val = tensor_val(node)
+    return val is not None and val.dtype.is_floating_point

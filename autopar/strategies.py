@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.capture import CapturedGraph, flat_tensor_inputs, output_shape
+from autopar.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
 from autopar.mesh import MeshSpec
 from autopar.placements import Placements, local_shape, placements_str
 from autopar.rules import AxisRule, axis_rules, rule_for
@@ -74,13 +74,6 @@ class StrategySpace:
 
     def __post_init__(self) -> None:
         self.index = {c.node: i for i, c in enumerate(self.nodes)}
-
-
-def _tensor_val(node: fx.Node):
-    val = node.meta.get("val")
-    if isinstance(val, (list, tuple)):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def tensor_placements(shape: tuple[int, ...], mesh: MeshSpec) -> list[Placements]:
@@ -174,13 +167,19 @@ def _split(shape: tuple[int, ...], p: Placement, n: int) -> tuple[int, ...]:
     return shape
 
 
+def alias_strategies(source: list[Strategy]) -> list[Strategy]:
+    """An alias's i-th strategy: the source's i-th output placement, passed through."""
+    return [Strategy(s.out, (s.out,), ("follow",) * len(s.out)) for s in source]
+
+
 def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
     nodes: list[NodeChoices] = []
+    position: dict[fx.Node, int] = {}
     warnings: list[str] = []
     unknown: dict[str, int] = {}
     for node in captured.graph.nodes:
         if node.op == "placeholder":
-            val = _tensor_val(node)
+            val = tensor_val(node)
             if val is None:
                 continue
             shape = tuple(val.shape)
@@ -193,19 +192,20 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
                 fqn = captured.buffer_of.get(node.name) or captured.constant_of.get(node.name)
                 nodes.append(NodeChoices(node, "buffer", [], [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)], fqn))
         elif node.op == "call_function":
-            if _tensor_val(node) is None:
+            if tensor_val(node) is None:
                 continue  # asserts and symbolic-int helpers: no placement to choose
             inputs = flat_tensor_inputs(node)
             if node.target is operator.getitem and inputs and isinstance(inputs[0].meta.get("val"), (list, tuple)):
-                src = nodes[next(i for i, c in enumerate(nodes) if c.node is inputs[0])]
-                aliases = [Strategy(st.out, (st.out,), ("follow",) * mesh.ndim) for st in src.strategies]
+                aliases = alias_strategies(nodes[position[inputs[0]]].strategies)
+                position[node] = len(nodes)
                 nodes.append(NodeChoices(node, "alias", inputs, aliases, source=inputs[0]))
                 continue
             if rule_for(node) is None and inputs:
                 unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
+            position[node] = len(nodes)
             nodes.append(NodeChoices(node, "op", inputs, op_strategies(node, inputs, mesh)))
         elif node.op == "output":
-            outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and _tensor_val(a) is not None]
+            outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and tensor_val(a) is not None]
             rep = (R,) * mesh.ndim
             nodes.append(NodeChoices(node, "output", outs, [Strategy(rep, tuple(rep for _ in outs), ("replicate",) * mesh.ndim)]))
     for op, count in sorted(unknown.items()):

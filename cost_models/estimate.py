@@ -18,6 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.capture import tensor_val
 from autopar.mesh import MeshSpec
 from autopar.placements import Placements, grad_placement, is_split, shard_fraction
 from autopar.strategies import VIEW_OPS, NodeChoices, Strategy
@@ -87,7 +88,7 @@ class CostModel:
 
     # ------------------------------------------------------------ nodes
     def node(self, nc: NodeChoices, s: Strategy) -> Cost:
-        val = _val(nc.node)
+        val = tensor_val(nc.node)
         if nc.kind == "param":
             local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
             cost = Cost(compute_s=compute_time(0, ADAMW_BYTES_PER_PARAM_BYTE * local, self.hw, val.dtype),
@@ -104,7 +105,7 @@ class CostModel:
         for a, n in enumerate(self.mesh.shape):
             if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
                 split *= n
-        in_bytes = sum(_bytes(_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins))
+        in_bytes = sum(_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins))
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         flops = self.flops(nc.node) / split
         t = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
@@ -115,7 +116,7 @@ class CostModel:
         args = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         key = (node.target, repr(torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), args)))
         if key not in self._flops:
-            val = _val(node)
+            val = tensor_val(node)
             try:
                 with val.fake_mode, FlopCounterMode(display=False) as counter:
                     node.target(*args[0], **args[1])
@@ -128,7 +129,7 @@ class CostModel:
     def edge(self, src: NodeChoices, s: Strategy, dst: NodeChoices, d: Strategy, i: int) -> Cost:
         """Forward redistribution of ``src``'s output into input ``i`` of ``dst``, plus the backward
         redistribution of that input's gradient into ``src``'s gradient placement."""
-        val = _val(src.node)
+        val = tensor_val(src.node)
         if val is None:
             return Cost()
         want = d.ins[i]
@@ -148,13 +149,6 @@ def _collective(s: Placement, d: Placement) -> str | None:
     if isinstance(d, Shard):
         return "reduce_scatter" if isinstance(s, Partial) else "all_to_all" if isinstance(s, Shard) else None
     return "all_gather" if isinstance(s, Shard) else None   # to Partial: shard -> replicate first
-
-
-def _val(node: fx.Node):
-    val = node.meta.get("val")
-    if isinstance(val, (list, tuple)):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _numel(shape: Sequence[int]) -> int:

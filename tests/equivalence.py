@@ -6,7 +6,6 @@ Adam normalises; a larger eps keeps that noise from turning into lr-sized steps 
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 

@@ -1,5 +1,5 @@
 """Sharding-choice optimisation (the ILP), independent of PyTorch."""
 
-from solver.ilp import SOLVERS, Edge, Problem, Solution, evaluate, solve
+from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, evaluate, solve
 
-__all__ = ["Edge", "Problem", "Solution", "solve", "evaluate", "SOLVERS"]
+__all__ = ["Edge", "Row", "Problem", "Solution", "solve", "evaluate", "SOLVERS"]

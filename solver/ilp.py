@@ -11,6 +11,15 @@ tight on typical sharding problems, so the MIP usually closes at the root; it is
 random dense cost matrices, where large instances end at the time limit with the incumbent
 (at worst the local-search hint built here, see ``_hint``).
 
+Two optional refinements make the model follow a training step rather than a sum:
+``memory_rows`` are moments of the step (end of forward, points of the backward, the optimizer
+step), each adding its live bytes on top of ``memory`` (what is live throughout), and
+``transient`` is each node's short-lived working memory, of which the largest counts once (an
+auxiliary variable ``T``): the peak is ``memory + max(0, max_r row_r) + max_i transient_i``.
+``exposed_rows`` model communication that runs under compute: the objective adds
+``max(0, max_r row_r)`` (an auxiliary variable ``E``), where a row is queued communication minus
+the compute left to hide it. Rows may reference edges; such edges always get pair variables.
+
 Before building the model we shrink it: parallel edges are merged; edges touching a
 single-choice node, and edges whose matrix is additively separable
 (``M[s, d] = a[s] + b[d]``, which covers constant and all-zero matrices), are folded into
@@ -36,7 +45,7 @@ import numpy as np
 from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
-__all__ = ["Edge", "Problem", "Solution", "solve", "evaluate", "SOLVERS"]
+__all__ = ["Edge", "Row", "Problem", "Solution", "solve", "evaluate", "SOLVERS"]
 
 #: Accepted values of ``solve(..., solver=...)``.
 SOLVERS: dict[str, mathopt.SolverType] = {
@@ -61,8 +70,18 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class Row:
+    """A linear function of the choices: per-choice node terms, per-pair edge terms, a constant."""
+
+    nodes: tuple[tuple[int, tuple[float, ...]], ...] = ()  # (node, value per choice)
+    edges: tuple[tuple[int, tuple[tuple[float, ...], ...]], ...] = ()  # (index into Problem.edges, matrix)
+    constant: float = 0.0
+
+
+@dataclass(frozen=True)
 class Problem:
-    """One choice per node; minimise node costs + edge costs subject to the memory budget."""
+    """One choice per node; minimise node costs + edge costs (+ exposed communication) subject to
+    the memory budget holding at every moment of the step (see the module docstring)."""
 
     costs: tuple[tuple[float, ...], ...]  # costs[node][choice]: seconds (compute+comm of that node under that choice)
     memory: tuple[tuple[float, ...], ...]  # memory[node][choice]: bytes per device contributed to the peak
@@ -70,6 +89,9 @@ class Problem:
     memory_budget: float | None = None  # bytes per device; None = unconstrained
     names: tuple[str, ...] | None = None  # node names, for error messages
     warm_start: tuple[int, ...] | None = None  # optional hint: one choice per node
+    memory_rows: tuple[Row, ...] = ()  # bytes live at moments of the step, on top of memory (node terms only)
+    transient: tuple[tuple[float, ...], ...] | None = None  # per node per choice: working bytes; max counts
+    exposed_rows: tuple[Row, ...] = ()  # seconds; objective += max(0, max over rows)
 
 
 @dataclass(frozen=True)
@@ -77,8 +99,8 @@ class Solution:
     """The chosen plan; objective and memory are recomputed from the problem's own data."""
 
     choices: tuple[int, ...]  # one per node
-    objective: float  # seconds: sum of chosen node costs + chosen edge costs
-    memory: float  # bytes: sum of chosen node memory
+    objective: float  # seconds: chosen node costs + chosen edge costs + exposed communication
+    memory: float  # bytes: the peak (see the module docstring)
     status: str  # "optimal" or "feasible" (time limit hit, incumbent returned)
     gap: float | None  # relative optimality gap reported by the solver (0 when optimal)
     solve_time_s: float
@@ -104,30 +126,77 @@ class _Data:
     costs: list[np.ndarray]  # per node, shape (k,)
     memory: list[np.ndarray]  # per node, shape (k,)
     edges: list[np.ndarray]  # per edge, shape (k_src, k_dst)
+    memory_rows: list[dict[int, np.ndarray]]  # per row: node -> extra bytes per choice
+    transient: list[np.ndarray] | None  # per node, shape (k,)
+    exposed: list[tuple[dict[int, np.ndarray], dict[int, np.ndarray], float]]  # (nodes, edges, constant)
 
     @property
     def k(self) -> list[int]:
         return [len(c) for c in self.costs]
 
+    def moment(self, r: int, i: int) -> np.ndarray:
+        """Bytes node ``i`` holds per choice at moment ``r`` (0: always-live memory only)."""
+        extra = self.memory_rows[r - 1].get(i) if r else None
+        return self.memory[i] if extra is None else self.memory[i] + extra
+
     def min_memory(self) -> float:
-        return float(sum(m.min() for m in self.memory))
+        """A lower bound of the peak over all assignments (exact without rows and transients)."""
+        moments = [sum(float(self.moment(r, i).min()) for i in range(len(self.memory)))
+                   for r in range(len(self.memory_rows) + 1)]
+        work = max((float(t.min()) for t in self.transient), default=0.0) if self.transient else 0.0
+        return max(moments) + work
+
+    def peak(self, choices: Sequence[int]) -> float:
+        moments = [sum(float(self.moment(r, i)[c]) for i, c in enumerate(choices))
+                   for r in range(len(self.memory_rows) + 1)]
+        work = max((float(t[c]) for t, c in zip(self.transient, choices)), default=0.0) if self.transient else 0.0
+        return max(moments) + work
+
+    def exposed_time(self, choices: Sequence[int], edges: Sequence[Edge]) -> float:
+        worst = 0.0
+        for nodes, emats, constant in self.exposed:
+            total = constant + sum(float(v[choices[i]]) for i, v in nodes.items())
+            total += sum(float(m[choices[edges[j].src], choices[edges[j].dst]]) for j, m in emats.items())
+            worst = max(worst, total)
+        return worst
 
 
 def _label(problem: Problem, i: int) -> str:
     return f"node {i} ({problem.names[i]!r})" if problem.names is not None else f"node {i}"
 
 
-def _array(values: object, what: str) -> np.ndarray:
-    """Convert to float array; reject NaN, inf and negatives (the model assumes costs >= 0)."""
+def _array(values: object, what: str, signed: bool = False) -> np.ndarray:
+    """Convert to float array; reject NaN, inf and (unless ``signed``) negatives."""
     try:
         arr = np.asarray(values, dtype=float)
     except (TypeError, ValueError) as exc:
         raise _error(f"{what} must be a (rectangular) sequence of numbers: {exc}") from None
     if not np.isfinite(arr).all():
         raise _error(f"{what} contains NaN or inf; use a large finite value or drop the choice")
-    if (arr < 0).any():
+    if not signed and (arr < 0).any():
         raise _error(f"{what} contains a negative value ({arr.min()}); costs and memory must be >= 0")
     return arr
+
+
+def _row(problem: Problem, row: Row, what: str, k: list[int], signed: bool) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], float]:
+    nodes: dict[int, np.ndarray] = {}
+    for i, values in row.nodes:
+        if not _is_int(i) or not 0 <= i < len(k):
+            raise _error(f"{what} refers to node {i!r}; valid node indices are 0..{len(k) - 1}")
+        v = _array(values, f"{what}, {_label(problem, i)}", signed)
+        if v.shape != (k[i],):
+            raise _error(f"{what} gives {v.size} values for {_label(problem, i)}, which has {k[i]} choices")
+        nodes[i] = nodes[i] + v if i in nodes else v
+    edges: dict[int, np.ndarray] = {}
+    for j, matrix in row.edges:
+        if not _is_int(j) or not 0 <= j < len(problem.edges):
+            raise _error(f"{what} refers to edge {j!r}; valid edge indices are 0..{len(problem.edges) - 1}")
+        e = problem.edges[j]
+        m = _array(matrix, f"{what}, edge {j}", signed)
+        if m.shape != (k[e.src], k[e.dst]):
+            raise _error(f"{what}, edge {j} has shape {m.shape}; expected {(k[e.src], k[e.dst])}")
+        edges[j] = edges[j] + m if j in edges else m
+    return nodes, edges, float(row.constant)
 
 
 def _is_int(v: object) -> bool:
@@ -175,7 +244,23 @@ def _validate(problem: Problem) -> _Data:
                 raise _error(
                     f"warm_start gives choice {c!r} for {_label(problem, i)}, which has {costs[i].size} choices"
                 )
-    return _Data(costs, memory, edges)
+    k = [c.size for c in costs]
+    memory_rows = []
+    for r, row in enumerate(problem.memory_rows):
+        nodes, row_edges, constant = _row(problem, row, f"memory row {r}", k, signed=True)
+        if row_edges or constant:
+            raise _error(f"memory row {r} may only have node terms")
+        memory_rows.append(nodes)
+    transient = None
+    if problem.transient is not None:
+        if len(problem.transient) != n:
+            raise _error(f"costs has {n} nodes but transient has {len(problem.transient)}")
+        transient = [_array(t, f"transient of {_label(problem, i)}") for i, t in enumerate(problem.transient)]
+        for i, t in enumerate(transient):
+            if t.shape != (k[i],):
+                raise _error(f"transient of {_label(problem, i)} has {t.size} entries for {k[i]} choices")
+    exposed = [_row(problem, row, f"exposed row {r}", k, signed=True) for r, row in enumerate(problem.exposed_rows)]
+    return _Data(costs, memory, edges, memory_rows, transient, exposed)
 
 
 def _infeasible(problem: Problem, data: _Data, why: str) -> Exception:
@@ -209,14 +294,15 @@ class _Reduced:
 def _reduce(problem: Problem, data: _Data) -> _Reduced:
     k = data.k
     linear = [c.copy() for c in data.costs]
+    # Edges that exposed rows price by pair need pair variables even when their cost folds.
+    needs_pair = {_oriented(problem.edges[j])[:2] for _, emats, _ in data.exposed for j in emats}
     merged: dict[tuple[int, int], np.ndarray] = {}
     for edge, m in zip(problem.edges, data.edges):
-        u, v = edge.src, edge.dst
+        u, v, flip = _oriented(edge)
         if u == v:  # self-loop: both ends take the node's single choice
             linear[u] += np.diag(m)
             continue
-        if u > v:
-            u, v, m = v, u, m.T
+        m = m.T if flip else m
         merged[(u, v)] = merged[(u, v)] + m if (u, v) in merged else m
 
     pairs: dict[tuple[int, int], np.ndarray] = {}
@@ -225,13 +311,18 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
         a = m[:, 0]
         b = m[0, :] - m[0, 0]
         r = m - a[:, None] - b[None, :]
-        if k[u] == 1 or k[v] == 1 or np.abs(r).max() <= _SEPARABLE_RTOL * np.abs(m).max():
+        if k[u] == 1 or k[v] == 1 or ((u, v) not in needs_pair and np.abs(r).max() <= _SEPARABLE_RTOL * np.abs(m).max()):
             linear[u] = linear[u] + a
             linear[v] = linear[v] + b
         else:
             pairs[(u, v)] = m
     offset = sum(float(linear[i][0]) for i in range(len(k)) if k[i] == 1)
     return _Reduced(linear, offset, pairs)
+
+
+def _oriented(edge: Edge) -> tuple[int, int, bool]:
+    """The edge's ends in increasing order, and whether its matrix must be transposed for that."""
+    return (edge.dst, edge.src, True) if edge.src > edge.dst else (edge.src, edge.dst, False)
 
 
 # --------------------------------------------------------------------------- model building
@@ -242,6 +333,9 @@ class _Model:
     proto: model_pb2.ModelProto
     x_ids: dict[int, range]  # free node -> ids of its one-hot variables
     e_ids: dict[tuple[int, int], int]  # pair edge -> id of e[0, 0] (row-major block)
+    t_id: int | None  # largest transient, in units of t_scale bytes
+    t_scale: float
+    exposed_id: int | None  # exposed communication, seconds
 
 
 def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
@@ -259,11 +353,19 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
     for u, v in red.pairs:
         e_ids[(u, v)] = nxt
         nxt += k[u] * k[v]
+    budget = problem.memory_budget
+    binding = _binding_moments(problem, data)
+    t_id = nxt if binding and data.transient is not None else None   # largest transient (bytes)
+    nxt += t_id is not None
+    x_id = nxt if data.exposed else None   # exposed communication (seconds)
+    nxt += x_id is not None
+    mscale = 1.0
 
     var = proto.variables
     var.ids.extend(range(nxt))
     var.lower_bounds.extend([0.0] * nxt)
-    var.upper_bounds.extend([1.0] * nxt)
+    var.upper_bounds.extend([1.0] * (num_x + sum(m.size for m in red.pairs.values())))
+    var.upper_bounds.extend([math.inf] * (nxt - len(var.upper_bounds)))
     var.integers.extend([True] * num_x + [False] * (nxt - num_x))
 
     # Objective. Each node's linear costs are shifted by their minimum (folding separable
@@ -283,6 +385,9 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         nz = np.flatnonzero(vals)
         obj.ids.extend([ids[j] for j in nz.tolist()])
         obj.values.extend((vals[nz] / scale).tolist())
+    if x_id is not None:
+        obj.ids.append(x_id)
+        obj.values.append(1.0 / scale)
     proto.objective.offset = offset / scale
     proto.objective.maximize = False
 
@@ -300,6 +405,10 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         lbs.append(lb)
         ubs.append(ub)
 
+    def add_sparse(terms: dict[int, float], lb: float, ub: float) -> None:
+        ids = sorted(j for j, c in terms.items() if c != 0.0)
+        add_row(ids, [terms[j] for j in ids], lb, ub)
+
     for i in free:  # one-hot
         add_row(x_ids[i], [1.0] * k[i], 1.0, 1.0)
     for (u, v), base in e_ids.items():  # marginals of the pair variables (x ids < e ids)
@@ -309,21 +418,51 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         for d in range(kv):
             add_row([x_ids[v][d], *range(base + d, base + ku * kv, kv)], [-1.0] + [1.0] * ku, 0.0, 0.0)
 
-    budget = problem.memory_budget
-    if budget is not None and math.isfinite(budget):
-        # Only memory above each node's minimum competes for the slack; skip the row when
-        # even the most memory-hungry choices fit.
-        slack = budget - data.min_memory()
-        excess = {i: data.memory[i] - data.memory[i].min() for i in free}
-        if sum(float(ex.max()) for ex in excess.values()) > slack:
-            mscale = max(float(ex.max()) for ex in excess.values())
-            ids: list[int] = []
-            vals: list[float] = []
-            for i, ex in excess.items():
-                nz = np.flatnonzero(ex)
-                ids.extend([x_ids[i][j] for j in nz.tolist()])
-                vals.extend((ex[nz] / mscale).tolist())
-            add_row(ids, vals, -math.inf, slack / mscale)
+    if binding:
+        # Only memory above each node's minimum competes for the slack of each moment.
+        mscale = max(float(data.moment(r, i).max()) for r in binding for i in range(len(k))) or 1.0
+        fixed_work = 0.0
+        if t_id is not None:
+            for i in range(len(k)):
+                if i in x_ids:   # T >= transient of the chosen strategy
+                    add_sparse({**dict(zip(x_ids[i], (data.transient[i] / mscale).tolist())), t_id: -1.0}, -math.inf, 0.0)
+                else:
+                    fixed_work = max(fixed_work, float(data.transient[i][0]))
+            var.lower_bounds[t_id] = fixed_work / mscale
+        for r in binding:
+            terms: dict[int, float] = {}
+            floor = 0.0
+            for i in range(len(k)):
+                vec = data.moment(r, i)
+                floor += float(vec.min())
+                if i in x_ids:
+                    excess = (vec - vec.min()) / mscale
+                    terms.update((x_ids[i][c], float(excess[c])) for c in np.flatnonzero(excess).tolist())
+            if t_id is not None:
+                terms[t_id] = 1.0
+            add_sparse(terms, -math.inf, (budget - floor) / mscale)
+
+    for nodes, emats, constant in data.exposed:   # E >= queued communication - compute that hides it
+        terms = {}
+        for i, v in nodes.items():
+            if i in x_ids:
+                terms.update((x_ids[i][c], terms.get(x_ids[i][c], 0.0) + float(v[c])) for c in range(k[i]))
+            else:
+                constant += float(v[0])
+        for j, m in emats.items():
+            u, w, flip = _oriented(problem.edges[j])
+            m = m.T if flip else m
+            if (u, w) in e_ids:
+                base = e_ids[(u, w)]
+                terms.update((base + q, terms.get(base + q, 0.0) + float(val)) for q, val in enumerate(m.ravel()))
+            elif u in x_ids:   # w has one choice
+                terms.update((x_ids[u][c], terms.get(x_ids[u][c], 0.0) + float(m[c, 0])) for c in range(k[u]))
+            elif w in x_ids:
+                terms.update((x_ids[w][c], terms.get(x_ids[w][c], 0.0) + float(m[0, c])) for c in range(k[w]))
+            else:
+                constant += float(m[0, 0])
+        terms[x_id] = -1.0
+        add_sparse({j: c / scale for j, c in terms.items()}, -math.inf, -constant / scale)
 
     proto.linear_constraints.ids.extend(range(len(lbs)))
     proto.linear_constraints.lower_bounds.extend(lbs)
@@ -332,7 +471,17 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
     mat.row_ids.extend(rows)
     mat.column_ids.extend(cols)
     mat.coefficients.extend(coefs)
-    return _Model(proto, x_ids, e_ids)
+    return _Model(proto, x_ids, e_ids, t_id, mscale, x_id)
+
+
+def _binding_moments(problem: Problem, data: _Data) -> list[int]:
+    """Moments (0: always-live memory, r: memory row r) whose worst case could exceed the budget."""
+    budget = problem.memory_budget
+    if budget is None or not math.isfinite(budget):
+        return []
+    work = max((float(t.max()) for t in data.transient), default=0.0) if data.transient else 0.0
+    return [r for r in range(len(data.memory_rows) + 1)
+            if sum(float(data.moment(r, i).max()) for i in range(len(data.k))) + work > budget]
 
 
 # --------------------------------------------------------------------------- hint
@@ -343,36 +492,42 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
 
     Start from the warm start (if it fits the budget), else the cheapest choice per node (or
     the lowest-memory one if that breaks the budget), then improve it by coordinate descent:
-    move one node at a time to its best choice given its neighbours, within the budget.
-    Cheap, and it is what the caller gets back if the solver runs out of time before beating it.
+    move one node at a time to its best choice given its neighbours, within the budget (checked
+    at every moment of the step; the largest transient is only allowed to grow). Exposed
+    communication is left to the solver. Cheap, and it is what the caller gets back if the
+    solver runs out of time before beating it.
     """
     budget = problem.memory_budget if problem.memory_budget is not None else math.inf
     k = data.k
-
-    def mem(ch: Sequence[int]) -> float:
-        return float(sum(data.memory[i][c] for i, c in enumerate(ch)))
+    moments = range(len(data.memory_rows) + 1)
+    per_node = [np.stack([data.moment(r, i) for r in moments]) for i in range(len(k))]  # (moments, k)
 
     choices = list(problem.warm_start) if problem.warm_start is not None else []
-    if not choices or mem(choices) > budget:
+    if not choices or data.peak(choices) > budget:
         choices = [int(np.argmin(c)) for c in data.costs]
-    if mem(choices) > budget:
-        choices = [int(np.argmin(m)) for m in data.memory]
+    if data.peak(choices) > budget:
+        choices = [int(np.argmin(m.max(axis=0))) for m in per_node]
 
     adjacency: dict[int, list[tuple[np.ndarray, int, bool]]] = {i: [] for i in range(len(k)) if k[i] > 1}
     for (u, v), m in red.pairs.items():
         adjacency[u].append((m, v, True))
         adjacency[v].append((m, u, False))
-    used = mem(choices)
+    used = sum(m[:, c] for m, c in zip(per_node, choices)) if k else np.zeros(len(moments))
+    work = max((float(t[c]) for t, c in zip(data.transient, choices)), default=0.0) if data.transient else 0.0
     for _ in range(_MAX_SWEEPS):
         moved = False
         for i, nbrs in adjacency.items():
             local = red.linear[i].copy()
             for m, j, i_is_src in nbrs:
                 local += m[:, choices[j]] if i_is_src else m[choices[j], :]
-            fits = used - data.memory[i][choices[i]] + data.memory[i] <= budget
-            best = int(np.argmin(np.where(fits, local, np.inf)))
+            after = (used[:, None] - per_node[i][:, [choices[i]]] + per_node[i]).max(axis=0)
+            if data.transient is not None:
+                after = after + np.maximum(work, data.transient[i])
+            best = int(np.argmin(np.where(after <= budget, local, np.inf)))
             if local[best] < local[choices[i]] - 1e-12 * abs(local[choices[i]]):
-                used += data.memory[i][best] - data.memory[i][choices[i]]
+                used += per_node[i][:, best] - per_node[i][:, choices[i]]
+                if data.transient is not None:
+                    work = max(work, float(data.transient[i][best]))
                 choices[i] = best
                 moved = True
         if not moved:
@@ -384,11 +539,14 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
 
 
 def evaluate(problem: Problem, choices: Sequence[int]) -> tuple[float, float]:
-    """(objective seconds, memory bytes) of an assignment, computed from the original data."""
-    obj = sum(problem.costs[i][c] for i, c in enumerate(choices))
-    obj += sum(e.cost[choices[e.src]][choices[e.dst]] for e in problem.edges)
-    mem = sum(problem.memory[i][c] for i, c in enumerate(choices))
-    return float(obj), float(mem)
+    """(objective seconds, peak memory bytes) of an assignment, computed from the original data."""
+    return _evaluate(problem, _validate(problem), choices)
+
+
+def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[float, float]:
+    obj = sum(float(data.costs[i][c]) for i, c in enumerate(choices))
+    obj += sum(float(m[choices[e.src], choices[e.dst]]) for e, m in zip(problem.edges, data.edges))
+    return obj + data.exposed_time(choices, problem.edges), data.peak(choices)
 
 
 def solve(problem: Problem, time_limit: float | None = None, solver: str = "highs",
@@ -416,7 +574,7 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     built = _build(problem, data, red)
     hint = _hint(problem, data, red)
     if not built.x_ids:  # every node has a single choice: nothing to decide
-        obj, mem = evaluate(problem, hint)
+        obj, mem = _evaluate(problem, data, hint)
         return Solution(tuple(hint), obj, mem, "optimal", 0.0, time.perf_counter() - start, 0, 0)
 
     model = mathopt.Model.from_model_proto(built.proto)
@@ -429,6 +587,10 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     k = data.k
     for (u, v), base in built.e_ids.items():
         hint_values[base + hint[u] * k[v] + hint[v]] = 1.0
+    if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
+        hint_values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
+    if built.exposed_id is not None:
+        hint_values[built.exposed_id] = data.exposed_time(hint, problem.edges)
     x_vars = [variables[j] for ids in built.x_ids.values() for j in ids]
 
     params = mathopt.SolveParameters(
@@ -462,11 +624,12 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     for i, ids in built.x_ids.items():
         # argmax rounds away solver tolerances; first index wins ties.
         choices[i] = int(np.argmax([values[variables[j]] for j in ids]))
-    obj, mem = evaluate(problem, choices)
-    # The hint fits the budget exactly (checked in floating point, not within a solver
-    # tolerance), so fall back to it if the solver's plan is worse or overshoots the budget.
-    hint_obj, hint_mem = evaluate(problem, hint)
-    if hint_obj < obj or (budget is not None and mem > budget):
+    obj, mem = _evaluate(problem, data, choices)
+    # Fall back to the hint if the solver's plan is worse or overshoots the budget (checked in
+    # floating point, not within a solver tolerance), as long as the hint itself fits.
+    hint_obj, hint_mem = _evaluate(problem, data, hint)
+    fits = (lambda m: budget is None or m <= budget)
+    if fits(hint_mem) and (hint_obj < obj or not fits(mem)):
         choices, obj, mem = hint, hint_obj, hint_mem
 
     # "optimal" means within relative_gap of the optimum; the gap reported is the proven one.

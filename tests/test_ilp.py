@@ -9,7 +9,7 @@ import random
 import pytest
 
 from autopar.errors import AutoparError, InfeasibleError
-from solver import Edge, Problem, Solution, evaluate, solve
+from solver import Edge, Problem, Row, Solution, evaluate, solve
 from solver import ilp
 
 GIB = float(1 << 30)
@@ -80,6 +80,49 @@ def test_matches_brute_force(seed: int, budget_frac: float | None, solver: str) 
     check_solution(problem, sol)
     assert sol.status == "optimal" and sol.gap == 0.0
     assert sol.objective == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def step_problem(seed: int, budget_frac: float | None) -> Problem:
+    """A random problem with moments of the step, transients and exposed-communication rows
+    (signed: queued communication minus the compute that can hide it)."""
+    rng = random.Random(seed)
+    base = random_problem(seed, n=5, num_edges=7, kmax=3)
+    k = [len(c) for c in base.costs]
+    memory_rows = tuple(Row(nodes=tuple((i, tuple(rng.uniform(-1, 3) * GIB for _ in range(k[i])))
+                                        for i in rng.sample(range(5), 3))) for _ in range(2))
+    transient = tuple(tuple(rng.uniform(0, 2) * GIB for _ in range(ki)) for ki in k)
+    exposed = tuple(Row(nodes=tuple((i, tuple(rng.uniform(-1, 1) for _ in range(k[i]))) for i in rng.sample(range(5), 2)),
+                        edges=tuple((j, tuple(tuple(rng.uniform(0, 2) for _ in range(k[base.edges[j].dst]))
+                                              for _ in range(k[base.edges[j].src]))) for j in rng.sample(range(7), 2)),
+                        constant=rng.uniform(-1, 1)) for _ in range(2))
+    problem = Problem(base.costs, base.memory, base.edges, None, memory_rows=memory_rows, transient=transient,
+                      exposed_rows=exposed)
+    if budget_frac is None:
+        return problem
+    peaks = sorted(evaluate(problem, c)[1] for c in itertools.product(*(range(ki) for ki in k)))
+    return Problem(base.costs, base.memory, base.edges, peaks[int(budget_frac * (len(peaks) - 1))],
+                   memory_rows=memory_rows, transient=transient, exposed_rows=exposed)
+
+
+@pytest.mark.parametrize("budget_frac", [None, 0.1, 0.5])
+@pytest.mark.parametrize("seed", range(8))
+def test_step_rows_match_brute_force(seed: int, budget_frac: float | None) -> None:
+    problem = step_problem(seed, budget_frac)
+    want, _ = brute_force(problem)
+    sol = solve(problem)
+    check_solution(problem, sol)
+    assert sol.objective == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_peak_and_exposed_semantics() -> None:
+    # Two nodes, no choice: peak = always-live + worst moment + largest transient;
+    # exposed = max(0, worst row).
+    problem = Problem(costs=((1.0,), (2.0,)), memory=((10.0,), (20.0,)), edges=(Edge(0, 1, ((0.5,),)),),
+                      memory_rows=(Row(nodes=((0, (5.0,)),)), Row(nodes=((1, (7.0,)), (0, (-1.0,))))),
+                      transient=((3.0,), (4.0,)),
+                      exposed_rows=(Row(nodes=((0, (0.25,)),), edges=((0, ((1.0,),)),), constant=-0.5),
+                                    Row(constant=-2.0)))
+    assert evaluate(problem, (0, 0)) == (1.0 + 2.0 + 0.5 + 0.75, 30.0 + 6.0 + 4.0)
 
 
 def test_deterministic_and_warm_start() -> None:

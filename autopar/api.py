@@ -15,6 +15,8 @@ from autopar.mesh import MeshSpec, as_mesh_spec
 from autopar.plan import Plan
 from autopar.planner import DEFAULT_TIME_LIMIT_S, plan_captured
 from codegen.module import ShardedModule, full_state_dict
+from cost_models.profile import Profile
+from cost_models.profiling import resolve_profile
 
 __all__ = ["plan", "compile", "full_state_dict"]
 
@@ -24,18 +26,24 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 
 def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, example_kwargs: dict | None = None, *,
-         memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> Plan:
+         memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S,
+         profile: Profile | str | None = "auto", optimizer: str = "adamw") -> Plan:
     """Choose a placement for every op of ``model`` on ``mesh``; runs no collective.
 
     ``memory_budget``: bytes per device (default: the hardware's memory). ``time_limit``: seconds
     for the solver, after which the best plan found is returned with its optimality gap
-    (``None``: solve to optimality). The model and inputs may live on the ``meta`` device.
+    (``None``: solve to optimality). ``profile``: measured costs of this host (``autopar
+    profile``); ``"auto"`` uses the cached one when it matches the mesh, ``None`` the roofline
+    presets only; the plan's ``predicted.cost_source`` says which were used. ``optimizer``:
+    "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). The model and inputs
+    may live on the ``meta`` device.
     """
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
     captured = capture(model, _as_tuple(example_inputs), example_kwargs)
     timings = {"capture": time.perf_counter() - t0}
-    return plan_captured(captured, spec, memory_budget=memory_budget, time_limit=time_limit, timings=timings)
+    return plan_captured(captured, spec, memory_budget=memory_budget, time_limit=time_limit, timings=timings,
+                         profile=resolve_profile(profile, spec), optimizer=optimizer)
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,
@@ -63,6 +71,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
 def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: dict) -> Plan:
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it."""
+    options = {**options, "profile": resolve_profile(options.get("profile", "auto"), spec)}
     if local_tensor_mode() is not None or not dist.is_initialized() or dist.get_world_size() == 1 \
             or dist.get_backend() == "fake":
         return plan_captured(captured, spec, **options)

@@ -14,7 +14,7 @@ from autopar.errors import PlanFileError
 from autopar.mesh import MeshSpec
 from autopar.placements import Placements, parse_placement, placements_str
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class NodePlan:
     fqn: str | None                   # parameter/buffer name
     compute_s: float                  # forward+backward compute time of this node
     comm_s: float                     # communication time charged to this node (incoming resharding, gradient sync)
-    memory_bytes: float               # bytes this node holds per device at the peak
+    memory_bytes: float               # bytes this node holds per device (state + kept activations + gradients)
+    saved_bytes: float = 0.0          # of which activations kept for the backward
+    source: str = "roofline"          # where compute/comm figures came from: "measured", "roofline" or both
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -59,8 +61,12 @@ class Prediction:
     peak_memory_bytes: float
     comm_bytes: dict[str, float]      # bytes sent per device, per mesh axis name
     compute_s: float
-    comm_s: float
-    memory_breakdown: dict[str, float]  # parameters, gradients, optimizer, activations
+    comm_s: float                     # blocking communication
+    memory_breakdown: dict[str, float]  # bytes live at the peak: state, activations, gradients, working
+    overlapped_comm_s: float = 0.0    # gradient synchronisation queued during the backward
+    exposed_comm_s: float = 0.0       # the part of it no backward compute hides (included in step_time_s)
+    peak_at: str = ""                 # the moment of the peak, e.g. "backward: linear_8"
+    cost_source: str = ""             # which costs were measured (profile) and which from the roofline
 
 
 @dataclass

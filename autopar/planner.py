@@ -12,7 +12,9 @@ from autopar.capture import CapturedGraph, readable_name
 from autopar.mesh import MeshSpec
 from autopar.plan import NodePlan, Plan, Prediction
 from autopar.strategies import StrategySpace, Strategy, alias_strategies, build_space
-from cost_models.estimate import Cost, CostModel
+from cost_models.estimate import Cost, CostModel, get_optimizer
+from cost_models.profile import Profile
+from cost_models.schedule import Timeline
 from solver import Edge, Problem, solve
 
 log = logging.getLogger("autopar")
@@ -21,6 +23,9 @@ log = logging.getLogger("autopar")
 # and it spares the solver proving optimality on large problems.
 RELATIVE_GAP = 1e-3
 DEFAULT_TIME_LIMIT_S = 60.0
+# Cut points of the backward at which the ILP checks memory and exposed communication (the plan's
+# own prediction checks every position).
+CUTS = 8
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
@@ -33,21 +38,24 @@ def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
 
 def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
                   time_limit: float | None = DEFAULT_TIME_LIMIT_S, timings: dict[str, float] | None = None,
-                  forced: dict[str, Strategy] | None = None) -> Plan:
-    """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, baselines)."""
+                  forced: dict[str, Strategy] | None = None, profile: Profile | None = None,
+                  optimizer: str = "adamw") -> Plan:
+    """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, baselines);
+    ``profile`` supplies measured costs of this machine (else roofline presets)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
         space = build_space(captured, mesh)
         if forced:
             _force(space, forced)
     with _stage(timings, "costs"):
-        model = CostModel(mesh)
+        model = CostModel(mesh, space, profile=profile, optimizer=get_optimizer(optimizer))
+        timeline = Timeline(space)
         budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
-        problem, edge_index, owner = _problem(space, model, budget)
+        problem, edge_index, owner = _problem(space, model, timeline, budget)
     with _stage(timings, "solve"):
         solution = solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
     chosen = [nc.strategies[solution.choices[owner[i]]] for i, nc in enumerate(space.nodes)]
-    return _make_plan(captured, space, model, chosen, edge_index, budget, solution, timings)
+    return _make_plan(captured, space, model, timeline, chosen, edge_index, budget, solution, timings)
 
 
 def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
@@ -69,7 +77,8 @@ def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
             nc.strategies = alias_strategies(src.strategies)
 
 
-def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Problem, list[tuple[int, int, int]], list[int]]:
+def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget: float
+             ) -> tuple[Problem, list[tuple[int, int, int]], list[int]]:
     """The ILP over decision nodes. Aliases (one output of a split) share their source's variable:
     their edges are priced with their own tensor but attached to the source's choice."""
     decision = {}   # space index -> ILP index
@@ -77,12 +86,11 @@ def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Pro
         if nc.kind != "alias":
             decision[i] = len(decision)
     owner = [decision[i] if nc.kind != "alias" else decision[space.index[nc.source]] for i, nc in enumerate(space.nodes)]
-    costs, memory, edges, edge_index = [], [], [], []
-    for i, nc in enumerate(space.nodes):
-        if i in decision:
-            node_costs = [model.node(nc, s) for s in nc.strategies]
-            costs.append(tuple(c.time_s for c in node_costs))
-            memory.append(tuple(c.memory_bytes for c in node_costs))
+    node_costs = {i: [model.node(nc, s) for s in nc.strategies] for i, nc in enumerate(space.nodes) if i in decision}
+    costs = tuple(tuple(c.compute_s + c.comm_s for c in cs) for cs in node_costs.values())
+    state = tuple(tuple(c.state_bytes for c in cs) for cs in node_costs.values())
+    transient = tuple(tuple(c.transient_bytes for c in cs) for cs in node_costs.values())
+    edges, edge_index, queued = [], [], []
     matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
     for j, nc in enumerate(space.nodes):
         if nc.kind == "alias":
@@ -95,26 +103,36 @@ def _problem(space: StrategySpace, model: CostModel, budget: float) -> tuple[Pro
             val = inp.meta.get("val")
             key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
             if key not in matrices:
-                matrices[key] = tuple(tuple(model.edge(src, s, nc, d, k).time_s for d in nc.strategies)
-                                      for s in src.strategies)
-            edges.append(Edge(owner[i], decision[j], matrices[key]))
+                grid = [[model.edge(src, s, nc, d, k) for d in nc.strategies] for s in src.strategies]
+                matrices[key] = (tuple(tuple(c.compute_s + c.comm_s for c in row) for row in grid),
+                                 tuple(tuple(c.overlap_s for c in row) for row in grid))
+            blocking, overlap = matrices[key]
+            if any(any(row) for row in overlap):
+                queued.append((i, len(edges), overlap))
+            edges.append(Edge(owner[i], decision[j], blocking))
             edge_index.append((i, j, k))
     names = tuple(nc.node.name for i, nc in enumerate(space.nodes) if i in decision)
-    return Problem(tuple(costs), tuple(memory), tuple(edges), budget, names), edge_index, owner
+    memory_rows = timeline.memory_rows(owner, node_costs, CUTS)
+    exposed_rows = timeline.exposed_rows(owner, node_costs, queued, CUTS)
+    problem = Problem(costs, state, tuple(edges), budget, names, memory_rows=memory_rows, transient=transient,
+                      exposed_rows=exposed_rows)
+    return problem, edge_index, owner
 
 
-def _make_plan(captured, space, model, chosen, edge_index, budget, solution, timings) -> Plan:
+def _make_plan(captured, space, model, timeline, chosen, edge_index, budget, solution, timings) -> Plan:
     incoming: dict[int, Cost] = {}
+    queued = []
     for i, j, k in edge_index:
         c = model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k)
         incoming[j] = incoming.get(j, Cost()) + c
+        if c.overlap_s:
+            queued.append((i, c.overlap_s))
+    costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
+    step_overhead = model.profile.overheads.get("step", 0.0) if model.profile is not None else 0.0
+    sim = timeline.simulate(costs, queued, step_overhead)
     nodes, total = [], Cost()
-    breakdown = {"parameters+gradients+optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
-    for idx, (nc, s) in enumerate(zip(space.nodes, chosen)):
-        c = model.node(nc, s) + incoming.get(idx, Cost())
+    for nc, s, c in zip(space.nodes, chosen, costs):
         total = total + c
-        key = {"param": "parameters+gradients+optimizer", "op": "activations"}.get(nc.kind, "inputs")
-        breakdown[key] += c.memory_bytes
         nodes.append(NodePlan(
             name=nc.node.name,
             op={"param": "parameter", "input": "input", "buffer": "buffer", "output": "output"}.get(nc.kind, str(nc.node.target)),
@@ -125,15 +143,41 @@ def _make_plan(captured, space, model, chosen, edge_index, budget, solution, tim
             storage=s.storage,
             fqn=nc.fqn,
             compute_s=c.compute_s,
-            comm_s=c.comm_s,
+            comm_s=c.comm_s + c.overlap_s,
             memory_bytes=c.memory_bytes,
+            saved_bytes=c.saved_bytes,
+            source=_source(c, model),
         ))
     axes = space.mesh.axis_names
     comm_bytes = {a: (total.comm_bytes[i] if i < len(total.comm_bytes) else 0.0) for i, a in enumerate(axes)}
-    predicted = Prediction(step_time_s=total.time_s, peak_memory_bytes=total.memory_bytes, comm_bytes=comm_bytes,
-                           compute_s=total.compute_s, comm_s=total.comm_s, memory_breakdown=breakdown)
+    predicted = Prediction(step_time_s=sim.step_s, peak_memory_bytes=sim.peak_bytes, comm_bytes=comm_bytes,
+                           compute_s=sim.compute_s, comm_s=sim.comm_s, memory_breakdown=sim.at_peak,
+                           overlapped_comm_s=sim.overlap_s, exposed_comm_s=sim.exposed_s, peak_at=sim.peak_at,
+                           cost_source=_overall_source(costs, model))
     solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
                    "constraints": solution.num_constraints, "objective_s": solution.objective}
     return Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
                 predicted=predicted, memory_budget=budget, solver=solver_info, timings=timings,
                 warnings=captured.warnings + space.warnings)
+
+
+def _source(c: Cost, model: CostModel) -> str:
+    """Where a node's time figures came from: the profile ("measured") or the roofline presets."""
+    has_compute, has_comm = c.compute_s > 0, c.comm_s + c.overlap_s > 0
+    parts = []
+    if has_compute:
+        parts.append("measured" if "compute" in c.measured else "roofline")
+    if has_comm:
+        parts.append("measured comm" if "comm" in c.measured else "roofline comm")
+    return ", ".join(parts) or "-"
+
+
+def _overall_source(costs: list[Cost], model: CostModel) -> str:
+    timed = [c for c in costs if c.compute_s > 0]
+    measured = sum(c.compute_s for c in timed if "compute" in c.measured)
+    total = sum(c.compute_s for c in timed) or 1.0
+    comm = [c for c in costs if c.comm_s + c.overlap_s > 0]
+    comm_measured = sum(1 for c in comm if "comm" in c.measured)
+    profile = "no profile" if model.profile is None else f"profile {model.profile.fingerprint.get('device_name', '?')}"
+    return (f"{profile}: {100 * measured / total:.0f}% of compute time measured, the rest roofline "
+            f"({model.hw.name}); {comm_measured}/{len(comm)} communicating nodes use measured links")

@@ -155,7 +155,7 @@ class _Emitter:
             self.emit(f"{node.name} = sharded_cross_entropy({args}, placements={out})", comment)
         elif node.target is aten.embedding.default:
             self.emit(f"{node.name} = sharded_embedding({args}, placements={out}, shape={shape})", comment)
-        elif node.target in SHAPE_ARG_OPS and any(not isinstance(p, Replicate) for p in np_.out):
+        elif dispatched_by_dtensor(node, np_.out):
             # shape arguments are global: DTensor translates them to each rank's local shape
             self.emit(f"{node.name} = planned({self._call_text(node, rename)}, {out}, {node.name!r})", comment)
         else:
@@ -176,6 +176,12 @@ class _Emitter:
         wrap = (lambda x: self.arg(x)) if self.keep else (lambda x: f"full({self.arg(x)})" if isinstance(x, fx.Node) else self.arg(x))
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
                   "outputs" + ("" if self.keep else ": gathered to full tensors on every rank"))
+
+
+def dispatched_by_dtensor(node: fx.Node, out: Placements) -> bool:
+    """Whether generated code runs ``node`` through DTensor's dispatch (a shape-argument op on a
+    sharded tensor) rather than on local shards; the cost model prices the two differently."""
+    return node.target in SHAPE_ARG_OPS and any(not isinstance(p, Replicate) for p in out)
 
 
 aten = torch.ops.aten

@@ -219,7 +219,9 @@ def full(t: Any) -> Any:
 
 def sync_grad_to(param: DTensor) -> None:
     """Gradient synchronisation: reduce a parameter's gradient into the parameter's own placement
-    (all-reduce for replicated parameters, reduce-scatter for sharded/ZeRO-3 ones)."""
+    (all-reduce for replicated parameters, reduce-scatter for sharded/ZeRO-3 ones). The collective
+    is only launched here (``async_op``): it runs while the backward goes on, and the gradient is
+    waited for when first used (the optimizer step)."""
     placements = list(param.placements)
-    param.register_hook(lambda g: g.redistribute(g.device_mesh, placements)
+    param.register_hook(lambda g: g.redistribute(g.device_mesh, placements, async_op=True)
                         if isinstance(g, DTensor) and not _same(g.placements, placements) else g)

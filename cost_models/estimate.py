@@ -1,17 +1,25 @@
-"""Cost model v0: seconds and bytes of each node strategy and each resharding edge.
+"""Seconds and bytes of each node strategy and each resharding edge, as one rank sees them.
 
-Compute is a roofline over the op's FLOPs (counted by ``FlopCounterMode`` on fake tensors) and
-bytes moved, on the shard one device runs; forward + backward counted as 3x the forward.
-Communication is alpha-beta per mesh axis, for the forward redistribution and for the gradient's
-way back (which is where data-parallel all-reduces and ZeRO reduce-scatters appear).
-Memory per device: parameters + gradients + AdamW states of each parameter shard, plus the
-activations each op keeps for backward (all live at the end of the forward: the peak).
+Compute: the op's measured forward and backward seconds at its local shapes when a ``Profile``
+of this machine has them, else a roofline over its FLOPs (``FlopCounterMode`` on fake tensors)
+and bytes moved, backward = 2x forward. Either way the runtime's per-call overhead (measured
+by the profile) is added. Communication: alpha-beta per collective and mesh axis, with the
+profile's fitted links when it has them. A parameter's gradient synchronisation is queued
+asynchronously during the backward (``codegen.runtime.sync_grad_to``), so it is reported apart
+(``overlap_s``) and hidden only by the backward compute that follows it (``schedule``).
+
+Memory is split by lifetime, so that ``schedule`` can find the peak of the step instead of a
+sum: parameter shards + optimizer states live all step; activations kept for backward (found
+from the graph, ``activations``) live from their op's forward to its backward; gradients from
+the backward to the optimizer step; and each node's working memory only while it runs.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -19,45 +27,88 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture import tensor_val
+from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
 from autopar.placements import Placements, grad_placement, is_split, shard_fraction
-from autopar.strategies import VIEW_OPS, NodeChoices, Strategy
-from cost_models.comm import collective_time, link_for_axis
+from autopar.strategies import VIEW_OPS, NodeChoices, StrategySpace, Strategy
+from codegen.generate import dispatched_by_dtensor
+from cost_models.activations import NOTHING, Saved, SavedTensors, needs_grad
+from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import compute_time
 from cost_models.hardware import Hardware, get_hardware
+from cost_models.profile import Profile
 
-BACKWARD_FACTOR = 3.0          # forward + backward ~ 3x forward work (backward computes two grads)
-OPTIMIZER_STATES = 2           # AdamW: exp_avg and exp_avg_sq
-ADAMW_BYTES_PER_PARAM_BYTE = 7  # reads p, g, m, v; writes p, m, v
+BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str
+    states: int          # state tensors per parameter, each the parameter's size
+    update_bytes: int    # bytes read + written per parameter byte by one update
+    temp: int            # parameter-sized temporaries of one (single-tensor) update
+
+
+OPTIMIZERS = {
+    "adamw": Optimizer("adamw", states=2, update_bytes=7, temp=1),   # reads p, g, m, v; writes p, m, v
+    "adam": Optimizer("adam", states=2, update_bytes=7, temp=1),
+    "sgd": Optimizer("sgd", states=0, update_bytes=3, temp=0),
+    "sgd-momentum": Optimizer("sgd-momentum", states=1, update_bytes=5, temp=0),
+}
+
+
+def get_optimizer(name: str) -> Optimizer:
+    if name not in OPTIMIZERS:
+        raise AutoparError(f"unknown optimizer {name!r}; autopar costs {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
 
 
 @dataclass(frozen=True)
 class Cost:
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    memory_bytes: float = 0.0
+    compute_s: float = 0.0        # forward + backward compute, runtime overhead included
+    backward_s: float = 0.0       # the part of compute_s in the backward (it can hide gradient sync)
+    comm_s: float = 0.0           # blocking communication
+    overlap_s: float = 0.0        # gradient synchronisation queued during the backward
+    state_bytes: float = 0.0      # live all step: parameter shards, optimizer states, inputs
+    saved_bytes: float = 0.0      # kept from the node's forward to its backward
+    grad_bytes: float = 0.0       # parameter gradients: from the backward to the optimizer step
+    transient_bytes: float = 0.0  # working memory while the node runs
     comm_bytes: tuple[float, ...] = ()   # per mesh axis
+    measured: frozenset[str] = frozenset()   # which of "compute", "comm" came from the profile
 
     def __add__(self, o: "Cost") -> "Cost":
         n = max(len(self.comm_bytes), len(o.comm_bytes))
         a = self.comm_bytes + (0.0,) * (n - len(self.comm_bytes))
         b = o.comm_bytes + (0.0,) * (n - len(o.comm_bytes))
-        return Cost(self.compute_s + o.compute_s, self.comm_s + o.comm_s, self.memory_bytes + o.memory_bytes,
-                    tuple(x + y for x, y in zip(a, b)))
+        summed = {f.name: getattr(self, f.name) + getattr(o, f.name) for f in fields(self)
+                  if f.name not in ("comm_bytes", "measured")}
+        return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b)), measured=self.measured | o.measured)
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.comm_s
+        """Seconds if nothing overlapped (the solver and ``schedule`` hide ``overlap_s``)."""
+        return self.compute_s + self.comm_s + self.overlap_s
+
+    @property
+    def memory_bytes(self) -> float:
+        """Bytes this node holds at its heaviest (working memory aside)."""
+        return self.state_bytes + self.saved_bytes + self.grad_bytes
 
 
 @dataclass
 class CostModel:
     mesh: MeshSpec
+    space: StrategySpace
+    profile: Profile | None = None
+    optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS["adamw"])
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
         self.hw = get_hardware(self.mesh.hardware)
         self.links = [link_for_axis(self.hw, self.mesh.shape, a) for a in range(self.mesh.ndim)]
+        params = {nc.node for nc in self.space.nodes if nc.kind == "param"}
+        self.saved = SavedTensors(needs_grad(self.space.nodes[0].node.graph, params)) if self.space.nodes else None
+        self._counted = self._first_keepers()
         self._flops: dict[tuple, float] = {}
         self._moves: dict[tuple, Cost] = {}
 
@@ -71,7 +122,7 @@ class CostModel:
 
     def _redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
         full = _numel(shape) * _itemsize(dtype)
-        time, sent = 0.0, []
+        time, sent, measured = 0.0, [], frozenset()
         for a, (s, d) in enumerate(zip(src, dst)):
             n = self.mesh.shape[a]
             others = tuple(p if i != a else Replicate() for i, p in enumerate(src))
@@ -80,27 +131,54 @@ class CostModel:
             if kind is None or n == 1:
                 sent.append(0.0)
                 continue
-            if kind == "all_to_all":
-                nbytes /= n
-            time += collective_time(kind, nbytes, n, self.links[a])
+            link = self._link(kind, a)
+            measured |= {"comm"} if link is not self.links[a] else frozenset()
+            time += collective_time(kind, nbytes, n, link)
             sent.append(nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1))
-        return Cost(comm_s=time, comm_bytes=tuple(sent))
+        return Cost(comm_s=time, comm_bytes=tuple(sent), measured=measured)
+
+    def _link(self, kind: str, axis: int) -> Link:
+        """The profile's fitted link for this collective and group size, else the preset's."""
+        measured = self.profile.link(kind, self.mesh.shape[axis]) if self.profile is not None else None
+        return measured or self.links[axis]
 
     # ------------------------------------------------------------ nodes
     def node(self, nc: NodeChoices, s: Strategy) -> Cost:
         val = tensor_val(nc.node)
         if nc.kind == "param":
-            local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
-            cost = Cost(compute_s=compute_time(0, ADAMW_BYTES_PER_PARAM_BYTE * local, self.hw, val.dtype),
-                        memory_bytes=local * (2 + OPTIMIZER_STATES), comm_bytes=(0.0,) * self.mesh.ndim)
-            if s.storage != s.out:  # ZeRO-3: gather on use, the gathered copy lives until backward
-                gather = self.redistribute(val.shape, val.dtype, s.storage, s.out)
-                cost = cost + gather + Cost(memory_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
-            return cost
+            return self._param(nc, s, val)
         if nc.kind in ("input", "buffer"):
-            return Cost(memory_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
-        if nc.kind == "output" or nc.node.target in VIEW_OPS or val is None:
+            return Cost(state_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
+        if nc.kind in ("output", "alias") or val is None:
             return Cost()
+        compute = self._compute(nc, s, val)
+        if nc.node.target in VIEW_OPS:   # aliases: no data moved, nothing kept
+            return compute
+        out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
+        in_bytes = [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
+        floats = sum(b for i, b in zip(nc.inputs, in_bytes) if tensor_val(i).dtype.is_floating_point)
+        return compute + Cost(saved_bytes=self._kept(nc, s, val), transient_bytes=out_bytes + floats)
+
+    def _param(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
+        local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
+        opt = self.optimizer
+        update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
+        if self.profile is not None:
+            update += self.profile.overheads.get("optimizer_per_param", 0.0) + self.profile.overheads.get("grad_hook", 0.0)
+        cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
+                    transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
+        if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
+            gather = self.redistribute(val.shape, val.dtype, s.storage, s.out)
+            cost = cost + gather + Cost(saved_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
+        return cost
+
+    def _compute(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
+        overhead = self._overhead(nc, s)
+        timed = self._measured(nc, s)
+        if timed is not None:
+            return Cost(compute_s=timed.total_s + overhead, backward_s=timed.bwd_s, measured=frozenset({"compute"}))
+        if nc.node.target in VIEW_OPS:
+            return Cost(compute_s=overhead)
         split = 1
         for a, n in enumerate(self.mesh.shape):
             if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
@@ -108,8 +186,57 @@ class CostModel:
         in_bytes = sum(_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins))
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         flops = self.flops(nc.node) / split
-        t = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
-        return Cost(compute_s=t, memory_bytes=out_bytes)
+        fwd = compute_time(flops, in_bytes + out_bytes, self.hw, val.dtype)
+        bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
+        if not val.dtype.is_floating_point:
+            bwd = 0.0
+        return Cost(compute_s=fwd + bwd + overhead, backward_s=bwd)
+
+    def _measured(self, nc: NodeChoices, s: Strategy):
+        if self.profile is None or not self.profile.ops:
+            return None
+        from cost_models.profile_ops import op_call   # profiling is optional: import on use
+        call = op_call(nc, s, self.mesh.shape)
+        return self.profile.ops.get(call.key) if call is not None else None
+
+    def _overhead(self, nc: NodeChoices, s: Strategy) -> float:
+        """The generated code's per-call cost on top of the op itself (measured by the profile)."""
+        if self.profile is None or nc.node.target is operator.getitem:
+            return 0.0
+        kind = "dtensor_op" if dispatched_by_dtensor(nc.node, s.out) else "local_op"
+        return self.profile.overheads.get(kind, 0.0)
+
+    def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> float:
+        """Bytes of the activations this op keeps for its backward, at the strategy's placements.
+        An input kept by several ops is one tensor: only its first keeper counts it."""
+        saved: Saved = self.saved(nc.node) if self.saved is not None else NOTHING
+        mesh = self.mesh.shape
+        total = _bytes(val) * shard_fraction(s.out, mesh) if saved.output else 0.0
+        for k in saved.inputs & self._counted.get(nc.node, frozenset()):
+            total += _bytes(tensor_val(_storage_root(nc.inputs[k]))) * shard_fraction(s.ins[k], mesh)
+        if saved.extra_bytes:
+            total += saved.extra_bytes * max((shard_fraction(p, mesh) for p in s.ins), default=1.0)
+        return total
+
+    def _first_keepers(self) -> dict[fx.Node, frozenset[int]]:
+        """For each op, the inputs it is the first to keep (parameters and buffers excluded:
+        their memory is the parameter's own)."""
+        if self.saved is None:
+            return {}
+        own = {nc.node for nc in self.space.nodes if nc.kind in ("param", "buffer")}
+        claimed: set[fx.Node] = set()
+        counted: dict[fx.Node, frozenset[int]] = {}
+        for nc in self.space.nodes:
+            if nc.kind != "op":
+                continue
+            mine = set()
+            for k in sorted(self.saved(nc.node).inputs):
+                root = _storage_root(nc.inputs[k])
+                if root not in own and root not in claimed:
+                    claimed.add(root)
+                    mine.add(k)
+            counted[nc.node] = frozenset(mine)
+        return counted
 
     def flops(self, node: fx.Node) -> float:
         """Forward FLOPs of the whole (unsharded) op, counted by PyTorch's FlopCounterMode."""
@@ -128,17 +255,27 @@ class CostModel:
     # ------------------------------------------------------------ edges
     def edge(self, src: NodeChoices, s: Strategy, dst: NodeChoices, d: Strategy, i: int) -> Cost:
         """Forward redistribution of ``src``'s output into input ``i`` of ``dst``, plus the backward
-        redistribution of that input's gradient into ``src``'s gradient placement."""
+        redistribution of that input's gradient into ``src``'s gradient placement. A parameter's
+        gradient redistribution is its synchronisation, queued asynchronously (``overlap_s``)."""
         val = tensor_val(src.node)
         if val is None:
             return Cost()
-        want = d.ins[i]
-        fwd = self.redistribute(val.shape, val.dtype, s.out, want)
+        fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i])
         if dst.kind == "output" or not val.dtype.is_floating_point:
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
         target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)
-        return fwd + self.redistribute(val.shape, val.dtype, grad, target)
+        back = self.redistribute(val.shape, val.dtype, grad, target)
+        if src.kind == "param":
+            back = Cost(overlap_s=back.comm_s, comm_bytes=back.comm_bytes, measured=back.measured)
+        return fwd + back
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node whose output a view aliases (a kept view keeps its base's storage alive)."""
+    while node.op == "call_function" and node.target in VIEW_OPS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _collective(s: Placement, d: Placement) -> str | None:
@@ -151,10 +288,20 @@ def _collective(s: Placement, d: Placement) -> str | None:
     return "all_gather" if isinstance(s, Shard) else None   # to Partial: shard -> replicate first
 
 
-def _numel(shape: Sequence[int]) -> int:
+def _dim(size):
+    """One dimension as an int; a symbolic one (a ``SymInt`` of a capture with dynamic shapes, or
+    a sympy expression: ``autopar.symbolic``) as a sympy expression."""
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    if isinstance(size, sympy.Basic):
+        return size
+    return int(size)
+
+
+def _numel(shape: Sequence[int]):
     n = 1
     for s in shape:
-        n *= int(s)
+        n *= _dim(s)
     return n
 
 
@@ -162,5 +309,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _bytes(val) -> float:
-    return float(_numel(val.shape) * _itemsize(val.dtype)) if val is not None else 0.0
+def _bytes(val):
+    """Bytes of a tensor: a float, or a sympy expression when its shape is symbolic."""
+    if val is None:
+        return 0.0
+    n = _numel(val.shape) * _itemsize(val.dtype)
+    return n if isinstance(n, sympy.Basic) else float(n)

@@ -1,0 +1,161 @@
+"""Measured costs of the machine at hand: the one data structure profiling hands to the cost model.
+
+A ``Profile`` holds
+* ``ops``: forward and backward seconds of one op at one set of local shapes (``op_key``);
+* ``collectives``: a fitted ``Link`` (latency + bandwidth) per collective kind and group size,
+  measured through the runtime's own ``redistribute`` (so its Python overhead is in the latency);
+* ``overheads``: seconds the generated code's runtime adds per call site (see ``OVERHEADS``).
+
+It is keyed by a hardware fingerprint: a profile taken on another device, torch version, thread
+count or number of processes sharing the host (CPU cores are shared) does not describe this run,
+and the cost model falls back to the roofline presets for it. Profiles are JSON, never pickle.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.errors import AutoparError
+from cost_models.comm import Link
+
+PROFILE_VERSION = 1
+
+#: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
+OVERHEADS = {
+    "local_op": "one op run on local shards by codegen.runtime.local_op (wrapping, autograd node)",
+    "dtensor_op": "one view/reshape/expand dispatched through DTensor",
+    "grad_hook": "one parameter's gradient-sync hook when no collective is needed",
+    "optimizer_per_param": "one parameter tensor's optimizer update, beyond its bytes",
+    "step": "fixed cost of one training step (zero_grad, loss.backward entry, optimizer loop)",
+}
+
+
+class ProfileError(AutoparError):
+    """A profile file is malformed, from another autopar version, or from other hardware."""
+
+
+@dataclass(frozen=True)
+class OpTime:
+    fwd_s: float
+    bwd_s: float  # 0 for ops without a backward (integer outputs)
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass
+class Profile:
+    fingerprint: dict[str, Any]
+    ops: dict[str, OpTime] = field(default_factory=dict)
+    collectives: dict[str, Link] = field(default_factory=dict)   # collective_key(kind, n) -> Link
+    overheads: dict[str, float] = field(default_factory=dict)    # OVERHEADS key -> seconds
+
+    def link(self, kind: str, n: int) -> Link | None:
+        return self.collectives.get(collective_key(kind, n))
+
+    def merge(self, other: "Profile") -> None:
+        """Add ``other``'s measurements (same fingerprint) to this profile; newer numbers win."""
+        if other.fingerprint != self.fingerprint:
+            raise ProfileError("cannot merge profiles of different hardware fingerprints")
+        self.ops.update(other.ops)
+        self.collectives.update(other.collectives)
+        self.overheads.update(other.overheads)
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = json.dumps({
+            "autopar_profile_version": PROFILE_VERSION,
+            "fingerprint": self.fingerprint,
+            "ops": {k: [v.fwd_s, v.bwd_s] for k, v in sorted(self.ops.items())},
+            "collectives": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
+                            for k, v in sorted(self.collectives.items())},
+            "overheads": dict(sorted(self.overheads.items())),
+        }, indent=1)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | os.PathLike[str]) -> "Profile":
+        text = str(text_or_path)
+        where = "profile text"
+        if not text.lstrip().startswith("{"):
+            where = text
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise ProfileError(f"cannot read profile file {where}: {e}") from e
+        try:
+            d = json.loads(text)
+            version = d.get("autopar_profile_version")
+            if version != PROFILE_VERSION:
+                raise ProfileError(f"{where} is a version-{version} profile; this autopar reads version "
+                                   f"{PROFILE_VERSION}: run `autopar profile` again")
+            return cls(fingerprint=dict(d["fingerprint"]),
+                       ops={k: OpTime(float(f), float(b)) for k, (f, b) in d["ops"].items()},
+                       collectives={k: Link(bandwidth=float(v["bandwidth_Bps"]), latency=float(v["latency_s"]))
+                                    for k, v in d["collectives"].items()},
+                       overheads={k: float(v) for k, v in d["overheads"].items()})
+        except ProfileError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ProfileError(f"{where} is not an autopar profile ({type(e).__name__}: {e})") from e
+
+
+def collective_key(kind: str, n: int) -> str:
+    return f"{kind}@{n}"
+
+
+def hardware_fingerprint(device: str = "cpu", processes_per_host: int = 1, threads: int | None = None) -> dict[str, Any]:
+    """What makes measured seconds transferable: the device model, the torch build, the threads
+    each process uses and how many processes share the host (they share CPU cores)."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = _cpu_model()
+    return {"device": device.split(":")[0], "device_name": name, "torch": torch.__version__,
+            "threads": torch.get_num_threads() if threads is None else int(threads),
+            "processes_per_host": int(processes_per_host), "cpus": os.cpu_count()}
+
+
+def fingerprint_id(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_profile_path(fingerprint: dict[str, Any]) -> Path:
+    """Where ``autopar profile`` caches a profile (``$AUTOPAR_PROFILE_DIR``, else ~/.cache/autopar)."""
+    root = Path(os.environ.get("AUTOPAR_PROFILE_DIR", Path.home() / ".cache" / "autopar" / "profiles"))
+    return root / f"profile-{fingerprint_id(fingerprint)}.json"
+
+
+def op_key(target: Any, args: tuple, kwargs: dict[str, Any]) -> str:
+    """Identify one op call by its target, the shapes and dtypes of its tensor arguments (local
+    shapes: what one rank runs) and the values of the others."""
+    shown = torch.utils._pytree.tree_map_only(torch.Tensor, _TensorSig, (args, kwargs))
+    return f"{target}{shown[0]!r}{shown[1]!r}"
+
+
+class _TensorSig:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.text = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,399 @@
+"""Measure this machine's collectives and runtime overheads: the ``collectives`` and ``overheads``
+of a :class:`cost_models.profile.Profile`.
+
+Everything is timed through the same code the generated module runs (``codegen.runtime``), on
+the processes that will run it (ranks share the host's cores), so the runtime's Python overhead
+is part of every number: a collective's Python cost lands in its fitted latency.
+
+* :func:`fit_link`: pure least-squares fit of (nbytes, seconds) samples to ``collective_time``.
+* :func:`time_collectives`, :func:`time_overheads`: run on every rank of a live mesh, in lockstep.
+* :func:`profile_mesh`: both, on a local gloo mesh of the given shape.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.launch import run_on_gloo_mesh
+from autopar.placements import local_shape
+from codegen.runtime import local_op, redistribute, sync_grad_to
+from cost_models.comm import Link, collective_time
+from cost_models.profile import OVERHEADS, collective_key
+
+__all__ = ["DEFAULT_SIZES", "fit_link", "print_progress", "profile_mesh", "time_collectives", "time_overheads"]
+
+#: 4 KiB .. 16 MiB, 6 log-spaced sizes: latency-bound at the small end, bandwidth-bound at the
+#: large end. About 7 s for a (4,) mesh on 2 idle cores (all-to-all, gathered on gloo, is most).
+DEFAULT_SIZES: tuple[int, ...] = tuple(round(4096 * 4096 ** (i / 5)) for i in range(6))
+DEFAULT_REPEATS = 5
+
+#: How the runtime performs each collective: (placement before, placement after) on the timed axis.
+REDISTRIBUTIONS: dict[str, tuple[Placement, Placement]] = {
+    "all_reduce": (Partial(), Replicate()),
+    "all_gather": (Shard(0), Replicate()),
+    "reduce_scatter": (Partial(), Shard(0)),
+    "all_to_all": (Shard(0), Shard(1)),  # gloo has no all-to-all: DTensor all-gathers and chunks
+}
+
+Progress = Callable[[str], None]
+_ELEMENT = torch.float32
+_ELEMENT_BYTES = torch.finfo(_ELEMENT).bits // 8
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def fit_link(kind: str, n: int, samples: Sequence[tuple[float, float]]) -> Link:
+    """The ``Link`` whose ``collective_time(kind, nbytes, n, link)`` best matches ``samples`` of
+    (nbytes, seconds).
+
+    Robust to noise: repeated samples of one size are reduced to their median, and the fit
+    minimises *relative* squared error, so the small (latency-bound) sizes set the latency and the
+    large ones the bandwidth instead of the largest times drowning out the rest. Constrained to
+    what a link can be: a negative fitted latency is refitted as 0; a non-positive slope (no
+    growth with size above the noise) takes the slowest bandwidth the samples allow (transfer can
+    take no longer than the whole measured time), and the latency is refitted under it.
+
+    Raises ValueError for ``n < 2`` (nothing is communicated), fewer than two distinct sizes
+    (latency and bandwidth cannot be told apart), or a sample that is not two positive finite
+    numbers.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"fit_link needs a group of n >= 2 devices (n == 1 communicates nothing), got {n!r}")
+    c_lat, c_bw = _coefficients(kind, n)
+    sizes, times = _medians_by_size(samples)
+    if len(sizes) < 2:
+        raise ValueError(f"fit_link needs samples of at least two distinct sizes, got sizes {sizes}")
+    lat_col = [c_lat / t for t in times]            # d(relative time)/d(latency)
+    bw_col = [c_bw * s / t for s, t in zip(sizes, times)]  # d(relative time)/d(1/bandwidth)
+    latency, inv_bw = _lstsq2(lat_col, bw_col, [1.0] * len(times))
+    if inv_bw <= 0:
+        inv_bw = min(t / (c_bw * s) for s, t in zip(sizes, times))
+        latency = _lstsq1(lat_col, [1 - b * inv_bw for b in bw_col])
+    elif latency < 0:
+        latency, inv_bw = 0.0, _lstsq1(bw_col, [1.0] * len(bw_col))
+    return Link(bandwidth=1 / inv_bw, latency=max(latency, 0.0))
+
+
+def _coefficients(kind: str, n: int) -> tuple[float, float]:
+    """``collective_time`` is ``c_lat * latency + c_bw * nbytes / bandwidth``: read both
+    coefficients off the model itself, so the fit follows it if it changes."""
+    c_bw = collective_time(kind, 1.0, n, Link(bandwidth=1.0, latency=0.0))
+    c_lat = collective_time(kind, 1.0, n, Link(bandwidth=1.0, latency=1.0)) - c_bw
+    return c_lat, c_bw
+
+
+def _medians_by_size(samples: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    by_size: dict[float, list[float]] = defaultdict(list)
+    for sample in samples:
+        nbytes, seconds = (float(v) for v in sample)
+        if not (math.isfinite(nbytes) and math.isfinite(seconds) and nbytes > 0 and seconds > 0):
+            raise ValueError(f"samples must be (nbytes, seconds) pairs of positive finite numbers, got {sample!r}")
+        by_size[nbytes].append(seconds)
+    sizes = sorted(by_size)
+    return sizes, [statistics.median(by_size[s]) for s in sizes]
+
+
+def _lstsq1(col: list[float], target: list[float]) -> float:
+    """argmin_x sum((x * col - target)^2)."""
+    return sum(c * y for c, y in zip(col, target)) / sum(c * c for c in col)
+
+
+def _lstsq2(col_a: Sequence[float], col_b: Sequence[float], target: Sequence[float]) -> tuple[float, float]:
+    """argmin_(a, b) sum((a * col_a + b * col_b - target)^2), by the 2x2 normal equations."""
+    saa = sum(a * a for a in col_a)
+    sbb = sum(b * b for b in col_b)
+    sab = sum(a * b for a, b in zip(col_a, col_b))
+    sat = sum(a * t for a, t in zip(col_a, target))
+    sbt = sum(b * t for b, t in zip(col_b, target))
+    det = saa * sbb - sab * sab
+    return (sbb * sat - sab * sbt) / det, (saa * sbt - sab * sat) / det
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
+                     repeats: int = DEFAULT_REPEATS, progress: Progress | None = None) -> dict[str, Link]:
+    """Fit a ``Link`` per collective kind and group size of ``device_mesh``; every rank calls this
+    in lockstep and gets the same result.
+
+    The four redistributions of ``REDISTRIBUTIONS`` go through ``codegen.runtime.redistribute`` on
+    an fp32 DTensor sized so that ``nbytes`` means what ``collective_time`` says for the kind;
+    ``send_recv`` is a ``torch.distributed`` ping-pong between the first two ranks of the axis
+    group (half a round trip: no clocks to compare). Every timing follows a barrier; the step
+    waits for the slowest rank, so each size keeps the largest per-rank median over ``repeats``.
+    All groups of an axis communicate at once, as they do in training. Axes of one size are
+    measured once (``collective_key`` knows only the size); axes of size 1 communicate nothing.
+    Returns ``{collective_key(kind, n): Link}``.
+    """
+    links: dict[str, Link] = {}
+    for axis, n in _axes_by_size(device_mesh):
+        for kind in (*REDISTRIBUTIONS, "send_recv"):
+            start = time.perf_counter()
+            samples = _sweep(device_mesh, axis, kind, sizes, repeats)
+            link = links[collective_key(kind, n)] = fit_link(kind, n, samples)
+            if progress is not None:
+                progress(f"{collective_key(kind, n)}: latency {link.latency * 1e6:.1f} us, "
+                         f"bandwidth {link.bandwidth / 1e9:.3f} GB/s ({time.perf_counter() - start:.1f} s)")
+    return links
+
+
+def _axes_by_size(mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """(axis, size) of the first axis of each size > 1."""
+    first: dict[int, int] = {}
+    for axis, n in enumerate(mesh.shape):
+        if n > 1:
+            first.setdefault(n, axis)
+    return [(axis, n) for n, axis in first.items()]
+
+
+def _sweep(mesh: DeviceMesh, axis: int, kind: str, sizes: Sequence[int],
+           repeats: int) -> list[tuple[float, float]]:
+    """(nbytes, seconds of the slowest rank) per size."""
+    nbytes, medians = [], []
+    for size in sizes:
+        if kind == "send_recv":
+            actual, run, calls = _ping_pong(mesh, axis, size)
+        else:
+            actual, run, calls = _redistribution(mesh, axis, kind, size)
+        nbytes.append(actual)
+        medians.append(_median_seconds([run], repeats, before=dist.barrier)[0] / calls)
+    return list(zip(nbytes, _slowest(medians)))
+
+
+def _redistribution(mesh: DeviceMesh, axis: int, kind: str,
+                    nbytes: int) -> tuple[int, Callable[[], Any], int]:
+    """(exact nbytes, one runtime redistribute of ``kind`` along ``axis``, collectives per run).
+
+    The global tensor is (n, cols), cols a multiple of n, so every split is even. ``nbytes`` is
+    its size, except for all-to-all where it is one rank's buffer (its shard: 1/n of it)."""
+    n = mesh.shape[axis]
+    per_buffer = n if kind == "all_to_all" else 1
+    cols = n * max(1, round(nbytes * per_buffer / (_ELEMENT_BYTES * n * n)))
+    shape = torch.Size((n, cols))
+    before, after = (_on_axis(mesh.ndim, axis, p) for p in REDISTRIBUTIONS[kind])
+    local = torch.randn(local_shape(shape, before, mesh.shape), dtype=_ELEMENT)
+    x = DTensor.from_local(local, mesh, before, run_check=False, shape=shape, stride=(cols, 1))
+    x.requires_grad_()  # as activations do: the autograd bookkeeping is part of the cost
+    return n * cols * _ELEMENT_BYTES // per_buffer, lambda: redistribute(x, after), 1
+
+
+def _ping_pong(mesh: DeviceMesh, axis: int, nbytes: int) -> tuple[int, Callable[[], Any], int]:
+    """(exact nbytes, a message there and back between the axis group's first two ranks, 2)."""
+    group, me = mesh.get_group(axis), mesh.get_local_rank(axis)
+    buf = torch.empty(max(1, round(nbytes / _ELEMENT_BYTES)), dtype=_ELEMENT)
+
+    def run() -> None:
+        if me == 0:
+            dist.send(buf, group=group, group_dst=1)
+            dist.recv(buf, group=group, group_src=1)
+        elif me == 1:
+            dist.recv(buf, group=group, group_src=0)
+            dist.send(buf, group=group, group_dst=0)
+
+    return buf.numel() * _ELEMENT_BYTES, run, 2
+
+
+def _on_axis(ndim: int, axis: int, placement: Placement) -> list[Placement]:
+    return [placement if a == axis else Replicate() for a in range(ndim)]
+
+
+def _median_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
+                    before: Callable[[], Any] = lambda: None) -> list[float]:
+    """Median wall time of each of ``runs`` over ``repeats`` timed calls, after one untimed
+    warm-up call each. The runs take turns, so a burst of load from elsewhere on the host hits
+    all of them alike and differences between them stay meaningful."""
+    times: list[list[float]] = [[] for _ in runs]
+    for run in runs:
+        run()
+    for _ in range(repeats):
+        for run, seconds in zip(runs, times):
+            before()
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
+
+
+def _slowest(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum over all ranks (a collective: every rank calls it)."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------- runtime overheads
+
+#: Calls per timed run: a run lasts a few hundred microseconds, well under a scheduler time slice,
+#: so its median is the code's own cost, not whether the other ranks sharing the cores preempted
+#: it (longer runs made ``local_op`` jump 4x between runs on a loaded host). Even, so that a
+#: chain of transposing views ends in its start shape.
+OVERHEAD_CALLS = 2
+OVERHEAD_REPEATS = 51
+PARAM_COUNTS = (1, 2)
+_TINY = torch.Size((2, 4))
+
+
+def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) -> dict[str, float]:
+    """Seconds the runtime adds per occurrence (forward + backward) for each key of
+    ``cost_models.profile.OVERHEADS``; every rank calls this in lockstep and gets the slowest
+    rank's numbers. All tensors are tiny (2 x 4 fp32) and replicated, so no collective runs and
+    only fixed costs are left. Each time is a median over ``repeats``; the runs compared take turns.
+
+    * ``local_op``: a chain of ``OVERHEAD_CALLS`` ``codegen.runtime.local_op(aten.neg)`` calls on
+      a DTensor, then backward, minus the same chain of ``aten.neg`` on a plain tensor, per call.
+      The cost model adds it to the op's own (plain-tensor) time for every local_op node.
+    * ``dtensor_op``: the same for a ``view`` dispatched through DTensor minus a plain ``view``:
+      added to the op's own time for every view/reshape/expand node.
+    * ``grad_hook``: backward into ``OVERHEAD_CALLS`` DTensor parameters (through ``to_local``)
+      with ``codegen.runtime.sync_grad_to`` hooks whose gradient already has the parameter's
+      placement, minus the same without hooks, per parameter: added once per parameter, on top
+      of the collective a hook may run.
+    * ``optimizer_per_param``: slope of ``torch.optim.AdamW.step()`` time over ``PARAM_COUNTS``
+      parameters: added once per parameter tensor, on top of the time its bytes take.
+    * ``step``: intercept at 0 parameters of a whole step (``zero_grad(set_to_none=True)``, a
+      forward summing each parameter's ``to_local()`` into a replicated scalar DTensor loss,
+      ``loss.backward()``, ``AdamW.step()``) over ``PARAM_COUNTS`` parameters: added once per
+      training step.
+
+    Noise can push a difference below zero; it is reported as 0.
+    """
+    step, per_param = _optimizer_overheads(device_mesh, repeats)
+    mine = {
+        "local_op": _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default),
+        "dtensor_op": _extra_per_call(device_mesh, repeats, _transpose_view, _transpose_view),
+        "grad_hook": _grad_hook_overhead(device_mesh, repeats),
+        "optimizer_per_param": per_param,
+        "step": step,
+    }
+    return dict(zip(OVERHEADS, _slowest([max(0.0, mine[key]) for key in OVERHEADS])))
+
+
+def _replicated(mesh: DeviceMesh) -> list[Placement]:
+    return [Replicate()] * mesh.ndim
+
+
+def _tiny(mesh: DeviceMesh) -> DTensor:
+    """A tiny replicated DTensor leaf that requires grad (a parameter or an activation)."""
+    return DTensor.from_local(torch.ones(_TINY), mesh, _replicated(mesh), run_check=False).requires_grad_()
+
+
+def _local_neg(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
+    return lambda y: local_op(torch.ops.aten.neg.default, (y,), {}, _replicated(mesh), mesh, y.shape)
+
+
+def _transpose_view(y: torch.Tensor) -> torch.Tensor:
+    return y.view(y.shape[::-1])
+
+
+def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[[DTensor], DTensor],
+                    plain_step: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """Seconds ``dtensor_step`` on a DTensor takes beyond ``plain_step`` on its local tensor,
+    per call, forward + backward."""
+    x = _tiny(mesh)
+    plain = x.to_local().detach().clone().requires_grad_()
+    wrapped, bare = _median_seconds([_chain(dtensor_step, x), _chain(plain_step, plain)], repeats)
+    return (wrapped - bare) / OVERHEAD_CALLS
+
+
+def _chain(step: Callable[[Any], Any], x: torch.Tensor) -> Callable[[], None]:
+    """``OVERHEAD_CALLS`` calls of ``step`` from ``x``, then backward through all of them."""
+    grad = torch.ones_like(x)
+
+    def run() -> None:
+        x.grad = None
+        y = x
+        for _ in range(OVERHEAD_CALLS):
+            y = step(y)
+        y.backward(grad)
+
+    return run
+
+
+def _grad_hook_overhead(mesh: DeviceMesh, repeats: int) -> float:
+    hooked, bare = [_tiny(mesh) for _ in range(OVERHEAD_CALLS)], [_tiny(mesh) for _ in range(OVERHEAD_CALLS)]
+    for p in hooked:
+        sync_grad_to(p)
+    with_hooks, without = _median_seconds([_backward_into(hooked), _backward_into(bare)], repeats)
+    return (with_hooks - without) / OVERHEAD_CALLS
+
+
+def _backward_into(params: list[DTensor]) -> Callable[[], None]:
+    grads = [torch.ones(_TINY)] * len(params)
+
+    def run() -> None:
+        for p in params:
+            p.grad = None
+        torch.autograd.backward([p.to_local() for p in params], grads)
+
+    return run
+
+
+def _optimizer_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
+    """(fixed seconds of a training step, seconds of ``AdamW.step`` per parameter)."""
+    steps, updates = [], []
+    for k in PARAM_COUNTS:
+        params = [_tiny(mesh) for _ in range(k)]
+        opt = torch.optim.AdamW(params)
+        steps.append(_train_step(mesh, params, opt))
+        updates.append(opt.step)  # on the gradients the steps leave
+    medians = _median_seconds(steps + updates, repeats)
+    ones = [1.0] * len(PARAM_COUNTS)
+    step, _ = _lstsq2(ones, PARAM_COUNTS, medians[:len(steps)])      # (intercept, slope)
+    _, per_param = _lstsq2(ones, PARAM_COUNTS, medians[len(steps):])
+    return step, per_param
+
+
+def _train_step(mesh: DeviceMesh, params: list[DTensor], opt: torch.optim.Optimizer) -> Callable[[], None]:
+    def run() -> None:
+        opt.zero_grad(set_to_none=True)
+        local_loss = sum(p.to_local().sum() for p in params)
+        DTensor.from_local(local_loss, mesh, _replicated(mesh), run_check=False).backward()
+        opt.step()
+
+    return run
+
+
+# --------------------------------------------------------------------------- a whole mesh
+
+
+def print_progress(line: str) -> None:
+    """A ``progress`` callback for :func:`profile_mesh`: one line to stderr."""
+    print(f"autopar profile: {line}", file=sys.stderr, flush=True)
+
+
+def profile_mesh(shape: tuple[int, ...], *, axis_names: tuple[str, ...] | None = None,
+                 progress: Progress | None = None, sizes: Sequence[int] = DEFAULT_SIZES,
+                 repeats: int = DEFAULT_REPEATS) -> tuple[dict[str, Link], dict[str, float]]:
+    """(collectives, overheads) of a local gloo mesh of ``shape``: one process per device, each
+    with one thread, as ``run_on_gloo_mesh`` runs the generated code.
+
+    ``progress`` is called on rank 0 with a line per measurement; it runs in that rank's process,
+    so it must be picklable (a module-level function such as :func:`print_progress`)."""
+    results = run_on_gloo_mesh(_profile_worker, tuple(shape), tuple(sizes), repeats, progress,
+                               axis_names=axis_names, start_method="forkserver")
+    return results[0]
+
+
+def _profile_worker(mesh: DeviceMesh, sizes: tuple[int, ...], repeats: int,
+                    progress: Progress | None) -> tuple[dict[str, Link], dict[str, float]]:
+    say = progress if dist.get_rank() == 0 else None
+    links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say)
+    start = time.perf_counter()
+    overheads = time_overheads(mesh)
+    if say is not None:
+        shown = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in overheads.items())
+        say(f"overheads: {shown} ({time.perf_counter() - start:.1f} s)")
+    return links, overheads

@@ -1,0 +1,184 @@
+"""Op calls to profile: what one rank runs for a node under a strategy, and how long it takes.
+
+The cost model looks measured seconds up by ``op_key`` of the local call (target, local shapes and
+dtypes, other arguments), so ``op_call`` is the one place that says what a node runs under a
+strategy: profiling (``op_calls`` then ``time_op_calls``) and the cost model both go through it.
+Keys hold shapes, never data or node names, so identical layers share one set of measurements.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial
+from torch.utils import _pytree as pytree
+
+from autopar.capture import tensor_val
+from autopar.placements import local_shape
+from autopar.strategies import VIEW_OPS, NodeChoices, Strategy, StrategySpace
+from codegen.generate import SHAPE_ARG_OPS
+from cost_models.profile import OpTime, op_key
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+#: Ops with no compute of their own to time: aliases, and ops with global shape arguments that
+#: generated code dispatches through DTensor (its overhead is the profile's "dtensor_op").
+NO_COMPUTE_OPS = VIEW_OPS | SHAPE_ARG_OPS
+
+
+class _RuntimeDevice:
+    """A device argument (``arange(..., device=meta)``): generated code passes the device it runs
+    on, not the capture's, so keys must not depend on where the model was captured."""
+
+    def __repr__(self) -> str:
+        return "device"
+
+
+RUNTIME_DEVICE = _RuntimeDevice()
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op invocation as one rank runs it; tensors are meta tensors of the local shape and dtype.
+
+    Calls compare and hash by ``key`` alone: two nodes with the same key share a measurement."""
+
+    target: Any = field(compare=False)
+    args: tuple = field(compare=False)
+    kwargs: dict[str, Any] = field(compare=False)
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", op_key(self.target, self.args, self.kwargs))
+
+
+def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int]) -> OpCall | None:
+    """The call node ``nc`` makes on the largest shard (the slowest rank) under strategy ``s``, or
+    None when it has no compute to time (not an op, a view, a shape-argument op, no tensor output)."""
+    node = nc.node
+    if nc.kind != "op" or node.target in NO_COMPUTE_OPS or tensor_val(node) is None:
+        return None
+    placements = iter(s.ins)
+
+    def local(a: Any) -> Any:
+        if isinstance(a, torch.device):
+            return RUNTIME_DEVICE
+        if not isinstance(a, fx.Node):
+            return a
+        val = tensor_val(a)
+        if val is None:  # a non-tensor graph value (a symbolic size): its recorded value
+            return a.meta.get("val")
+        return torch.empty(local_shape(val.shape, next(placements), mesh_shape), dtype=val.dtype, device="meta")
+
+    args, kwargs = pytree.tree_map(local, (tuple(node.args), dict(node.kwargs)))
+    if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Partial) for p in s.out):
+        return _sharded_cross_entropy(args)
+    return OpCall(node.target, args, kwargs)
+
+
+#: runtime.sharded_cross_entropy's arguments by position, defaults past (logits, target):
+#: weight, reduction, ignore_index.
+_CROSS_ENTROPY_DEFAULTS = (None, None, None, 1, -100)
+
+
+def _sharded_cross_entropy(args: tuple) -> OpCall:
+    """What ``runtime.sharded_cross_entropy`` runs on the local logits: log_softmax then
+    nll_loss_forward summing the local targets, which is cross_entropy_loss with reduction=sum.
+    Codegen passes the node's positional arguments only; the rest take the helper's defaults."""
+    logits, target, weight, _, ignore_index = args[:5] + _CROSS_ENTROPY_DEFAULTS[len(args):]
+    return OpCall(aten.cross_entropy_loss.default, (logits, target, weight, 2, ignore_index), {})
+
+
+def op_calls(space: StrategySpace, mesh_shape: Sequence[int]) -> list[OpCall]:
+    """The distinct calls (by key) of every op node under every candidate strategy, in graph order."""
+    calls: dict[str, OpCall] = {}
+    for nc in space.nodes:
+        if nc.kind != "op":
+            continue
+        for s in nc.strategies:
+            call = op_call(nc, s, mesh_shape)
+            if call is not None:
+                calls.setdefault(call.key, call)
+    return list(calls.values())
+
+
+def time_op_calls(calls: Iterable[OpCall], *, device: str = "cpu", min_time_s: float = 0.02, repeats: int = 5,
+                  progress: Callable[[int, int, str], None] | None = None) -> dict[str, OpTime]:
+    """Measure forward and backward seconds of each call on real inputs on ``device``.
+
+    Each of forward and backward is the median over ``repeats`` batches of calls, each batch
+    lasting at least ``min_time_s / repeats``. ``progress(i, n, key)`` is called before call ``i``
+    (0-based) of ``n``. A call that raises gets no entry and a warning: the cost model then falls
+    back to the roofline for it."""
+    calls = list(calls)
+    dev = torch.device(device)
+    times: dict[str, OpTime] = {}
+    for i, call in enumerate(calls):
+        if progress is not None:
+            progress(i, len(calls), call.key)
+        try:
+            times[call.key] = _time_call(call, dev, min_time_s / repeats, repeats)
+        except Exception as e:  # any op error: the op does not run standalone with these inputs
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            log.warning("autopar: cannot profile %s (%s: %s); its cost stays the roofline estimate",
+                        call.key, type(e).__name__, first_line)
+    return times
+
+
+def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: int) -> OpTime:
+    """Forward seconds, then backward seconds alone (one forward, its graph kept and reused)."""
+    args, kwargs = pytree.tree_map(lambda a: _real(a, device), (call.args, call.kwargs))
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    fwd = _median_seconds(lambda: call.target(*args, **kwargs), device, per_repeat, repeats)
+    outs = [t for t in pytree.tree_leaves(call.target(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs:
+        return OpTime(fwd, 0.0)
+    grads = [torch.randn_like(t) for t in outs]
+    bwd = _median_seconds(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True),
+                          device, per_repeat, repeats)
+    return OpTime(fwd, bwd)
+
+
+def _real(a: Any, device: torch.device) -> Any:
+    """A real input for a meta one: floats random and differentiable, integers zeros (valid
+    indices and class targets), booleans ones (keep-masks); the runtime device for device args."""
+    if a is RUNTIME_DEVICE:
+        return device
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.dtype.is_floating_point:
+        return torch.randn(a.shape, dtype=a.dtype, device=device, requires_grad=True)
+    if a.dtype == torch.bool:
+        return torch.ones(a.shape, dtype=a.dtype, device=device)
+    return torch.zeros(a.shape, dtype=a.dtype, device=device)
+
+
+def _median_seconds(fn: Callable[[], Any], device: torch.device, per_repeat: float, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` batches, each at least ``per_repeat`` long."""
+    fn()  # warmup: allocator, kernel choice, dispatcher caches
+    _sync(device)
+    n = 1
+    while (elapsed := _batch_seconds(fn, n, device)) < per_repeat:  # grow the batch (timeit's autorange)
+        n = max(2 * n, math.ceil(1.2 * n * per_repeat / max(elapsed, 1e-9)))
+    return statistics.median(_batch_seconds(fn, n, device) / n for _ in range(repeats))
+
+
+def _batch_seconds(fn: Callable[[], Any], n: int, device: torch.device) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

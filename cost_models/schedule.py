@@ -1,0 +1,140 @@
+"""The training step as a schedule: forward in graph order, backward in reverse, then the
+optimizer. Places each node's costs at the moments they happen, to find
+
+* the peak memory: parameters and optimizer states throughout; activations kept from their
+  op's forward to its backward; a parameter's gradient from the backward of its first user
+  (in forward order: the last one the backward reaches) to the optimizer step; each node's
+  working memory while it runs;
+* the exposed communication: gradient synchronisations are queued, in the order the backward
+  completes them, on one communication channel that runs under the rest of the backward.
+
+``simulate`` does this exactly for one plan; ``memory_rows`` and ``exposed_rows`` give the ILP
+the same quantities at a few cut points of the backward (``solver.Row``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.strategies import VIEW_OPS, StrategySpace
+from cost_models.estimate import Cost
+from solver import Row
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    step_s: float
+    compute_s: float
+    comm_s: float        # blocking communication
+    overlap_s: float     # gradient synchronisation queued during the backward
+    exposed_s: float     # the part of overlap_s no backward compute hid
+    peak_bytes: float
+    peak_at: str         # "forward", "backward" or "optimizer step", and the node
+    at_peak: dict[str, float]   # bytes live at the peak by kind
+
+
+class Timeline:
+    """Where each node of a strategy space sits in the step."""
+
+    def __init__(self, space: StrategySpace) -> None:
+        self.space = space
+        n = len(space.nodes)
+        # An op's activations are kept from its position; a parameter's gathered copy and its
+        # gradient belong to the position of its first real user.
+        self.position = list(range(n))
+        for i, nc in enumerate(space.nodes):
+            if nc.kind == "param":
+                self.position[i] = self._first_user(nc.node, n)
+        self.names = [nc.node.name for nc in space.nodes]
+
+    def _first_user(self, node: fx.Node, default: int) -> int:
+        """Position of the first op computing with ``node`` (looking through views and aliases)."""
+        best, todo = default, [node]
+        while todo:
+            for user in todo.pop().users:
+                idx = self.space.index.get(user)
+                if idx is not None and self.space.nodes[idx].kind == "op" and user.target not in VIEW_OPS:
+                    best = min(best, idx)
+                elif user.op == "call_function":
+                    todo.append(user)
+        return best
+
+    # ------------------------------------------------------------------ one plan
+    def simulate(self, nodes: Sequence[Cost], queued: Sequence[tuple[int, float]], step_overhead_s: float = 0.0
+                 ) -> StepPrediction:
+        """``nodes[i]``: node i's cost with its incoming edges' blocking parts; ``queued``:
+        (node index, seconds) of gradient synchronisations, queued when node i's gradient is done."""
+        kinds = [nc.kind for nc in self.space.nodes]
+        state = sum(c.state_bytes for c in nodes)
+        order = sorted(range(len(nodes)), key=lambda i: (self.position[i], i))
+        saved = grads = 0.0
+        peak = (state, "forward (start)", {"state": state, "activations": 0.0, "gradients": 0.0, "working": 0.0})
+
+        def check(work: float, where: str) -> None:
+            nonlocal peak
+            total = state + saved + grads + work
+            if total > peak[0]:
+                peak = (total, where, {"state": state, "activations": saved, "gradients": grads, "working": work})
+
+        for i in order:
+            saved += nodes[i].saved_bytes
+            if kinds[i] == "op":
+                check(nodes[i].transient_bytes, f"forward: {self.names[i]}")
+        at: dict[int, list[float]] = {}
+        for i, seconds in queued:
+            at.setdefault(i, []).append(seconds)
+        t = chan = 0.0
+        for i in reversed(order):
+            if kinds[i] == "param":
+                grads += nodes[i].grad_bytes
+            elif kinds[i] == "op":
+                check(nodes[i].transient_bytes, f"backward: {self.names[i]}")
+            saved -= nodes[i].saved_bytes
+            t += nodes[i].backward_s
+            for seconds in at.get(i, ()):
+                chan = max(t, chan) + seconds
+        check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step")
+        exposed = max(0.0, chan - t)
+        compute = sum(c.compute_s for c in nodes)
+        comm = sum(c.comm_s for c in nodes)
+        overlap = sum(s for _, s in queued)
+        return StepPrediction(step_s=compute + comm + exposed + step_overhead_s, compute_s=compute, comm_s=comm,
+                              overlap_s=overlap, exposed_s=exposed, peak_bytes=peak[0], peak_at=peak[1], at_peak=peak[2])
+
+    # ------------------------------------------------------------------ ILP rows
+    def cuts(self, count: int) -> list[int]:
+        """Cut points of the backward: after the forward (n), a few inside, before the optimizer (0)."""
+        n = len(self.space.nodes)
+        return sorted({round(n * k / count) for k in range(count + 1)})
+
+    def memory_rows(self, owner: Sequence[int], node_costs: dict[int, list[Cost]], count: int) -> tuple[Row, ...]:
+        """Per cut c (the backward has reached position c): activations kept by nodes before c and
+        gradients of parameters whose first user is at or after c, on top of the state."""
+        rows = []
+        for c in self.cuts(count):
+            terms = []
+            for i, costs in node_costs.items():
+                param = self.space.nodes[i].kind == "param"
+                values = [(x.saved_bytes if self.position[i] < c else 0.0) + (x.grad_bytes if param and self.position[i] >= c else 0.0)
+                          for x in costs]
+                if any(values):
+                    terms.append((owner[i], tuple(values)))
+            rows.append(Row(nodes=tuple(terms)))
+        return tuple(rows)
+
+    def exposed_rows(self, owner: Sequence[int], node_costs: dict[int, list[Cost]],
+                     queued_edges: Sequence[tuple[int, int, tuple[tuple[float, ...], ...]]], count: int) -> tuple[Row, ...]:
+        """Per cut c: gradient synchronisation queued after c minus the backward compute after c
+        (a lower bound of the exposed time; exact with every position a cut).
+        ``queued_edges``: (param node index, ILP edge index, seconds matrix)."""
+        rows = []
+        for c in self.cuts(count):
+            edges = tuple((j, m) for i, j, m in queued_edges if self.position[i] < c)
+            if not edges:
+                continue
+            nodes = tuple((owner[i], tuple(-x.backward_s for x in costs)) for i, costs in node_costs.items()
+                          if self.position[i] < c and any(x.backward_s for x in costs))
+            rows.append(Row(nodes=nodes, edges=edges))
+        return tuple(rows)

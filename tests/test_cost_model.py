@@ -1,0 +1,180 @@
+"""Each component of the cost model responds as it should: FLOP time and bytes scale with the
+dimensions, collectives with the axis size, memory follows placements and lifetimes, overlapped
+communication is hidden only up to the compute under it, and measured numbers replace the
+roofline where a profile has them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar import MeshSpec
+from autopar.capture import capture
+from autopar.planner import plan_captured
+from autopar.strategies import build_space
+from cost_models.estimate import Cost, CostModel, get_optimizer
+from cost_models.profile import OpTime, Profile
+from cost_models.profile_ops import op_call
+from cost_models.schedule import Timeline
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 64, h: int = 256) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.gate = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)) * self.gate(x)).sum()
+
+
+def _space(batch: int = 32, d: int = 64, h: int = 256, mesh: tuple[int, ...] = (2,), hardware: str = "h100-80gb"):
+    with torch.device("meta"):
+        model = MLP(d, h)
+    captured = capture(model, (torch.empty(batch, d, device="meta"),))
+    return build_space(captured, MeshSpec(mesh, hardware=hardware))
+
+
+def _node(space, name):
+    return next(nc for nc in space.nodes if nc.node.name == name)
+
+
+def _strategy(nc, out, ins=None, storage=None):
+    for s in nc.strategies:
+        if s.out == out and (ins is None or s.ins == ins) and (storage is None or s.storage == storage):
+            return s
+    raise AssertionError(f"{nc.node.name} has no strategy {out} {ins} {storage}: {nc.strategies}")
+
+
+def test_doubling_batch_doubles_flop_time_and_activation_bytes():
+    costs = []
+    for batch in (4096, 8192):   # large enough to be compute-bound on an H100
+        space = _space(batch=batch, d=1024, h=4096)
+        model = CostModel(space.mesh, space)
+        linear = _node(space, "linear")
+        costs.append(model.node(linear, _strategy(linear, (R,), ((R,), (R,), (R,)))))
+    small, big = costs
+    assert big.compute_s == pytest.approx(2 * small.compute_s, rel=0.01)
+    assert big.saved_bytes == pytest.approx(2 * small.saved_bytes)
+    # working memory: output and inputs; only the weight's part does not grow with the batch
+    assert big.transient_bytes - small.transient_bytes == 4096 * (4096 + 1024) * 4
+
+
+def test_doubling_hidden_quadruples_weight_flops_and_parameter_bytes():
+    flops, params = [], []
+    for d in (512, 1024):
+        space = _space(batch=64, d=d, h=4 * d)
+        model = CostModel(space.mesh, space)
+        flops.append(model.flops(_node(space, "linear").node))
+        weight = _node(space, "p_up_weight")
+        params.append(model.node(weight, _strategy(weight, (R,), storage=(R,))).state_bytes)
+    assert flops[1] == pytest.approx(4 * flops[0])
+    assert params[1] == pytest.approx(4 * params[0])
+
+
+def test_sharding_an_op_divides_its_time_and_bytes():
+    space = _space(batch=8192, d=1024, h=4096)
+    model = CostModel(space.mesh, space)
+    linear = _node(space, "linear")
+    whole = model.node(linear, _strategy(linear, (R,), ((R,), (R,), (R,))))
+    batch = model.node(linear, _strategy(linear, (S0,), ((S0,), (R,), (R,))))
+    assert batch.compute_s == pytest.approx(whole.compute_s / 2, rel=0.01)
+    assert batch.saved_bytes == pytest.approx(whole.saved_bytes / 2)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_reduce_of_gradients_grows_with_axis_size(n):
+    """Ring all-reduce moves 2(n-1)/n of the tensor per device: bytes by that factor exactly, time
+    (latency aside, a 1 GiB tensor) too."""
+    space = _space(mesh=(n,))
+    model = CostModel(space.mesh, space)
+    shape = (2**28,)
+    cost = model.redistribute(shape, torch.float32, (Partial(),), (R,))
+    assert cost.comm_bytes[0] == pytest.approx(2 * (n - 1) / n * 2**30)
+    two = CostModel(_space(mesh=(2,)).mesh, _space(mesh=(2,))).redistribute(shape, torch.float32, (Partial(),), (R,))
+    assert cost.comm_s / two.comm_s == pytest.approx((2 * (n - 1) / n) / 1.0, rel=0.01)
+
+
+def test_sharded_parameter_memory_is_its_shard():
+    space = _space(mesh=(4,))
+    weight = _node(space, "p_up_weight")
+    full_bytes = 256 * 64 * 4
+    for name, states in (("adamw", 2), ("sgd", 0), ("sgd-momentum", 1)):
+        model = CostModel(space.mesh, space, optimizer=get_optimizer(name))
+        replicated = model.node(weight, _strategy(weight, (R,), storage=(R,)))
+        sharded = model.node(weight, _strategy(weight, (S0,), storage=(S0,)))
+        assert replicated.state_bytes == full_bytes * (1 + states)
+        assert sharded.state_bytes == full_bytes / 4 * (1 + states)
+        assert sharded.grad_bytes == full_bytes / 4
+    # ZeRO-3: stored as a shard, gathered for use: the gathered copy is kept for the backward.
+    zero3 = model.node(weight, _strategy(weight, (R,), storage=(S0,)))
+    assert zero3.state_bytes == full_bytes / 4 * 2 and zero3.saved_bytes == full_bytes and zero3.comm_s > 0
+
+
+def test_kept_activations_come_from_the_graph_and_are_counted_once():
+    """x feeds two linears (kept once); relu keeps its output; the product keeps both inputs;
+    linear_2 keeps mul's output; sum keeps nothing. Found by autograd's saved-tensor hooks, not by op-name tables."""
+    space = _space(batch=32, mesh=(1,))
+    model = CostModel(space.mesh, space)
+    saved = {nc.node.name: model.node(nc, nc.strategies[0]).saved_bytes for nc in space.nodes if nc.kind == "op"}
+    act = 32 * 256 * 4
+    assert saved["linear"] == 32 * 64 * 4          # the input x (first keeper)
+    assert saved["linear_1"] == 0                    # x again: already counted
+    assert saved["relu"] == act                      # its output
+    assert saved["mul"] == 2 * act                   # relu's output and gate's output (first keeper of both)
+    assert saved["linear_2"] == act                  # mul's output (mul keeps only its inputs)
+    assert saved["sum_1"] == 0
+
+
+def test_overlap_hides_gradient_sync_only_up_to_the_compute_after_it():
+    """Gradient sync is queued when a parameter's gradient is complete (after the backward of its
+    first user) and runs under the backward compute that follows, no further."""
+    space = _space(mesh=(2,))
+    timeline = Timeline(space)
+    index = {nc.node.name: i for i, nc in enumerate(space.nodes)}
+    up, down = index["linear"], index["linear_2"]      # first and last linear of the forward
+    assert down > up
+
+    def exposed(param: str, compute_at_up: float, comm: float) -> float:
+        costs = [Cost() for _ in space.nodes]
+        costs[up] = Cost(compute_s=compute_at_up, backward_s=compute_at_up)
+        return timeline.simulate(costs, [(index[param], comm)]).exposed_s
+
+    # up.weight is complete after linear's backward, the last compute of the step: nothing hides it.
+    assert exposed("p_up_weight", 3e-3, 5e-3) == pytest.approx(5e-3)
+    # down.weight is complete before linear's backward runs: 3 ms of compute hide 3 of its 5 ms.
+    assert exposed("p_down_weight", 3e-3, 5e-3) == pytest.approx(2e-3)
+    assert exposed("p_down_weight", 10e-3, 5e-3) == 0.0
+
+
+def test_plan_with_overlap_charges_only_exposed_communication():
+    with torch.device("meta"):
+        model = MLP(512, 2048)
+    captured = capture(model, (torch.empty(4096, 512, device="meta"),))
+    plan = plan_captured(captured, MeshSpec((4,), hardware="h100-80gb"))
+    p = plan.predicted
+    assert p.overlapped_comm_s > 0
+    assert 0 <= p.exposed_comm_s <= p.overlapped_comm_s
+    assert p.step_time_s == pytest.approx(p.compute_s + p.comm_s + p.exposed_comm_s)
+
+
+def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
+    space = _space(mesh=(2,), hardware="cpu")
+    linear = _node(space, "linear")
+    s = _strategy(linear, (S0,), ((S0,), (R,), (R,)))
+    key = op_call(linear, s, space.mesh.shape).key
+    profile = Profile({"device": "cpu"}, ops={key: OpTime(0.25, 0.5)}, overheads={"local_op": 0.125})
+    measured = CostModel(space.mesh, space, profile=profile).node(linear, s)
+    roofline = CostModel(space.mesh, space).node(linear, s)
+    assert measured.compute_s == pytest.approx(0.25 + 0.5 + 0.125) and measured.backward_s == 0.5
+    assert "compute" in measured.measured and "compute" not in roofline.measured
+    with torch.device("meta"):
+        model = MLP()
+    plan = plan_captured(capture(model, (torch.empty(32, 64, device="meta"),)), MeshSpec((2,), hardware="cpu"),
+                         profile=profile)
+    assert plan.predicted.cost_source.startswith("profile")
+    assert {n.source for n in plan.nodes} >= {"roofline"}

@@ -8,6 +8,11 @@
     Plan a zoo model (or ``pkg.module:factory``) for a mesh that need not exist: the model is
     built on the ``meta`` device, so a 175B model plans on a laptop. Prints the report and can
     save the plan as JSON.
+``autopar profile --model NAME --mesh 2x2``
+    Measure this machine for a zoo model on a local mesh: the model's ops at every candidate
+    strategy's local shapes, the collectives per mesh axis and the runtime's overheads. The
+    profile is cached (keyed by a hardware fingerprint) and used by every later plan for a mesh
+    of that size on this host.
 ``autopar models``
     List the model zoo.
 
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import re
 import sys
 import time
@@ -140,12 +144,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = entry.build()
     example_args, example_kwargs = entry.example(args.batch, args.seq, device="meta")
     budget = args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None
-    plan = autopar.plan(model, spec, example_args, example_kwargs, memory_budget=budget, time_limit=args.time_limit)
+    profile = None if args.profile == "none" else args.profile
+    plan = autopar.plan(model, spec, example_args, example_kwargs, memory_budget=budget, time_limit=args.time_limit,
+                        profile=profile, optimizer=args.optimizer)
     _progress(f"planned in {time.perf_counter() - t0:.1f} s ({_stages(plan.timings)})")
     print(plan.report(top=args.top))
     if args.json:
         plan.to_json(args.json)
         _progress(f"plan saved to {args.json} (load it with autopar.Plan.from_json and pass it to autopar.compile(plan=...))")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- profile
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autopar.zoo import get_model
+    from cost_models.profiling import profile_model
+
+    spec = _mesh_spec(args.mesh, args.axis_names, "cpu")
+    _check_positive(batch=args.batch, seq=args.seq)
+    entry = get_model(args.model)
+    model = entry.build()
+    example_args, example_kwargs = entry.example(args.batch, args.seq)
+    t0 = time.perf_counter()
+    profile, path = profile_model(model, spec, example_args, example_kwargs, path=args.out)
+    print(f"profile of {profile.fingerprint['device_name']} ({spec.size} processes x {profile.fingerprint['threads']} "
+          f"thread): {len(profile.ops)} op calls, {len(profile.collectives)} collective fits, "
+          f"{len(profile.overheads)} overheads; {time.perf_counter() - t0:.1f} s")
+    for key, link in sorted(profile.collectives.items()):
+        print(f"  {key:<18} latency {link.latency * 1e6:8.1f} us   bandwidth {link.bandwidth / 1e9:6.3f} GB/s")
+    for key, seconds in sorted(profile.overheads.items()):
+        print(f"  {key:<18} {seconds * 1e6:8.1f} us")
+    print(f"saved to {path}; `autopar plan --hardware cpu --mesh {args.mesh}` and autopar.plan() now use it")
     return 0
 
 
@@ -346,8 +377,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"max abs diff: {max_diff:.2e} ({'OK' if ok else 'MISMATCH'}: tolerance {DEMO_TOLERANCE:g})")
     later = sorted(result["step_s"][1:] or result["step_s"])
     print(f"measured time per sharded step: {fmt(later[len(later) // 2], 's')} (median after the first step; "
-          f"predicted {fmt(plan.predicted.step_time_s, 's')}; {plan.mesh.size} processes share "
-          f"{os.cpu_count()} CPU cores here and DTensor's eager per-op overhead is not in the cost model)")
+          f"predicted {fmt(plan.predicted.step_time_s, 's')} from {plan.predicted.cost_source}; "
+          f"run `autopar profile --mesh {'x'.join(map(str, plan.mesh.shape))}` once to plan with measured costs)")
     print()
 
     code = result["code"]
@@ -417,7 +448,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"solver time limit in seconds; the best plan found by then is kept (default {DEFAULT_TIME_LIMIT_S:g})")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
+    plan.add_argument("--profile", default="auto",
+                      help="measured costs: auto (the cached profile of this host when it matches; default), "
+                           "a profile JSON file, or none (roofline presets only)")
+    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"),
+                      help="optimizer whose states count in memory (default adamw)")
     plan.set_defaults(func=cmd_plan)
+
+    prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",
+                          description="Time a zoo model's ops at every candidate strategy's local shapes, the "
+                                      "collectives of each mesh axis and the runtime overheads, on a local gloo "
+                                      "mesh (all ranks at once, as in training); cache the profile for planning.")
+    prof.add_argument("--model", default="gpt-tiny", help="zoo model (default gpt-tiny)")
+    prof.add_argument("--mesh", default="2x2", help="local mesh shape (default 2x2)")
+    prof.add_argument("--axis-names", default=None, help="mesh axis names")
+    prof.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    prof.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    prof.add_argument("--out", default=None, help="profile file (default: the cache, ~/.cache/autopar/profiles)")
+    prof.set_defaults(func=cmd_profile)
 
     models = sub.add_parser("models", help="list the model zoo")
     models.set_defaults(func=cmd_models)

@@ -20,6 +20,7 @@ send_recv       the message sent from one rank to another                   a + 
 ==============  ==========================================================  ======================================
 
 ``n == 1`` costs 0 for every kind (no communication happens), as does ``N == 0``.
+``N`` may be a sympy expression (symbolic costs, ``autopar.symbolic``); the time then is one too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
+
+from .compute import is_amount
 
 if TYPE_CHECKING:  # pragma: no cover
     from .hardware import Hardware
@@ -65,7 +68,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
         raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(COLLECTIVE_KINDS)}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"group size n must be an integer >= 1, got {n!r}")
-    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes >= 0):
+    if not is_amount(nbytes):
         raise ValueError(f"nbytes must be a non-negative finite number, got {nbytes!r}")
     if n == 1 or nbytes == 0:
         return 0.0

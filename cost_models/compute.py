@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import math
 
+import sympy
 import torch
 
 from .hardware import Hardware
 
-__all__ = ["compute_time"]
+__all__ = ["compute_time", "is_amount", "maximum"]
+
+
+def is_amount(value) -> bool:
+    """A non-negative finite number, or a sympy expression of sizes not known to be negative
+    (symbolic costs, ``autopar.symbolic``: FLOPs and bytes as expressions of batch and sequence)."""
+    if isinstance(value, sympy.Expr):
+        return value.is_negative is not True and value.is_finite is not False
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def maximum(a, b):
+    """``max`` of two numbers; ``sympy.Max`` when either is a sympy expression."""
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.Max(a, b)
+    return max(a, b)
 
 
 def compute_time(
@@ -25,12 +41,13 @@ def compute_time(
     ``max(flops / hw.flops_for(dtype), bytes_moved / hw.memory_bandwidth) + hw.op_overhead_s``;
     exactly 0 when both ``flops`` and ``bytes_moved`` are 0 (views, no-ops).
     ``allow_tf32`` selects the TF32 tensor-core peak for float32 where the hardware has one.
+    Either amount may be a sympy expression (symbolic costs); the result then is one too.
     """
     for label, value in (("flops", flops), ("bytes_moved", bytes_moved)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        if not is_amount(value):
             raise ValueError(f"{label} must be a non-negative finite number, got {value!r}")
     if flops == 0 and bytes_moved == 0:
         return 0.0
     t_compute = flops / hw.flops_for(dtype, allow_tf32=allow_tf32)
     t_memory = bytes_moved / hw.memory_bandwidth
-    return max(t_compute, t_memory) + hw.op_overhead_s
+    return maximum(t_compute, t_memory) + hw.op_overhead_s

@@ -1,0 +1,186 @@
+"""What one training step really costs on this rank, in the cost model's terms.
+
+The planner predicts, per device, the time of one step (forward, backward, optimizer) and the peak
+of tensor bytes live during it (parameters, gradients, optimizer states, activations).
+:func:`measure_training` measures exactly those two figures, so predictions can be checked
+(``benchmarks/cost_accuracy.py``).
+
+Time: the median over timed steps run without any profiler, each after a barrier (so a rank does
+not time its peers' lateness from the previous step) and, on CUDA, a synchronize.
+
+Peak memory: one more, separate step. CUDA's caching allocator keeps a peak counter
+(``max_memory_allocated``). PyTorch's CPU allocator has none, but with ``profile_memory=True`` the
+profiler records every allocation and free made through it (``[memory]`` events: signed byte
+counts in time order). Their running sum is the net growth since the step began; its maximum plus
+the bytes live at the start (every storage held by the parameters, gradients, optimizer states,
+buffers and the batch; a DTensor's local shard) is the step's peak. Frees of blocks allocated
+before profiling started are not reported, so the CPU figure can only err high, never low.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from autopar.errors import AutoparError
+
+__all__ = ["StepMeasurement", "measure_training", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
+
+Batch = tuple[tuple, dict]
+
+
+@dataclass
+class StepMeasurement:
+    """One rank's measured step: seconds (median and each timed step) and tensor bytes."""
+
+    step_s: float            # median seconds per step over the timed steps
+    step_s_all: list[float]  # seconds of each timed step
+    peak_bytes: int          # peak tensor bytes live on this rank during one full step
+    baseline_bytes: int      # tensor bytes live at the start of that step
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: a tensor, a ModelOutput's ``.loss``, or a tuple's first item."""
+    loss = output
+    if not hasattr(loss, "backward"):
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, (tuple, list)):
+            loss = output[0]
+    if loss is None:
+        raise AutoparError(f"cannot find the loss in the model's output ({type(output).__name__})")
+    return loss
+
+
+def training_step(module: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer,
+                  loss_fn: Callable[[Any], torch.Tensor] = loss_of) -> None:
+    """Forward, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
+
+    Gradients are freed at the end, not the start, so that between steps only parameters,
+    optimizer states and buffers are live (the baseline), as the cost model assumes.
+    The model's output is not kept: only the loss outlives the forward.
+    """
+    args, kwargs = batch
+    loss = loss_fn(module(*args, **kwargs))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def live_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard).
+
+    Storages, not tensors: views and tied parameters share memory and are counted once.
+    """
+    storages: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        s = t.untyped_storage()
+        key = (t.device, s.data_ptr())
+        storages[key] = max(storages.get(key, 0), s.nbytes())
+    return sum(storages.values())
+
+
+def _state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> list[Any]:
+    params = list(module.parameters())
+    return (params + [p.grad for p in params if p.grad is not None] + list(module.buffers())
+            + pytree.tree_leaves(list(optimizer.state.values())) + pytree.tree_leaves(batch))
+
+
+def cpu_peak_growth(fn: Callable[[], Any]) -> int:
+    """Run ``fn`` and return the highest net bytes it had allocated through PyTorch's CPU
+    allocator at any moment (0 if it never held more than at its start).
+
+    Read from the profiler's memory events (each a signed byte count) summed in time order,
+    starting from 0: the allocator's own running total is process-wide and may carry blocks
+    from earlier profiling sessions.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+        key=lambda e: e[0])
+    peak = total = 0
+    for _, nbytes in events:
+        total += nbytes
+        peak = max(peak, total)
+    return peak
+
+
+def _device(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,
+                     warmup: int = 2, steps: int = 5,
+                     loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepMeasurement:
+    """Train ``warmup`` steps (optimizer states then exist), time ``steps`` steps, then measure
+    the peak memory of one more step. ``batches`` (``(args, kwargs)`` pairs) are used in turn.
+
+    Every rank of a distributed module must call this together (steps start after a barrier).
+    """
+    if not batches:
+        raise AutoparError("measure_training needs at least one batch")
+    if steps < 1 or warmup < 0:
+        raise AutoparError(f"measure_training needs steps >= 1 and warmup >= 0 (got {steps}, {warmup})")
+    loss_fn = loss_fn or loss_of
+    device = _device(module)
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def step(i: int) -> None:
+        training_step(module, batches[i % len(batches)], optimizer, loss_fn)
+
+    for i in range(warmup):
+        step(i)
+    times = []
+    for i in range(warmup, warmup + steps):
+        _barrier()
+        sync()
+        t0 = time.perf_counter()
+        step(i)
+        sync()
+        times.append(time.perf_counter() - t0)
+
+    last = warmup + steps
+    gc.collect()
+    _barrier()
+    if cuda:
+        sync()
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step(last)
+        sync()
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        baseline = live_bytes(_state_tensors(module, optimizer, batches[last % len(batches)]))
+        growth = cpu_peak_growth(lambda: step(last))
+        if growth == 0:  # a training step always allocates: the profiler recorded nothing
+            raise AutoparError("the profiler reported no CPU allocation during a training step; "
+                               "cannot measure peak memory (is another profiler active?)")
+        peak = baseline + growth
+    return StepMeasurement(step_s=statistics.median(times), step_s_all=times, peak_bytes=peak,
+                           baseline_bytes=baseline)

@@ -1,0 +1,408 @@
+"""How close the cost model's predictions are to what a training step really costs here.
+
+For each zoo model, mesh and batch x sequence size: plan once in this process (``autopar.plan``),
+then on every rank compile the plan, train with AdamW and measure the step
+(:func:`autopar.measure.measure_training`: median step time without a profiler, peak tensor bytes
+in a separate step). Prints predicted vs. measured step time (slowest rank) and peak memory
+(largest rank), the error statistics and PASS/FAIL against the targets; saves everything as JSON.
+
+    python benchmarks/cost_accuracy.py                        # all models, meshes 1, 2, 4, 2x2 (CPU, gloo)
+    python benchmarks/cost_accuracy.py --quick                # smallest size of each model only
+    python benchmarks/cost_accuracy.py --models gpt-tiny --meshes 2x2 --plan-arg time_limit=10
+    python benchmarks/cost_accuracy.py --device cuda          # one process per GPU (nccl); bigger meshes skipped
+
+On the CPU each device is one gloo process with one thread (``autopar.launch.run_on_gloo_mesh``),
+so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
+ranks too (the JSON records the load average). Plans are made for ``--hardware`` (default: the
+preset of this device type); ``--plan-arg`` passes further keyword arguments to ``autopar.plan``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import pickle
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import autopar
+from autopar.cli import parse_mesh
+from autopar.errors import AutoparError
+from autopar.launch import run_on_gloo_mesh
+from autopar.measure import measure_training
+from autopar.mesh import hardware_for_device
+from autopar.units import fmt
+from autopar.zoo import get_model
+
+RESULTS = Path(__file__).parent / "results" / "cost_accuracy.json"
+MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")
+MESHES = ((1,), (2,), (4,), (2, 2))
+# Zoo default (8 x 32) up to 8x the tokens; all three models have 64 positions.
+SIZES = ((8, 32), (16, 64), (32, 64))
+SEED = 1234
+LR = 1e-3
+
+# (name, summary key, limit in %): every figure must be at most its limit.
+TARGETS = (
+    ("median step-time error", "step_median_abs_pct", 15.0),
+    ("worst step-time error", "step_worst_abs_pct", 35.0),
+    ("worst memory under-prediction", "mem_worst_under_pct", 5.0),
+    ("median memory error", "mem_median_abs_pct", 10.0),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: str
+    mesh: tuple[int, ...]
+    batch: int
+    seq: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {mesh_str(self.mesh)} {self.batch}x{self.seq}"
+
+
+def mesh_str(mesh: Sequence[int]) -> str:
+    return "x".join(str(s) for s in mesh)
+
+
+def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[int, ...]] | None = None,
+                   quick: bool = False, max_devices: int | None = None) -> tuple[list[Config], list[str]]:
+    """The configs to run (model-major) and a note for each mesh skipped for lack of devices.
+
+    ``quick`` keeps the smallest size of each model; ``max_devices`` (the GPU count on CUDA) skips
+    meshes that need more devices than exist.
+    """
+    models = list(models or MODELS)
+    for m in models:
+        get_model(m)  # an unknown name fails here, before any run
+    meshes = list(meshes or MESHES)
+    skipped = [f"mesh {mesh_str(m)} skipped: needs {math.prod(m)} devices, {max_devices} here"
+               for m in meshes if max_devices is not None and math.prod(m) > max_devices]
+    meshes = [m for m in meshes if max_devices is None or math.prod(m) <= max_devices]
+    sizes = SIZES[:1] if quick else SIZES
+    return [Config(model, mesh, b, s) for model in models for mesh in meshes for b, s in sizes], skipped
+
+
+def parse_plan_args(items: Sequence[str]) -> dict[str, Any]:
+    """``["time_limit=10", "profile=p.json"]`` -> ``{"time_limit": 10, "profile": "p.json"}``:
+    a value is JSON when it parses as JSON, else a string."""
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise AutoparError(f"bad --plan-arg {item!r}: expected KEY=VALUE, e.g. time_limit=10")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+# --------------------------------------------------------------------------------------- statistics
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    """Signed relative error in %: negative when the prediction is below the measurement."""
+    return (predicted - measured) / measured * 100.0
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median and worst absolute error of step time and peak memory over the successful rows
+    (each with ``step_error_pct``, ``memory_error_pct``, ``label``), and the worst memory
+    under-prediction (0 when memory is never under-predicted)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return {"n": 0}
+    step = [abs(r["step_error_pct"]) for r in ok]
+    mem = [abs(r["memory_error_pct"]) for r in ok]
+    worst_step = max(ok, key=lambda r: abs(r["step_error_pct"]))
+    worst_mem = max(ok, key=lambda r: abs(r["memory_error_pct"]))
+    most_under = min(ok, key=lambda r: r["memory_error_pct"])
+    return {
+        "n": len(ok),
+        "step_median_abs_pct": statistics.median(step), "step_worst_abs_pct": max(step),
+        "step_worst_config": worst_step["label"],
+        "mem_median_abs_pct": statistics.median(mem), "mem_worst_abs_pct": max(mem),
+        "mem_worst_config": worst_mem["label"],
+        "mem_worst_under_pct": max(0.0, -most_under["memory_error_pct"]),
+        "mem_worst_under_config": most_under["label"] if most_under["memory_error_pct"] < 0 else None,
+    }
+
+
+def verdicts(summary: dict[str, Any]) -> list[tuple[str, bool, float, float]]:
+    """(target name, passed, value %, limit %) for each target; nothing measured fails all."""
+    return [(name, summary.get("n", 0) > 0 and summary[key] <= limit, summary.get(key, math.nan), limit)
+            for name, key, limit in TARGETS]
+
+
+# --------------------------------------------------------------------------------------- ranks
+
+
+def _rank_worker(mesh: DeviceMesh, model_name: str, batch: int, seq: int, plan_json: str, warmup: int,
+                 steps: int) -> dict[str, Any]:
+    """One rank: build the model (same seed everywhere), compile the parent's plan, measure.
+
+    Module-level: it is pickled into every rank's process.
+    """
+    # DTensor logs a performance hint on every rank for each two-axis all-gather; kineto prints two
+    # lines at every profiler start/stop below its level 6. Either would bury the progress lines.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device("cpu")
+    entry = get_model(model_name)
+    torch.manual_seed(SEED)
+    with device:
+        model = entry.build()
+    args, kwargs = entry.example(batch, seq, device=device)
+    t0 = time.perf_counter()
+    pmodel = autopar.compile(model, mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
+    compile_s = time.perf_counter() - t0
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    m = measure_training(pmodel, [(args, kwargs)], optimizer, warmup=warmup, steps=steps)
+    return {"rank": dist.get_rank(), "compile_s": compile_s, "threads": torch.get_num_threads(),
+            **dataclasses.asdict(m)}
+
+
+def _cuda_rank(rank: int, n: int, port: int, shape: tuple[int, ...], fn: Callable[..., Any], args: tuple,
+               out_dir: str) -> None:
+    """One nccl process per GPU (what run_on_gloo_mesh is for the CPU); the result goes to a file."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=n, device_id=torch.device("cuda", rank))
+    try:
+        result = fn(init_device_mesh("cuda", shape), *args)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_on_cuda_mesh(fn: Callable[..., Any], shape: tuple[int, ...], *args: Any) -> list[Any]:
+    import torch.multiprocessing as mp
+
+    n = math.prod(shape)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="autopar-cuda-") as out_dir:
+        try:
+            mp.spawn(_cuda_rank, args=(n, port, shape, fn, args, out_dir), nprocs=n, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # one config fails, not the run
+            raise AutoparError(f"a rank of the nccl run on mesh {shape} failed: {e}") from e
+        results = []
+        for r in range(n):
+            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+# --------------------------------------------------------------------------------------- one config
+
+
+def _plan_summary(plan: autopar.Plan) -> dict[str, Any]:
+    return {"feasible": plan.feasible, "solver": plan.solver, "timings_s": plan.timings, "warnings": plan.warnings,
+            "memory_budget": plan.memory_budget,
+            "parameters": {fqn: n.strategy for fqn, n in plan.parameters.items()}}
+
+
+def run_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, Any], warmup: int, steps: int,
+               timeout_s: float) -> dict[str, Any]:
+    """Plan ``cfg`` here, compile and measure it on every rank; the record saved in the JSON."""
+    entry = get_model(cfg.model)
+    torch.manual_seed(SEED)
+    t0 = time.perf_counter()
+    # Built on the ranks' device type: the plan's fingerprint must match their captures exactly.
+    with torch.device(device):
+        model = entry.build()
+    args, kwargs = entry.example(cfg.batch, cfg.seq, device=device)
+    plan = autopar.plan(model, autopar.MeshSpec(cfg.mesh, None, hardware), args, kwargs, **plan_kwargs)
+    plan_s = time.perf_counter() - t0
+    del model
+    t0 = time.perf_counter()
+    worker_args = (cfg.model, cfg.batch, cfg.seq, plan.to_json(), warmup, steps)
+    if device == "cuda":
+        ranks = _run_on_cuda_mesh(_rank_worker, cfg.mesh, *worker_args)
+    else:
+        ranks = run_on_gloo_mesh(_rank_worker, cfg.mesh, *worker_args, timeout_s=timeout_s,
+                                 start_method="forkserver")
+    step_s = max(r["step_s"] for r in ranks)
+    peak = max(r["peak_bytes"] for r in ranks)
+    pred = plan.predicted
+    return {
+        **dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "plan_s": plan_s,
+        "run_s": time.perf_counter() - t0, "predicted": dataclasses.asdict(pred), "plan": _plan_summary(plan),
+        "ranks": ranks, "measured_step_s": step_s, "measured_peak_bytes": peak,
+        "step_error_pct": error_pct(pred.step_time_s, step_s),
+        "memory_error_pct": error_pct(pred.peak_memory_bytes, peak),
+    }
+
+
+# --------------------------------------------------------------------------------------- output
+
+HEADERS = ("model", "mesh", "batch x seq", "pred step ms", "meas step ms", "err %",
+           "pred peak MiB", "meas peak MiB", "err %")
+
+
+def table_row(r: dict[str, Any]) -> tuple[str, ...]:
+    head = (r["model"], mesh_str(r["mesh"]), f"{r['batch']}x{r['seq']}")
+    if r["status"] != "ok":
+        return head + ("failed",) + ("",) * 5
+    p = r["predicted"]
+    return head + (f"{p['step_time_s'] * 1e3:.2f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{r['step_error_pct']:+.0f}",
+                   f"{p['peak_memory_bytes'] / 2**20:.2f}", f"{r['measured_peak_bytes'] / 2**20:.2f}",
+                   f"{r['memory_error_pct']:+.0f}")
+
+
+def format_table(rows: Sequence[tuple[str, ...]]) -> str:
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+
+    def line(cells: Sequence[str]) -> str:  # model, mesh and size left-aligned; numbers right-aligned
+        return "  ".join(c.ljust(w[i]) if i < 3 else c.rjust(w[i]) for i, c in enumerate(cells))
+
+    return "\n".join([line(HEADERS), line(["-" * x for x in w]), *(line(r) for r in rows)])
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    if not summary.get("n"):
+        return "no config measured"
+    s = summary
+    under = (f"{s['mem_worst_under_pct']:.1f}% ({s['mem_worst_under_config']})" if s["mem_worst_under_config"]
+             else "none (memory never under-predicted)")
+    lines = [
+        f"{s['n']} configs. step time error: median {s['step_median_abs_pct']:.1f}%, worst "
+        f"{s['step_worst_abs_pct']:.1f}% ({s['step_worst_config']})",
+        f"peak memory error: median {s['mem_median_abs_pct']:.1f}%, worst {s['mem_worst_abs_pct']:.1f}% "
+        f"({s['mem_worst_config']}); worst under-prediction: {under}",
+    ]
+    lines += [f"{'PASS' if ok else 'FAIL'}: {name} {value:.1f}% (target <= {limit:g}%)"
+              for name, ok, value, limit in verdicts(summary)]
+    return "\n".join(lines)
+
+
+def git_revision() -> dict[str, Any] | None:
+    """The commit measured and whether tracked files had changes: predictions move with the cost model."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "host": platform.node(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            # Other work on the machine slows the ranks down: the load says whether there was any.
+            "load_avg_1_5_15min": os.getloadavg()}
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated zoo models (default {','.join(MODELS)})")
+    ap.add_argument("--meshes", default=",".join(mesh_str(m) for m in MESHES),
+                    help="comma-separated mesh shapes (default 1,2,4,2x2)")
+    ap.add_argument("--quick", action="store_true", help=f"only the smallest size ({SIZES[0][0]}x{SIZES[0][1]})")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo processes; cuda: one nccl process per GPU (default cpu)")
+    ap.add_argument("--hardware", default=None, help="hardware preset or JSON file to plan for (default: this device's)")
+    ap.add_argument("--plan-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra keyword argument of autopar.plan (VALUE parsed as JSON if it can be); repeatable")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per config (default 600)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 0 when every config ran (targets missed are reported, not an error)."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    started = time.perf_counter()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    gpus = torch.cuda.device_count() if a.device == "cuda" else None
+    hardware = a.hardware or hardware_for_device(a.device)
+    try:
+        plan_kwargs = parse_plan_args(a.plan_arg)
+        configs, skipped = select_configs([m for m in a.models.split(",") if m],
+                                          [parse_mesh(m) for m in a.meshes.split(",") if m], a.quick, gpus)
+    except AutoparError as e:
+        parser.error(str(e))  # exits with status 2, as for any bad argument
+    for note in skipped:
+        print(note, file=sys.stderr)
+    result: dict[str, Any] = {
+        "machine": machine_info(a.device), "revision": git_revision(), "command": [sys.executable, *sys.argv],
+        "settings": {"device": a.device, "hardware": hardware, "plan_kwargs": plan_kwargs, "warmup": a.warmup,
+                     "steps": a.steps, "optimizer": f"AdamW(lr={LR})", "seed": SEED},
+        "skipped": skipped, "configs": [],
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, cfg in enumerate(configs):
+        print(f"[{i + 1}/{len(configs)}] {cfg.label} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            record = run_config(cfg, a.device, hardware, plan_kwargs, a.warmup, a.steps, a.timeout)
+        except AutoparError as e:
+            record = {**dataclasses.asdict(cfg), "label": cfg.label, "status": "error", "error": str(e)}
+            print(f"  failed: {str(e).splitlines()[0]}", file=sys.stderr)
+        else:
+            print(f"  {fmt(time.perf_counter() - t0, 's')}: measured step {fmt(record['measured_step_s'], 's')}, "
+                  f"peak {fmt(record['measured_peak_bytes'], 'B')}", file=sys.stderr, flush=True)
+        result["configs"].append(record)
+        a.out.write_text(json.dumps(result, indent=1, default=str))  # after each config: an interrupted run keeps its results
+    result["summary"] = summary = summarize(result["configs"])
+    result["targets"] = [{"name": n, "passed": ok, "value_pct": v, "limit_pct": lim} for n, ok, v, lim in verdicts(summary)]
+    result["elapsed_s"] = time.perf_counter() - started
+    result["load_avg_at_end"] = os.getloadavg()
+    a.out.write_text(json.dumps(result, indent=1, default=str))
+
+    load = result["machine"]["load_avg_1_5_15min"][0], result["load_avg_at_end"][0]
+    print(f"Cost model accuracy on {result['machine']['cpu']} ({result['machine']['cores']} cores, load "
+          f"{load[0]:.1f} at start, {load[1]:.1f} at end), torch {torch.__version__}, device {a.device}, planned for "
+          f"{hardware}; median of {a.steps} timed steps after {a.warmup} warm-up, AdamW:")
+    print(format_table([table_row(r) for r in result["configs"]]))
+    print()
+    print(format_summary(summary))
+    print(f"\n{len(configs)} configs in {fmt(result['elapsed_s'], 's')}; results saved to {a.out}")
+    return 0 if all(r["status"] == "ok" for r in result["configs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

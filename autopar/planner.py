@@ -6,15 +6,17 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator
 
 from autopar.capture import CapturedGraph, readable_name
 from autopar.mesh import MeshSpec
 from autopar.plan import NodePlan, Plan, Prediction
 from autopar.strategies import StrategySpace, Strategy, alias_strategies, build_space
+from autopar.units import fmt
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import Profile
-from cost_models.schedule import Timeline
+from cost_models.schedule import StepPrediction, Timeline, step_costs
 from solver import Edge, Problem, solve
 
 log = logging.getLogger("autopar")
@@ -26,13 +28,15 @@ DEFAULT_TIME_LIMIT_S = 60.0
 # Cut points of the backward at which the ILP checks memory and exposed communication (the plan's
 # own prediction checks every position).
 CUTS = 8
+# Times the planner adds the moment of a predicted peak above the budget and solves again.
+MAX_MEMORY_REPAIRS = 4
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
     log.info("autopar: %s...", name)
     t0 = time.perf_counter()
     yield
-    timings[name] = time.perf_counter() - t0
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
     log.info("autopar: %s done in %.2f s", name, timings[name])
 
 
@@ -51,11 +55,30 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
         model = CostModel(mesh, space, profile=profile, optimizer=get_optimizer(optimizer))
         timeline = Timeline(space)
         budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
-        problem, edge_index, owner = _problem(space, model, timeline, budget)
-    with _stage(timings, "solve"):
-        solution = solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
-    chosen = [nc.strategies[solution.choices[owner[i]]] for i, nc in enumerate(space.nodes)]
-    return _make_plan(captured, space, model, timeline, chosen, edge_index, budget, solution, timings)
+        cuts = timeline.cuts(CUTS)
+        problem, owner, node_costs = _problem(space, model, timeline, budget, cuts)
+    for attempt in range(MAX_MEMORY_REPAIRS + 1):
+        with _stage(timings, "solve"):
+            solution = solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
+        chosen = [nc.strategies[solution.choices[owner[i]]] for i, nc in enumerate(space.nodes)]
+        plan, sim = _make_plan(captured, space, model, timeline, chosen, budget, solution, timings)
+        peak = plan.predicted
+        if peak.peak_memory_bytes <= budget or attempt == MAX_MEMORY_REPAIRS:
+            break
+        # The ILP checks memory at a few cuts, with a bound on working memory; the schedule found
+        # a higher moment. Add that moment as a constraint (or, if it is one already, take the
+        # overshoot off the ILP's budget) and solve again.
+        log.info("autopar: predicted peak %s at %s exceeds the budget; solving again", peak.peak_memory_bytes,
+                 peak.peak_at)
+        if sim.peak_position not in cuts:
+            cuts = sorted(set(cuts) | {sim.peak_position})
+            problem = replace(problem, memory_rows=timeline.memory_rows(owner, node_costs, cuts))
+        else:
+            problem = replace(problem, memory_budget=solution.memory - (peak.peak_memory_bytes - budget))
+    if plan.predicted.peak_memory_bytes > budget:
+        plan.warnings.append(f"the plan's predicted peak ({fmt(plan.predicted.peak_memory_bytes, 'B')}) exceeds the "
+                             f"budget ({fmt(budget, 'B')}) at {plan.predicted.peak_at}; lower memory_budget a little")
+    return plan
 
 
 def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
@@ -77,8 +100,8 @@ def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
             nc.strategies = alias_strategies(src.strategies)
 
 
-def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget: float
-             ) -> tuple[Problem, list[tuple[int, int, int]], list[int]]:
+def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget: float, cuts: list[int]
+             ) -> tuple[Problem, list[int], dict[int, list[Cost]]]:
     """The ILP over decision nodes. Aliases (one output of a split) share their source's variable:
     their edges are priced with their own tensor but attached to the source's choice."""
     decision = {}   # space index -> ILP index
@@ -89,8 +112,12 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
     node_costs = {i: [model.node(nc, s) for s in nc.strategies] for i, nc in enumerate(space.nodes) if i in decision}
     costs = tuple(tuple(c.compute_s + c.comm_s for c in cs) for cs in node_costs.values())
     state = tuple(tuple(c.state_bytes for c in cs) for cs in node_costs.values())
-    transient = tuple(tuple(c.transient_bytes for c in cs) for cs in node_costs.values())
-    edges, edge_index, queued = [], [], []
+    # Working memory, with room for a collective's buffers on the largest input (the ILP prices
+    # redistributions on edges, which carry no memory term).
+    transient = tuple(tuple(c.transient_bytes + 2 * model.largest_input_bytes(space.nodes[i], s)
+                            for c, s in zip(cs, space.nodes[i].strategies))
+                      for i, cs in node_costs.items())
+    edges, queued = [], []
     matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
     for j, nc in enumerate(space.nodes):
         if nc.kind == "alias":
@@ -110,24 +137,16 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
             if any(any(row) for row in overlap):
                 queued.append((i, len(edges), overlap))
             edges.append(Edge(owner[i], decision[j], blocking))
-            edge_index.append((i, j, k))
     names = tuple(nc.node.name for i, nc in enumerate(space.nodes) if i in decision)
-    memory_rows = timeline.memory_rows(owner, node_costs, CUTS)
-    exposed_rows = timeline.exposed_rows(owner, node_costs, queued, CUTS)
+    memory_rows = timeline.memory_rows(owner, node_costs, cuts)
+    exposed_rows = timeline.exposed_rows(owner, node_costs, queued, cuts)
     problem = Problem(costs, state, tuple(edges), budget, names, memory_rows=memory_rows, transient=transient,
                       exposed_rows=exposed_rows)
-    return problem, edge_index, owner
+    return problem, owner, node_costs
 
 
-def _make_plan(captured, space, model, timeline, chosen, edge_index, budget, solution, timings) -> Plan:
-    incoming: dict[int, Cost] = {}
-    queued = []
-    for i, j, k in edge_index:
-        c = model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k)
-        incoming[j] = incoming.get(j, Cost()) + c
-        if c.overlap_s:
-            queued.append((i, c.overlap_s))
-    costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
+def _make_plan(captured, space, model, timeline, chosen, budget, solution, timings) -> tuple[Plan, StepPrediction]:
+    costs, queued = step_costs(space, model, chosen)
     step_overhead = model.profile.overheads.get("step", 0.0) if model.profile is not None else 0.0
     sim = timeline.simulate(costs, queued, step_overhead)
     nodes, total = [], Cost()
@@ -156,9 +175,10 @@ def _make_plan(captured, space, model, timeline, chosen, edge_index, budget, sol
                            cost_source=_overall_source(costs, model))
     solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
                    "constraints": solution.num_constraints, "objective_s": solution.objective}
-    return Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
+    plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
                 predicted=predicted, memory_budget=budget, solver=solver_info, timings=timings,
                 warnings=captured.warnings + space.warnings)
+    return plan, sim
 
 
 def _source(c: Cost, model: CostModel) -> str:

@@ -29,7 +29,7 @@ import inspect
 import operator
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import sympy
 import torch
@@ -39,7 +39,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capture import IDENTITY_OPS, check_inputs, flat_tensor_inputs, tensor_val
 from autopar.errors import AutoparError, CaptureError
@@ -47,12 +46,11 @@ from autopar.mesh import MeshSpec
 from autopar.plan import NodePlan, Plan
 from autopar.placements import Placements
 from autopar.strategies import VIEW_OPS, NodeChoices, Strategy, StrategySpace, _no_tiny_shards
-from cost_models.activations import Saved
 from cost_models.estimate import Cost, CostModel, _dim, get_optimizer
-from cost_models.schedule import StepPrediction, Timeline
+from cost_models.schedule import StepPrediction, Timeline, step_costs
 
 __all__ = ["B", "S", "GraphMismatchError", "SymbolicCosts", "symbolic_plan_costs", "closed_forms", "exposed_terms",
-           "align_plan", "plan_node_costs"]
+           "align_plan"]
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 
@@ -520,69 +518,6 @@ def _out_of(chosen: list, space: StrategySpace, node: fx.Node) -> Placements:
 # ---------------------------------------------------------------------------------------------
 
 
-class _SymbolicCostModel(CostModel):
-    """The planner's ``CostModel`` on a capture with symbolic shapes. Two adaptations, no formula:
-    shapes become sympy expressions before ``redistribute`` caches on them (``SymInt`` is not
-    hashable), and the FLOP count and kept bytes stay symbolic (``float()`` of a ``SymInt``
-    would fix it at its example value)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.saved is not None:
-            inner = self.saved
-            self.saved = lambda node: _symbolic_saved(inner(node))
-
-    def redistribute(self, shape, dtype, src, dst) -> Cost:
-        return super().redistribute(tuple(_dim(s) for s in shape), dtype, src, dst)
-
-    def flops(self, node: fx.Node):
-        args = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-        key = (node.target, repr(pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), args)))
-        if key not in self._flops:
-            try:
-                with tensor_val(node).fake_mode, FlopCounterMode(display=False) as counter:
-                    node.target(*args[0], **args[1])
-                self._flops[key] = _expr(counter.get_total_flops())
-            except Exception:  # as CostModel.flops: an op the counter cannot run is memory-bound
-                self._flops[key] = 0
-        return self._flops[key]
-
-
-def _expr(x):
-    """A torch symbolic number (or a plain one) as a sympy expression (or number)."""
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        from torch.utils._sympy.functions import ToFloat
-
-        return x.node.expr.replace(ToFloat, lambda a: a)
-    return x
-
-
-def _symbolic_saved(saved: Saved) -> Saved:
-    extra = _expr(saved.extra_bytes)
-    return saved if extra is saved.extra_bytes else replace(saved, extra_bytes=extra)
-
-
-def plan_node_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy]
-                    ) -> tuple[list[Cost], list[tuple[int, object]]]:
-    """Each node's cost with its incoming edges, and the queued gradient synchronisations, as
-    ``planner._make_plan`` gathers them (edges into aliases belong to the alias's source)."""
-    incoming: dict[int, Cost] = {}
-    queued = []
-    for j, nc in enumerate(space.nodes):
-        if nc.kind == "alias":
-            continue
-        for k, inp in enumerate(nc.inputs):
-            i = space.index.get(inp)
-            if i is None:
-                continue
-            c = model.edge(space.nodes[i], chosen[i], nc, chosen[j], k)
-            incoming[j] = incoming.get(j, Cost()) + c
-            if c.overlap_s:
-                queued.append((i, c.overlap_s))
-    costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
-    return costs, queued
-
-
 def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs: dict | None = None, *,
                         optimizer: str = "adamw") -> SymbolicCosts:
     """Re-cost ``plan``'s placements as expressions of batch ``B`` and sequence length ``S``.
@@ -608,8 +543,8 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     chosen, names, warnings = align_plan(plan, space)
     for nc, s in zip(space.nodes, chosen):
         nc.strategies = [s]
-    cost_model = _SymbolicCostModel(plan.mesh, space, optimizer=get_optimizer(optimizer))
-    costs, queued = plan_node_costs(space, cost_model, chosen)
+    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer))
+    costs, queued = step_costs(space, cost_model, chosen)
     swap = dict(cap.symbols)
 
     def sub(x):

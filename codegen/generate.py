@@ -71,9 +71,23 @@ class _Emitter:
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str], str] = {}   # (var, placements) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
+        self.defined: set[str] = set()                 # variables assigned so far
 
     def emit(self, line: str, comment: str = "") -> None:
+        target = line.split(" = ", 1)[0]
+        if " = " in line and target.isidentifier():
+            self.defined.add(target)
         self.lines.append(f"    {line}" + (f"  # {comment}" if comment else ""))
+
+    def free(self, nodes: list[fx.Node]) -> None:
+        """Drop the variables of values no later line uses (and their redistributed copies), so
+        memory is released as the model's own eager code would (unlike a long Python function,
+        whose locals all live until it returns)."""
+        names = [n.name for n in nodes if n.name in self.defined]
+        names += [var for (name, _), var in self.placed.items() if name in names]
+        if names:
+            self.defined.difference_update(names)
+            self.lines.append(f"    del {', '.join(names)}")
 
     def arg(self, a: Any, rename: dict[str, str] | None = None) -> str:
         """Python text of an op argument; graph values by their variable (``rename``: the
@@ -218,12 +232,17 @@ def generate_source(captured: CapturedGraph, plan: Plan, keep_outputs_sharded: b
     em = _Emitter(captured, plan, keep_outputs_sharded)
     inputs = ", ".join(captured.user_inputs)
     em.lines.append(f"def forward(self, mesh, device{', ' if inputs else ''}{inputs}):")
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in captured.graph.nodes:
+        for inp in node.all_input_nodes:
+            last_use[inp] = node
     for node in captured.graph.nodes:
         np_ = em.plan.get(node.name)
         if node.op == "placeholder":
             em.placeholder(node, np_)
         elif node.op == "call_function":
             em.call(node, np_)
+            em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
         elif node.op == "output":
             em.output(node)
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture import flat_tensor_inputs, tensor_val
 from autopar.strategies import VIEW_OPS
+from cost_models.compute import as_amount
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
     flat = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     refs = [StorageWeakRef(a.untyped_storage()) for a in flat]
     out_ref = StorageWeakRef(first.untyped_storage())
-    kept_inputs, kept_out, extra, seen = set(), False, 0.0, set()
+    kept_inputs, kept_out, extra, seen = set(), False, 0, set()
     for t in packed:
         ref = StorageWeakRef(t.untyped_storage())
         if ref in seen:
@@ -108,4 +109,4 @@ def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
             kept_inputs.add(refs.index(ref))
         else:
             extra += t.untyped_storage().nbytes()
-    return Saved(frozenset(kept_inputs), kept_out, extra)
+    return Saved(frozenset(kept_inputs), kept_out, as_amount(extra))

@@ -9,7 +9,17 @@ import torch
 
 from .hardware import Hardware
 
-__all__ = ["compute_time", "is_amount", "maximum"]
+__all__ = ["as_amount", "compute_time", "is_amount", "maximum"]
+
+
+def as_amount(x):
+    """A count from PyTorch as a float, or as a sympy expression when it is symbolic (a
+    ``SymInt``/``SymFloat`` of a capture with dynamic shapes: ``autopar.symbolic``)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        from torch.utils._sympy.functions import ToFloat
+
+        return x.node.expr.replace(ToFloat, lambda a: a)
+    return x if isinstance(x, sympy.Basic) else float(x)
 
 
 def is_amount(value) -> bool:

@@ -34,7 +34,7 @@ from autopar.strategies import VIEW_OPS, NodeChoices, StrategySpace, Strategy
 from codegen.generate import dispatched_by_dtensor
 from cost_models.activations import NOTHING, Saved, SavedTensors, needs_grad
 from cost_models.comm import Link, collective_time, link_for_axis
-from cost_models.compute import compute_time
+from cost_models.compute import as_amount, compute_time
 from cost_models.hardware import Hardware, get_hardware
 from cost_models.profile import Profile
 
@@ -72,6 +72,7 @@ class Cost:
     state_bytes: float = 0.0      # live all step: parameter shards, optimizer states, inputs
     saved_bytes: float = 0.0      # kept from the node's forward to its backward
     grad_bytes: float = 0.0       # parameter gradients: from the backward to the optimizer step
+    output_grad_bytes: float = 0.0  # the gradient of an op's output: from its last user's backward to its own
     transient_bytes: float = 0.0  # working memory while the node runs
     comm_bytes: tuple[float, ...] = ()   # per mesh axis
     measured: frozenset[str] = frozenset()   # which of "compute", "comm" came from the profile
@@ -115,7 +116,8 @@ class CostModel:
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis)."""
-        key = (tuple(shape), dtype, src, dst)
+        shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
+        key = (shape, dtype, src, dst)
         if key not in self._moves:
             self._moves[key] = self._redistribute(shape, dtype, src, dst)
         return self._moves[key]
@@ -135,7 +137,9 @@ class CostModel:
             measured |= {"comm"} if link is not self.links[a] else frozenset()
             time += collective_time(kind, nbytes, n, link)
             sent.append(nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1))
-        return Cost(comm_s=time, comm_bytes=tuple(sent), measured=measured)
+        # Collective buffers: the result and the backend's staging copy of it, while it runs.
+        buffers = 2 * full * max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape)) if time else 0.0
+        return Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
 
     def _link(self, kind: str, axis: int) -> Link:
         """The profile's fitted link for this collective and group size, else the preset's."""
@@ -152,12 +156,20 @@ class CostModel:
         if nc.kind in ("output", "alias") or val is None:
             return Cost()
         compute = self._compute(nc, s, val)
+        out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
+        if self.saved is not None and self.saved.grad.get(nc.node, False):
+            compute = compute + Cost(output_grad_bytes=out_bytes)
         if nc.node.target in VIEW_OPS:   # aliases: no data moved, nothing kept
             return compute
-        out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
-        in_bytes = [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
-        floats = sum(b for i, b in zip(nc.inputs, in_bytes) if tensor_val(i).dtype.is_floating_point)
-        return compute + Cost(saved_bytes=self._kept(nc, s, val), transient_bytes=out_bytes + floats)
+        kept, internal = self._kept(nc, s, val)
+        # Working memory: the output (its gradient, in the backward) and the op's internal tensors
+        # (their gradients); input gradients are tracked by the schedule.
+        return compute + Cost(saved_bytes=kept, transient_bytes=out_bytes + internal)
+
+    def largest_input_bytes(self, nc: NodeChoices, s: Strategy) -> float:
+        """Local bytes of the node's largest floating-point input under strategy ``s``."""
+        return max((_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
+                    if tensor_val(i).dtype.is_floating_point), default=0.0)
 
     def _param(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
@@ -206,17 +218,17 @@ class CostModel:
         kind = "dtensor_op" if dispatched_by_dtensor(nc.node, s.out) else "local_op"
         return self.profile.overheads.get(kind, 0.0)
 
-    def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> float:
-        """Bytes of the activations this op keeps for its backward, at the strategy's placements.
-        An input kept by several ops is one tensor: only its first keeper counts it."""
+    def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> tuple[float, float]:
+        """Bytes of the activations this op keeps for its backward, at the strategy's placements,
+        and of those that are internal (neither an input nor the output). An input kept by
+        several ops is one tensor: only its first keeper counts it."""
         saved: Saved = self.saved(nc.node) if self.saved is not None else NOTHING
         mesh = self.mesh.shape
         total = _bytes(val) * shard_fraction(s.out, mesh) if saved.output else 0.0
         for k in saved.inputs & self._counted.get(nc.node, frozenset()):
             total += _bytes(tensor_val(_storage_root(nc.inputs[k]))) * shard_fraction(s.ins[k], mesh)
-        if saved.extra_bytes:
-            total += saved.extra_bytes * max((shard_fraction(p, mesh) for p in s.ins), default=1.0)
-        return total
+        internal = saved.extra_bytes * max((shard_fraction(p, mesh) for p in s.ins), default=1.0)
+        return total + internal, internal
 
     def _first_keepers(self) -> dict[fx.Node, frozenset[int]]:
         """For each op, the inputs it is the first to keep (parameters and buffers excluded:
@@ -247,7 +259,7 @@ class CostModel:
             try:
                 with val.fake_mode, FlopCounterMode(display=False) as counter:
                     node.target(*args[0], **args[1])
-                self._flops[key] = float(counter.get_total_flops())
+                self._flops[key] = as_amount(counter.get_total_flops())
             except Exception:  # an op the counter cannot run on fake tensors: count it as memory-bound
                 self._flops[key] = 0.0
         return self._flops[key]
@@ -260,8 +272,13 @@ class CostModel:
         val = tensor_val(src.node)
         if val is None:
             return Cost()
+        if dst.kind == "output":
+            # Generated code returns full tensors (``full``): gathered, and held by the caller
+            # until the step ends (e.g. a language model's logits beside its loss).
+            replicated = (Replicate(),) * self.mesh.ndim
+            return self.redistribute(val.shape, val.dtype, s.out, replicated) + Cost(state_bytes=_bytes(val))
         fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i])
-        if dst.kind == "output" or not val.dtype.is_floating_point:
+        if not val.dtype.is_floating_point:
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
         target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)

@@ -2,9 +2,10 @@
 optimizer. Places each node's costs at the moments they happen, to find
 
 * the peak memory: parameters and optimizer states throughout; activations kept from their
-  op's forward to its backward; a parameter's gradient from the backward of its first user
-  (in forward order: the last one the backward reaches) to the optimizer step; each node's
-  working memory while it runs;
+  op's forward to its backward; the gradient of each activation from the backward of its last
+  user to its own backward (the backward's mirror of forward liveness); a parameter's gradient
+  from the backward of its first user (in forward order: the last one the backward reaches) to
+  the optimizer step; each node's working memory while it runs;
 * the exposed communication: gradient synchronisations are queued, in the order the backward
   completes them, on one communication channel that runs under the rest of the backward.
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.strategies import VIEW_OPS, StrategySpace
-from cost_models.estimate import Cost
+from autopar.strategies import Strategy
+from cost_models.estimate import Cost, CostModel
 from solver import Row
 
 
@@ -32,6 +34,7 @@ class StepPrediction:
     exposed_s: float     # the part of overlap_s no backward compute hid
     peak_bytes: float
     peak_at: str         # "forward", "backward" or "optimizer step", and the node
+    peak_position: int   # the cut (see Timeline.memory_rows) that holds the peak
     at_peak: dict[str, float]   # bytes live at the peak by kind
 
 
@@ -48,6 +51,8 @@ class Timeline:
             if nc.kind == "param":
                 self.position[i] = self._first_user(nc.node, n)
         self.names = [nc.node.name for nc in space.nodes]
+        self.last_user = [max((space.index[u] for u in nc.node.users if u in space.index), default=i)
+                          for i, nc in enumerate(space.nodes)]
 
     def _first_user(self, node: fx.Node, default: int) -> int:
         """Position of the first op computing with ``node`` (looking through views and aliases)."""
@@ -69,39 +74,46 @@ class Timeline:
         kinds = [nc.kind for nc in self.space.nodes]
         state = sum(c.state_bytes for c in nodes)
         order = sorted(range(len(nodes)), key=lambda i: (self.position[i], i))
-        saved = grads = 0.0
-        peak = (state, "forward (start)", {"state": state, "activations": 0.0, "gradients": 0.0, "working": 0.0})
+        saved = grads = frontier = 0.0
+        peak = (state, "forward (start)", {"state": state, "activations": 0.0, "gradients": 0.0, "working": 0.0}, 0)
 
-        def check(work: float, where: str) -> None:
+        def check(work: float, where: str, position: int) -> None:
             nonlocal peak
             total = state + saved + grads + work
             if total > peak[0]:
-                peak = (total, where, {"state": state, "activations": saved, "gradients": grads, "working": work})
+                peak = (total, where, {"state": state, "activations": saved, "gradients": grads, "working": work},
+                        position)
 
         for i in order:
             saved += nodes[i].saved_bytes
-            if kinds[i] == "op":
-                check(nodes[i].transient_bytes, f"forward: {self.names[i]}")
+            if kinds[i] in ("op", "output"):   # the output's: gathering what the step returns
+                check(nodes[i].transient_bytes, f"forward: {self.names[i]}", self.position[i])
         at: dict[int, list[float]] = {}
         for i, seconds in queued:
             at.setdefault(i, []).append(seconds)
+        born: dict[int, float] = {}   # backward position -> activation gradients it creates
+        for i, c in enumerate(nodes):
+            born[self.last_user[i]] = born.get(self.last_user[i], 0.0) + c.output_grad_bytes
         t = chan = 0.0
         for i in reversed(order):
             if kinds[i] == "param":
                 grads += nodes[i].grad_bytes
             elif kinds[i] == "op":
-                check(nodes[i].transient_bytes, f"backward: {self.names[i]}")
+                frontier += born.get(i, 0.0)
+                check(frontier + nodes[i].transient_bytes, f"backward: {self.names[i]}", self.position[i])
+                frontier -= nodes[i].output_grad_bytes
             saved -= nodes[i].saved_bytes
             t += nodes[i].backward_s
             for seconds in at.get(i, ()):
                 chan = max(t, chan) + seconds
-        check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step")
+        check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step", 0)
         exposed = max(0.0, chan - t)
         compute = sum(c.compute_s for c in nodes)
         comm = sum(c.comm_s for c in nodes)
         overlap = sum(s for _, s in queued)
         return StepPrediction(step_s=compute + comm + exposed + step_overhead_s, compute_s=compute, comm_s=comm,
-                              overlap_s=overlap, exposed_s=exposed, peak_bytes=peak[0], peak_at=peak[1], at_peak=peak[2])
+                              overlap_s=overlap, exposed_s=exposed, peak_bytes=peak[0], peak_at=peak[1], at_peak=peak[2],
+                              peak_position=peak[3])
 
     # ------------------------------------------------------------------ ILP rows
     def cuts(self, count: int) -> list[int]:
@@ -109,28 +121,33 @@ class Timeline:
         n = len(self.space.nodes)
         return sorted({round(n * k / count) for k in range(count + 1)})
 
-    def memory_rows(self, owner: Sequence[int], node_costs: dict[int, list[Cost]], count: int) -> tuple[Row, ...]:
-        """Per cut c (the backward has reached position c): activations kept by nodes before c and
-        gradients of parameters whose first user is at or after c, on top of the state."""
+    def memory_rows(self, owner: Sequence[int], node_costs: dict[int, list[Cost]], cuts: Sequence[int]) -> tuple[Row, ...]:
+        """Per cut c (the backward of the node at position c): activations kept by nodes up to c,
+        gradients of activations made before c and used at or after c, and gradients of
+        parameters whose first user is at or after c, on top of the state. Any forward moment
+        at c holds no more than this."""
         rows = []
-        for c in self.cuts(count):
+        for c in cuts:
             terms = []
             for i, costs in node_costs.items():
                 param = self.space.nodes[i].kind == "param"
-                values = [(x.saved_bytes if self.position[i] < c else 0.0) + (x.grad_bytes if param and self.position[i] >= c else 0.0)
-                          for x in costs]
+                live_grad = self.position[i] < c <= self.last_user[i]
+                values = [(x.saved_bytes if self.position[i] <= c else 0.0)
+                          + (x.grad_bytes if param and self.position[i] >= c else 0.0)
+                          + (x.output_grad_bytes if live_grad else 0.0) for x in costs]
                 if any(values):
                     terms.append((owner[i], tuple(values)))
             rows.append(Row(nodes=tuple(terms)))
         return tuple(rows)
 
     def exposed_rows(self, owner: Sequence[int], node_costs: dict[int, list[Cost]],
-                     queued_edges: Sequence[tuple[int, int, tuple[tuple[float, ...], ...]]], count: int) -> tuple[Row, ...]:
+                     queued_edges: Sequence[tuple[int, int, tuple[tuple[float, ...], ...]]], cuts: Sequence[int]
+                     ) -> tuple[Row, ...]:
         """Per cut c: gradient synchronisation queued after c minus the backward compute after c
         (a lower bound of the exposed time; exact with every position a cut).
         ``queued_edges``: (param node index, ILP edge index, seconds matrix)."""
         rows = []
-        for c in self.cuts(count):
+        for c in cuts:
             edges = tuple((j, m) for i, j, m in queued_edges if self.position[i] < c)
             if not edges:
                 continue
@@ -138,3 +155,24 @@ class Timeline:
                           if self.position[i] < c and any(x.backward_s for x in costs))
             rows.append(Row(nodes=nodes, edges=edges))
         return tuple(rows)
+
+
+def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy]
+               ) -> tuple[list[Cost], list[tuple[int, float]]]:
+    """What ``Timeline.simulate`` takes for one plan: each node's cost with its incoming edges
+    (edges into an alias belong to its source), and the queued gradient synchronisations."""
+    incoming: dict[int, Cost] = {}
+    queued = []
+    for j, nc in enumerate(space.nodes):
+        if nc.kind == "alias":
+            continue
+        for k, inp in enumerate(nc.inputs):
+            i = space.index.get(inp)
+            if i is None:
+                continue
+            c = model.edge(space.nodes[i], chosen[i], nc, chosen[j], k)
+            incoming[j] = incoming.get(j, Cost()) + c
+            if c.overlap_s:
+                queued.append((i, c.overlap_s))
+    costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
+    return costs, queued

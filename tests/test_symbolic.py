@@ -17,7 +17,8 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.plan import Plan
 from autopar.planner import plan_captured
 from autopar.strategies import VIEW_OPS, build_space
-from autopar.symbolic import B, S, GraphMismatchError, align_plan, closed_forms, plan_node_costs, symbolic_plan_costs
+from autopar.symbolic import B, S, GraphMismatchError, align_plan, closed_forms, symbolic_plan_costs
+from cost_models.schedule import step_costs
 from autopar.zoo import get_model
 from cost_models.estimate import CostModel
 from cost_models.schedule import Timeline
@@ -65,7 +66,7 @@ def _numeric(entry, model, plan: Plan, batch: int, seq: int, picks=None):
     replanned = plan_captured(captured, plan.mesh, forced=forced)
     assert [(n.out, n.ins, n.storage) for n in replanned.nodes] == [(n.out, n.ins, n.storage) for n in plan.nodes]
     model_costs = CostModel(plan.mesh, space)
-    costs, queued = plan_node_costs(space, model_costs, chosen)
+    costs, queued = step_costs(space, model_costs, chosen)
     forms = closed_forms(costs, queued, Timeline(space), plan.mesh.axis_names, picks)
     # over every synchronisation, the closed form of the exposed time is the schedule's own
     exact = closed_forms(costs, queued, Timeline(space), plan.mesh.axis_names)["exposed_comm_s"]

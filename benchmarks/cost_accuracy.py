@@ -48,6 +48,7 @@ from autopar.launch import run_on_gloo_mesh
 from autopar.measure import measure_training
 from autopar.mesh import hardware_for_device
 from autopar.units import fmt
+from cost_models.profiling import profile_model
 from autopar.zoo import get_model
 
 RESULTS = Path(__file__).parent / "results" / "cost_accuracy.json"
@@ -226,8 +227,9 @@ def _plan_summary(plan: autopar.Plan) -> dict[str, Any]:
 
 
 def run_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, Any], warmup: int, steps: int,
-               timeout_s: float) -> dict[str, Any]:
-    """Plan ``cfg`` here, compile and measure it on every rank; the record saved in the JSON."""
+               timeout_s: float, profile: bool) -> dict[str, Any]:
+    """Profile this host for ``cfg`` (``profile``), plan it here, compile and measure it on every
+    rank; the record saved in the JSON."""
     entry = get_model(cfg.model)
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
@@ -235,8 +237,13 @@ def run_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, A
     with torch.device(device):
         model = entry.build()
     args, kwargs = entry.example(cfg.batch, cfg.seq, device=device)
-    plan = autopar.plan(model, autopar.MeshSpec(cfg.mesh, None, hardware), args, kwargs, **plan_kwargs)
-    plan_s = time.perf_counter() - t0
+    spec = autopar.MeshSpec(cfg.mesh, None, hardware)
+    profile_s = 0.0
+    if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
+        profile_model(model, spec, args, kwargs, progress=None)
+        profile_s = time.perf_counter() - t0
+    plan = autopar.plan(model, spec, args, kwargs, **plan_kwargs)
+    plan_s = time.perf_counter() - t0 - profile_s
     del model
     t0 = time.perf_counter()
     worker_args = (cfg.model, cfg.batch, cfg.seq, plan.to_json(), warmup, steps)
@@ -249,7 +256,7 @@ def run_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, A
     peak = max(r["peak_bytes"] for r in ranks)
     pred = plan.predicted
     return {
-        **dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "plan_s": plan_s,
+        **dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s, "plan_s": plan_s,
         "run_s": time.perf_counter() - t0, "predicted": dataclasses.asdict(pred), "plan": _plan_summary(plan),
         "ranks": ranks, "measured_step_s": step_s, "measured_peak_bytes": peak,
         "step_error_pct": error_pct(pred.step_time_s, step_s),
@@ -347,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per config (default 600)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="plan from the roofline presets only (default: run `autopar profile` for each config "
+                         "first, cached, and plan with the measured costs)")
     return ap
 
 
@@ -369,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(note, file=sys.stderr)
     result: dict[str, Any] = {
         "machine": machine_info(a.device), "revision": git_revision(), "command": [sys.executable, *sys.argv],
-        "settings": {"device": a.device, "hardware": hardware, "plan_kwargs": plan_kwargs, "warmup": a.warmup,
+        "settings": {"device": a.device, "hardware": hardware, "plan_kwargs": plan_kwargs, "profiled": not a.no_profile,
+                     "warmup": a.warmup,
                      "steps": a.steps, "optimizer": f"AdamW(lr={LR})", "seed": SEED},
         "skipped": skipped, "configs": [],
     }
@@ -378,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{i + 1}/{len(configs)}] {cfg.label} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            record = run_config(cfg, a.device, hardware, plan_kwargs, a.warmup, a.steps, a.timeout)
+            record = run_config(cfg, a.device, hardware, plan_kwargs, a.warmup, a.steps, a.timeout,
+                                profile=not a.no_profile)
         except AutoparError as e:
             record = {**dataclasses.asdict(cfg), "label": cfg.label, "status": "error", "error": str(e)}
             print(f"  failed: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -215,8 +215,10 @@ class CostModel:
         """The generated code's per-call cost on top of the op itself (measured by the profile)."""
         if self.profile is None or nc.node.target is operator.getitem:
             return 0.0
-        kind = "dtensor_op" if dispatched_by_dtensor(nc.node, s.out) else "local_op"
-        return self.profile.overheads.get(kind, 0.0)
+        overheads = self.profile.overheads
+        if dispatched_by_dtensor(nc.node, s.out):
+            return overheads.get("dtensor_op", 0.0)
+        return overheads.get("local_op", 0.0) + overheads.get("local_op_input", 0.0) * max(0, len(nc.inputs) - 1)
 
     def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> tuple[float, float]:
         """Bytes of the activations this op keeps for its backward, at the strategy's placements,

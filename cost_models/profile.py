@@ -30,6 +30,7 @@ PROFILE_VERSION = 1
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 OVERHEADS = {
     "local_op": "one op run on local shards by codegen.runtime.local_op (wrapping, autograd node)",
+    "local_op_input": "each DTensor input of a local_op beyond the first (unwrapping, gradient node)",
     "dtensor_op": "one view/reshape/expand dispatched through DTensor",
     "grad_hook": "one parameter's gradient-sync hook when no collective is needed",
     "optimizer_per_param": "one parameter tensor's optimizer update, beyond its bytes",

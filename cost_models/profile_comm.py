@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.launch import run_on_gloo_mesh
 from autopar.placements import local_shape
-from codegen.runtime import local_op, redistribute, sync_grad_to
+from codegen.runtime import as_planned, local_op, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
 
@@ -169,7 +169,7 @@ def _sweep(mesh: DeviceMesh, axis: int, kind: str, sizes: Sequence[int],
         else:
             actual, run, calls = _redistribution(mesh, axis, kind, size)
         nbytes.append(actual)
-        medians.append(_median_seconds([run], repeats, before=dist.barrier)[0] / calls)
+        medians.append(_mean_seconds([run], repeats, before=dist.barrier)[0] / calls)
     return list(zip(nbytes, _slowest(medians)))
 
 
@@ -210,11 +210,12 @@ def _on_axis(ndim: int, axis: int, placement: Placement) -> list[Placement]:
     return [placement if a == axis else Replicate() for a in range(ndim)]
 
 
-def _median_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
+def _mean_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
                     before: Callable[[], Any] = lambda: None) -> list[float]:
-    """Median wall time of each of ``runs`` over ``repeats`` timed calls, after one untimed
+    """Mean wall time of each of ``runs`` over ``repeats`` timed calls, after one untimed
     warm-up call each. The runs take turns, so a burst of load from elsewhere on the host hits
-    all of them alike and differences between them stay meaningful."""
+    all of them alike and differences between them stay meaningful. The mean, not the median:
+    when ranks outnumber cores, a run is sometimes descheduled, and training pays that too."""
     times: list[list[float]] = [[] for _ in runs]
     for run in runs:
         run()
@@ -224,7 +225,7 @@ def _median_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
             start = time.perf_counter()
             run()
             seconds.append(time.perf_counter() - start)
-    return [statistics.median(seconds) for seconds in times]
+    return [statistics.mean(seconds) for seconds in times]
 
 
 def _slowest(values: Sequence[float]) -> list[float]:
@@ -255,8 +256,11 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     * ``local_op``: a chain of ``OVERHEAD_CALLS`` ``codegen.runtime.local_op(aten.neg)`` calls on
       a DTensor, then backward, minus the same chain of ``aten.neg`` on a plain tensor, per call.
       The cost model adds it to the op's own (plain-tensor) time for every local_op node.
-    * ``dtensor_op``: the same for a ``view`` dispatched through DTensor minus a plain ``view``:
-      added to the op's own time for every view/reshape/expand node.
+    * ``local_op_input``: the same for ``local_op(aten.add)`` of two DTensor inputs, minus
+      ``local_op``: added per DTensor input beyond the first.
+    * ``dtensor_op``: the same for generated code's ``planned(aten.reshape...)`` of a row-split
+      DTensor (DTensor translates the global shape) minus a plain reshape: added to the op's own
+      time for every view/reshape/expand node dispatched through DTensor.
     * ``grad_hook``: backward into ``OVERHEAD_CALLS`` DTensor parameters (through ``to_local``)
       with ``codegen.runtime.sync_grad_to`` hooks whose gradient already has the parameter's
       placement, minus the same without hooks, per parameter: added once per parameter, on top
@@ -271,9 +275,12 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     Noise can push a difference below zero; it is reported as 0.
     """
     step, per_param = _optimizer_overheads(device_mesh, repeats)
+    one_input = _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default)
+    two_inputs = _extra_per_call(device_mesh, repeats, _local_add(device_mesh), lambda y: y + y)
     mine = {
-        "local_op": _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default),
-        "dtensor_op": _extra_per_call(device_mesh, repeats, _transpose_view, _transpose_view),
+        "local_op": one_input,
+        "local_op_input": two_inputs - one_input,
+        "dtensor_op": _extra_per_call(device_mesh, repeats, _planned_reshape, _planned_reshape, _sharded(device_mesh)),
         "grad_hook": _grad_hook_overhead(device_mesh, repeats),
         "optimizer_per_param": per_param,
         "step": step,
@@ -294,17 +301,33 @@ def _local_neg(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
     return lambda y: local_op(torch.ops.aten.neg.default, (y,), {}, _replicated(mesh), mesh, y.shape)
 
 
-def _transpose_view(y: torch.Tensor) -> torch.Tensor:
-    return y.view(y.shape[::-1])
+def _local_add(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
+    """A local_op with two DTensor inputs: each input adds its own unwrapping and gradient node."""
+    return lambda y: local_op(torch.ops.aten.add.Tensor, (y, y), {}, _replicated(mesh), mesh, y.shape)
+
+
+def _sharded(mesh: DeviceMesh) -> DTensor:
+    """A tiny DTensor split by rows on the first mesh axis, as generated code reshapes them."""
+    rows = 2 * mesh.shape[0]
+    local = torch.ones(2, 4)
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=(rows, 4), stride=(4, 1)).requires_grad_()
+
+
+def _planned_reshape(y: torch.Tensor) -> torch.Tensor:
+    """Generated code's ``planned(aten.reshape...)``: DTensor translates the global shape."""
+    shape = [y.shape[0], 2, 2] if y.dim() == 2 else [y.shape[0], 4]
+    out = torch.ops.aten.reshape.default(y, shape)
+    return as_planned(out, out.placements, "profile") if isinstance(out, DTensor) else out
 
 
 def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[[DTensor], DTensor],
-                    plain_step: Callable[[torch.Tensor], torch.Tensor]) -> float:
-    """Seconds ``dtensor_step`` on a DTensor takes beyond ``plain_step`` on its local tensor,
-    per call, forward + backward."""
-    x = _tiny(mesh)
+                    plain_step: Callable[[torch.Tensor], torch.Tensor], x: DTensor | None = None) -> float:
+    """Seconds ``dtensor_step`` on a DTensor (default: a tiny replicated one) takes beyond
+    ``plain_step`` on its local tensor, per call, forward + backward."""
+    x = _tiny(mesh) if x is None else x
     plain = x.to_local().detach().clone().requires_grad_()
-    wrapped, bare = _median_seconds([_chain(dtensor_step, x), _chain(plain_step, plain)], repeats)
+    wrapped, bare = _mean_seconds([_chain(dtensor_step, x), _chain(plain_step, plain)], repeats)
     return (wrapped - bare) / OVERHEAD_CALLS
 
 
@@ -326,7 +349,7 @@ def _grad_hook_overhead(mesh: DeviceMesh, repeats: int) -> float:
     hooked, bare = [_tiny(mesh) for _ in range(OVERHEAD_CALLS)], [_tiny(mesh) for _ in range(OVERHEAD_CALLS)]
     for p in hooked:
         sync_grad_to(p)
-    with_hooks, without = _median_seconds([_backward_into(hooked), _backward_into(bare)], repeats)
+    with_hooks, without = _mean_seconds([_backward_into(hooked), _backward_into(bare)], repeats)
     return (with_hooks - without) / OVERHEAD_CALLS
 
 
@@ -349,7 +372,7 @@ def _optimizer_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
         opt = torch.optim.AdamW(params)
         steps.append(_train_step(mesh, params, opt))
         updates.append(opt.step)  # on the gradients the steps leave
-    medians = _median_seconds(steps + updates, repeats)
+    medians = _mean_seconds(steps + updates, repeats)
     ones = [1.0] * len(PARAM_COUNTS)
     step, _ = _lstsq2(ones, PARAM_COUNTS, medians[:len(steps)])      # (intercept, slope)
     _, per_param = _lstsq2(ones, PARAM_COUNTS, medians[len(steps):])

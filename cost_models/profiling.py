@@ -22,7 +22,8 @@ from autopar.capture import capture
 from autopar.launch import run_on_gloo_mesh
 from autopar.mesh import MeshSpec, as_mesh_spec, hardware_for_device
 from autopar.strategies import build_space
-from cost_models.profile import OpTime, Profile, ProfileError, default_profile_path, hardware_fingerprint
+from cost_models.comm import COLLECTIVE_KINDS
+from cost_models.profile import OpTime, Profile, ProfileError, collective_key, default_profile_path, hardware_fingerprint
 from cost_models.profile_comm import time_collectives, time_overheads
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
@@ -83,7 +84,9 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     if profile.fingerprint != fingerprint:
         raise ProfileError(f"{path} holds a profile of other hardware; pass another path")
     calls = [c for c in op_calls(space, spec.shape) if c.key not in profile.ops]
-    need_comm = not profile.collectives or not profile.overheads
+    sizes = {n for n in spec.shape if n > 1}
+    need_comm = not profile.overheads or any(collective_key(kind, n) not in profile.collectives
+                                             for kind in COLLECTIVE_KINDS if kind != "broadcast" for n in sizes)
     say(f"{len(calls)} op calls to time ({len(profile.ops)} cached), "
         f"{'collectives and overheads' if need_comm else 'collectives cached'}; captured in {time.perf_counter() - t0:.1f} s")
     t1 = time.perf_counter()

@@ -148,7 +148,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = autopar.plan(model, spec, example_args, example_kwargs, memory_budget=budget, time_limit=args.time_limit,
                         profile=profile, optimizer=args.optimizer)
     _progress(f"planned in {time.perf_counter() - t0:.1f} s ({_stages(plan.timings)})")
-    print(plan.report(top=args.top))
+    print(plan.report(top=None if args.all_nodes else args.top))
+    if args.scaling:
+        from autopar.symbolic import symbolic_plan_costs
+
+        print()
+        print(symbolic_plan_costs(model, plan, example_args, example_kwargs, optimizer=args.optimizer).describe())
     if args.json:
         plan.to_json(args.json)
         _progress(f"plan saved to {args.json} (load it with autopar.Plan.from_json and pass it to autopar.compile(plan=...))")
@@ -448,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"solver time limit in seconds; the best plan found by then is kept (default {DEFAULT_TIME_LIMIT_S:g})")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
+    plan.add_argument("--all-nodes", action="store_true",
+                      help="list every node's predicted compute, communication, memory and their source")
+    plan.add_argument("--scaling", action="store_true",
+                      help="also print step time and memory as formulas of batch size B and sequence length S")
     plan.add_argument("--profile", default="auto",
                       help="measured costs: auto (the cached profile of this host when it matches; default), "
                            "a profile JSON file, or none (roofline presets only)")

@@ -163,7 +163,9 @@ class Plan:
         if tuple(mesh.shape) != tuple(self.mesh.shape):
             raise PlanFileError(f"this plan is for mesh {self.mesh.shape}, not {mesh.shape}; re-plan for this mesh")
 
-    def report(self, top: int = 12) -> str:
+    def report(self, top: int | None = 12) -> str:
+        """The planning report; ``top=None`` lists every node's predicted compute, communication
+        and memory, and whether each figure was measured or came from the roofline."""
         from autopar.report import format_report
 
         return format_report(self, top=top)

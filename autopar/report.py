@@ -125,8 +125,9 @@ def _hardware_line(name: str) -> str:
             f"{hw.devices_per_node} devices per node)")
 
 
-def format_report(plan: Plan, top: int = 12) -> str:
-    """A readable planning report: what was chosen, what it is predicted to cost, and why it is slow."""
+def format_report(plan: Plan, top: int | None = 12) -> str:
+    """A readable planning report: what was chosen, what it is predicted to cost, and why it is
+    slow. ``top``: nodes listed with their costs (``None``: every node)."""
     p = plan.predicted
     mesh = plan.mesh
     axes = ", ".join(mesh.axis_names)
@@ -144,18 +145,20 @@ def format_report(plan: Plan, top: int = 12) -> str:
 
     # ------------------------------------------------------------------ prediction
     add("Predicted training step (forward + backward + optimizer, slowest device)")
-    total = p.compute_s + p.comm_s
+    total = p.step_time_s
     share = (lambda x: f"{100 * x / total:.0f}%") if total > 0 else (lambda x: "-")
-    add(f"  step time       {fmt(p.step_time_s, 's')}  "
-        f"(compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, communication {fmt(p.comm_s, 's')} {share(p.comm_s)})")
+    add(f"  step time       {fmt(p.step_time_s, 's')}  (compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, "
+        f"blocking communication {fmt(p.comm_s, 's')} {share(p.comm_s)}, exposed gradient sync "
+        f"{fmt(p.exposed_comm_s, 's')} of {fmt(p.overlapped_comm_s, 's')} queued during the backward)")
     used = f", {100 * p.peak_memory_bytes / plan.memory_budget:.1f}% of the budget" if plan.memory_budget > 0 else ""
-    add(f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}")
+    add(f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}")
     if p.memory_breakdown:
         width = max(len(k) for k in p.memory_breakdown)
         for k, v in p.memory_breakdown.items():
             add(f"    {k.ljust(width)}  {fmt(v, 'B').rjust(10)}")
     comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
     add(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
+    add(f"  costs from      {p.cost_source or '?'}")
     add("")
 
     # ------------------------------------------------------------------ solver and timings
@@ -190,17 +193,22 @@ def format_report(plan: Plan, top: int = 12) -> str:
     if ops:
         add(f"Ops ({len(ops)}): {_counts(ops)}")
         add("")
-    if top > 0:
-        ranked = sorted(plan.nodes, key=lambda n: n.compute_s + n.comm_s, reverse=True)
-        ranked = [n for n in ranked if n.compute_s + n.comm_s > 0][:top]
-        if ranked:
-            add(f"Top {len(ranked)} nodes by predicted time (compute: forward + backward, and the optimizer "
-                "for parameters; comm: resharding into the node, gathers and gradient sync)")
-            table = [[n.name, _op_name(n.op), n.layer or n.fqn or "-",
-                      _strategy_text(n) if n.op == "parameter" else n.strategy,
-                      fmt(n.compute_s, "s"), fmt(n.comm_s, "s") if n.comm_s else "-"] for n in ranked]
-            out.extend(_table(["node", "op", "layer / parameter", "strategy", "compute", "comm"], table, right={4, 5}))
-            add("")
+    ranked = sorted(plan.nodes, key=lambda n: n.compute_s + n.comm_s, reverse=True)
+    ranked = [n for n in ranked if n.compute_s + n.comm_s + n.memory_bytes > 0]
+    if top is None or top > 0:
+        ranked = ranked if top is None else ranked[:top]
+        title = "All nodes" if top is None else f"Top {len(ranked)} nodes"
+        add(f"{title} by predicted time (compute: forward + backward, and the optimizer for parameters; comm: "
+            "resharding into the node, gathers and gradient sync; memory: held per device, of which kept for the "
+            "backward; source: measured by `autopar profile` or roofline)")
+        table = [[n.name, _op_name(n.op), n.layer or n.fqn or "-",
+                  _strategy_text(n) if n.op == "parameter" else n.strategy,
+                  fmt(n.compute_s, "s"), fmt(n.comm_s, "s") if n.comm_s else "-",
+                  fmt(n.memory_bytes, "B"), fmt(n.saved_bytes, "B") if n.saved_bytes else "-", n.source]
+                 for n in ranked]
+        out.extend(_table(["node", "op", "layer / parameter", "strategy", "compute", "comm", "memory", "kept", "source"],
+                          table, right={4, 5, 6, 7}))
+        add("")
 
     # ------------------------------------------------------------------ warnings
     warnings = list(plan.warnings)

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
 from autopar.capture import tensor_val
 from autopar.errors import AutoparError
@@ -39,6 +39,16 @@ from cost_models.hardware import Hardware, get_hardware
 from cost_models.profile import Profile
 
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
+
+
+def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """CPU fused attention does the same work as the CUDA kernels PyTorch counts."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# FlopCounterMode counts the CUDA attention kernels but not the CPU one a CPU model's SDPA runs.
+if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in flop_registry:
+    register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)(_cpu_flash_attention_flops)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class _RuntimeDevice:
     def __repr__(self) -> str:
         return "device"
 
+    def __reduce__(self) -> str:
+        return "RUNTIME_DEVICE"   # unpickles as the module's one instance (profiling ranks compare by identity)
+
 
 RUNTIME_DEVICE = _RuntimeDevice()
 

@@ -178,3 +178,15 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
                          profile=profile)
     assert plan.predicted.cost_source.startswith("profile")
     assert {n.source for n in plan.nodes} >= {"roofline"}
+
+
+def test_attention_flops_counted_for_cpu_models():
+    """A model built on the CPU runs SDPA as CPU flash attention, which FlopCounterMode does not
+    count by itself: the cost model registers its formula (4*B*H*S*S*D forward)."""
+    class Attention(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
+
+    space = build_space(capture(Attention(), (torch.randn(2, 4, 32, 16),)), MeshSpec((1,), hardware="cpu"))
+    node = next(nc.node for nc in space.nodes if "scaled_dot" in nc.node.name)
+    assert CostModel(space.mesh, space).flops(node) == 4 * 2 * 4 * 32 * 32 * 16

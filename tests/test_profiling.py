@@ -1,0 +1,78 @@
+"""Profiles: JSON that refuses what it should, a cache keyed by hardware fingerprint, and the
+planner using measured numbers when (and only when) a profile of this host matches."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar import MeshSpec
+from autopar.zoo import get_model
+from cost_models.comm import Link
+from cost_models.profile import OpTime, Profile, ProfileError
+from cost_models.profiling import find_profile, local_fingerprint, profile_model, resolve_profile
+
+
+def _profile(fingerprint: dict) -> Profile:
+    return Profile(fingerprint, ops={"aten.neg.default(float32[2],){}": OpTime(1e-5, 2e-5)},
+                   collectives={"all_reduce@2": Link(bandwidth=1e9, latency=1e-4)}, overheads={"local_op": 1e-4})
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    p = _profile(local_fingerprint(MeshSpec((2,), hardware="cpu")))
+    path = tmp_path / "p.json"
+    p.to_json(path)
+    back = Profile.from_json(path)
+    assert back == p and Profile.from_json(p.to_json()) == p
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"autopar_profile_version": 99}', "version-99"),
+    ('{"autopar_profile_version": 1, "fingerprint": {}}', "not an autopar profile"),
+    ("[1, 2]", "not an autopar profile"),
+])
+def test_foreign_or_stale_profiles_are_refused(tmp_path, text, needle):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=needle):
+        Profile.from_json(path)
+
+
+def test_a_profile_of_other_hardware_is_refused_for_this_host():
+    mesh = MeshSpec((2,), hardware="cpu")
+    other = _profile({**local_fingerprint(mesh), "device_name": "some other CPU"})
+    with pytest.raises(ProfileError, match="other hardware"):
+        resolve_profile(other, mesh)
+    # planning for hardware that is not at hand uses its preset, whatever the cache holds
+    assert resolve_profile("auto", MeshSpec((8,), hardware="h100-80gb")) is None
+    assert resolve_profile(None, mesh) is None
+
+
+def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
+    """End to end on one local process: profile the tiny GPT, find it in the cache, plan with it;
+    profiling again measures nothing new."""
+    monkeypatch.setenv("AUTOPAR_PROFILE_DIR", str(tmp_path))
+    entry = get_model("gpt-tiny")
+    model = entry.build()
+    args, kwargs = entry.example(2, 8)
+    mesh = MeshSpec((1,), hardware="cpu")
+    assert find_profile(mesh) is None
+    roofline = autopar.plan(model, mesh, args, kwargs)
+    assert roofline.predicted.cost_source.startswith("no profile")
+
+    profile, path = profile_model(model, mesh, args, kwargs, progress=None)
+    assert path.parent == tmp_path and json.loads(path.read_text())["fingerprint"] == local_fingerprint(mesh)
+    assert profile.ops and all(t.fwd_s > 0 for t in profile.ops.values())
+    assert {"local_op", "local_op_input", "dtensor_op", "optimizer_per_param", "step"} <= set(profile.overheads)
+    assert find_profile(mesh) == profile
+
+    measured = autopar.plan(model, mesh, args, kwargs)
+    assert measured.predicted.cost_source.startswith("profile")
+    linears = [n for n in measured.nodes if n.op == "aten.linear.default"]
+    assert linears and all(n.source.startswith("measured") for n in linears)
+    assert measured.predicted.step_time_s != roofline.predicted.step_time_s
+
+    lines = []
+    again, _ = profile_model(model, mesh, args, kwargs, progress=lines.append)
+    assert lines[0].startswith("0 op calls to time") and again == profile

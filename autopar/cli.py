@@ -221,18 +221,6 @@ def _demo_batches(example: tuple[tuple, dict], vocab: int | None, steps: int, se
     return batches
 
 
-def _loss_value(out: Any) -> Any:
-    """The scalar loss of a zoo model's output (a tensor, a ModelOutput with ``.loss``, or a tuple)."""
-    loss = out
-    if not hasattr(loss, "backward"):
-        loss = getattr(out, "loss", None)
-        if loss is None and isinstance(out, (tuple, list)):
-            loss = out[0]
-    if loss is None:
-        raise AutoparError(f"cannot find the loss in the model's output ({type(out).__name__})")
-    return loss
-
-
 def _scalar(loss: Any) -> float:
     from torch.distributed.tensor import DTensor
 
@@ -243,12 +231,14 @@ def _train(model: Any, batches: list[tuple[tuple, dict]]) -> tuple[list[float], 
     """AdamW steps on ``batches``: (loss per step, seconds per step)."""
     import torch
 
+    from autopar.measure import loss_of
+
     opt = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
     losses, seconds = [], []
     for args, kwargs in batches:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = _loss_value(model(*args, **kwargs))
+        loss = loss_of(model(*args, **kwargs))
         loss.backward()
         opt.step()
         losses.append(_scalar(loss))

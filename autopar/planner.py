@@ -119,24 +119,18 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
                       for i, cs in node_costs.items())
     edges, queued = [], []
     matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
-    for j, nc in enumerate(space.nodes):
-        if nc.kind == "alias":
-            continue
-        for k, inp in enumerate(nc.inputs):
-            i = space.index.get(inp)
-            if i is None:
-                continue
-            src = space.nodes[i]
-            val = inp.meta.get("val")
-            key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
-            if key not in matrices:
-                grid = [[model.edge(src, s, nc, d, k) for d in nc.strategies] for s in src.strategies]
-                matrices[key] = (tuple(tuple(c.compute_s + c.comm_s for c in row) for row in grid),
-                                 tuple(tuple(c.overlap_s for c in row) for row in grid))
-            blocking, overlap = matrices[key]
-            if any(any(row) for row in overlap):
-                queued.append((i, len(edges), overlap))
-            edges.append(Edge(owner[i], decision[j], blocking))
+    for i, j, k in space.edges():
+        src, nc = space.nodes[i], space.nodes[j]
+        val = nc.inputs[k].meta.get("val")
+        key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
+        if key not in matrices:
+            grid = [[model.edge(src, s, nc, d, k) for d in nc.strategies] for s in src.strategies]
+            matrices[key] = (tuple(tuple(c.compute_s + c.comm_s for c in row) for row in grid),
+                             tuple(tuple(c.overlap_s for c in row) for row in grid))
+        blocking, overlap = matrices[key]
+        if any(any(row) for row in overlap):
+            queued.append((i, len(edges), overlap))
+        edges.append(Edge(owner[i], decision[j], blocking))
     names = tuple(nc.node.name for i, nc in enumerate(space.nodes) if i in decision)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)
     exposed_rows = timeline.exposed_rows(owner, node_costs, queued, cuts)

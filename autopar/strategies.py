@@ -75,6 +75,17 @@ class StrategySpace:
     def __post_init__(self) -> None:
         self.index = {c.node: i for i, c in enumerate(self.nodes)}
 
+    def edges(self) -> Iterator[tuple[int, int, int]]:
+        """(source index, consumer index, input position) of every planned tensor edge. Edges
+        into an alias are its source's (the alias only picks one of the source's outputs)."""
+        for j, nc in enumerate(self.nodes):
+            if nc.kind == "alias":
+                continue
+            for k, inp in enumerate(nc.inputs):
+                i = self.index.get(inp)
+                if i is not None:
+                    yield i, j, k
+
 
 def tensor_placements(shape: tuple[int, ...], mesh: MeshSpec) -> list[Placements]:
     """Every Replicate/Shard combination over the mesh axes that leaves each rank >= 1 element."""

@@ -160,19 +160,13 @@ class Timeline:
 def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy]
                ) -> tuple[list[Cost], list[tuple[int, float]]]:
     """What ``Timeline.simulate`` takes for one plan: each node's cost with its incoming edges
-    (edges into an alias belong to its source), and the queued gradient synchronisations."""
+    (``StrategySpace.edges``), and the queued gradient synchronisations."""
     incoming: dict[int, Cost] = {}
     queued = []
-    for j, nc in enumerate(space.nodes):
-        if nc.kind == "alias":
-            continue
-        for k, inp in enumerate(nc.inputs):
-            i = space.index.get(inp)
-            if i is None:
-                continue
-            c = model.edge(space.nodes[i], chosen[i], nc, chosen[j], k)
-            incoming[j] = incoming.get(j, Cost()) + c
-            if c.overlap_s:
-                queued.append((i, c.overlap_s))
+    for i, j, k in space.edges():
+        c = model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k)
+        incoming[j] = incoming.get(j, Cost()) + c
+        if c.overlap_s:
+            queued.append((i, c.overlap_s))
     costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
     return costs, queued

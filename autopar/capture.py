@@ -12,6 +12,7 @@ import os
 import re
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -90,7 +91,10 @@ def fingerprint(program: ExportedProgram, model_name: str) -> str:
     return h.hexdigest()[:16]
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> CapturedGraph:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+            dynamic_shapes: Any = None) -> CapturedGraph:
+    """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
+    makes dims symbolic (``autopar.symbolic``)."""
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
@@ -99,7 +103,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.
         with maybe_disable_local_tensor_mode():
-            program = torch.export.export(model, args, kwargs, strict=False)
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(

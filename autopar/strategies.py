@@ -183,7 +183,9 @@ def alias_strategies(source: list[Strategy]) -> list[Strategy]:
     return [Strategy(s.out, (s.out,), ("follow",) * len(s.out)) for s in source]
 
 
-def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
+def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool = True) -> StrategySpace:
+    """Classify the graph's nodes and list each one's candidate strategies (``with_strategies=
+    False``: classify only, the strategies left empty for the caller to fill: ``autopar.symbolic``)."""
     nodes: list[NodeChoices] = []
     position: dict[fx.Node, int] = {}
     warnings: list[str] = []
@@ -195,13 +197,14 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
                 continue
             shape = tuple(val.shape)
             if node.name in captured.param_of:
-                nodes.append(NodeChoices(node, "param", [], param_strategies(shape, mesh), captured.param_of[node.name]))
+                strategies = param_strategies(shape, mesh) if with_strategies else []
+                nodes.append(NodeChoices(node, "param", [], strategies, captured.param_of[node.name]))
             elif node.name in captured.user_inputs:
-                strategies = input_strategies(shape, mesh)
-                nodes.append(NodeChoices(node, "input", [], strategies))
+                nodes.append(NodeChoices(node, "input", [], input_strategies(shape, mesh) if with_strategies else []))
             else:
                 fqn = captured.buffer_of.get(node.name) or captured.constant_of.get(node.name)
-                nodes.append(NodeChoices(node, "buffer", [], [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)], fqn))
+                rep = [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)] if with_strategies else []
+                nodes.append(NodeChoices(node, "buffer", [], rep, fqn))
         elif node.op == "call_function":
             if tensor_val(node) is None:
                 continue  # asserts and symbolic-int helpers: no placement to choose
@@ -211,14 +214,15 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace:
                 position[node] = len(nodes)
                 nodes.append(NodeChoices(node, "alias", inputs, aliases, source=inputs[0]))
                 continue
-            if rule_for(node) is None and inputs:
+            if rule_for(node) is None and inputs and with_strategies:
                 unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
             position[node] = len(nodes)
-            nodes.append(NodeChoices(node, "op", inputs, op_strategies(node, inputs, mesh)))
+            nodes.append(NodeChoices(node, "op", inputs, op_strategies(node, inputs, mesh) if with_strategies else []))
         elif node.op == "output":
             outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and tensor_val(a) is not None]
             rep = (R,) * mesh.ndim
-            nodes.append(NodeChoices(node, "output", outs, [Strategy(rep, tuple(rep for _ in outs), ("replicate",) * mesh.ndim)]))
+            out = [Strategy(rep, tuple(rep for _ in outs), ("replicate",) * mesh.ndim)] if with_strategies else []
+            nodes.append(NodeChoices(node, "output", outs, out))
     for op, count in sorted(unknown.items()):
         msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
         warnings.append(msg)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -34,18 +33,16 @@ from dataclasses import dataclass, field, fields
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.distributed.tensor import Replicate, Shard
 from torch.export import Dim
-from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from autopar.capture import IDENTITY_OPS, check_inputs, flat_tensor_inputs, tensor_val
-from autopar.errors import AutoparError, CaptureError
+from autopar.capture import IDENTITY_OPS, CapturedGraph, capture, check_inputs, tensor_val
+from autopar.errors import AutoparError
 from autopar.mesh import MeshSpec
 from autopar.plan import NodePlan, Plan
 from autopar.placements import Placements
-from autopar.strategies import VIEW_OPS, NodeChoices, Strategy, StrategySpace, _no_tiny_shards
+from autopar.strategies import VIEW_OPS, NodeChoices, Strategy, StrategySpace, _no_tiny_shards, build_space
 from cost_models.estimate import Cost, CostModel, _dim, get_optimizer
 from cost_models.schedule import StepPrediction, Timeline, step_costs
 
@@ -331,8 +328,7 @@ def _max(values: list) -> object:
 
 @dataclass
 class _DynamicCapture:
-    program: torch.export.ExportedProgram
-    kinds: dict[str, tuple[str, str | None]]   # placeholder name -> (kind, fqn)
+    captured: CapturedGraph
     symbols: dict[sympy.Symbol, sympy.Symbol]  # export's symbol -> B or S
     limits: dict[str, tuple[int, int | None]]
     planned: tuple[int, int]
@@ -340,7 +336,7 @@ class _DynamicCapture:
 
     @property
     def graph(self) -> fx.Graph:
-        return self.program.graph_module.graph
+        return self.captured.graph
 
 
 def _is_tokens(x) -> bool:
@@ -372,26 +368,12 @@ def _capture_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict) -> _Dyna
     dynamic = {k: pytree.tree_map(spec, v) for k, v in arguments.items()}
     call = inspect.signature(model.forward).bind_partial()
     call.arguments.update(arguments)
-    try:
-        with maybe_disable_local_tensor_mode():
-            program = torch.export.export(model, tuple(call.args), dict(call.kwargs), dynamic_shapes=dynamic, strict=False)
-    except Exception as e:  # export raises many types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(f"torch.export could not capture {type(model).__name__} with dynamic batch and sequence: "
-                           f"{type(e).__name__}: {first}") from e
-    kinds: dict[str, tuple[str, str | None]] = {}
-    for s in program.graph_signature.input_specs:
-        name = getattr(s.arg, "name", None)
-        if s.kind == InputKind.PARAMETER:
-            kinds[name] = ("param", s.target)
-        elif s.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            kinds[name] = ("buffer", s.target)
-        elif s.kind == InputKind.USER_INPUT:
-            kinds[name] = ("input", None)
+    captured = capture(model, tuple(call.args), dict(call.kwargs), dynamic_shapes=dynamic)
+    program = captured.program
     symbols: dict[sympy.Symbol, sympy.Symbol] = {}
     fixed = set()
     for node in program.graph.nodes:
-        val = tensor_val(node) if node.op == "placeholder" and kinds.get(node.name, ("",))[0] == "input" else None
+        val = tensor_val(node) if node.op == "placeholder" and node.name in captured.user_inputs else None
         if val is None or val.dim() != 2 or val.dtype.is_floating_point:
             continue
         for d, target in ((0, B), (1, S)):
@@ -411,31 +393,7 @@ def _capture_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict) -> _Dyna
         warnings.append(f"torch.export fixed {target} at its example size: the model's code does not allow it to vary, "
                         f"so the costs do not depend on it")
         limits[target] = (planned[0 if target == "B" else 1],) * 2
-    return _DynamicCapture(program, kinds, symbols, limits, planned, warnings)
-
-
-def _space(cap: _DynamicCapture, mesh: MeshSpec) -> StrategySpace:
-    """The nodes of the dynamic capture, classified as ``strategies.build_space`` does (strategies
-    are filled in from the plan)."""
-    nodes: list[NodeChoices] = []
-    for node in cap.graph.nodes:
-        if node.op == "placeholder":
-            if tensor_val(node) is None:
-                continue
-            kind, fqn = cap.kinds.get(node.name, ("buffer", None))
-            nodes.append(NodeChoices(node, kind, [], [], fqn))
-        elif node.op == "call_function":
-            if tensor_val(node) is None:
-                continue
-            inputs = flat_tensor_inputs(node)
-            if node.target is operator.getitem and inputs and isinstance(inputs[0].meta.get("val"), (list, tuple)):
-                nodes.append(NodeChoices(node, "alias", inputs, [], source=inputs[0]))
-            else:
-                nodes.append(NodeChoices(node, "op", inputs, []))
-        elif node.op == "output":
-            outs = [a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and tensor_val(a) is not None]
-            nodes.append(NodeChoices(node, "output", outs, []))
-    return StrategySpace(mesh, nodes)
+    return _DynamicCapture(captured, symbols, limits, planned, warnings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,7 +497,7 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     cap = _capture_dynamic(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    space = _space(cap, plan.mesh)
+    space = build_space(cap.captured, plan.mesh, with_strategies=False)
     chosen, names, warnings = align_plan(plan, space)
     for nc, s in zip(space.nodes, chosen):
         nc.strategies = [s]

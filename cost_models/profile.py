@@ -25,7 +25,7 @@ import torch
 from autopar.errors import AutoparError
 from cost_models.comm import Link
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2   # 2: op times include making results contiguous, as generated code does
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 OVERHEADS = {

@@ -31,7 +31,8 @@ from codegen.runtime import as_planned, local_op, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
 
-__all__ = ["DEFAULT_SIZES", "fit_link", "print_progress", "profile_mesh", "time_collectives", "time_overheads"]
+__all__ = ["DEFAULT_SIZES", "fit_link", "measure_mesh", "print_progress", "profile_mesh", "time_collectives",
+           "time_overheads"]
 
 #: 4 KiB .. 16 MiB, 6 log-spaced sizes: latency-bound at the small end, bandwidth-bound at the
 #: large end. About 7 s for a (4,) mesh on 2 idle cores (all-to-all, gathered on gloo, is most).
@@ -211,11 +212,12 @@ def _on_axis(ndim: int, axis: int, placement: Placement) -> list[Placement]:
 
 
 def _mean_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
-                    before: Callable[[], Any] = lambda: None) -> list[float]:
-    """Mean wall time of each of ``runs`` over ``repeats`` timed calls, after one untimed
-    warm-up call each. The runs take turns, so a burst of load from elsewhere on the host hits
-    all of them alike and differences between them stay meaningful. The mean, not the median:
-    when ranks outnumber cores, a run is sometimes descheduled, and training pays that too."""
+                  before: Callable[[], Any] = lambda: None) -> list[float]:
+    """Wall time of each of ``runs``, after one untimed warm-up call each: the median over
+    ``BLOCKS`` blocks of the mean of ``repeats / BLOCKS`` timed calls. The runs take turns, so a
+    burst of load from elsewhere on the host hits all of them alike. Means within a block, because
+    when ranks outnumber cores a run is sometimes descheduled and training pays that too; the
+    median across blocks, so a burst from elsewhere does not."""
     times: list[list[float]] = [[] for _ in runs]
     for run in runs:
         run()
@@ -225,7 +227,9 @@ def _mean_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
             start = time.perf_counter()
             run()
             seconds.append(time.perf_counter() - start)
-    return [statistics.mean(seconds) for seconds in times]
+    per_block = max(1, repeats // BLOCKS)
+    return [statistics.median(statistics.mean(seconds[b:b + per_block]) for b in range(0, len(seconds), per_block))
+            for seconds in times]
 
 
 def _slowest(values: Sequence[float]) -> list[float]:
@@ -242,6 +246,7 @@ def _slowest(values: Sequence[float]) -> list[float]:
 #: it (longer runs made ``local_op`` jump 4x between runs on a loaded host). Even, so that a
 #: chain of transposing views ends in its start shape.
 OVERHEAD_CALLS = 2
+BLOCKS = 5
 OVERHEAD_REPEATS = 51
 PARAM_COUNTS = (1, 2)
 _TINY = torch.Size((2, 4))
@@ -405,13 +410,15 @@ def profile_mesh(shape: tuple[int, ...], *, axis_names: tuple[str, ...] | None =
 
     ``progress`` is called on rank 0 with a line per measurement; it runs in that rank's process,
     so it must be picklable (a module-level function such as :func:`print_progress`)."""
-    results = run_on_gloo_mesh(_profile_worker, tuple(shape), tuple(sizes), repeats, progress,
+    results = run_on_gloo_mesh(measure_mesh, tuple(shape), tuple(sizes), repeats, progress,
                                axis_names=axis_names, start_method="forkserver")
     return results[0]
 
 
-def _profile_worker(mesh: DeviceMesh, sizes: tuple[int, ...], repeats: int,
-                    progress: Progress | None) -> tuple[dict[str, Link], dict[str, float]]:
+def measure_mesh(mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
+                 progress: Progress | None = None) -> tuple[dict[str, Link], dict[str, float]]:
+    """(collectives, overheads), run by every rank of a live mesh in lockstep; ``progress`` is
+    called on rank 0 only."""
     say = progress if dist.get_rank() == 0 else None
     links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say)
     start = time.perf_counter()

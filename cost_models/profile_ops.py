@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -22,16 +23,20 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture import tensor_val
 from autopar.placements import local_shape
-from autopar.strategies import VIEW_OPS, NodeChoices, Strategy, StrategySpace
-from codegen.generate import SHAPE_ARG_OPS
+from autopar.placements import Placements
+from autopar.strategies import NodeChoices, Strategy, StrategySpace
+from codegen.generate import dispatched_by_dtensor
 from cost_models.profile import OpTime, op_key
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-#: Ops with no compute of their own to time: aliases, and ops with global shape arguments that
-#: generated code dispatches through DTensor (its overhead is the profile's "dtensor_op").
-NO_COMPUTE_OPS = VIEW_OPS | SHAPE_ARG_OPS
+def no_compute(node: fx.Node, out: Placements) -> bool:
+    """Nodes with nothing of their own to time: picking an output of a multi-output op, and ops
+    with global shape arguments that generated code dispatches through DTensor (their cost is
+    the profile's "dtensor_op" overhead). Views that run on local shards are timed: generated code
+    makes every local result contiguous, which copies a transposed view."""
+    return node.target is operator.getitem or dispatched_by_dtensor(node, out)
 
 
 class _RuntimeDevice:
@@ -65,9 +70,9 @@ class OpCall:
 
 def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int]) -> OpCall | None:
     """The call node ``nc`` makes on the largest shard (the slowest rank) under strategy ``s``, or
-    None when it has no compute to time (not an op, a view, a shape-argument op, no tensor output)."""
+    None when it has no compute to time (not an op, ``no_compute``, no tensor output)."""
     node = nc.node
-    if nc.kind != "op" or node.target in NO_COMPUTE_OPS or tensor_val(node) is None:
+    if nc.kind != "op" or no_compute(node, s.out) or tensor_val(node) is None:
         return None
     placements = iter(s.ins)
 
@@ -140,8 +145,11 @@ def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: i
     """Forward seconds, then backward seconds alone (one forward, its graph kept and reused)."""
     args, kwargs = pytree.tree_map(lambda a: _real(a, device), (call.args, call.kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    fwd = _median_seconds(lambda: call.target(*args, **kwargs), device, per_repeat, repeats)
-    outs = [t for t in pytree.tree_leaves(call.target(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    def run() -> Any:   # as codegen.runtime.local_op runs it: results made contiguous
+        return pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, call.target(*args, **kwargs))
+
+    fwd = _median_seconds(run, device, per_repeat, repeats)
+    outs = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outs:
         return OpTime(fwd, 0.0)
     grads = [torch.randn_like(t) for t in outs]

@@ -8,7 +8,6 @@ rank's time is kept), then the collectives per mesh axis and the runtime's overh
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,15 +23,11 @@ from autopar.mesh import MeshSpec, as_mesh_spec, hardware_for_device
 from autopar.strategies import build_space
 from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import OpTime, Profile, ProfileError, collective_key, default_profile_path, hardware_fingerprint
-from cost_models.profile_comm import time_collectives, time_overheads
+from cost_models.profile_comm import measure_mesh, print_progress
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
 Progress = Callable[[str], None]
 THREADS_PER_RANK = 1   # autopar.launch gives each local rank one thread
-
-
-def print_progress(line: str) -> None:
-    print(f"autopar profile: {line}", file=sys.stderr, flush=True)
 
 
 def local_fingerprint(mesh: MeshSpec) -> dict[str, Any]:
@@ -91,7 +86,9 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
         f"{'collectives and overheads' if need_comm else 'collectives cached'}; captured in {time.perf_counter() - t0:.1f} s")
     t1 = time.perf_counter()
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
-    ops, links, overheads = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, progress,
+    if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
+        need_comm = False
+    ops, links, overheads = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint["device"], progress,
                                              axis_names=spec.axis_names, start_method="forkserver")[0]
     profile.merge(Profile(fingerprint, ops, links, overheads))
     profile.to_json(path)
@@ -113,18 +110,19 @@ def _op(name: str) -> Any:
     return op
 
 
-def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, progress: Progress | None
-            ) -> tuple[dict[str, OpTime], dict, dict]:
+def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, device: str,
+            progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict]:
     say = progress if dist.get_rank() == 0 else None
     calls = [OpCall(_op(name), args, kwargs) for name, args, kwargs in portable]
+    if device == "cuda":   # each rank times on its own GPU
+        device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
     step = max(1, len(calls) // 10)
     shown = (lambda i, n, key: say(f"op {i + 1}/{n}: {key[:90]}") if say and i % step == 0 else None)
-    mine = time_op_calls(calls, progress=shown)
+    mine = time_op_calls(calls, device=device, progress=shown)
     everyone: list[dict[str, OpTime]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
     slowest = {k: OpTime(max(r[k].fwd_s for r in everyone if k in r), max(r[k].bwd_s for r in everyone if k in r))
                for k in mine}
     if not need_comm:
         return slowest, {}, {}
-    links = time_collectives(mesh, progress=say)
-    return slowest, links, time_overheads(mesh)
+    return (slowest, *measure_mesh(mesh, progress=progress))

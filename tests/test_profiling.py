@@ -10,7 +10,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.zoo import get_model
 from cost_models.comm import Link
-from cost_models.profile import OpTime, Profile, ProfileError
+from cost_models.profile import PROFILE_VERSION, OpTime, Profile, ProfileError
 from cost_models.profiling import find_profile, local_fingerprint, profile_model, resolve_profile
 
 
@@ -29,7 +29,7 @@ def test_json_round_trip_is_exact(tmp_path):
 
 @pytest.mark.parametrize("text, needle", [
     ('{"autopar_profile_version": 99}', "version-99"),
-    ('{"autopar_profile_version": 1, "fingerprint": {}}', "not an autopar profile"),
+    ('{"autopar_profile_version": %d, "fingerprint": {}}' % PROFILE_VERSION, "not an autopar profile"),
     ("[1, 2]", "not an autopar profile"),
 ])
 def test_foreign_or_stale_profiles_are_refused(tmp_path, text, needle):

@@ -36,7 +36,7 @@ from cost_models.activations import NOTHING, Saved, SavedTensors, needs_grad
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time
 from cost_models.hardware import Hardware, get_hardware
-from cost_models.profile import Profile
+from cost_models.profile import OpTime, Profile
 
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
 
@@ -195,10 +195,12 @@ class CostModel:
         return cost
 
     def _compute(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
-        overhead = self._overhead(nc, s)
-        timed = self._measured(nc, s)
+        overhead = self.overhead(nc, s)
+        timed = self.measured_time(nc, s)
         if timed is not None:
-            return Cost(compute_s=timed.total_s + overhead, backward_s=timed.bwd_s, measured=frozenset({"compute"}))
+            scale = self.profile.calibration.get("ops", 1.0)
+            return Cost(compute_s=timed.total_s * scale + overhead, backward_s=timed.bwd_s * scale,
+                        measured=frozenset({"compute"}))
         if nc.node.target in VIEW_OPS:
             return Cost(compute_s=overhead)
         split = 1
@@ -214,21 +216,22 @@ class CostModel:
             bwd = 0.0
         return Cost(compute_s=fwd + bwd + overhead, backward_s=bwd)
 
-    def _measured(self, nc: NodeChoices, s: Strategy):
+    def measured_time(self, nc: NodeChoices, s: Strategy) -> OpTime | None:
+        """The profile's forward and backward seconds of this op call, as measured alone."""
         if self.profile is None or not self.profile.ops:
             return None
         from cost_models.profile_ops import op_call   # profiling is optional: import on use
         call = op_call(nc, s, self.mesh.shape)
         return self.profile.ops.get(call.key) if call is not None else None
 
-    def _overhead(self, nc: NodeChoices, s: Strategy) -> float:
+    def overhead(self, nc: NodeChoices, s: Strategy) -> float:
         """The generated code's per-call cost on top of the op itself (measured by the profile)."""
         if self.profile is None or nc.node.target is operator.getitem:
             return 0.0
-        overheads = self.profile.overheads
+        overheads, scale = self.profile.overheads, self.profile.calibration.get("overheads", 1.0)
         if dispatched_by_dtensor(nc.node, s.out):
-            return overheads.get("dtensor_op", 0.0)
-        return overheads.get("local_op", 0.0) + overheads.get("local_op_input", 0.0) * max(0, len(nc.inputs) - 1)
+            return overheads.get("dtensor_op", 0.0) * scale
+        return (overheads.get("local_op", 0.0) + overheads.get("local_op_input", 0.0) * max(0, len(nc.inputs) - 1)) * scale
 
     def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> tuple[float, float]:
         """Bytes of the activations this op keeps for its backward, at the strategy's placements,

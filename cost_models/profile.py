@@ -58,6 +58,10 @@ class Profile:
     ops: dict[str, OpTime] = field(default_factory=dict)
     collectives: dict[str, Link] = field(default_factory=dict)   # collective_key(kind, n) -> Link
     overheads: dict[str, float] = field(default_factory=dict)    # OVERHEADS key -> seconds
+    # Inside a training step ops run slower than alone in a timing loop (cold caches, the
+    # allocator) and the runtime's per-call costs differ from their micro-benchmarks: factors
+    # {"ops": a, "overheads": b} fitted on a fixed calibration workload (``profiling``).
+    calibration: dict[str, float] = field(default_factory=dict)
 
     def link(self, kind: str, n: int) -> Link | None:
         return self.collectives.get(collective_key(kind, n))
@@ -69,6 +73,7 @@ class Profile:
         self.ops.update(other.ops)
         self.collectives.update(other.collectives)
         self.overheads.update(other.overheads)
+        self.calibration.update(other.calibration)
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
         text = json.dumps({
@@ -78,6 +83,7 @@ class Profile:
             "collectives": {k: {"latency_s": v.latency, "bandwidth_Bps": v.bandwidth}
                             for k, v in sorted(self.collectives.items())},
             "overheads": dict(sorted(self.overheads.items())),
+            "calibration": dict(sorted(self.calibration.items())),
         }, indent=1)
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +110,8 @@ class Profile:
                        ops={k: OpTime(float(f), float(b)) for k, (f, b) in d["ops"].items()},
                        collectives={k: Link(bandwidth=float(v["bandwidth_Bps"]), latency=float(v["latency_s"]))
                                     for k, v in d["collectives"].items()},
-                       overheads={k: float(v) for k, v in d["overheads"].items()})
+                       overheads={k: float(v) for k, v in d["overheads"].items()},
+                       calibration={k: float(v) for k, v in d["calibration"].items()})
         except ProfileError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:

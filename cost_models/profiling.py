@@ -8,6 +8,7 @@ rank's time is kept), then the collectives per mesh axis and the runtime's overh
 """
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -16,11 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from autopar.capture import capture
 from autopar.launch import run_on_gloo_mesh
 from autopar.mesh import MeshSpec, as_mesh_spec, hardware_for_device
-from autopar.strategies import build_space
+from autopar.placements import Placements
+from autopar.strategies import Strategy, build_space
+from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import OpTime, Profile, ProfileError, collective_key, default_profile_path, hardware_fingerprint
 from cost_models.profile_comm import measure_mesh, print_progress
@@ -64,10 +68,11 @@ def resolve_profile(profile: Profile | str | Path | None, mesh: MeshSpec) -> Pro
 
 def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_inputs: Any,
                   example_kwargs: dict | None = None, *, path: str | Path | None = None,
-                  progress: Progress | None = print_progress) -> tuple[Profile, Path]:
+                  progress: Progress | None = print_progress, calibrate: bool = True) -> tuple[Profile, Path]:
     """Measure the ops ``model`` runs on ``mesh`` (every candidate strategy's local shapes), the
     collectives of each mesh axis and the runtime overheads on a local gloo mesh; merge them into
-    the cached profile for this host and mesh size and save it. Returns (profile, file)."""
+    the cached profile for this host and mesh size and save it; the first time, calibrate how
+    much slower ops run inside a step (``_calibrate``). Returns (profile, file)."""
     spec = as_mesh_spec(mesh) if not isinstance(mesh, tuple) else MeshSpec(mesh, hardware="cpu")
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
@@ -93,7 +98,86 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     profile.merge(Profile(fingerprint, ops, links, overheads))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
+    if calibrate and not profile.calibration:
+        profile.calibration = _calibrate(spec, path, say)
+        profile.to_json(path)
     return profile, path
+
+
+#: Calibration workloads: a model at sizes the cost-accuracy benchmark does not run, one where
+#: the runtime's per-call costs dominate and one where the ops do.
+CALIBRATION = ("gpt-tiny", ((4, 16), (24, 64)))
+CALIBRATION_STEPS = 8
+
+
+def _calibrate(spec: MeshSpec, path: Path, say: Progress) -> dict[str, float]:
+    """Fit ``measured = a * ops_alone + b * overheads`` for forward + backward on the calibration
+    workloads with every op replicated (no communication; each rank runs the whole model at
+    once, as training does): ``a`` scales measured op times, ``b`` the runtime overheads."""
+    name, sizes = CALIBRATION
+    rows = [_calibration_run(spec, path, name, batch, seq) for batch, seq in sizes]
+    (m1, o1, h1), (m2, o2, h2) = rows
+    det = o1 * h2 - o2 * h1
+    a = (m1 * h2 - m2 * h1) / det if det else 1.0
+    b = (o1 * m2 - o2 * m1) / det if det else 1.0
+    factors = {"ops": min(max(a, 0.5), 4.0), "overheads": min(max(b, 0.5), 4.0)}
+    for (batch, seq), (m, o, h) in zip(sizes, rows):
+        say(f"calibration {name} {batch}x{seq}, replicated: forward+backward {m * 1e3:.1f} ms; ops alone "
+            f"{o * 1e3:.1f} ms, runtime overheads {h * 1e3:.1f} ms")
+    say(f"calibrated: ops run {factors['ops']:.2f}x their time alone, runtime overheads "
+        f"{factors['overheads']:.2f}x their micro-benchmarks")
+    return factors
+
+
+def _calibration_run(spec: MeshSpec, path: Path, name: str, batch: int, seq: int) -> tuple[float, float, float]:
+    """(measured forward + backward, ops alone, runtime overheads) in seconds, one workload."""
+    from autopar.planner import plan_captured
+    from autopar.zoo import get_model
+
+    entry = get_model(name)
+    model = entry.build()
+    args, kwargs = entry.example(batch, seq)
+    profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
+    captured = capture(model, args, kwargs)
+    space = build_space(captured, spec)
+    chosen = [_replicated(nc.strategies) for nc in space.nodes]
+    cost = CostModel(spec, space, profile=profile)
+    ops = [(nc, s) for nc, s in zip(space.nodes, chosen) if nc.kind == "op"]
+    alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
+    overhead = sum(cost.overhead(nc, s) for nc, s in ops)
+    forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
+    plan = plan_captured(captured, spec, forced=forced, profile=profile)
+    seconds = max(run_on_gloo_mesh(_calibration_worker, spec.shape, name, batch, seq, plan.to_json(),
+                                   axis_names=spec.axis_names, start_method="forkserver"))
+    return seconds, alone, overhead
+
+
+def _replicated(strategies: list[Strategy]) -> Strategy:
+    """The strategy with every placement replicated (every node has one)."""
+    def whole(ps: Placements | None) -> bool:
+        return ps is None or all(isinstance(p, Replicate) for p in ps)
+
+    return next(s for s in strategies if whole(s.out) and whole(s.storage) and all(whole(i) for i in s.ins))
+
+
+def _calibration_worker(mesh: DeviceMesh, name: str, batch: int, seq: int, plan_json: str) -> float:
+    """Median seconds of forward + backward of the calibration model on this rank."""
+    import autopar
+    from autopar.measure import loss_of
+    from autopar.zoo import get_model
+
+    entry = get_model(name)
+    model = entry.build()
+    args, kwargs = entry.example(batch, seq)
+    sharded = autopar.compile(model, mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
+    times = []
+    for step in range(CALIBRATION_STEPS + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        loss_of(sharded(*args, **kwargs)).backward()
+        times.append(time.perf_counter() - start)
+        sharded.zero_grad(set_to_none=True)
+    return statistics.median(times[2:])
 
 
 def _op_name(target: Any) -> str:

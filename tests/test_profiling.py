@@ -65,6 +65,7 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
     assert path.parent == tmp_path and json.loads(path.read_text())["fingerprint"] == local_fingerprint(mesh)
     assert profile.ops and all(t.fwd_s > 0 for t in profile.ops.values())
     assert {"local_op", "local_op_input", "dtensor_op", "optimizer_per_param", "step"} <= set(profile.overheads)
+    assert set(profile.calibration) == {"ops", "overheads"}   # fitted on the calibration workloads
     assert find_profile(mesh) == profile
 
     measured = autopar.plan(model, mesh, args, kwargs)

@@ -53,7 +53,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
             _force(space, forced)
     with _stage(timings, "costs"):
         model = CostModel(mesh, space, profile=profile, optimizer=get_optimizer(optimizer))
-        timeline = Timeline(space)
+        timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency)
         budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
         problem, owner, node_costs = _problem(space, model, timeline, budget, cuts)

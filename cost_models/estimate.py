@@ -120,6 +120,8 @@ class CostModel:
         params = {nc.node for nc in self.space.nodes if nc.kind == "param"}
         self.saved = SavedTensors(needs_grad(self.space.nodes[0].node.graph, params)) if self.space.nodes else None
         self._counted = self._first_keepers()
+        # Share of backward compute that hides queued gradient sync (see schedule.Timeline).
+        self.overlap_efficiency = self.profile.calibration.get("overlap", 1.0) if self.profile is not None else 1.0
         self._flops: dict[tuple, float] = {}
         self._moves: dict[tuple, Cost] = {}
 

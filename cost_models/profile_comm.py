@@ -32,7 +32,7 @@ from cost_models.comm import Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "measure_mesh", "print_progress", "profile_mesh", "time_collectives",
-           "time_overheads"]
+           "time_overheads", "time_overlap"]
 
 #: 4 KiB .. 16 MiB, 6 log-spaced sizes: latency-bound at the small end, bandwidth-bound at the
 #: large end. About 7 s for a (4,) mesh on 2 idle cores (all-to-all, gathered on gloo, is most).
@@ -413,6 +413,49 @@ def profile_mesh(shape: tuple[int, ...], *, axis_names: tuple[str, ...] | None =
     results = run_on_gloo_mesh(measure_mesh, tuple(shape), tuple(sizes), repeats, progress,
                                axis_names=axis_names, start_method="forkserver")
     return results[0]
+
+
+def time_overlap(mesh: DeviceMesh, *, compute_s: float = 0.03, rounds: int = 5) -> float:
+    """How much of an asynchronous all-reduce really runs under compute, as a share of the shorter
+    of the two: ``(compute + comm - both) / min(compute, comm)``, clamped to [0, 1], the lowest
+    over ranks, on the first mesh axis with more than one rank. Gradient sync is launched asynchronously and hidden by the backward; on CPU ranks
+    without spare cores the collective needs the same cores, and little is hidden."""
+    a = torch.randn(256, 256)
+    reps = max(1, int(compute_s / max(_seconds(lambda: a @ a), 1e-6)))
+    buffer = torch.randn(2**20)   # 4 MiB: a layer's gradients
+    group = mesh.get_group(next(a for a, n in enumerate(mesh.shape) if n > 1))
+
+    def compute() -> None:
+        for _ in range(reps):
+            a @ a
+
+    def comm() -> Any:
+        return dist.all_reduce(buffer, group=group, async_op=True)
+
+    def both() -> None:
+        work = comm()
+        compute()
+        work.wait()
+
+    alone_c, alone_m, overlapped = (
+        statistics.median(_timed_after_barrier(fn) for _ in range(rounds))
+        for fn in (compute, lambda: comm().wait(), both))
+    share = (alone_c + alone_m - overlapped) / max(min(alone_c, alone_m), 1e-9)
+    mine = min(1.0, max(0.0, share))
+    everyone: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return min(everyone)
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _timed_after_barrier(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    return _seconds(fn)
 
 
 def measure_mesh(mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,7 +28,7 @@ from autopar.strategies import Strategy, build_space
 from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import OpTime, Profile, ProfileError, collective_key, default_profile_path, hardware_fingerprint
-from cost_models.profile_comm import measure_mesh, print_progress
+from cost_models.profile_comm import measure_mesh, print_progress, time_overlap
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
 Progress = Callable[[str], None]
@@ -93,34 +94,32 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
     if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
         need_comm = False
-    ops, links, overheads = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint["device"], progress,
-                                             axis_names=spec.axis_names, start_method="forkserver")[0]
-    profile.merge(Profile(fingerprint, ops, links, overheads))
+    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint["device"],
+                                                      progress, axis_names=spec.axis_names, start_method="forkserver")[0]
+    profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
-    if calibrate and not profile.calibration:
-        profile.calibration = _calibrate(spec, path, say)
+    if calibrate and "ops" not in profile.calibration:
+        profile.calibration.update(_calibrate(spec, path, say))
         profile.to_json(path)
     return profile, path
 
 
-#: Calibration workloads: a model at sizes the cost-accuracy benchmark does not run, one where
-#: the runtime's per-call costs dominate and one where the ops do.
-CALIBRATION = ("gpt-tiny", ((4, 16), (24, 64)))
+#: Calibration workloads: a model at sizes the cost-accuracy benchmark does not run, from one
+#: where the runtime's per-call costs dominate to one where the ops do.
+CALIBRATION = ("gpt-tiny", ((4, 16), (12, 48), (24, 64)))
 CALIBRATION_STEPS = 8
 
 
 def _calibrate(spec: MeshSpec, path: Path, say: Progress) -> dict[str, float]:
-    """Fit ``measured = a * ops_alone + b * overheads`` for forward + backward on the calibration
-    workloads with every op replicated (no communication; each rank runs the whole model at
-    once, as training does): ``a`` scales measured op times, ``b`` the runtime overheads."""
+    """Fit ``measured = a * ops_alone + b * overheads`` (least squares) for forward + backward on
+    the calibration workloads with every op replicated (no communication; each rank runs the
+    whole model at once, as training does): ``a`` scales measured op times, ``b`` the runtime
+    overheads."""
     name, sizes = CALIBRATION
     rows = [_calibration_run(spec, path, name, batch, seq) for batch, seq in sizes]
-    (m1, o1, h1), (m2, o2, h2) = rows
-    det = o1 * h2 - o2 * h1
-    a = (m1 * h2 - m2 * h1) / det if det else 1.0
-    b = (o1 * m2 - o2 * m1) / det if det else 1.0
-    factors = {"ops": min(max(a, 0.5), 4.0), "overheads": min(max(b, 0.5), 4.0)}
+    (a, b), *_ = np.linalg.lstsq(np.array([[o, h] for _, o, h in rows]), np.array([m for m, _, _ in rows]), rcond=None)
+    factors = {"ops": float(min(max(a, 0.5), 4.0)), "overheads": float(min(max(b, 0.5), 4.0))}
     for (batch, seq), (m, o, h) in zip(sizes, rows):
         say(f"calibration {name} {batch}x{seq}, replicated: forward+backward {m * 1e3:.1f} ms; ops alone "
             f"{o * 1e3:.1f} ms, runtime overheads {h * 1e3:.1f} ms")
@@ -195,7 +194,7 @@ def _op(name: str) -> Any:
 
 
 def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, device: str,
-            progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict]:
+            progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict]:
     say = progress if dist.get_rank() == 0 else None
     calls = [OpCall(_op(name), args, kwargs) for name, args, kwargs in portable]
     if device == "cuda":   # each rank times on its own GPU
@@ -208,5 +207,9 @@ def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm
     slowest = {k: OpTime(max(r[k].fwd_s for r in everyone if k in r), max(r[k].bwd_s for r in everyone if k in r))
                for k in mine}
     if not need_comm:
-        return slowest, {}, {}
-    return (slowest, *measure_mesh(mesh, progress=progress))
+        return slowest, {}, {}, {}
+    links, overheads = measure_mesh(mesh, progress=progress)
+    overlap = {"overlap": time_overlap(mesh)} if any(n > 1 for n in mesh.shape) else {}
+    if say is not None and overlap:
+        say(f"overlap: {100 * overlap['overlap']:.0f}% of an asynchronous all-reduce runs under compute")
+    return slowest, links, overheads, overlap

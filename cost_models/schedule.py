@@ -41,8 +41,12 @@ class StepPrediction:
 class Timeline:
     """Where each node of a strategy space sits in the step."""
 
-    def __init__(self, space: StrategySpace) -> None:
+    def __init__(self, space: StrategySpace, overlap_efficiency: float = 1.0) -> None:
+        """``overlap_efficiency``: the share of backward compute time that really hides queued
+        communication (1: separate engines, as on GPUs; near 0: collectives that need the same
+        CPU cores as compute). Measured by ``autopar profile``."""
         self.space = space
+        self.overlap = overlap_efficiency
         n = len(space.nodes)
         # An op's activations are kept from its position; a parameter's gathered copy and its
         # gradient belong to the position of its first real user.
@@ -103,7 +107,7 @@ class Timeline:
                 check(frontier + nodes[i].transient_bytes, f"backward: {self.names[i]}", self.position[i])
                 frontier -= nodes[i].output_grad_bytes
             saved -= nodes[i].saved_bytes
-            t += nodes[i].backward_s
+            t += nodes[i].backward_s * self.overlap
             for seconds in at.get(i, ()):
                 chan = max(t, chan) + seconds
         check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step", 0)
@@ -151,7 +155,7 @@ class Timeline:
             edges = tuple((j, m) for i, j, m in queued_edges if self.position[i] < c)
             if not edges:
                 continue
-            nodes = tuple((owner[i], tuple(-x.backward_s for x in costs)) for i, costs in node_costs.items()
+            nodes = tuple((owner[i], tuple(-x.backward_s * self.overlap for x in costs)) for i, costs in node_costs.items()
                           if self.position[i] < c and any(x.backward_s for x in costs))
             rows.append(Row(nodes=nodes, edges=edges))
         return tuple(rows)

@@ -149,6 +149,11 @@ def test_overlap_hides_gradient_sync_only_up_to_the_compute_after_it():
     # down.weight is complete before linear's backward runs: 3 ms of compute hide 3 of its 5 ms.
     assert exposed("p_down_weight", 3e-3, 5e-3) == pytest.approx(2e-3)
     assert exposed("p_down_weight", 10e-3, 5e-3) == 0.0
+    # Where collectives share the compute's cores (measured by the profile), compute hides less.
+    costs = [Cost() for _ in space.nodes]
+    costs[up] = Cost(compute_s=3e-3, backward_s=3e-3)
+    half = Timeline(space, overlap_efficiency=0.5).simulate(costs, [(index["p_down_weight"], 5e-3)])
+    assert half.exposed_s == pytest.approx(5e-3 - 0.5 * 3e-3)
 
 
 def test_plan_with_overlap_charges_only_exposed_communication():

@@ -100,8 +100,10 @@ def _synthetic_plan(layers: int) -> Plan:
     nodes.append(NodePlan(name="linear", op="aten.linear.default", layer="h.0.attn", strategy="batch x column",
                           out=(S0, R), ins=((S0, R), (R, S0)), storage=None, fqn=None, compute_s=0.5,
                           comm_s=0.25, memory_bytes=0.0))
-    predicted = Prediction(step_time_s=0.75, peak_memory_bytes=70 * 2**30, comm_bytes={"dp": 2**30, "tp": 0.0},
-                           compute_s=0.5, comm_s=0.25, memory_breakdown={"parameters+gradients+optimizer": 70 * 2**30})
+    predicted = Prediction(step_time_s=0.8, peak_memory_bytes=70 * 2**30, comm_bytes={"dp": 2**30, "tp": 0.0},
+                           compute_s=0.5, comm_s=0.25, memory_breakdown={"state": 70 * 2**30},
+                           overlapped_comm_s=0.1, exposed_comm_s=0.05, peak_at="backward: linear",
+                           cost_source="no profile: 0% of compute time measured")
     return Plan(mesh=MeshSpec((8, 8), hardware="h100-80gb"), model_name="Synthetic", fingerprint="0" * 16,
                 nodes=nodes, predicted=predicted, memory_budget=64 * 2**30,
                 warnings=["no sharding rule for aten.foo.default (1 node): it runs replicated"])
@@ -113,7 +115,10 @@ def test_report_groups_layers():
     assert re.search(r"^  h\.\[0-4,7-8,10-95\]\.mlp\.weight\s+x93\s+batch x column", text, re.M), text
     assert re.search(r"^  h\.\[5-6,9\]\.mlp\.weight\s+x3\s+zero3\s+\(S\(0\), R\)", text, re.M), text
     assert len([ln for ln in text.splitlines() if ln.startswith("  h.")]) == 3
-    assert "step time       750 ms  (compute 500 ms 67%, communication 250 ms 33%)" in text
+    assert ("step time       800 ms  (compute 500 ms 62%, blocking communication 250 ms 31%, exposed gradient "
+            "sync 50.0 ms of 100 ms queued during the backward)") in text
+    assert "peak memory     70.0 GiB per device, 109.4% of the budget, at backward: linear" in text
+    assert "costs from      no profile: 0% of compute time measured" in text
     assert "dp: 1.00 GiB, tp: 0 B" in text
     assert "Top 3 nodes" in text and re.search(r"^  linear\s+linear\s+h\.0\.attn", text, re.M)
     assert "no sharding rule for aten.foo.default" in text and "exceeds the budget" in text

@@ -13,8 +13,6 @@ from tests.equivalence import build, make_batches, train_reference, train_sharde
 RTOL, ATOL = 1e-4, 1e-5
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
 MESHES = [(1,), (2,), (3,), (4,), (2, 2)]
-# Tight enough that replicating everything does not fit: the planner must shard (TP and/or ZeRO-3).
-TIGHT_BUDGET_FRACTION = 0.55
 # With a tight memory row the solver closes its last few % of gap slowly; any plan it returns
 # must train exactly like one device, so a short limit loses nothing here.
 SOLVE_S = 10.0
@@ -65,13 +63,18 @@ def _gloo_runner(mesh_shape, name, batches, plan_options):
 
 
 def _tight_budget(name, batch, seq, mesh_shape) -> float:
-    """A budget below what full replication needs on this mesh, from the planner's own estimate."""
+    """Halfway between the least memory any plan needs on this mesh and what full replication
+    needs (the planner's own estimates): replicating everything does not fit, so the planner
+    must shard (TP and/or ZeRO-3)."""
     import autopar
+    from autopar.errors import InfeasibleError
     from autopar.mesh import MeshSpec
 
     args, kwargs = make_batches(name, batch, seq, steps=1)[0]
     replicated = autopar.plan(build(name), MeshSpec((1,)), args, kwargs).predicted.peak_memory_bytes
-    return TIGHT_BUDGET_FRACTION * replicated
+    with pytest.raises(InfeasibleError) as info:
+        autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, memory_budget=1.0)
+    return info.value.min_memory_bytes + 0.5 * (replicated - info.value.min_memory_bytes)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))

@@ -57,13 +57,16 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
         budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
         problem, owner, node_costs = _problem(space, model, timeline, budget, cuts)
+    deadline = time.perf_counter() + time_limit if time_limit is not None else None
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
-        with _stage(timings, "solve"):
-            solution = solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
+        with _stage(timings, "solve"):   # time_limit covers every solve of the repair loop together
+            left = max(deadline - time.perf_counter(), 1.0) if deadline is not None else None
+            solution = solve(problem, time_limit=left, relative_gap=RELATIVE_GAP)
         chosen = [nc.strategies[solution.choices[owner[i]]] for i, nc in enumerate(space.nodes)]
         plan, sim = _make_plan(captured, space, model, timeline, chosen, budget, solution, timings)
         peak = plan.predicted
-        if peak.peak_memory_bytes <= budget or attempt == MAX_MEMORY_REPAIRS:
+        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        if peak.peak_memory_bytes <= budget or attempt == MAX_MEMORY_REPAIRS or out_of_time:
             break
         # The ILP checks memory at a few cuts, with a bound on working memory; the schedule found
         # a higher moment. Add that moment as a constraint (or, if it is one already, take the
@@ -129,7 +132,7 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
                              tuple(tuple(c.overlap_s for c in row) for row in grid))
         blocking, overlap = matrices[key]
         if any(any(row) for row in overlap):
-            queued.append((i, len(edges), overlap))
+            queued.append((i, j, overlap))
         edges.append(Edge(owner[i], decision[j], blocking))
     names = tuple(nc.node.name for i, nc in enumerate(space.nodes) if i in decision)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)

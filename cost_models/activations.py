@@ -72,6 +72,8 @@ def _signature(node: fx.Node) -> object:
 
 def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
     val = tensor_val(node)
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default and val.device.type == "meta":
+        return _fused_attention(val, flags)
     inputs = iter(flags)
 
     def fake(n: fx.Node) -> object:
@@ -110,3 +112,14 @@ def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
         else:
             extra += t.untyped_storage().nbytes()
     return Saved(frozenset(kept_inputs), kept_out, as_amount(extra))
+
+
+def _fused_attention(out: torch.Tensor, flags: tuple[bool, ...]) -> Saved:
+    """On ``meta`` (planning for a cluster that is not here) SDPA takes its math path, which keeps
+    the batch x heads x seq x seq attention matrix; the fused kernels training really runs (flash /
+    memory-efficient on CUDA, flash on CPU) keep q, k, v, the output and one fp32 log-sum-exp per
+    query row instead."""
+    rows = 1
+    for size in out.shape[:-1]:
+        rows *= size
+    return Saved(frozenset(i for i, f in enumerate(flags[:3]) if f), True, as_amount(rows * 4))

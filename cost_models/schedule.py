@@ -148,16 +148,25 @@ class Timeline:
                      queued_edges: Sequence[tuple[int, int, tuple[tuple[float, ...], ...]]], cuts: Sequence[int]
                      ) -> tuple[Row, ...]:
         """Per cut c: gradient synchronisation queued after c minus the backward compute after c
-        (a lower bound of the exposed time; exact with every position a cut).
-        ``queued_edges``: (param node index, ILP edge index, seconds matrix)."""
+        (a lower bound of the exposed time; exact with every position a cut). ``queued_edges``:
+        (parameter index, consumer index, seconds matrix [parameter choice][consumer choice]).
+        Each matrix enters as its best additive split between the two nodes: pairing them would
+        give the ILP a pair variable per parameter use, which huge models cannot afford; the
+        plan's own prediction (``simulate``) prices the exact pairs."""
+        split = [(i, j, *_additive(m)) for i, j, m in queued_edges]
         rows = []
         for c in cuts:
-            edges = tuple((j, m) for i, j, m in queued_edges if self.position[i] < c)
-            if not edges:
+            terms: dict[int, list[float]] = {}
+            for i, j, a, b in split:
+                if self.position[i] < c:
+                    _accumulate(terms, owner[i], a)
+                    _accumulate(terms, owner[j], b)
+            if not terms:
                 continue
-            nodes = tuple((owner[i], tuple(-x.backward_s * self.overlap for x in costs)) for i, costs in node_costs.items()
-                          if self.position[i] < c and any(x.backward_s for x in costs))
-            rows.append(Row(nodes=nodes, edges=edges))
+            for i, costs in node_costs.items():
+                if self.position[i] < c and any(x.backward_s for x in costs):
+                    _accumulate(terms, owner[i], [-x.backward_s * self.overlap for x in costs])
+            rows.append(Row(nodes=tuple((k, tuple(v)) for k, v in terms.items())))
         return tuple(rows)
 
 
@@ -174,3 +183,19 @@ def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy
             queued.append((i, c.overlap_s))
     costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
     return costs, queued
+
+
+def _additive(m: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
+    """``a[s] + b[d]`` closest to ``m[s][d]`` in least squares (row and column means)."""
+    rows, cols = len(m), len(m[0])
+    mean = sum(map(sum, m)) / (rows * cols)
+    a = [sum(r) / cols - mean / 2 for r in m]
+    b = [sum(m[s][d] for s in range(rows)) / rows - mean / 2 for d in range(cols)]
+    return a, b
+
+
+def _accumulate(terms: dict[int, list[float]], node: int, values: Sequence[float]) -> None:
+    if node in terms:
+        terms[node] = [x + y for x, y in zip(terms[node], values)]
+    else:
+        terms[node] = list(values)

@@ -117,9 +117,10 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
     state = tuple(tuple(c.state_bytes for c in cs) for cs in node_costs.values())
     # Working memory, with room for a collective's buffers on the largest input (the ILP prices
     # redistributions on edges, which carry no memory term).
-    transient = tuple(tuple(c.transient_bytes + 2 * model.largest_input_bytes(space.nodes[i], s)
-                            for c, s in zip(cs, space.nodes[i].strategies))
-                      for i, cs in node_costs.items())
+    transient = tuple(
+        tuple(c.transient_bytes + 2 * max(model.input_bytes(space.nodes[i], s, floating_only=True), default=0.0)
+              for c, s in zip(cs, space.nodes[i].strategies))
+        for i, cs in node_costs.items())
     edges, queued = [], []
     matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
     for i, j, k in space.edges():
@@ -162,7 +163,7 @@ def _make_plan(captured, space, model, timeline, chosen, budget, solution, timin
             comm_s=c.comm_s + c.overlap_s,
             memory_bytes=c.memory_bytes,
             saved_bytes=c.saved_bytes,
-            source=_source(c, model),
+            source=_source(c),
         ))
     axes = space.mesh.axis_names
     comm_bytes = {a: (total.comm_bytes[i] if i < len(total.comm_bytes) else 0.0) for i, a in enumerate(axes)}
@@ -178,13 +179,12 @@ def _make_plan(captured, space, model, timeline, chosen, budget, solution, timin
     return plan, sim
 
 
-def _source(c: Cost, model: CostModel) -> str:
+def _source(c: Cost) -> str:
     """Where a node's time figures came from: the profile ("measured") or the roofline presets."""
-    has_compute, has_comm = c.compute_s > 0, c.comm_s + c.overlap_s > 0
     parts = []
-    if has_compute:
+    if c.compute_s > 0:
         parts.append("measured" if "compute" in c.measured else "roofline")
-    if has_comm:
+    if c.comm_s + c.overlap_s > 0:
         parts.append("measured comm" if "comm" in c.measured else "roofline comm")
     return ", ".join(parts) or "-"
 

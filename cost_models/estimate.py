@@ -178,10 +178,10 @@ class CostModel:
         # (their gradients); input gradients are tracked by the schedule.
         return compute + Cost(saved_bytes=kept, transient_bytes=out_bytes + internal)
 
-    def largest_input_bytes(self, nc: NodeChoices, s: Strategy) -> float:
-        """Local bytes of the node's largest floating-point input under strategy ``s``."""
-        return max((_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
-                    if tensor_val(i).dtype.is_floating_point), default=0.0)
+    def input_bytes(self, nc: NodeChoices, s: Strategy, floating_only: bool = False) -> list[float]:
+        """Local bytes of each of the node's tensor inputs under strategy ``s``."""
+        return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
+                if not floating_only or tensor_val(i).dtype.is_floating_point]
 
     def _param(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
@@ -209,7 +209,7 @@ class CostModel:
         for a, n in enumerate(self.mesh.shape):
             if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
                 split *= n
-        in_bytes = sum(_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins))
+        in_bytes = sum(self.input_bytes(nc, s))
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         flops = self.flops(nc.node) / split
         fwd = compute_time(flops, in_bytes + out_bytes, self.hw, val.dtype)

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.strategies import VIEW_OPS, StrategySpace
-from autopar.strategies import Strategy
+from autopar.strategies import VIEW_OPS, Strategy, StrategySpace
 from cost_models.estimate import Cost, CostModel
 from solver import Row
 

@@ -18,7 +18,7 @@ step), each adding its live bytes on top of ``memory`` (what is live throughout)
 auxiliary variable ``T``): the peak is ``memory + max(0, max_r row_r) + max_i transient_i``.
 ``exposed_rows`` model communication that runs under compute: the objective adds
 ``max(0, max_r row_r)`` (an auxiliary variable ``E``), where a row is queued communication minus
-the compute left to hide it. Rows may reference edges; such edges always get pair variables.
+the compute left to hide it.
 
 Before building the model we shrink it: parallel edges are merged; edges touching a
 single-choice node, and edges whose matrix is additively separable
@@ -71,10 +71,9 @@ class Edge:
 
 @dataclass(frozen=True)
 class Row:
-    """A linear function of the choices: per-choice node terms, per-pair edge terms, a constant."""
+    """A linear function of the choices: per-choice node terms and a constant."""
 
     nodes: tuple[tuple[int, tuple[float, ...]], ...] = ()  # (node, value per choice)
-    edges: tuple[tuple[int, tuple[tuple[float, ...], ...]], ...] = ()  # (index into Problem.edges, matrix)
     constant: float = 0.0
 
 
@@ -128,7 +127,7 @@ class _Data:
     edges: list[np.ndarray]  # per edge, shape (k_src, k_dst)
     memory_rows: list[dict[int, np.ndarray]]  # per row: node -> extra bytes per choice
     transient: list[np.ndarray] | None  # per node, shape (k,)
-    exposed: list[tuple[dict[int, np.ndarray], dict[int, np.ndarray], float]]  # (nodes, edges, constant)
+    exposed: list[tuple[dict[int, np.ndarray], float]]  # (node terms, constant)
 
     @property
     def k(self) -> list[int]:
@@ -152,13 +151,10 @@ class _Data:
         work = max((float(t[c]) for t, c in zip(self.transient, choices)), default=0.0) if self.transient else 0.0
         return max(moments) + work
 
-    def exposed_time(self, choices: Sequence[int], edges: Sequence[Edge]) -> float:
-        worst = 0.0
-        for nodes, emats, constant in self.exposed:
-            total = constant + sum(float(v[choices[i]]) for i, v in nodes.items())
-            total += sum(float(m[choices[edges[j].src], choices[edges[j].dst]]) for j, m in emats.items())
-            worst = max(worst, total)
-        return worst
+    def exposed_time(self, choices: Sequence[int]) -> float:
+        """max(0, max over exposed rows) for an assignment."""
+        return max([0.0, *(constant + sum(float(v[choices[i]]) for i, v in nodes.items())
+                           for nodes, constant in self.exposed)])
 
 
 def _label(problem: Problem, i: int) -> str:
@@ -178,25 +174,17 @@ def _array(values: object, what: str, signed: bool = False) -> np.ndarray:
     return arr
 
 
-def _row(problem: Problem, row: Row, what: str, k: list[int], signed: bool) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], float]:
+def _row(problem: Problem, row: Row, what: str, k: list[int]) -> tuple[dict[int, np.ndarray], float]:
+    """A row's node terms (summed per node, signed) and constant, validated."""
     nodes: dict[int, np.ndarray] = {}
     for i, values in row.nodes:
         if not _is_int(i) or not 0 <= i < len(k):
             raise _error(f"{what} refers to node {i!r}; valid node indices are 0..{len(k) - 1}")
-        v = _array(values, f"{what}, {_label(problem, i)}", signed)
+        v = _array(values, f"{what}, {_label(problem, i)}", signed=True)
         if v.shape != (k[i],):
             raise _error(f"{what} gives {v.size} values for {_label(problem, i)}, which has {k[i]} choices")
         nodes[i] = nodes[i] + v if i in nodes else v
-    edges: dict[int, np.ndarray] = {}
-    for j, matrix in row.edges:
-        if not _is_int(j) or not 0 <= j < len(problem.edges):
-            raise _error(f"{what} refers to edge {j!r}; valid edge indices are 0..{len(problem.edges) - 1}")
-        e = problem.edges[j]
-        m = _array(matrix, f"{what}, edge {j}", signed)
-        if m.shape != (k[e.src], k[e.dst]):
-            raise _error(f"{what}, edge {j} has shape {m.shape}; expected {(k[e.src], k[e.dst])}")
-        edges[j] = edges[j] + m if j in edges else m
-    return nodes, edges, float(row.constant)
+    return nodes, float(row.constant)
 
 
 def _is_int(v: object) -> bool:
@@ -247,8 +235,8 @@ def _validate(problem: Problem) -> _Data:
     k = [c.size for c in costs]
     memory_rows = []
     for r, row in enumerate(problem.memory_rows):
-        nodes, row_edges, constant = _row(problem, row, f"memory row {r}", k, signed=True)
-        if row_edges or constant:
+        nodes, constant = _row(problem, row, f"memory row {r}", k)
+        if constant:
             raise _error(f"memory row {r} may only have node terms")
         memory_rows.append(nodes)
     transient = None
@@ -259,7 +247,7 @@ def _validate(problem: Problem) -> _Data:
         for i, t in enumerate(transient):
             if t.shape != (k[i],):
                 raise _error(f"transient of {_label(problem, i)} has {t.size} entries for {k[i]} choices")
-    exposed = [_row(problem, row, f"exposed row {r}", k, signed=True) for r, row in enumerate(problem.exposed_rows)]
+    exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
     return _Data(costs, memory, edges, memory_rows, transient, exposed)
 
 
@@ -294,15 +282,14 @@ class _Reduced:
 def _reduce(problem: Problem, data: _Data) -> _Reduced:
     k = data.k
     linear = [c.copy() for c in data.costs]
-    # Edges that exposed rows price by pair need pair variables even when their cost folds.
-    needs_pair = {_oriented(problem.edges[j])[:2] for _, emats, _ in data.exposed for j in emats}
     merged: dict[tuple[int, int], np.ndarray] = {}
     for edge, m in zip(problem.edges, data.edges):
-        u, v, flip = _oriented(edge)
+        u, v = edge.src, edge.dst
         if u == v:  # self-loop: both ends take the node's single choice
             linear[u] += np.diag(m)
             continue
-        m = m.T if flip else m
+        if u > v:
+            u, v, m = v, u, m.T
         merged[(u, v)] = merged[(u, v)] + m if (u, v) in merged else m
 
     pairs: dict[tuple[int, int], np.ndarray] = {}
@@ -311,18 +298,13 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
         a = m[:, 0]
         b = m[0, :] - m[0, 0]
         r = m - a[:, None] - b[None, :]
-        if k[u] == 1 or k[v] == 1 or ((u, v) not in needs_pair and np.abs(r).max() <= _SEPARABLE_RTOL * np.abs(m).max()):
+        if k[u] == 1 or k[v] == 1 or np.abs(r).max() <= _SEPARABLE_RTOL * np.abs(m).max():
             linear[u] = linear[u] + a
             linear[v] = linear[v] + b
         else:
             pairs[(u, v)] = m
     offset = sum(float(linear[i][0]) for i in range(len(k)) if k[i] == 1)
     return _Reduced(linear, offset, pairs)
-
-
-def _oriented(edge: Edge) -> tuple[int, int, bool]:
-    """The edge's ends in increasing order, and whether its matrix must be transposed for that."""
-    return (edge.dst, edge.src, True) if edge.src > edge.dst else (edge.src, edge.dst, False)
 
 
 # --------------------------------------------------------------------------- model building
@@ -442,25 +424,13 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
                 terms[t_id] = 1.0
             add_sparse(terms, -math.inf, (budget - floor) / mscale)
 
-    for nodes, emats, constant in data.exposed:   # E >= queued communication - compute that hides it
+    for nodes, constant in data.exposed:   # E >= queued communication - compute that hides it
         terms = {}
         for i, v in nodes.items():
             if i in x_ids:
-                terms.update((x_ids[i][c], terms.get(x_ids[i][c], 0.0) + float(v[c])) for c in range(k[i]))
+                terms.update(zip(x_ids[i], v.tolist()))
             else:
                 constant += float(v[0])
-        for j, m in emats.items():
-            u, w, flip = _oriented(problem.edges[j])
-            m = m.T if flip else m
-            if (u, w) in e_ids:
-                base = e_ids[(u, w)]
-                terms.update((base + q, terms.get(base + q, 0.0) + float(val)) for q, val in enumerate(m.ravel()))
-            elif u in x_ids:   # w has one choice
-                terms.update((x_ids[u][c], terms.get(x_ids[u][c], 0.0) + float(m[c, 0])) for c in range(k[u]))
-            elif w in x_ids:
-                terms.update((x_ids[w][c], terms.get(x_ids[w][c], 0.0) + float(m[0, c])) for c in range(k[w]))
-            else:
-                constant += float(m[0, 0])
         terms[x_id] = -1.0
         add_sparse({j: c / scale for j, c in terms.items()}, -math.inf, -constant / scale)
 
@@ -546,7 +516,7 @@ def evaluate(problem: Problem, choices: Sequence[int]) -> tuple[float, float]:
 def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[float, float]:
     obj = sum(float(data.costs[i][c]) for i, c in enumerate(choices))
     obj += sum(float(m[choices[e.src], choices[e.dst]]) for e, m in zip(problem.edges, data.edges))
-    return obj + data.exposed_time(choices, problem.edges), data.peak(choices)
+    return obj + data.exposed_time(choices), data.peak(choices)
 
 
 def solve(problem: Problem, time_limit: float | None = None, solver: str = "highs",
@@ -590,7 +560,7 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
         hint_values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
     if built.exposed_id is not None:
-        hint_values[built.exposed_id] = data.exposed_time(hint, problem.edges)
+        hint_values[built.exposed_id] = data.exposed_time(hint)
     x_vars = [variables[j] for ids in built.x_ids.values() for j in ids]
 
     params = mathopt.SolveParameters(

@@ -91,9 +91,7 @@ def step_problem(seed: int, budget_frac: float | None) -> Problem:
     memory_rows = tuple(Row(nodes=tuple((i, tuple(rng.uniform(-1, 3) * GIB for _ in range(k[i])))
                                         for i in rng.sample(range(5), 3))) for _ in range(2))
     transient = tuple(tuple(rng.uniform(0, 2) * GIB for _ in range(ki)) for ki in k)
-    exposed = tuple(Row(nodes=tuple((i, tuple(rng.uniform(-1, 1) for _ in range(k[i]))) for i in rng.sample(range(5), 2)),
-                        edges=tuple((j, tuple(tuple(rng.uniform(0, 2) for _ in range(k[base.edges[j].dst]))
-                                              for _ in range(k[base.edges[j].src]))) for j in rng.sample(range(7), 2)),
+    exposed = tuple(Row(nodes=tuple((i, tuple(rng.uniform(-1, 2) for _ in range(k[i]))) for i in rng.sample(range(5), 3)),
                         constant=rng.uniform(-1, 1)) for _ in range(2))
     problem = Problem(base.costs, base.memory, base.edges, None, memory_rows=memory_rows, transient=transient,
                       exposed_rows=exposed)
@@ -120,7 +118,7 @@ def test_peak_and_exposed_semantics() -> None:
     problem = Problem(costs=((1.0,), (2.0,)), memory=((10.0,), (20.0,)), edges=(Edge(0, 1, ((0.5,),)),),
                       memory_rows=(Row(nodes=((0, (5.0,)),)), Row(nodes=((1, (7.0,)), (0, (-1.0,))))),
                       transient=((3.0,), (4.0,)),
-                      exposed_rows=(Row(nodes=((0, (0.25,)),), edges=((0, ((1.0,),)),), constant=-0.5),
+                      exposed_rows=(Row(nodes=((0, (0.25,)), (1, (1.0,))), constant=-0.5),
                                     Row(constant=-2.0)))
     assert evaluate(problem, (0, 0)) == (1.0 + 2.0 + 0.5 + 0.75, 30.0 + 6.0 + 4.0)
 

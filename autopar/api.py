@@ -27,7 +27,8 @@ def _as_tuple(example_inputs: Any) -> tuple:
 
 def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, example_kwargs: dict | None = None, *,
          memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S,
-         profile: Profile | str | None = "auto", optimizer: str = "adamw") -> Plan:
+         profile: Profile | str | None = "auto", optimizer: str = "adamw", share_layers: bool = True,
+         hand_plans: bool = True) -> Plan:
     """Choose a placement for every op of ``model`` on ``mesh``; runs no collective.
 
     ``memory_budget``: bytes per device (default: the hardware's memory). ``time_limit``: seconds
@@ -35,15 +36,18 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     (``None``: solve to optimality). ``profile``: measured costs of this host (``autopar
     profile``); ``"auto"`` uses the cached one when it matches the mesh, ``None`` the roofline
     presets only; the plan's ``predicted.cost_source`` says which were used. ``optimizer``:
-    "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). The model and inputs
-    may live on the ``meta`` device.
+    "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). ``share_layers``: let
+    identical inner layers share decisions (``autopar.shrink``). ``hand_plans``: cost the standard
+    strategies first (``autopar.baselines``) and start from the best that fits; the plan's
+    ``solver["hand_plans"]`` lists them. The model and inputs may live on the ``meta`` device.
     """
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
     captured = capture(model, _as_tuple(example_inputs), example_kwargs)
     timings = {"capture": time.perf_counter() - t0}
     return plan_captured(captured, spec, memory_budget=memory_budget, time_limit=time_limit, timings=timings,
-                         profile=resolve_profile(profile, spec), optimizer=optimizer)
+                         profile=resolve_profile(profile, spec), optimizer=optimizer, share_layers=share_layers,
+                         hand_plans=hand_plans)
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,

@@ -14,7 +14,7 @@ from autopar.errors import PlanFileError
 from autopar.mesh import MeshSpec
 from autopar.placements import Placements, parse_placement, placements_str
 
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,9 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)   # status, gap, variables, constraints
     timings: dict[str, float] = field(default_factory=dict)  # seconds per planning stage
     warnings: list[str] = field(default_factory=list)
-    feasible: bool = True
+    feasible: bool = True                 # predicted peak within the memory budget
+    shortfall_bytes: float = 0.0          # how far the predicted peak is above the budget
+    name: str = "auto"                    # "auto", or the hand plan it is (``autopar.baselines``)
     version: int = PLAN_FORMAT_VERSION
 
     def node(self, name: str) -> NodePlan:
@@ -102,7 +104,9 @@ class Plan:
             "fingerprint": self.fingerprint,
             "mesh": self.mesh.to_dict(),
             "memory_budget": self.memory_budget,
+            "name": self.name,
             "feasible": self.feasible,
+            "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
             "solver": self.solver,
             "timings": self.timings,
@@ -148,6 +152,8 @@ class Plan:
                 timings=d["timings"],
                 warnings=d["warnings"],
                 feasible=d["feasible"],
+                shortfall_bytes=d["shortfall_bytes"],
+                name=d["name"],
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:

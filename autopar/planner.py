@@ -6,18 +6,22 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Iterator
+
+import numpy as np
 
 from autopar.capture import CapturedGraph, readable_name
 from autopar.mesh import MeshSpec
 from autopar.plan import NodePlan, Plan, Prediction
+from autopar.shrink import Grouping, group
 from autopar.strategies import StrategySpace, Strategy, alias_strategies, build_space
 from autopar.units import fmt
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import Profile
-from cost_models.schedule import StepPrediction, Timeline, step_costs
-from solver import Edge, Problem, solve
+from cost_models.schedule import PricedSpace, StepPrediction, Timeline
+from solver import Edge, Problem, Solution, restrict, solve
 
 log = logging.getLogger("autopar")
 
@@ -40,12 +44,28 @@ def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
     log.info("autopar: %s done in %.2f s", name, timings[name])
 
 
-def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
-                  time_limit: float | None = DEFAULT_TIME_LIMIT_S, timings: dict[str, float] | None = None,
-                  forced: dict[str, Strategy] | None = None, profile: Profile | None = None,
-                  optimizer: str = "adamw") -> Plan:
-    """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, baselines);
-    ``profile`` supplies measured costs of this machine (else roofline presets)."""
+@dataclass
+class Planning:
+    """What the auto plan and the hand plans (``autopar.baselines``) share: the strategy space,
+    its costs and the shrunken ILP (``Problem`` over ``Grouping`` decisions)."""
+
+    captured: CapturedGraph
+    space: StrategySpace
+    model: CostModel
+    timeline: Timeline
+    budget: float
+    cuts: list[int]
+    problem: Problem
+    grouping: Grouping
+    node_costs: dict[int, list[Cost]]   # per node, its costs per choice of its decision
+    priced: PricedSpace                 # every strategy's costs, to price any plan of the space
+    timings: dict[str, float]
+
+
+def prepare(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
+            timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
+            profile: Profile | None = None, optimizer: str = "adamw", share_layers: bool = True) -> Planning:
+    """Strategies, costs and the ILP of one captured graph on one mesh."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
         space = build_space(captured, mesh)
@@ -56,32 +76,84 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency)
         budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
-        problem, owner, node_costs = _problem(space, model, timeline, budget, cuts)
+    with _stage(timings, "ilp"):
+        problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, share_layers)
+        log.info("autopar: %s", grouping.describe(len(space.nodes)))
+    return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings)
+
+
+def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
+                  time_limit: float | None = DEFAULT_TIME_LIMIT_S, timings: dict[str, float] | None = None,
+                  forced: dict[str, Strategy] | None = None, profile: Profile | None = None,
+                  optimizer: str = "adamw", share_layers: bool = True, hand_plans: bool = True) -> Plan:
+    """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, calibration);
+    ``profile`` supplies measured costs of this machine (else roofline presets); ``share_layers``
+    lets identical inner layers share decisions; ``hand_plans`` costs the standard strategies
+    (``autopar.baselines``) first, warm-starts the solver from the best that fits and keeps it if
+    the solver's plan is predicted slower."""
+    from autopar.baselines import hand_plans as standard_plans
+
     deadline = time.perf_counter() + time_limit if time_limit is not None else None
+    planning = prepare(captured, mesh, memory_budget=memory_budget, timings=timings, forced=forced,
+                       profile=profile, optimizer=optimizer, share_layers=share_layers)
+    hands = standard_plans(planning, deadline=deadline) if hand_plans and not forced else {}
+    fitting = [h for h in hands.values() if h[0].feasible]
+    best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)
+    plan, choices = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
+    if best is not None and best[0].predicted.step_time_s < plan.predicted.step_time_s and plan.feasible:
+        plan = _renamed(best[0], "auto", plan)
+    if hands:
+        plan.solver["warm_start"] = best[0].name if best else None
+        plan.solver["hand_plans"] = {name: {"step_time_s": h.predicted.step_time_s,
+                                            "peak_memory_bytes": h.predicted.peak_memory_bytes,
+                                            "feasible": h.feasible} for name, (h, _) in hands.items()}
+    plan.timings = dict(planning.timings)
+    return plan
+
+
+def solve_planning(planning: Planning, *, deadline: float | None = None, allowed: Sequence[Sequence[int] | None] | None = None,
+                   warm_start: Sequence[int] | None = None, name: str = "auto", budget: bool = True,
+                   stage: str = "solve") -> tuple[Plan, tuple[int, ...]]:
+    """Solve (a restriction of) the planning problem: ``allowed[d]`` lists the choices decision
+    ``d`` may take (``None``: all); ``budget=False`` drops the memory constraint. Returns the plan
+    and its choice per decision of the full problem (a warm start for another solve).
+
+    If the exact schedule (``Timeline.simulate``) finds a moment above the budget that the ILP's
+    cuts missed, that moment is added as a constraint (or the overshoot taken off the budget) and
+    the problem solved again, up to ``MAX_MEMORY_REPAIRS`` times, all within ``deadline``."""
+    full = planning.problem
+    limit = planning.budget if budget else None
+    problem = replace(full, memory_budget=limit, warm_start=tuple(warm_start) if warm_start is not None else None)
+    allowed = list(allowed) if allowed is not None else [None] * len(full.costs)
+    cuts = planning.cuts
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
-        with _stage(timings, "solve"):   # time_limit covers every solve of the repair loop together
+        with _stage(planning.timings, stage):   # the deadline covers every solve of the repair loop together
             left = max(deadline - time.perf_counter(), 1.0) if deadline is not None else None
-            solution = solve(problem, time_limit=left, relative_gap=RELATIVE_GAP)
-        chosen = [nc.strategies[solution.choices[owner[i]]] for i, nc in enumerate(space.nodes)]
-        plan, sim = _make_plan(captured, space, model, timeline, chosen, budget, solution, timings)
-        peak = plan.predicted
+            solution = solve(restrict(problem, allowed), time_limit=left, relative_gap=RELATIVE_GAP)
+            choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
+            plan, sim = _make_plan(planning, choices, solution, name)
+        peak = plan.predicted.peak_memory_bytes
         out_of_time = deadline is not None and time.perf_counter() >= deadline
-        if peak.peak_memory_bytes <= budget or attempt == MAX_MEMORY_REPAIRS or out_of_time:
+        if limit is None or peak <= limit or attempt == MAX_MEMORY_REPAIRS or out_of_time:
             break
-        # The ILP checks memory at a few cuts, with a bound on working memory; the schedule found
-        # a higher moment. Add that moment as a constraint (or, if it is one already, take the
-        # overshoot off the ILP's budget) and solve again.
-        log.info("autopar: predicted peak %s at %s exceeds the budget; solving again", peak.peak_memory_bytes,
-                 peak.peak_at)
+        log.info("autopar: predicted peak %s at %s exceeds the budget; solving again", peak, plan.predicted.peak_at)
         if sim.peak_position not in cuts:
             cuts = sorted(set(cuts) | {sim.peak_position})
-            problem = replace(problem, memory_rows=timeline.memory_rows(owner, node_costs, cuts))
+            problem = replace(problem, memory_rows=planning.timeline.memory_rows(planning.grouping.owner,
+                                                                                 planning.node_costs, cuts))
         else:
-            problem = replace(problem, memory_budget=solution.memory - (peak.peak_memory_bytes - budget))
-    if plan.predicted.peak_memory_bytes > budget:
+            problem = replace(problem, memory_budget=solution.memory - (peak - limit))
+    if limit is not None and plan.shortfall_bytes > 0:
         plan.warnings.append(f"the plan's predicted peak ({fmt(plan.predicted.peak_memory_bytes, 'B')}) exceeds the "
-                             f"budget ({fmt(budget, 'B')}) at {plan.predicted.peak_at}; lower memory_budget a little")
-    return plan
+                             f"budget ({fmt(limit, 'B')}) at {plan.predicted.peak_at}; lower memory_budget a little")
+    return plan, choices
+
+
+def _renamed(hand: Plan, name: str, solved: Plan) -> Plan:
+    """The hand plan, kept as the auto plan because the exact schedule prices it below the solver's."""
+    note = (f"the solver's plan ({fmt(solved.predicted.step_time_s, 's')}) was predicted slower than the hand plan "
+            f"{hand.name!r} ({fmt(hand.predicted.step_time_s, 's')}) under the exact schedule: keeping the hand plan")
+    return replace(hand, name=name, warnings=[*hand.warnings, note], solver={**solved.solver, "kept_hand_plan": hand.name})
 
 
 def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
@@ -103,48 +175,57 @@ def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
             nc.strategies = alias_strategies(src.strategies)
 
 
-def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget: float, cuts: list[int]
-             ) -> tuple[Problem, list[int], dict[int, list[Cost]]]:
-    """The ILP over decision nodes. Aliases (one output of a split) share their source's variable:
-    their edges are priced with their own tensor but attached to the source's choice."""
-    decision = {}   # space index -> ILP index
-    for i, nc in enumerate(space.nodes):
-        if nc.kind != "alias":
-            decision[i] = len(decision)
-    owner = [decision[i] if nc.kind != "alias" else decision[space.index[nc.source]] for i, nc in enumerate(space.nodes)]
-    node_costs = {i: [model.node(nc, s) for s in nc.strategies] for i, nc in enumerate(space.nodes) if i in decision}
-    costs = tuple(tuple(c.compute_s + c.comm_s for c in cs) for cs in node_costs.values())
-    state = tuple(tuple(c.state_bytes for c in cs) for cs in node_costs.values())
+def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget: float, cuts: list[int],
+             share_layers: bool) -> tuple[Problem, Grouping, dict[int, list[Cost]], PricedSpace]:
+    """The ILP over the decisions of the shrunken problem (``autopar.shrink``). Returns it with
+    the grouping, each node's costs per choice of its decision (for the repair loop's rows) and the
+    priced space (to cost any plan)."""
+    priced = PricedSpace(space, model)
+    full = priced.nodes
+    matrices: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # per shared grid: (blocking, overlap) seconds
+    for grid in priced.edges.values():
+        if id(grid) not in matrices:
+            matrices[id(grid)] = (np.array([[c.compute_s + c.comm_s for c in row] for row in grid]),
+                                  np.array([[c.overlap_s for c in row] for row in grid]))
+    seconds = {e: matrices[id(grid)] for e, grid in priced.edges.items()}
+    grouping = group(space, lambda i: np.array([c.compute_s + c.comm_s for c in full[i]]),
+                     lambda i, j, k: seconds[(i, j, k)][0] + seconds[(i, j, k)][1], share_blocks=share_layers)
+    owner, choice = grouping.owner, grouping.choice
+    node_costs = {i: [full[i][c] for c in choice[i]] for i in range(len(space.nodes))}
+    per_decision: list[list[list[Cost]]] = [[] for _ in grouping.sizes]
+    for i, cs in node_costs.items():
+        per_decision[owner[i]].append(cs)
+    costs = tuple(tuple(sum(c[x].compute_s + c[x].comm_s for c in members) for x in range(k))
+                  for members, k in zip(per_decision, grouping.sizes))
+    state = tuple(tuple(sum(c[x].state_bytes for c in members) for x in range(k))
+                  for members, k in zip(per_decision, grouping.sizes))
     # Working memory, with room for a collective's buffers on the largest input (the ILP prices
-    # redistributions on edges, which carry no memory term).
-    transient = tuple(
-        tuple(c.transient_bytes + 2 * max(model.input_bytes(space.nodes[i], s, floating_only=True), default=0.0)
-              for c, s in zip(cs, space.nodes[i].strategies))
-        for i, cs in node_costs.items())
+    # redistributions on edges, which carry no memory term); the largest member's counts.
+    work = [np.array([c.transient_bytes + 2 * max(model.input_bytes(nc, s, floating_only=True), default=0.0)
+                      for c, s in zip(full[i], nc.strategies)])[choice[i]] for i, nc in enumerate(space.nodes)]
+    transient = [np.zeros(k) for k in grouping.sizes]
+    for i, w in enumerate(work):
+        transient[owner[i]] = np.maximum(transient[owner[i]], w)
     edges, queued = [], []
-    matrices: dict[tuple, tuple] = {}  # identical layers share strategy lists: price each edge kind once
-    for i, j, k in space.edges():
-        src, nc = space.nodes[i], space.nodes[j]
-        val = nc.inputs[k].meta.get("val")
-        key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
-        if key not in matrices:
-            grid = [[model.edge(src, s, nc, d, k) for d in nc.strategies] for s in src.strategies]
-            matrices[key] = (tuple(tuple(c.compute_s + c.comm_s for c in row) for row in grid),
-                             tuple(tuple(c.overlap_s for c in row) for row in grid))
-        blocking, overlap = matrices[key]
-        if any(any(row) for row in overlap):
-            queued.append((i, j, overlap))
-        edges.append(Edge(owner[i], decision[j], blocking))
-    names = tuple(nc.node.name for i, nc in enumerate(space.nodes) if i in decision)
+    for (i, j, k), (blocking, overlap) in seconds.items():
+        sub = np.ix_(choice[i], choice[j])
+        if overlap.any():
+            queued.append((i, j, overlap[sub].tolist()))
+        edges.append(Edge(owner[i], owner[j], blocking[sub]))
+    names = tuple(space.nodes[r].node.name for r in grouping.representative)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)
     exposed_rows = timeline.exposed_rows(owner, node_costs, queued, cuts)
-    problem = Problem(costs, state, tuple(edges), budget, names, memory_rows=memory_rows, transient=transient,
-                      exposed_rows=exposed_rows)
-    return problem, owner, node_costs
+    problem = Problem(costs, state, tuple(edges), budget, names, memory_rows=memory_rows,
+                      transient=tuple(tuple(t.tolist()) for t in transient), exposed_rows=exposed_rows)
+    return problem, grouping, node_costs, priced
 
 
-def _make_plan(captured, space, model, timeline, chosen, budget, solution, timings) -> tuple[Plan, StepPrediction]:
-    costs, queued = step_costs(space, model, chosen)
+def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, name: str
+               ) -> tuple[Plan, StepPrediction]:
+    space, model, timeline, captured = planning.space, planning.model, planning.timeline, planning.captured
+    strategy = planning.grouping.strategies(choices)
+    chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy)]
+    costs, queued = planning.priced.step_costs(strategy)
     step_overhead = model.profile.overheads.get("step", 0.0) if model.profile is not None else 0.0
     sim = timeline.simulate(costs, queued, step_overhead)
     nodes, total = [], Cost()
@@ -172,10 +253,13 @@ def _make_plan(captured, space, model, timeline, chosen, budget, solution, timin
                            overlapped_comm_s=sim.overlap_s, exposed_comm_s=sim.exposed_s, peak_at=sim.peak_at,
                            cost_source=_overall_source(costs, model))
     solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
-                   "constraints": solution.num_constraints, "objective_s": solution.objective}
+                   "constraints": solution.num_constraints, "objective_s": solution.objective,
+                   "problem": planning.grouping.describe(len(space.nodes))}
     plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
-                predicted=predicted, memory_budget=budget, solver=solver_info, timings=timings,
-                warnings=captured.warnings + space.warnings)
+                predicted=predicted, memory_budget=planning.budget, solver=solver_info, timings=planning.timings,
+                warnings=captured.warnings + space.warnings, name=name,
+                feasible=sim.peak_bytes <= planning.budget,
+                shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim
 
 

@@ -14,7 +14,7 @@ the same quantities at a few cut points of the backward (``solver.Row``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -173,14 +173,43 @@ def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy
                ) -> tuple[list[Cost], list[tuple[int, float]]]:
     """What ``Timeline.simulate`` takes for one plan: each node's cost with its incoming edges
     (``StrategySpace.edges``), and the queued gradient synchronisations."""
+    return _assemble(space, lambda i: model.node(space.nodes[i], chosen[i]),
+                     lambda i, j, k: model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k))
+
+
+class PricedSpace:
+    """Every node's cost under each of its strategies and every edge's under each pair, priced once
+    (edges of identical layers share one grid) so that many plans of one space cost nothing more."""
+
+    def __init__(self, space: StrategySpace, model: CostModel) -> None:
+        self.space = space
+        self.nodes = [[model.node(nc, s) for s in nc.strategies] for nc in space.nodes]
+        grids: dict[tuple, list[list[Cost]]] = {}
+        self.edges: dict[tuple[int, int, int], list[list[Cost]]] = {}
+        for i, j, k in space.edges():
+            src, nc = space.nodes[i], space.nodes[j]
+            val = nc.inputs[k].meta.get("val")
+            key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
+            if key not in grids:
+                grids[key] = [[model.edge(src, s, nc, d, k) for d in nc.strategies] for s in src.strategies]
+            self.edges[(i, j, k)] = grids[key]
+
+    def step_costs(self, strategy: Sequence[int]) -> tuple[list[Cost], list[tuple[int, float]]]:
+        """``step_costs`` of the plan giving node i its strategy number ``strategy[i]``."""
+        return _assemble(self.space, lambda i: self.nodes[i][strategy[i]],
+                         lambda i, j, k: self.edges[(i, j, k)][strategy[i]][strategy[j]])
+
+
+def _assemble(space: StrategySpace, node: Callable[[int], Cost], edge: Callable[[int, int, int], Cost]
+              ) -> tuple[list[Cost], list[tuple[int, float]]]:
     incoming: dict[int, Cost] = {}
     queued = []
     for i, j, k in space.edges():
-        c = model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k)
+        c = edge(i, j, k)
         incoming[j] = incoming.get(j, Cost()) + c
         if c.overlap_s:
             queued.append((i, c.overlap_s))
-    costs = [model.node(nc, s) + incoming.get(idx, Cost()) for idx, (nc, s) in enumerate(zip(space.nodes, chosen))]
+    costs = [node(idx) + incoming.get(idx, Cost()) for idx in range(len(space.nodes))]
     return costs, queued
 
 

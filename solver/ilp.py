@@ -45,7 +45,7 @@ import numpy as np
 from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
-__all__ = ["Edge", "Row", "Problem", "Solution", "solve", "evaluate", "SOLVERS"]
+__all__ = ["Edge", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
 
 #: Accepted values of ``solve(..., solver=...)``.
 SOLVERS: dict[str, mathopt.SolverType] = {
@@ -66,7 +66,7 @@ class Edge:
 
     src: int  # node index
     dst: int  # node index
-    cost: tuple[tuple[float, ...], ...]  # cost[src_choice][dst_choice], seconds (resharding cost)
+    cost: Sequence[Sequence[float]] | np.ndarray  # cost[src_choice][dst_choice], seconds (resharding cost)
 
 
 @dataclass(frozen=True)
@@ -503,6 +503,40 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
         if not moved:
             break
     return choices
+
+
+# --------------------------------------------------------------------------- restriction
+
+
+def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Problem:
+    """The same problem with node ``i`` limited to choices ``allowed[i]`` (``None``: all of them),
+    renumbered ``0..len(allowed[i]) - 1``: a sub-problem whose choice ``c`` of node ``i`` is
+    ``allowed[i][c]`` of the original (hand plans as pinned versions of the planner's problem)."""
+    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed)]
+    if any(len(k) == 0 for k in keep):
+        raise _error("restrict: every node needs at least one allowed choice")
+
+    def pick(values, i):
+        return tuple(np.asarray(values, dtype=float)[keep[i]].tolist())
+
+    def row(r: Row) -> Row:
+        return Row(tuple((i, pick(v, i)) for i, v in r.nodes), r.constant)
+
+    warm = None
+    if problem.warm_start is not None and all(c in k for c, k in zip(problem.warm_start, keep)):
+        warm = tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(problem.warm_start, keep))
+    return Problem(
+        costs=tuple(pick(c, i) for i, c in enumerate(problem.costs)),
+        memory=tuple(pick(m, i) for i, m in enumerate(problem.memory)),
+        edges=tuple(Edge(e.src, e.dst, np.asarray(e.cost, dtype=float)[np.ix_(keep[e.src], keep[e.dst])])
+                    for e in problem.edges),
+        memory_budget=problem.memory_budget,
+        names=problem.names,
+        warm_start=warm,
+        memory_rows=tuple(row(r) for r in problem.memory_rows),
+        transient=None if problem.transient is None else tuple(pick(t, i) for i, t in enumerate(problem.transient)),
+        exposed_rows=tuple(row(r) for r in problem.exposed_rows),
+    )
 
 
 # --------------------------------------------------------------------------- solve

@@ -1,0 +1,207 @@
+"""The standard hand-written strategies as plans on the planner's own graph and costs.
+
+A hand plan gives each mesh axis a role:
+
+* ``dp``: data parallel: parameters replicated, the batch split, no op computed twice (DDP);
+* ``fsdp``: the same, with parameters stored sharded and gathered on use (ZeRO-3/FSDP);
+* ``tp``: Megatron tensor parallel: every matmul weight sharded (the solver picks column or row
+  per matrix, which recovers Megatron's column -> row pairs), inputs replicated;
+* ``tp+sp``: ``tp`` with sequence parallelism: the residual stream (adds of two activations) is
+  split along the sequence between the tensor-parallel regions.
+
+Combined over the axes (at most one tensor-parallel axis), this gives DDP, FSDP, HSDP, Megatron
+with and without sequence parallelism, and every data x tensor mix on 2-D and 3-D meshes. Each is
+the planner's problem with the choices the role forbids removed; the solver fills in the rest
+(how each activation is laid out), so a hand plan is the best plan of its family under the same
+cost model, and a warm start the auto plan can only improve on. A hand plan that does not fit the
+memory budget is kept, with ``feasible == False`` and its ``shortfall_bytes``.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.capture import capture
+from autopar.errors import InfeasibleError
+from autopar.mesh import MeshSpec, as_mesh_spec
+from autopar.plan import Plan
+from autopar.planner import DEFAULT_TIME_LIMIT_S, Planning, prepare, solve_planning
+from autopar.strategies import VIEW_OPS, NodeChoices, Strategy
+
+__all__ = ["candidates", "hand_plans", "ROLES"]
+
+ROLES = ("dp", "fsdp", "tp", "tp+sp")
+R = Replicate()
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
+# Share of the time left that all hand plans together may spend solving.
+HAND_PLAN_TIME_SHARE = 0.4
+
+
+def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: dict | None = None, *,
+               memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S,
+               profile: Any = "auto", optimizer: str = "adamw") -> dict[str, Plan]:
+    """Every standard strategy for ``mesh`` as a ``Plan``, costed like the auto plan (same
+    options as ``autopar.plan``); each can be compiled and run (``autopar.compile(plan=...)``)."""
+    from cost_models.profiling import resolve_profile
+
+    spec = as_mesh_spec(mesh)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    t0 = time.perf_counter()
+    captured = capture(model, args, example_kwargs)
+    planning = prepare(captured, spec, memory_budget=memory_budget, timings={"capture": time.perf_counter() - t0},
+                       profile=resolve_profile(profile, spec), optimizer=optimizer)
+    deadline = time.perf_counter() + time_limit if time_limit is not None else None
+    return {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
+
+
+def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
+    """Role per axis of every hand plan on ``mesh`` (axes of size 1 take no role: ``dp``)."""
+    live = [a for a, n in enumerate(mesh.shape) if n > 1]
+    out = []
+    for combo in itertools.product(ROLES, repeat=len(live)):
+        if sum(r.startswith("tp") for r in combo) <= 1:
+            roles = ["dp"] * mesh.ndim
+            for a, r in zip(live, combo):
+                roles[a] = r
+            out.append(tuple(roles))
+    return out
+
+
+def plan_name(mesh: MeshSpec, roles: Sequence[str]) -> str:
+    live = [(mesh.axis_names[a], r) for a, r in enumerate(roles) if mesh.shape[a] > 1]
+    kinds = {r for _, r in live}
+    if kinds <= {"dp"}:
+        return "ddp"
+    if kinds == {"fsdp"}:
+        return "fsdp"
+    if len(live) == 1:
+        return live[0][1]
+    return " x ".join(f"{r}({a})" for a, r in live)
+
+
+def hand_plans(planning: Planning, *, deadline: float | None = None, share: float = HAND_PLAN_TIME_SHARE
+               ) -> dict[str, tuple[Plan, tuple[int, ...]]]:
+    """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision)."""
+    mesh = planning.space.mesh
+    sets = role_sets(mesh)
+    traits = [_traits(planning.space, nc) for nc in planning.space.nodes]
+    out = {}
+    for k, roles in enumerate(sets):
+        own = None
+        if deadline is not None:
+            own = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) * share / (len(sets) - k)
+        name = plan_name(mesh, roles)
+        allowed = _allowed(planning, roles, traits)
+        try:
+            out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, stage="hand plans")
+        except InfeasibleError:   # kept, marked infeasible, with its shortfall
+            out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, budget=False,
+                                       stage="hand plans")
+    return out
+
+
+def _allowed(planning: Planning, roles: Sequence[str], traits: Sequence[Traits]) -> list[list[int] | None]:
+    """Per decision, the choices the roles allow: every member node's strategy must obey them.
+    A node no strategy of which obeys (an op the role cannot express) is left free."""
+    space, grouping = planning.space, planning.grouping
+    ok: dict[int, np.ndarray] = {}
+    seen: dict[tuple, np.ndarray] = {}   # nodes of identical layers share strategy lists
+    for i, nc in enumerate(space.nodes):
+        key = (id(nc.strategies), nc.kind, traits[i])
+        if key not in seen:
+            seen[key] = np.array([_obeys(space.mesh, nc.kind, traits[i], s, roles) for s in nc.strategies])
+        obeys = seen[key]
+        if obeys.any() and not obeys.all():
+            ok[i] = obeys[grouping.choice[i]]   # per choice of its decision
+    per_decision: list[np.ndarray | None] = [None] * len(grouping.sizes)
+    for i, mask in ok.items():
+        d = grouping.owner[i]
+        per_decision[d] = mask if per_decision[d] is None else per_decision[d] & mask
+    allowed: list[list[int] | None] = []
+    for d, mask in enumerate(per_decision):
+        if mask is not None and not mask.any():   # members disagree: keep what the decision's own node needs
+            root = grouping.representative[d]
+            mask = ok.get(root)
+        allowed.append(None if mask is None or not mask.any() else np.flatnonzero(mask).tolist())
+    return allowed
+
+
+Traits = tuple[bool, bool, bool, tuple[int, ...]]
+
+
+def _traits(space, nc: NodeChoices) -> Traits:
+    """What the roles look at: (computes on activations, is a matmul weight, is a residual add,
+    positions of the inputs that are weights of this matmul)."""
+    if nc.kind == "param":
+        return False, _is_matmul_weight(nc), False, ()
+    if nc.kind == "op":
+        weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
+        return _computes_on_activations(space, nc), False, _is_residual_add(nc), weights
+    return False, False, False, ()
+
+
+def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequence[str]) -> bool:
+    on_activations, matmul_weight, residual_add, weights = traits
+    for a, role in enumerate(roles):
+        if mesh.shape[a] == 1:
+            continue
+        if kind == "param":
+            use, stored = s.out[a], s.storage[a]
+            if role == "dp" and not (use == R and stored == R):
+                return False
+            if role == "fsdp" and not (use == R and isinstance(stored, Shard)):
+                return False
+            if role.startswith("tp") and (stored != use or (matmul_weight and not isinstance(use, Shard))):
+                return False
+        elif kind == "input":
+            want = Shard(0) if role in ("dp", "fsdp") else R
+            if s.out[a] != want:
+                return False
+        elif kind == "op":
+            if role in ("dp", "fsdp") and on_activations and s.out[a] == R and all(p[a] == R for p in s.ins):
+                return False   # the same op computed on every rank of a data-parallel axis
+            if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
+                return False   # Megatron splits the matmul itself: its weight is used sharded
+            if role == "tp+sp" and residual_add and s.out[a] != Shard(1):
+                return False
+    return True
+
+
+def _computes_on_activations(space, nc: NodeChoices) -> bool:
+    return any(space.nodes[space.index[u]].kind not in ("param", "buffer") for u in nc.inputs if u in space.index)
+
+
+def _from_param(space, node) -> bool:
+    """``node`` is a parameter, or a view of one."""
+    while node.target in VIEW_OPS and node.args:
+        node = node.args[0]
+    i = space.index.get(node)
+    return i is not None and space.nodes[i].kind == "param"
+
+
+def _is_matmul_weight(nc: NodeChoices) -> bool:
+    """Used (through views) as an operand of a matrix multiplication."""
+    todo = [nc.node]
+    while todo:
+        for user in todo.pop().users:
+            if user.target in MATMULS:
+                return True
+            if user.target in VIEW_OPS:
+                todo.append(user)
+    return False
+
+
+def _is_residual_add(nc: NodeChoices) -> bool:
+    """An add of two activations of the output's (batch, sequence, hidden) shape."""
+    if nc.node.target != aten.add.Tensor or len(nc.inputs) != 2:
+        return False
+    shape = tuple(nc.node.meta["val"].shape)
+    return len(shape) == 3 and all(tuple(u.meta["val"].shape) == shape for u in nc.inputs)

@@ -1,0 +1,184 @@
+"""Shrink the sharding problem before solving: fewer decisions, same runtime semantics.
+
+A ``Grouping`` says which ILP decision each node of a ``StrategySpace`` follows, and which of the
+node's strategies each choice of that decision means. Three reductions build it:
+
+* **aliases** (one output of a split) take their source's choice, strategy for strategy;
+* **followers** (views, casts and other one-input elementwise ops) are folded into their
+  producer: for each of the producer's strategies the follower takes its own cheapest strategy
+  given that one (no resharding when it can follow), so it needs no variable of its own;
+* **repeated blocks** (transformer layers, found from the graph's structure, never from names)
+  share decisions: the blocks strictly between the first and the last of a run of identical
+  blocks are cut into a few contiguous segments, and each block takes its segment's first
+  block's choices. The first and last blocks, and everything around the run (embeddings, head,
+  loss), keep their own; segments let the plan change along the depth where the costs say so
+  (identical layers are not identical in cost: the backward can hide the gradient sync of late
+  layers under the compute of earlier ones, but not that of the first).
+
+Any grouping is a restriction of the full problem, never a different one: every choice of every
+decision gives each node one of its own candidate strategies, so a plan of the shrunken problem
+is a valid plan of the full one.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autopar.capture import output_shape
+from autopar.strategies import VIEW_OPS, StrategySpace
+
+# Blocks needed before sharing pays off: first and last stay free, the ones between share.
+MIN_BLOCKS = 3
+# Segments of inner blocks that choose independently (each shares one set of decisions).
+SEGMENTS = 4
+# Candidate block lengths tried (the most frequent distances between equal nodes).
+_CANDIDATE_PERIODS = 8
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Node -> decision mapping handed from shrinking to the ILP builder."""
+
+    owner: tuple[int, ...]               # space index -> decision index
+    choice: tuple[np.ndarray, ...]       # space index -> strategy index per choice of its decision
+    sizes: tuple[int, ...]               # decision -> number of choices
+    representative: tuple[int, ...]      # decision -> a space index standing for it
+    folded: int                          # followers folded into their producers
+    shared: int                          # nodes whose decision another block's node makes
+    blocks: tuple[int, int, int] | None  # (first node position, nodes per block, blocks) of the run
+
+    def strategies(self, choices: Sequence[int]) -> list[int]:
+        """Strategy index of every space node, given one choice per decision."""
+        return [int(c[choices[d]]) for d, c in zip(self.owner, self.choice)]
+
+    def describe(self, nodes: int) -> str:
+        text = f"{nodes} nodes -> {len(self.sizes)} decisions ({self.folded} followers folded"
+        if self.blocks is not None:
+            text += f", {self.blocks[2]} repeated blocks of {self.blocks[1]} nodes, {self.shared} nodes shared"
+        return text + ")"
+
+
+def is_follower(space: StrategySpace, i: int) -> bool:
+    """A view, cast or elementwise op of exactly one planned tensor input."""
+    nc = space.nodes[i]
+    if nc.kind != "op" or len(nc.inputs) != 1 or nc.inputs[0] not in space.index:
+        return False
+    target = nc.node.target
+    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    return pointwise or target in VIEW_OPS or target == torch.ops.aten._to_copy.default
+
+
+def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
+          edge_cost: Callable[[int, int, int], np.ndarray], share_blocks: bool = True) -> Grouping:
+    """The grouping of ``space``. ``node_cost(i)``: seconds per strategy of node i;
+    ``edge_cost(i, j, k)``: seconds matrix [i's strategy][j's strategy] of input k of j."""
+    n = len(space.nodes)
+    root = list(range(n))                       # node -> node whose decision it follows
+    choice = [np.arange(len(nc.strategies)) for nc in space.nodes]
+    folded = 0
+    for j, nc in enumerate(space.nodes):        # graph order: producers are settled first
+        if nc.kind == "alias":
+            src = space.index[nc.source]
+            root[j], choice[j] = root[src], choice[src].copy()
+        elif is_follower(space, j):
+            i = space.index[nc.inputs[0]]
+            given = edge_cost(i, j, 0)[choice[i]] + node_cost(j)[None, :]   # [producer choice][own strategy]
+            root[j], choice[j] = root[i], np.argmin(given, axis=1)
+            folded += 1
+    same = _shared_roots(space, root) if share_blocks else ({}, None)
+    rep, blocks = same
+
+    def final(r: int) -> int:
+        while r in rep:   # maps only point to earlier nodes: no cycles
+            r = rep[r]
+        return r
+
+    shared = sum(1 for j in range(n) if final(root[j]) != root[j])
+    decision: dict[int, int] = {}
+    owner = [decision.setdefault(final(root[j]), len(decision)) for j in range(n)]
+    sizes = [0] * len(decision)
+    for r, d in decision.items():
+        sizes[d] = len(space.nodes[r].strategies)
+    return Grouping(tuple(owner), tuple(choice), tuple(sizes), tuple(decision), folded, shared, blocks)
+
+
+def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int], tuple[int, int, int] | None]:
+    """Decision roots of the inner blocks of the longest run of identical blocks, mapped to their
+    segment's first block's. Two roots are merged only if their candidate strategies are the same
+    list."""
+    order = [i for i, nc in enumerate(space.nodes) if nc.kind in ("op", "alias")]
+    run = _longest_run(space, order)
+    if run is None:
+        return {}, None
+    start, period, count = run
+    rep: dict[int, int] = {}
+
+    def merge(a: int, b: int) -> None:
+        """Let decision root a take root b's choice (followers come along with their roots)."""
+        if root[a] == a and root[b] == b and a != b and a not in rep \
+                and space.nodes[a].strategies == space.nodes[b].strategies:
+            rep[a] = b
+
+    inner = count - 2
+    segment_first: dict[int, int] = {}
+    for block in range(1, count - 1):
+        first = segment_first.setdefault((block - 1) * SEGMENTS // inner, block)
+        if first == block:
+            continue
+        for t in range(period):
+            a, b = order[start + block * period + t], order[start + first * period + t]
+            merge(a, b)
+            for u, v in zip(space.nodes[a].inputs, space.nodes[b].inputs):   # the block's own parameters
+                iu, iv = space.index.get(u), space.index.get(v)
+                if iu is not None and iv is not None and space.nodes[iu].kind == space.nodes[iv].kind == "param":
+                    merge(iu, iv)
+    return rep, run
+
+
+def _longest_run(space: StrategySpace, order: list[int]) -> tuple[int, int, int] | None:
+    """(start, period, count) of the longest stretch of ``order`` made of ``count`` >= 3 copies of
+    one block of ``period`` nodes, comparing nodes by op, arguments, shapes and where their
+    inputs come from (relative position, or the kind and shape of a parameter or input)."""
+    position = {i: p for p, i in enumerate(order)}
+    ids: dict[tuple, int] = {}
+    sig = np.array([ids.setdefault(_signature(space, i, p, position), len(ids)) for p, i in enumerate(order)])
+    if len(sig) < 2 * MIN_BLOCKS:
+        return None
+    last: dict[int, int] = {}
+    gaps: Counter[int] = Counter()
+    for p, s in enumerate(sig.tolist()):
+        if s in last:
+            gaps[p - last[s]] += 1
+        last[s] = p
+    best = None
+    for period, _ in gaps.most_common(_CANDIDATE_PERIODS):
+        match = np.concatenate([sig[:-period] == sig[period:], [False]])
+        # longest stretch of consecutive matches: nodes p with sig[p] == sig[p + period]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], match.astype(np.int8)])))
+        starts, ends = edges[::2], edges[1::2]
+        if len(starts) == 0:
+            continue
+        k = int(np.argmax(ends - starts))
+        count = (int(ends[k] - starts[k]) + period) // period
+        if count >= MIN_BLOCKS and (best is None or (count - 1) * period > (best[2] - 1) * best[1]):
+            best = (int(starts[k]), period, count)
+    return best
+
+
+def _signature(space: StrategySpace, i: int, p: int, position: dict[int, int]) -> tuple:
+    nc = space.nodes[i]
+    node = nc.node
+    args = torch.utils._pytree.tree_map(lambda a: "T" if isinstance(a, torch.fx.Node) else a, (node.args, node.kwargs))
+    ins = []
+    for u in nc.inputs:
+        j = space.index.get(u)
+        if j is not None and j in position:
+            ins.append(p - position[j])
+        else:
+            kind = space.nodes[j].kind if j is not None else "other"
+            ins.append((kind, output_shape(u)))
+    return (str(node.target), repr(args), output_shape(node), len(nc.strategies), tuple(ins))

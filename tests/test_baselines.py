@@ -1,0 +1,73 @@
+"""Hand plans (``autopar.baselines``): the standard strategies, costed like the auto plan, run
+exactly like any plan, never beat it, and say when they do not fit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar import MeshSpec
+from autopar.baselines import candidates
+from autopar.zoo import get_model
+from tests.equivalence import build, make_batches
+from tests.test_equivalence import _check, _local_runner
+
+R = Replicate()
+
+
+def _meta(name: str, batch: int, seq: int):
+    entry = get_model(name)
+    with torch.device("meta"):
+        model = entry.build()
+    return (model, *entry.example(batch, seq, device="meta"))
+
+
+def test_standard_strategies_are_what_they_say():
+    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    plans = candidates(model, MeshSpec((2, 2), axis_names=("dp", "tp"), hardware="h100-80gb"), args, kwargs)
+    assert {"ddp", "fsdp", "dp(dp) x tp(tp)", "dp(dp) x tp+sp(tp)", "fsdp(dp) x tp(tp)", "dp(dp) x fsdp(tp)"} <= set(plans)
+    params = {name: plan.parameters for name, plan in plans.items()}
+    assert all(p.storage == (R, R) and p.out == (R, R) for p in params["ddp"].values())
+    assert all(p.out == (R, R) and all(isinstance(s, Shard) for s in p.storage)
+               for p in params["fsdp"].values() if p.storage != (R, R))   # tiny 1-D params may not split 4 ways
+    megatron = params["dp(dp) x tp(tp)"]
+    for fqn in ("transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight"):
+        assert megatron[fqn].out[0] == R and isinstance(megatron[fqn].out[1], Shard), (fqn, megatron[fqn])
+    # Megatron's pairs: the MLP's first matrix split by output features, its second by input features
+    fc, proj = megatron["transformer.h.0.mlp.c_fc.weight"], megatron["transformer.h.0.mlp.c_proj.weight"]
+    assert (fc.out[1], proj.out[1]) == (Shard(0), Shard(1))
+    # sequence parallel: the residual stream is split along the sequence on the tensor axis
+    sp = plans["dp(dp) x tp+sp(tp)"]
+    adds = [n for n in sp.nodes if n.op == "aten.add.Tensor" and n.out[1] == Shard(1)]
+    assert len(adds) >= 4, [(n.name, n.out) for n in sp.nodes if n.op == "aten.add.Tensor"]
+    # costed like the auto plan: it is never worse than any of them
+    auto = autopar.plan(model, MeshSpec((2, 2), axis_names=("dp", "tp"), hardware="h100-80gb"), args, kwargs)
+    assert auto.predicted.step_time_s <= min(p.predicted.step_time_s for p in plans.values()) * (1 + 1e-9)
+    assert set(auto.solver["hand_plans"]) == set(plans)
+
+
+def test_hand_plan_that_does_not_fit_is_kept_with_its_shortfall():
+    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    mesh = MeshSpec((4,), hardware="h100-80gb")
+    free = candidates(model, mesh, args, kwargs)
+    ddp, fsdp = free["ddp"].predicted.peak_memory_bytes, free["fsdp"].predicted.peak_memory_bytes
+    assert fsdp < ddp
+    budget = (ddp + fsdp) / 2
+    plans = candidates(model, mesh, args, kwargs, memory_budget=budget)
+    assert not plans["ddp"].feasible
+    assert plans["ddp"].shortfall_bytes == pytest.approx(plans["ddp"].predicted.peak_memory_bytes - budget)
+    assert plans["fsdp"].feasible and plans["fsdp"].predicted.peak_memory_bytes <= budget
+    auto = autopar.plan(model, mesh, args, kwargs, memory_budget=budget)
+    assert auto.feasible and auto.solver["hand_plans"]["ddp"]["feasible"] is False
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_every_hand_plan_trains_exactly(mesh):
+    batch, seq = 6, 16
+    args, kwargs = make_batches("gpt-tiny", batch, seq, steps=1)[0]
+    plans = candidates(build("gpt-tiny"), MeshSpec(mesh), args, kwargs)
+    assert len(plans) == (4 if len(mesh) == 1 else 12)
+    for name, plan in plans.items():
+        got = _check("gpt-tiny", batch, seq, mesh, _local_runner, {"plan": plan})
+        assert got.name == name

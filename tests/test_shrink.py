@@ -2,7 +2,6 @@
 what the solver picks on the small problem is as good as on the full one and trains exactly."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import autopar

@@ -1,0 +1,118 @@
+"""The auto plan against every hand plan, by measured step time on this machine's CPU mesh.
+
+For each zoo model on 4 gloo processes (meshes 4 and 2x2): profile the host (cached), plan the
+auto plan and every hand plan (``autopar.baselines.candidates``) with that profile, then compile
+them all in one run of the mesh and time them side by side: rounds of every plan in turn (so
+that the machine's slow and fast moments fall on all of them), each round's step time is the
+median of its steps on the slowest rank, and a plan's figure is its fastest round. Prints the
+ratio of the auto plan to the best measured hand plan (target <= 1.05) and saves
+benchmarks/results/measured_quality.json.
+
+    python benchmarks/measured_quality.py                     # gpt-tiny, gpt2-tiny, llama-tiny (a few minutes)
+    python benchmarks/measured_quality.py --models gpt-tiny --meshes 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.baselines import candidates
+from autopar.launch import run_on_gloo_mesh
+from autopar.measure import measure_training
+from autopar.zoo import get_model
+from cost_models.profiling import profile_model
+
+RESULTS = Path(__file__).parent / "results" / "measured_quality.json"
+MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")
+MESHES = ((4,), (2, 2))
+BATCH, SEQ = 16, 64
+ROUNDS, WARMUP, STEPS = 3, 2, 8
+SEED = 1234
+TARGET = 1.05
+
+
+def _worker(mesh, name: str, plans: dict[str, str], rounds: int) -> dict[str, list[float]]:
+    """On every rank: compile every plan, then time them in turn, ``rounds`` times."""
+    entry = get_model(name)
+    args, kwargs = entry.example(BATCH, SEQ)
+    runs = {}
+    for label, text in plans.items():
+        torch.manual_seed(SEED)
+        pmodel = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(text))
+        runs[label] = (pmodel, torch.optim.AdamW(pmodel.parameters(), lr=1e-3))
+    times: dict[str, list[float]] = {label: [] for label in plans}
+    for _ in range(rounds):
+        for label, (pmodel, opt) in runs.items():
+            dist.barrier()
+            m = measure_training(pmodel, [(args, kwargs)], opt, warmup=WARMUP, steps=STEPS)
+            times[label].append(m.step_s)
+    return times
+
+
+def run(name: str, mesh: tuple[int, ...], rounds: int) -> dict:
+    entry = get_model(name)
+    torch.manual_seed(SEED)
+    model = entry.build()
+    args, kwargs = entry.example(BATCH, SEQ)
+    spec = autopar.MeshSpec(mesh, hardware="cpu")
+    profile_model(model, spec, args, kwargs, progress=None)
+    t0 = time.perf_counter()
+    auto = autopar.plan(model, spec, args, kwargs)
+    hands = candidates(model, spec, args, kwargs)
+    plan_s = time.perf_counter() - t0
+    plans = {"auto": auto, **hands}
+    ranks = run_on_gloo_mesh(_worker, mesh, name, {k: p.to_json() for k, p in plans.items()}, rounds,
+                             start_method="forkserver")
+    # per plan: each round's slowest rank, then the fastest round
+    measured = {k: min(max(r[k][i] for r in ranks) for i in range(rounds)) for k in plans}
+    best = min(hands, key=lambda k: measured[k])
+    return {
+        "model": name, "mesh": list(mesh), "batch": BATCH, "seq": SEQ, "plan_s": plan_s,
+        "auto_kept_hand_plan": auto.solver.get("kept_hand_plan"),
+        "plans": {k: {"measured_step_s": measured[k], "predicted_step_s": p.predicted.step_time_s,
+                      "rounds_s": [max(r[k][i] for r in ranks) for i in range(rounds)]} for k, p in plans.items()},
+        "best_hand_plan": best, "ratio_auto_over_best_hand": measured["auto"] / measured[best],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--meshes", default=",".join("x".join(map(str, m)) for m in MESHES))
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
+    a = ap.parse_args()
+    meshes = [tuple(int(x) for x in m.split("x")) for m in a.meshes.split(",")]
+    results = []
+    for mesh in meshes:
+        for name in a.models.split(","):
+            r = run(name, mesh, a.rounds)
+            results.append(r)
+            kept = f" (= {r['auto_kept_hand_plan']})" if r["auto_kept_hand_plan"] else ""
+            print(f"\n{name} on {'x'.join(map(str, mesh))} gloo processes, batch {BATCH}x{SEQ}:")
+            for k, v in sorted(r["plans"].items(), key=lambda kv: kv[1]["measured_step_s"]):
+                print(f"  {k + (kept if k == 'auto' else ''):28s} measured {v['measured_step_s'] * 1e3:7.1f} ms  "
+                      f"predicted {v['predicted_step_s'] * 1e3:7.1f} ms")
+            print(f"  auto / best measured hand plan ({r['best_hand_plan']}): {r['ratio_auto_over_best_hand']:.3f}",
+                  flush=True)
+    worst = max(r["ratio_auto_over_best_hand"] for r in results)
+    print(f"\n{'PASS' if worst <= TARGET else 'FAIL'}  auto within {TARGET:.2f}x the best measured hand plan: "
+          f"worst ratio {worst:.3f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+                   f"threads, load {Path('/proc/loadavg').read_text().split()[:3]})",
+        "command": f"python benchmarks/measured_quality.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds}",
+        "results": results, "worst_ratio": worst, "target": TARGET,
+    }, indent=1))
+    print(f"saved {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

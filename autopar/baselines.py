@@ -9,7 +9,7 @@ A hand plan gives each mesh axis a role:
 * ``tp+sp``: ``tp`` with sequence parallelism: the residual stream (adds of two activations) is
   split along the sequence between the tensor-parallel regions.
 
-Combined over the axes (at most one tensor-parallel axis), this gives DDP, FSDP, HSDP, Megatron
+Combined over the axes (tensor parallel on the last, intra-node axis), this gives DDP, FSDP, HSDP, Megatron
 with and without sequence parallelism, and every data x tensor mix on 2-D and 3-D meshes. Each is
 the planner's problem with the choices the role forbids removed; the solver fills in the rest
 (how each activation is laid out), so a hand plan is the best plan of its family under the same
@@ -63,11 +63,12 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
 
 
 def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
-    """Role per axis of every hand plan on ``mesh`` (axes of size 1 take no role: ``dp``)."""
+    """Role per axis of every hand plan on ``mesh`` (axes of size 1 take no role: ``dp``). Tensor
+    parallelism goes on the last axis only, as in practice: it is the one inside a node."""
     live = [a for a, n in enumerate(mesh.shape) if n > 1]
     out = []
     for combo in itertools.product(ROLES, repeat=len(live)):
-        if sum(r.startswith("tp") for r in combo) <= 1:
+        if all(not r.startswith("tp") for r in combo[:-1]):
             roles = ["dp"] * mesh.ndim
             for a, r in zip(live, combo):
                 roles[a] = r

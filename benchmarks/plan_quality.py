@@ -17,8 +17,6 @@ import platform
 import time
 from pathlib import Path
 
-import torch
-
 import autopar
 from autopar.units import fmt
 from variants import build_meta

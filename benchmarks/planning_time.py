@@ -70,7 +70,7 @@ def line(r: dict) -> str:
     s = r["solver"]
     return (f"{r['model']:>13} on {'x'.join(map(str, r['mesh'])):>7}: {fmt(r['total_s'], 's'):>8} ({stages}); "
             f"{s['problem']}; ILP {s['variables']} variables, {s['constraints']} constraints, {s['status']} "
-            f"(gap {s['gap']:.2g}); peak RSS {fmt(r['peak_rss_bytes'], 'B')}; step {fmt(r['predicted_step_s'], 's')}, "
+            f"(gap {'?' if s['gap'] is None else format(s['gap'], '.2g')}); peak RSS {fmt(r['peak_rss_bytes'], 'B')}; step {fmt(r['predicted_step_s'], 's')}, "
             f"best hand plan {r['best_hand_plan']}")
 
 

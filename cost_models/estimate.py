@@ -304,6 +304,23 @@ class CostModel:
             back = Cost(overlap_s=back.comm_s, comm_bytes=back.comm_bytes, measured=back.measured)
         return fwd + back
 
+    def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> list[list[Cost]]:
+        """``edge`` for every pair of strategies. An edge's cost depends only on the source's
+        output and storage layouts and on the input's layout and gradient layout, far fewer than
+        the pairs on 2-D and 3-D meshes: each distinct combination is priced once."""
+        ins = [(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies]
+        memo: dict[tuple, Cost] = {}
+        grid = []
+        for s in src.strategies:
+            row = []
+            for d, key in zip(dst.strategies, ins):
+                key = (s.out, s.storage, key)
+                if key not in memo:
+                    memo[key] = self.edge(src, s, dst, d, i)
+                row.append(memo[key])
+            grid.append(row)
+        return grid
+
 
 def _storage_root(node: fx.Node) -> fx.Node:
     """The node whose output a view aliases (a kept view keeps its base's storage alive)."""

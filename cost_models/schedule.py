@@ -191,7 +191,7 @@ class PricedSpace:
             val = nc.inputs[k].meta.get("val")
             key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
             if key not in grids:
-                grids[key] = [[model.edge(src, s, nc, d, k) for d in nc.strategies] for s in src.strategies]
+                grids[key] = model.edge_grid(src, nc, k)
             self.edges[(i, j, k)] = grids[key]
 
     def step_costs(self, strategy: Sequence[int]) -> tuple[list[Cost], list[tuple[int, float]]]:

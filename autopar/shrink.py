@@ -141,21 +141,28 @@ def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int]
 
 def _longest_run(space: StrategySpace, order: list[int]) -> tuple[int, int, int] | None:
     """(start, period, count) of the longest stretch of ``order`` made of ``count`` >= 3 copies of
-    one block of ``period`` nodes, comparing nodes by op, arguments, shapes and where their
-    inputs come from (relative position, or the kind and shape of a parameter or input)."""
-    position = {i: p for p, i in enumerate(order)}
-    ids: dict[tuple, int] = {}
-    sig = np.array([ids.setdefault(_signature(space, i, p, position), len(ids)) for p, i in enumerate(order)])
-    if len(sig) < 2 * MIN_BLOCKS:
+    one block of ``period`` nodes. Nodes compare by op, arguments, shapes and where their inputs
+    come from: the relative position of a producer less than a block back, else the producer
+    itself (a tensor every layer reads, like rotary tables or a mask), or the kind and shape of
+    a parameter or input."""
+    if len(order) < 2 * MIN_BLOCKS:
         return None
+    position = {i: p for p, i in enumerate(order)}
+    ops = [_op_signature(space, i) for i in order]
+    sources = [[position.get(space.index.get(u), (space.nodes[space.index[u]].kind if u in space.index else "other",
+                                                   output_shape(u))) for u in space.nodes[i].inputs] for i in order]
+    ids: dict[tuple, int] = {}
+    plain = [ids.setdefault(op, len(ids)) for op in ops]
     last: dict[int, int] = {}
     gaps: Counter[int] = Counter()
-    for p, s in enumerate(sig.tolist()):
+    for p, s in enumerate(plain):
         if s in last:
             gaps[p - last[s]] += 1
         last[s] = p
     best = None
     for period, _ in gaps.most_common(_CANDIDATE_PERIODS):
+        sig = np.array([ids.setdefault((op, tuple(_source(p, u, period) for u in us)), len(ids))
+                        for p, (op, us) in enumerate(zip(ops, sources))])
         match = np.concatenate([sig[:-period] == sig[period:], [False]])
         # longest stretch of consecutive matches: nodes p with sig[p] == sig[p + period]
         edges = np.flatnonzero(np.diff(np.concatenate([[0], match.astype(np.int8)])))
@@ -169,16 +176,15 @@ def _longest_run(space: StrategySpace, order: list[int]) -> tuple[int, int, int]
     return best
 
 
-def _signature(space: StrategySpace, i: int, p: int, position: dict[int, int]) -> tuple:
+def _source(p: int, u: int | tuple, period: int) -> object:
+    """How node ``p`` sees an input: offset to a near producer, a far producer itself, or a leaf."""
+    if isinstance(u, tuple):
+        return u
+    return p - u if p - u < period else ("far", u)
+
+
+def _op_signature(space: StrategySpace, i: int) -> tuple:
     nc = space.nodes[i]
     node = nc.node
     args = torch.utils._pytree.tree_map(lambda a: "T" if isinstance(a, torch.fx.Node) else a, (node.args, node.kwargs))
-    ins = []
-    for u in nc.inputs:
-        j = space.index.get(u)
-        if j is not None and j in position:
-            ins.append(p - position[j])
-        else:
-            kind = space.nodes[j].kind if j is not None else "other"
-            ins.append((kind, output_shape(u)))
-    return (str(node.target), repr(args), output_shape(node), len(nc.strategies), tuple(ins))
+    return (str(node.target), repr(args), output_shape(node), len(nc.strategies))

@@ -1,6 +1,6 @@
 """The auto plan against every hand plan, by measured step time on this machine's CPU mesh.
 
-For each zoo model on 4 gloo processes (meshes 4 and 2x2): profile the host (cached), plan the
+For each zoo model on 4 gloo processes (mesh 4; --meshes 4,2x2 adds the 2-D one): profile the host (cached), plan the
 auto plan and every hand plan (``autopar.baselines.candidates``) with that profile, then compile
 them all in one run of the mesh and time them side by side: rounds of every plan in turn (so
 that the machine's slow and fast moments fall on all of them), each round's step time is the
@@ -31,7 +31,7 @@ from cost_models.profiling import profile_model
 
 RESULTS = Path(__file__).parent / "results" / "measured_quality.json"
 MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")
-MESHES = ((4,), (2, 2))
+MESHES = ((4,),)
 BATCH, SEQ = 16, 64
 ROUNDS, WARMUP, STEPS = 3, 2, 8
 SEED = 1234

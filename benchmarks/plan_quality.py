@@ -37,14 +37,18 @@ BETTER = 0.10
 
 
 def case_label(model: str, mesh: tuple[int, ...], budget: float | None, batch: int) -> str:
-    return f"{model} on {'x'.join(map(str, mesh))}, batch {batch}, " + (f"{budget:g} GiB" if budget else "80 GB")
+    return f"{model} on {'x'.join(map(str, mesh))}, batch {batch}, budget {fmt(budget, 'B')}"
 
 
 def run_case(model_name: str, mesh: tuple[int, ...], budget_gib: float | None, batch: int, time_limit: float) -> dict:
     model, args, kwargs = build_meta(model_name, batch)
     t0 = time.perf_counter()
-    plan = autopar.plan(model, autopar.MeshSpec(mesh, hardware=HARDWARE), args, kwargs, time_limit=time_limit,
-                        memory_budget=budget_gib * GIB if budget_gib else None)
+    try:
+        plan = autopar.plan(model, autopar.MeshSpec(mesh, hardware=HARDWARE), args, kwargs, time_limit=time_limit,
+                            memory_budget=budget_gib * GIB if budget_gib else None)
+    except autopar.InfeasibleError as e:   # no plan at all fits: nothing to compare
+        return {"model": model_name, "mesh": list(mesh), "batch": batch, "infeasible": str(e),
+                "min_memory_bytes": e.min_memory_bytes, "ratio_auto_over_best_hand": None}
     hands = plan.solver["hand_plans"]
     fitting = {k: v for k, v in hands.items() if v["feasible"]}
     best = min(fitting, key=lambda k: fitting[k]["step_time_s"], default=None)
@@ -59,7 +63,10 @@ def run_case(model_name: str, mesh: tuple[int, ...], budget_gib: float | None, b
 
 
 def show(r: dict) -> None:
-    print(f"\n{case_label(r['model'], tuple(r['mesh']), r['memory_budget_bytes'] / GIB, r['batch'])} "
+    if "infeasible" in r:
+        print(f"\n{r['model']} on {'x'.join(map(str, r['mesh']))}: no plan fits ({r['infeasible']})")
+        return
+    print(f"\n{case_label(r['model'], tuple(r['mesh']), r['memory_budget_bytes'], r['batch'])} "
           f"(planned in {fmt(r['plan_s'], 's')})")
     for name, h in sorted(r["hand_plans"].items(), key=lambda kv: kv[1]["step_time_s"]):
         fits = "fits" if h["feasible"] else f"short by {fmt(h['peak_memory_bytes'] - r['memory_budget_bytes'], 'B')}"

@@ -52,10 +52,11 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
     options as ``autopar.plan``); each can be compiled and run (``autopar.compile(plan=...)``)."""
     from cost_models.profiling import resolve_profile
 
+    from autopar.api import _as_tuple
+
     spec = as_mesh_spec(mesh)
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     t0 = time.perf_counter()
-    captured = capture(model, args, example_kwargs)
+    captured = capture(model, _as_tuple(example_inputs), example_kwargs)
     planning = prepare(captured, spec, memory_budget=memory_budget, timings={"capture": time.perf_counter() - t0},
                        profile=resolve_profile(profile, spec), optimizer=optimizer)
     deadline = time.perf_counter() + time_limit if time_limit is not None else None

@@ -99,7 +99,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
     hands = standard_plans(planning, deadline=deadline) if hand_plans and not forced else {}
     fitting = [h for h in hands.values() if h[0].feasible]
     best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)
-    plan, choices = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
+    plan, _ = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
     if best is not None and best[0].predicted.step_time_s < plan.predicted.step_time_s and plan.feasible:
         plan = _renamed(best[0], "auto", plan)
     if hands:

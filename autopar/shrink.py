@@ -89,8 +89,7 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
             given = edge_cost(i, j, 0)[choice[i]] + node_cost(j)[None, :]   # [producer choice][own strategy]
             root[j], choice[j] = root[i], np.argmin(given, axis=1)
             folded += 1
-    same = _shared_roots(space, root) if share_blocks else ({}, None)
-    rep, blocks = same
+    rep, blocks = _shared_roots(space, root) if share_blocks else ({}, None)
 
     def final(r: int) -> int:
         while r in rep:   # maps only point to earlier nodes: no cycles

@@ -512,6 +512,8 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     """The same problem with node ``i`` limited to choices ``allowed[i]`` (``None``: all of them),
     renumbered ``0..len(allowed[i]) - 1``: a sub-problem whose choice ``c`` of node ``i`` is
     ``allowed[i][c]`` of the original (hand plans as pinned versions of the planner's problem)."""
+    if all(a is None for a in allowed):
+        return problem
     keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed)]
     if any(len(k) == 0 for k in keep):
         raise _error("restrict: every node needs at least one allowed choice")

@@ -100,7 +100,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: flo
     fitting = [h for h in hands.values() if h[0].feasible]
     best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)
     plan, _ = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
-    if best is not None and best[0].predicted.step_time_s < plan.predicted.step_time_s and plan.feasible:
+    if best is not None and (not plan.feasible or best[0].predicted.step_time_s < plan.predicted.step_time_s):
         plan = _renamed(best[0], "auto", plan)
     if hands:
         plan.solver["warm_start"] = best[0].name if best else None
@@ -150,9 +150,12 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
 
 
 def _renamed(hand: Plan, name: str, solved: Plan) -> Plan:
-    """The hand plan, kept as the auto plan because the exact schedule prices it below the solver's."""
-    note = (f"the solver's plan ({fmt(solved.predicted.step_time_s, 's')}) was predicted slower than the hand plan "
-            f"{hand.name!r} ({fmt(hand.predicted.step_time_s, 's')}) under the exact schedule: keeping the hand plan")
+    """The hand plan, kept as the auto plan because the solver's plan does not fit the budget or
+    the exact schedule prices it slower."""
+    why = (f"exceeds the memory budget by {fmt(solved.shortfall_bytes, 'B')}" if not solved.feasible else
+           f"({fmt(solved.predicted.step_time_s, 's')}) was predicted slower than {hand.name!r} "
+           f"({fmt(hand.predicted.step_time_s, 's')}) under the exact schedule")
+    note = f"the solver's plan {why}: keeping the hand plan {hand.name!r}"
     return replace(hand, name=name, warnings=[*hand.warnings, note], solver={**solved.solver, "kept_hand_plan": hand.name})
 
 

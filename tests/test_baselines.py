@@ -71,3 +71,25 @@ def test_every_hand_plan_trains_exactly(mesh):
     for name, plan in plans.items():
         got = _check("gpt-tiny", batch, seq, mesh, _local_runner, {"plan": plan})
         assert got.name == name
+
+
+def test_a_fitting_hand_plan_replaces_a_solver_plan_that_does_not_fit(monkeypatch):
+    """After its memory repairs the solver's plan may still overshoot the budget (a time limit, the
+    ILP's cuts); a hand plan that fits is then returned instead, saying why."""
+    from dataclasses import replace
+
+    import autopar.planner as planner
+
+    solve = planner.solve_planning
+
+    def overshooting(planning, **kwargs):
+        plan, choices = solve(planning, **kwargs)
+        return replace(plan, feasible=False, shortfall_bytes=1e6), choices
+
+    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    monkeypatch.setattr(planner, "solve_planning", overshooting)   # the auto solve only: hand plans import theirs
+    plan = autopar.plan(model, MeshSpec((4,), hardware="h100-80gb"), args, kwargs)
+    fastest = min((name for name, h in plan.solver["hand_plans"].items() if h["feasible"]),
+                  key=lambda name: plan.solver["hand_plans"][name]["step_time_s"])
+    assert plan.feasible and plan.solver["kept_hand_plan"] == fastest and plan.name == "auto"
+    assert any("exceeds the memory budget" in w for w in plan.warnings)

@@ -127,8 +127,9 @@ def error_pct(predicted: float, measured: float) -> float:
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Median and worst absolute error of step time and peak memory over the successful rows
-    (each with ``step_error_pct``, ``memory_error_pct``, ``label``), and the worst memory
-    under-prediction (0 when memory is never under-predicted)."""
+    (each with ``step_error_pct``, ``memory_error_pct``, ``launch_spread_pct``, ``label``), the
+    worst memory under-prediction (0 when memory is never under-predicted), and the median and
+    worst spread of step time between launches of one config (the measurement's own noise)."""
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return {"n": 0}
@@ -145,6 +146,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "mem_worst_config": worst_mem["label"],
         "mem_worst_under_pct": max(0.0, -most_under["memory_error_pct"]),
         "mem_worst_under_config": most_under["label"] if most_under["memory_error_pct"] < 0 else None,
+        "launch_spread_median_pct": statistics.median(r["launch_spread_pct"] for r in ok),
+        "launch_spread_worst_pct": max(r["launch_spread_pct"] for r in ok),
     }
 
 
@@ -226,10 +229,10 @@ def _plan_summary(plan: autopar.Plan) -> dict[str, Any]:
             "parameters": {fqn: n.strategy for fqn, n in plan.parameters.items()}}
 
 
-def run_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, Any], warmup: int, steps: int,
-               timeout_s: float, profile: bool) -> dict[str, Any]:
-    """Profile this host for ``cfg`` (``profile``), plan it here, compile and measure it on every
-    rank; the record saved in the JSON."""
+def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, Any], profile: bool
+                ) -> dict[str, Any]:
+    """Profile this host for ``cfg`` (``profile``) and plan it here: the record saved in the JSON,
+    measurements to come (``measure_config``)."""
     entry = get_model(cfg.model)
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
@@ -243,39 +246,49 @@ def run_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, A
         profile_model(model, spec, args, kwargs, progress=None)
         profile_s = time.perf_counter() - t0
     plan = autopar.plan(model, spec, args, kwargs, **plan_kwargs)
-    plan_s = time.perf_counter() - t0 - profile_s
-    del model
+    return {**dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s,
+            "plan_s": time.perf_counter() - t0 - profile_s, "predicted": dataclasses.asdict(plan.predicted),
+            "plan": _plan_summary(plan), "plan_json": plan.to_json(), "launches": []}
+
+
+def measure_config(record: dict[str, Any], device: str, warmup: int, steps: int, timeout_s: float) -> None:
+    """One more launch of the planned config on every rank: appended to ``record["launches"]``."""
     t0 = time.perf_counter()
-    worker_args = (cfg.model, cfg.batch, cfg.seq, plan.to_json(), warmup, steps)
+    worker_args = (record["model"], record["batch"], record["seq"], record["plan_json"], warmup, steps)
     if device == "cuda":
-        ranks = _run_on_cuda_mesh(_rank_worker, cfg.mesh, *worker_args)
+        ranks = _run_on_cuda_mesh(_rank_worker, tuple(record["mesh"]), *worker_args)
     else:
-        ranks = run_on_gloo_mesh(_rank_worker, cfg.mesh, *worker_args, timeout_s=timeout_s,
+        ranks = run_on_gloo_mesh(_rank_worker, tuple(record["mesh"]), *worker_args, timeout_s=timeout_s,
                                  start_method="forkserver")
-    step_s = max(r["step_s"] for r in ranks)
-    peak = max(r["peak_bytes"] for r in ranks)
-    pred = plan.predicted
-    return {
-        **dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s, "plan_s": plan_s,
-        "run_s": time.perf_counter() - t0, "predicted": dataclasses.asdict(pred), "plan": _plan_summary(plan),
-        "ranks": ranks, "measured_step_s": step_s, "measured_peak_bytes": peak,
-        "step_error_pct": error_pct(pred.step_time_s, step_s),
-        "memory_error_pct": error_pct(pred.peak_memory_bytes, peak),
-    }
+    record["launches"].append({"run_s": time.perf_counter() - t0, "ranks": ranks,
+                               "step_s": max(r["step_s"] for r in ranks), "peak_bytes": max(r["peak_bytes"] for r in ranks)})
+
+
+def finish_record(record: dict[str, Any]) -> None:
+    """Measured figures over the launches: the fastest launch's step (the slowest rank's median;
+    load from elsewhere only ever slows a launch down), the largest peak, and how far the
+    launches' steps spread (``launch_spread_pct``: slowest over fastest, the noise floor)."""
+    steps = [launch["step_s"] for launch in record["launches"]]
+    record["measured_step_s"] = min(steps)
+    record["measured_peak_bytes"] = max(launch["peak_bytes"] for launch in record["launches"])
+    record["launch_spread_pct"] = (max(steps) / min(steps) - 1) * 100
+    record["step_error_pct"] = error_pct(record["predicted"]["step_time_s"], record["measured_step_s"])
+    record["memory_error_pct"] = error_pct(record["predicted"]["peak_memory_bytes"], record["measured_peak_bytes"])
 
 
 # --------------------------------------------------------------------------------------- output
 
-HEADERS = ("model", "mesh", "batch x seq", "pred step ms", "meas step ms", "err %",
+HEADERS = ("model", "mesh", "batch x seq", "pred step ms", "meas step ms", "err %", "launch spread %",
            "pred peak MiB", "meas peak MiB", "err %")
 
 
 def table_row(r: dict[str, Any]) -> tuple[str, ...]:
     head = (r["model"], mesh_str(r["mesh"]), f"{r['batch']}x{r['seq']}")
     if r["status"] != "ok":
-        return head + ("failed",) + ("",) * 5
+        return head + ("failed",) + ("",) * 6
     p = r["predicted"]
     return head + (f"{p['step_time_s'] * 1e3:.2f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{r['step_error_pct']:+.0f}",
+                   f"{r['launch_spread_pct']:.0f}",
                    f"{p['peak_memory_bytes'] / 2**20:.2f}", f"{r['measured_peak_bytes'] / 2**20:.2f}",
                    f"{r['memory_error_pct']:+.0f}")
 
@@ -300,6 +313,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{s['step_worst_abs_pct']:.1f}% ({s['step_worst_config']})",
         f"peak memory error: median {s['mem_median_abs_pct']:.1f}%, worst {s['mem_worst_abs_pct']:.1f}% "
         f"({s['mem_worst_config']}); worst under-prediction: {under}",
+        f"noise floor: the launches of one config spread by {s['launch_spread_median_pct']:.1f}% (median), "
+        f"{s['launch_spread_worst_pct']:.1f}% (worst)",
     ]
     lines += [f"{'PASS' if ok else 'FAIL'}: {name} {value:.1f}% (target <= {limit:g}%)"
               for name, ok, value, limit in verdicts(summary)]
@@ -352,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra keyword argument of autopar.plan (VALUE parsed as JSON if it can be); repeatable")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
+    ap.add_argument("--launches", type=int, default=2,
+                    help="separate launches of each config, taking turns; the fastest counts (default 2)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per config (default 600)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
     ap.add_argument("--no-profile", action="store_true",
@@ -381,24 +398,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(a.device), "revision": git_revision(), "command": [sys.executable, *sys.argv],
         "settings": {"device": a.device, "hardware": hardware, "plan_kwargs": plan_kwargs, "profiled": not a.no_profile,
                      "warmup": a.warmup,
-                     "steps": a.steps, "optimizer": f"AdamW(lr={LR})", "seed": SEED},
+                     "steps": a.steps, "launches": a.launches, "optimizer": f"AdamW(lr={LR})", "seed": SEED},
         "skipped": skipped, "configs": [],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    for i, cfg in enumerate(configs):
-        print(f"[{i + 1}/{len(configs)}] {cfg.label} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            record = run_config(cfg, a.device, hardware, plan_kwargs, a.warmup, a.steps, a.timeout,
-                                profile=not a.no_profile)
-        except AutoparError as e:
-            record = {**dataclasses.asdict(cfg), "label": cfg.label, "status": "error", "error": str(e)}
-            print(f"  failed: {str(e).splitlines()[0]}", file=sys.stderr)
-        else:
-            print(f"  {fmt(time.perf_counter() - t0, 's')}: measured step {fmt(record['measured_step_s'], 's')}, "
-                  f"peak {fmt(record['measured_peak_bytes'], 'B')}", file=sys.stderr, flush=True)
-        result["configs"].append(record)
-        a.out.write_text(json.dumps(result, indent=1, default=str))  # after each config: an interrupted run keeps its results
+    # Launch k of every config runs after launch k-1 of all of them: a slow spell of the host
+    # hits different configs in different launches, and the fastest launch of each counts.
+    records = result["configs"]
+    for launch in range(a.launches):
+        for i, cfg in enumerate(configs):
+            print(f"[launch {launch + 1}/{a.launches}, {i + 1}/{len(configs)}] {cfg.label} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            try:
+                if launch == 0:
+                    records.append(plan_config(cfg, a.device, hardware, plan_kwargs, profile=not a.no_profile))
+                if records[i]["status"] == "ok":
+                    measure_config(records[i], a.device, a.warmup, a.steps, a.timeout)
+            except AutoparError as e:
+                records[i:i + 1] = [{**dataclasses.asdict(cfg), "label": cfg.label, "status": "error", "error": str(e)}]
+                print(f"  failed: {str(e).splitlines()[0]}", file=sys.stderr)
+            else:
+                if records[i]["status"] == "ok":
+                    last = records[i]["launches"][-1]
+                    print(f"  {fmt(time.perf_counter() - t0, 's')}: measured step {fmt(last['step_s'], 's')}, "
+                          f"peak {fmt(last['peak_bytes'], 'B')}", file=sys.stderr, flush=True)
+            a.out.write_text(json.dumps(result, indent=1, default=str))  # an interrupted run keeps its results
+    for record in records:
+        if record["status"] == "ok":
+            finish_record(record)
     result["summary"] = summary = summarize(result["configs"])
     result["targets"] = [{"name": n, "passed": ok, "value_pct": v, "limit_pct": lim} for n, ok, v, lim in verdicts(summary)]
     result["elapsed_s"] = time.perf_counter() - started
@@ -408,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = result["machine"]["load_avg_1_5_15min"][0], result["load_avg_at_end"][0]
     print(f"Cost model accuracy on {result['machine']['cpu']} ({result['machine']['cores']} cores, load "
           f"{load[0]:.1f} at start, {load[1]:.1f} at end), torch {torch.__version__}, device {a.device}, planned for "
-          f"{hardware}; median of {a.steps} timed steps after {a.warmup} warm-up, AdamW:")
+          f"{hardware}; median of {a.steps} timed steps after {a.warmup} warm-up, fastest of {a.launches} launches, AdamW:")
     print(format_table([table_row(r) for r in result["configs"]]))
     print()
     print(format_summary(summary))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import sympy
 import torch
@@ -120,18 +120,28 @@ class CostModel:
         params = {nc.node for nc in self.space.nodes if nc.kind == "param"}
         self.saved = SavedTensors(needs_grad(self.space.nodes[0].node.graph, params)) if self.space.nodes else None
         self._counted = self._first_keepers()
+        calibration = self.profile.calibration if self.profile is not None else {}
         # Share of backward compute that hides queued gradient sync (see schedule.Timeline).
-        self.overlap_efficiency = self.profile.calibration.get("overlap", 1.0) if self.profile is not None else 1.0
+        self.overlap_efficiency = calibration.get("overlap", 1.0)
+        # Collectives inside a step cost more than alone in lockstep (ranks arrive apart, and on
+        # CPU they share cores with compute): in-step factors for blocking and queued ones.
+        self.comm_scale = calibration.get("comm", 1.0)
+        self.sync_scale = calibration.get("sync", 1.0)
         self._flops: dict[tuple, float] = {}
         self._moves: dict[tuple, Cost] = {}
 
     # ------------------------------------------------------------ communication
-    def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
-        """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis)."""
+    def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
+                     queued: bool = False) -> Cost:
+        """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
+        blocking (``comm_s``), or a gradient synchronisation queued during the backward
+        (``queued``: ``overlap_s``, no staging buffers of its own), each at its in-step factor."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
-        key = (shape, dtype, src, dst)
+        key = (shape, dtype, src, dst, queued)
         if key not in self._moves:
-            self._moves[key] = self._redistribute(shape, dtype, src, dst)
+            c = self._redistribute(shape, dtype, src, dst)
+            self._moves[key] = (Cost(overlap_s=c.comm_s * self.sync_scale, comm_bytes=c.comm_bytes, measured=c.measured)
+                                if queued else replace(c, comm_s=c.comm_s * self.comm_scale))
         return self._moves[key]
 
     def _redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
@@ -299,10 +309,7 @@ class CostModel:
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
         target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)
-        back = self.redistribute(val.shape, val.dtype, grad, target)
-        if src.kind == "param":
-            back = Cost(overlap_s=back.comm_s, comm_bytes=back.comm_bytes, measured=back.measured)
-        return fwd + back
+        return fwd + self.redistribute(val.shape, val.dtype, grad, target, queued=src.kind == "param")
 
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> list[list[Cost]]:
         """``edge`` for every pair of strategies. An edge's cost depends only on the source's

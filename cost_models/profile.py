@@ -25,7 +25,7 @@ import torch
 from autopar.errors import AutoparError
 from cost_models.comm import Link
 
-PROFILE_VERSION = 2   # 2: op times include making results contiguous, as generated code does
+PROFILE_VERSION = 3   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 OVERHEADS = {
@@ -40,6 +40,10 @@ OVERHEADS = {
 
 class ProfileError(AutoparError):
     """A profile file is malformed, from another autopar version, or from other hardware."""
+
+
+class StaleProfileError(ProfileError):
+    """A profile file written by another version of autopar's profiler: measure again."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,9 @@ class Profile:
     collectives: dict[str, Link] = field(default_factory=dict)   # collective_key(kind, n) -> Link
     overheads: dict[str, float] = field(default_factory=dict)    # OVERHEADS key -> seconds
     # Inside a training step ops run slower than alone in a timing loop (cold caches, the
-    # allocator) and the runtime's per-call costs differ from their micro-benchmarks: factors
-    # {"ops": a, "overheads": b} fitted on a fixed calibration workload (``profiling``).
+    # allocator), the runtime's per-call costs differ from their micro-benchmarks, and collectives
+    # cost more than in lockstep: factors {"ops", "overheads", "comm" (blocking), "sync" (queued
+    # gradient sync)} fitted on fixed calibration workloads (``profiling``), and "overlap".
     calibration: dict[str, float] = field(default_factory=dict)
 
     def link(self, kind: str, n: int) -> Link | None:
@@ -104,7 +109,7 @@ class Profile:
             d = json.loads(text)
             version = d.get("autopar_profile_version")
             if version != PROFILE_VERSION:
-                raise ProfileError(f"{where} is a version-{version} profile; this autopar reads version "
+                raise StaleProfileError(f"{where} is a version-{version} profile; this autopar reads version "
                                    f"{PROFILE_VERSION}: run `autopar profile` again")
             return cls(fingerprint=dict(d["fingerprint"]),
                        ops={k: OpTime(float(f), float(b)) for k, (f, b) in d["ops"].items()},

@@ -8,8 +8,11 @@ rank's time is kept), then the collectives per mesh axis and the runtime's overh
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +30,8 @@ from autopar.placements import Placements
 from autopar.strategies import Strategy, build_space
 from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
-from cost_models.profile import OpTime, Profile, ProfileError, collective_key, default_profile_path, hardware_fingerprint
+from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, collective_key, default_profile_path,
+                                 hardware_fingerprint)
 from cost_models.profile_comm import measure_mesh, print_progress, time_overlap
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
@@ -81,7 +85,11 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     space = build_space(capture(model, args, example_kwargs), spec)
     fingerprint = local_fingerprint(spec)
     path = Path(path) if path is not None else default_profile_path(fingerprint)
-    profile = Profile.from_json(path) if path.exists() else Profile(fingerprint)
+    try:
+        profile = Profile.from_json(path) if path.exists() else Profile(fingerprint)
+    except StaleProfileError as e:   # measured by another autopar: nothing in it can be trusted
+        say(f"{e}; measuring afresh")
+        profile = Profile(fingerprint)
     if profile.fingerprint != fingerprint:
         raise ProfileError(f"{path} holds a profile of other hardware; pass another path")
     calls = [c for c in op_calls(space, spec.shape) if c.key not in profile.ops]
@@ -109,28 +117,77 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
 #: where the runtime's per-call costs dominate to one where the ops do.
 CALIBRATION = ("gpt-tiny", ((4, 16), (12, 48), (24, 64)))
 CALIBRATION_STEPS = 8
+#: Each plan is timed in this many rounds, taking turns with the others; its fastest round counts
+#: (other work on the host only ever slows a round down).
+CALIBRATION_ROUNDS = 2
+
+
+def _calibration_plan(hand: str) -> bool:
+    """The hand plans timed for the collectives' factors: DDP (gradient sync) and Megatron tensor
+    parallel, alone or beside data parallel (blocking collectives)."""
+    return hand == "ddp" or ("tp" in hand and "sp" not in hand and "fsdp" not in hand)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One calibration plan at one size: its measured step and its predicted parts, in seconds."""
+    label: str
+    measured: float
+    ops: float        # ops alone (the profile's timings)
+    overheads: float  # the runtime's per-call costs (micro-benchmarks)
+    comm: float       # blocking collectives (the profile's links, in lockstep)
+    sync: float       # queued gradient synchronisation left exposed
+    rest: float       # the other predicted parts (optimizer, fixed step cost), not fitted
+
+    @property
+    def unfitted(self) -> float:
+        return self.measured - self.rest
 
 
 def _calibrate(spec: MeshSpec, path: Path, say: Progress) -> dict[str, float]:
-    """Fit ``measured = a * ops_alone + b * overheads`` (least squares) for forward + backward on
-    the calibration workloads with every op replicated (no communication; each rank runs the
-    whole model at once, as training does): ``a`` scales measured op times, ``b`` the runtime
-    overheads."""
+    """In-step factors for what the profile measures alone, from whole training steps of the
+    calibration workloads (``_calibration_rows``), fitted by least squares in two stages:
+
+    * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``;
+    * on a mesh of several devices, the calibration model's data- and tensor-parallel hand plans:
+      what ``a`` and ``b`` leave, ``c * blocking comm + d * exposed gradient sync``. Collectives
+      in a step cost more than alone in lockstep: ranks reach them apart, and CPU ranks share
+      their cores with the compute of others."""
     name, sizes = CALIBRATION
-    rows = [_calibration_run(spec, path, name, batch, seq) for batch, seq in sizes]
-    (a, b), *_ = np.linalg.lstsq(np.array([[o, h] for _, o, h in rows]), np.array([m for m, _, _ in rows]), rcond=None)
-    factors = {"ops": float(min(max(a, 0.5), 4.0)), "overheads": float(min(max(b, 0.5), 4.0))}
-    for (batch, seq), (m, o, h) in zip(sizes, rows):
-        say(f"calibration {name} {batch}x{seq}, replicated: forward+backward {m * 1e3:.1f} ms; ops alone "
-            f"{o * 1e3:.1f} ms, runtime overheads {h * 1e3:.1f} ms")
-    say(f"calibrated: ops run {factors['ops']:.2f}x their time alone, runtime overheads "
-        f"{factors['overheads']:.2f}x their micro-benchmarks")
+    rows = [r for batch, seq in sizes for r in _calibration_rows(spec, path, name, batch, seq)]
+    for r in rows:
+        say(f"calibration {r.label}: step {r.measured * 1e3:.1f} ms; ops alone {r.ops * 1e3:.1f}, runtime overheads "
+            f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
+            f"other {r.rest * 1e3:.1f} ms")
+    replicated = [r for r in rows if r.label.endswith("replicated")]
+    a, b = _fit(replicated, lambda r: (r.ops, r.overheads), lambda r: r.unfitted)
+    factors = {"ops": a, "overheads": b}
+    say(f"calibrated: ops run {a:.2f}x their time alone, runtime overheads {b:.2f}x their micro-benchmarks")
+    talking = [r for r in rows if r.comm or r.sync]
+    if talking:
+        c, d = _fit(talking, lambda r: (r.comm, r.sync), lambda r: r.unfitted - a * r.ops - b * r.overheads)
+        factors.update(comm=c, sync=d)
+        say(f"calibrated: blocking collectives take {c:.2f}x, gradient sync {d:.2f}x their lockstep timings")
     return factors
 
 
-def _calibration_run(spec: MeshSpec, path: Path, name: str, batch: int, seq: int) -> tuple[float, float, float]:
-    """(measured forward + backward, ops alone, runtime overheads) in seconds, one workload."""
-    from autopar.planner import plan_captured
+def _fit(rows: Sequence[_Row], x: Callable[[_Row], tuple[float, float]], y: Callable[[_Row], float]
+         ) -> tuple[float, float]:
+    """Least-squares factors of ``y ~ f1 * x1 + f2 * x2``, each kept within [0.5, 4] (a factor out
+    there is noise, not the machine); a column that is all zeros keeps factor 1."""
+    X, Y = np.array([x(r) for r in rows]), np.array([y(r) for r in rows])
+    used = np.abs(X).sum(axis=0) > 0
+    factors = np.ones(2)
+    if used.any():
+        factors[used] = np.linalg.lstsq(X[:, used], Y, rcond=None)[0]
+    return tuple(float(min(max(f, 0.5), 4.0)) for f in factors)   # type: ignore[return-value]
+
+
+def _calibration_rows(spec: MeshSpec, path: Path, name: str, batch: int, seq: int) -> list[_Row]:
+    """One workload: every op replicated, and (on several devices) the calibration hand plans,
+    each planned with the uncalibrated profile and timed on this mesh."""
+    from autopar.baselines import hand_plans
+    from autopar.planner import plan_captured, prepare
     from autopar.zoo import get_model
 
     entry = get_model(name)
@@ -139,16 +196,28 @@ def _calibration_run(spec: MeshSpec, path: Path, name: str, batch: int, seq: int
     profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
     captured = capture(model, args, kwargs)
     space = build_space(captured, spec)
-    chosen = [_replicated(nc.strategies) for nc in space.nodes]
-    cost = CostModel(spec, space, profile=profile)
-    ops = [(nc, s) for nc, s in zip(space.nodes, chosen) if nc.kind == "op"]
-    alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
-    overhead = sum(cost.overhead(nc, s) for nc, s in ops)
-    forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
-    plan = plan_captured(captured, spec, forced=forced, profile=profile)
-    seconds = max(run_on_gloo_mesh(_calibration_worker, spec.shape, name, batch, seq, plan.to_json(),
-                                   axis_names=spec.axis_names, start_method="forkserver"))
-    return seconds, alone, overhead
+    replicated = [_replicated(nc.strategies) for nc in space.nodes]
+    forced = {nc.node.name: s for nc, s in zip(space.nodes, replicated) if nc.kind != "alias"}
+    plans = {"replicated": (plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
+                            CostModel(spec, space, profile=profile), space, replicated)}
+    if spec.size > 1:
+        planning = prepare(captured, spec, profile=profile)
+        for hand, (plan, choices) in hand_plans(planning).items():
+            if _calibration_plan(hand):
+                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
+                plans[hand] = (plan, planning.model, planning.space, chosen)
+    measured = run_on_gloo_mesh(_calibration_worker, spec.shape, name, batch, seq,
+                                {label: p[0].to_json() for label, p in plans.items()},
+                                axis_names=spec.axis_names, start_method="forkserver")
+    rows = []
+    for label, (plan, cost, plan_space, chosen) in plans.items():
+        ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
+        alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
+        overhead = sum(cost.overhead(nc, s) for nc, s in ops)
+        p = plan.predicted
+        rows.append(_Row(f"{name} {batch}x{seq} {label}", max(m[label] for m in measured), alone, overhead,
+                         p.comm_s, p.exposed_comm_s, p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
+    return rows
 
 
 def _replicated(strategies: list[Strategy]) -> Strategy:
@@ -159,24 +228,31 @@ def _replicated(strategies: list[Strategy]) -> Strategy:
     return next(s for s in strategies if whole(s.out) and whole(s.storage) and all(whole(i) for i in s.ins))
 
 
-def _calibration_worker(mesh: DeviceMesh, name: str, batch: int, seq: int, plan_json: str) -> float:
-    """Median seconds of forward + backward of the calibration model on this rank."""
+def _calibration_worker(mesh: DeviceMesh, name: str, batch: int, seq: int, plans: dict[str, str]) -> dict[str, float]:
+    """Seconds of one training step (AdamW) of the calibration model under each plan on this
+    rank: the median of ``CALIBRATION_STEPS`` steps, in ``CALIBRATION_ROUNDS`` rounds taking
+    turns with the other plans, the fastest round."""
     import autopar
-    from autopar.measure import loss_of
+    from autopar.measure import training_step
     from autopar.zoo import get_model
 
     entry = get_model(name)
-    model = entry.build()
     args, kwargs = entry.example(batch, seq)
-    sharded = autopar.compile(model, mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
-    times = []
-    for step in range(CALIBRATION_STEPS + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        loss_of(sharded(*args, **kwargs)).backward()
-        times.append(time.perf_counter() - start)
-        sharded.zero_grad(set_to_none=True)
-    return statistics.median(times[2:])
+    runs = {}
+    for label, plan_json in plans.items():
+        sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
+        runs[label] = (sharded, torch.optim.AdamW(sharded.parameters()))
+    best = dict.fromkeys(plans, math.inf)
+    for _ in range(CALIBRATION_ROUNDS):
+        for label, (sharded, optimizer) in runs.items():
+            times = []
+            for step in range(CALIBRATION_STEPS + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                training_step(sharded, (args, kwargs), optimizer)
+                times.append(time.perf_counter() - start)
+            best[label] = min(best[label], statistics.median(times[2:]))
+    return best
 
 
 def _op_name(target: Any) -> str:

@@ -99,6 +99,25 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
     assert cost.comm_s / two.comm_s == pytest.approx((2 * (n - 1) / n) / 1.0, rel=0.01)
 
 
+def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
+    """A profile's in-step factors scale blocking collectives (``comm``) and queued gradient sync
+    (``sync``) separately, and nothing else: bytes moved stay what the collective sends."""
+    space = _space(mesh=(2,), hardware="cpu")
+    linear, weight = _node(space, "linear"), _node(space, "p_up_weight")
+    s = _strategy(linear, (S0,), ((S0,), (R,), (R,)))
+    w = _strategy(weight, (R,), storage=(R,))
+    i = linear.inputs.index(weight.node)
+
+    def costs(calibration):
+        model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, calibration=calibration))
+        return model.redistribute((1024, 1024), torch.float32, (Partial(),), (R,)), model.edge(weight, w, linear, s, i)
+
+    (blocking, sync), (blocking2, sync3) = costs({}), costs({"comm": 2.0, "sync": 3.0})
+    assert blocking.comm_s > 0 and sync.overlap_s > 0 and sync.comm_s == 0
+    assert blocking2.comm_s == pytest.approx(2 * blocking.comm_s) and blocking2.comm_bytes == blocking.comm_bytes
+    assert sync3.overlap_s == pytest.approx(3 * sync.overlap_s) and sync3.comm_bytes == sync.comm_bytes
+
+
 def test_sharded_parameter_memory_is_its_shard():
     space = _space(mesh=(4,))
     weight = _node(space, "p_up_weight")

@@ -3,6 +3,7 @@ planner using measured numbers when (and only when) a profile of this host match
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.zoo import get_model
 from cost_models.comm import Link
-from cost_models.profile import PROFILE_VERSION, OpTime, Profile, ProfileError
+from cost_models.profile import PROFILE_VERSION, OpTime, Profile, ProfileError, default_profile_path
 from cost_models.profiling import find_profile, local_fingerprint, profile_model, resolve_profile
 
 
@@ -61,7 +62,10 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
     roofline = autopar.plan(model, mesh, args, kwargs)
     assert roofline.predicted.cost_source.startswith("no profile")
 
+    stale = default_profile_path(local_fingerprint(mesh))   # left by an older autopar: measured afresh
+    stale.write_text('{"autopar_profile_version": %d}' % (PROFILE_VERSION - 1))
     profile, path = profile_model(model, mesh, args, kwargs, progress=None)
+    assert path == stale and json.loads(path.read_text())["autopar_profile_version"] == PROFILE_VERSION
     assert path.parent == tmp_path and json.loads(path.read_text())["fingerprint"] == local_fingerprint(mesh)
     assert profile.ops and all(t.fwd_s > 0 for t in profile.ops.values())
     assert {"local_op", "local_op_input", "dtensor_op", "optimizer_per_param", "step"} <= set(profile.overheads)
@@ -77,3 +81,19 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
     lines = []
     again, _ = profile_model(model, mesh, args, kwargs, progress=lines.append)
     assert lines[0].startswith("0 op calls to time") and again == profile
+
+
+def test_calibration_fit_recovers_in_step_factors():
+    """The two-stage calibration fit: factors that generated the steps come back; a factor the
+    data cannot see stays 1; one far outside [0.5, 4] is clamped (noise, not the machine)."""
+    from cost_models.profiling import _fit, _Row
+
+    rows = [_Row(f"r{k}", measured=0.0, ops=o, overheads=h, comm=c, sync=y, rest=0.01)
+            for k, (o, h, c, y) in enumerate([(0.01, 0.02, 0.03, 0.0), (0.04, 0.02, 0.05, 0.02),
+                                              (0.09, 0.02, 0.01, 0.06)])]
+    rows = [replace(r, measured=r.rest + 1.5 * r.ops + 0.75 * r.overheads + 2 * r.comm + 0.6 * r.sync) for r in rows]
+    a, b = _fit(rows, lambda r: (r.ops, r.overheads), lambda r: r.unfitted - 2 * r.comm - 0.6 * r.sync)
+    c, d = _fit(rows, lambda r: (r.comm, r.sync), lambda r: r.unfitted - a * r.ops - b * r.overheads)
+    assert (a, b, c, d) == pytest.approx((1.5, 0.75, 2.0, 0.6))
+    assert _fit(rows, lambda r: (r.comm, 0.0), lambda r: 2 * r.comm) == pytest.approx((2.0, 1.0))
+    assert _fit(rows, lambda r: (r.comm, r.sync), lambda r: 100 * r.comm) == pytest.approx((4.0, 0.5))

@@ -267,7 +267,9 @@ def measure_config(record: dict[str, Any], device: str, warmup: int, steps: int,
 def finish_record(record: dict[str, Any]) -> None:
     """Measured figures over the launches: the fastest launch's step (the slowest rank's median;
     load from elsewhere only ever slows a launch down), the largest peak, and how far the
-    launches' steps spread (``launch_spread_pct``: slowest over fastest, the noise floor)."""
+    launches' steps spread (``launch_spread_pct``: slowest over fastest, the noise floor). The
+    plan's JSON is dropped: the record keeps its summary."""
+    del record["plan_json"]
     steps = [launch["step_s"] for launch in record["launches"]]
     record["measured_step_s"] = min(steps)
     record["measured_peak_bytes"] = max(launch["peak_bytes"] for launch in record["launches"])

@@ -305,8 +305,8 @@ class CostModel:
             replicated = (Replicate(),) * self.mesh.ndim
             return self.redistribute(val.shape, val.dtype, s.out, replicated) + Cost(state_bytes=_bytes(val))
         fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i])
-        if not val.dtype.is_floating_point:
-            return fwd
+        if self.saved is not None and not self.saved.grad.get(src.node, False):
+            return fwd   # no gradient flows back here (integers, inputs, buffers, what derives from them)
         grad = grad_placement(d.ins[i], d.ins, d.out)
         target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)
         return fwd + self.redistribute(val.shape, val.dtype, grad, target, queued=src.kind == "param")

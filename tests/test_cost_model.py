@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import MeshSpec
+from autopar.baselines import candidates
 from autopar.capture import capture
 from autopar.planner import plan_captured
 from autopar.strategies import build_space
@@ -118,6 +119,21 @@ def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
     assert sync3.overlap_s == pytest.approx(3 * sync.overlap_s) and sync3.comm_bytes == sync.comm_bytes
 
 
+def test_no_backward_collective_for_a_tensor_without_gradient():
+    """The input batch gets no gradient: a column-parallel matmul's partial input gradient is
+    all-reduced only where the input needs one (Megatron's f/g pair), not for the model's input."""
+    space = _space(mesh=(2,))
+    model = CostModel(space.mesh, space)
+    x, linear = _node(space, "x"), _node(space, "linear")
+    column = _strategy(linear, (S1,), ((R,), (S0,), (S0,)))
+    edge = model.edge(x, _strategy(x, (R,)), linear, column, 0)
+    assert edge.comm_s == 0 and edge.overlap_s == 0
+    relu, down = _node(space, "relu"), _node(space, "linear_2")
+    hidden = next(s for s in relu.strategies if s.out == (R,))
+    row = next(s for s in down.strategies if s.ins[0] == (R,) and s.ins[1] == (S0,))
+    assert model.edge(relu, hidden, down, row, 0).comm_s > 0   # needs its gradient: all-reduced back
+
+
 def test_sharded_parameter_memory_is_its_shard():
     space = _space(mesh=(4,))
     weight = _node(space, "p_up_weight")
@@ -178,8 +194,8 @@ def test_overlap_hides_gradient_sync_only_up_to_the_compute_after_it():
 def test_plan_with_overlap_charges_only_exposed_communication():
     with torch.device("meta"):
         model = MLP(512, 2048)
-    captured = capture(model, (torch.empty(4096, 512, device="meta"),))
-    plan = plan_captured(captured, MeshSpec((4,), hardware="h100-80gb"))
+    # DDP: the gradient all-reduces are queued under the backward
+    plan = candidates(model, MeshSpec((4,), hardware="h100-80gb"), (torch.empty(4096, 512, device="meta"),))["ddp"]
     p = plan.predicted
     assert p.overlapped_comm_s > 0
     assert 0 <= p.exposed_comm_s <= p.overlapped_comm_s

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 
-__all__ = ["StepMeasurement", "measure_training", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
+__all__ = ["StepMeasurement", "measure_training", "time_training", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
 
 Batch = tuple[tuple, dict]
 
@@ -131,53 +131,63 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,
-                     warmup: int = 2, steps: int = 5,
-                     loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepMeasurement:
-    """Train ``warmup`` steps (optimizer states then exist), time ``steps`` steps, then measure
-    the peak memory of one more step. ``batches`` (``(args, kwargs)`` pairs) are used in turn.
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,
+                  warmup: int = 2, steps: int = 5, loss_fn: Callable[[Any], torch.Tensor] | None = None
+                  ) -> list[float]:
+    """Train ``warmup`` steps (optimizer states then exist), then time ``steps`` steps: seconds of
+    each. ``batches`` (``(args, kwargs)`` pairs) are used in turn.
 
     Every rank of a distributed module must call this together (steps start after a barrier).
     """
     if not batches:
-        raise AutoparError("measure_training needs at least one batch")
+        raise AutoparError("timing training needs at least one batch")
     if steps < 1 or warmup < 0:
-        raise AutoparError(f"measure_training needs steps >= 1 and warmup >= 0 (got {steps}, {warmup})")
-    loss_fn = loss_fn or loss_of
+        raise AutoparError(f"timing training needs steps >= 1 and warmup >= 0 (got {steps}, {warmup})")
     device = _device(module)
-    cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def step(i: int) -> None:
-        training_step(module, batches[i % len(batches)], optimizer, loss_fn)
-
     for i in range(warmup):
-        step(i)
+        training_step(module, batches[i % len(batches)], optimizer, loss_fn or loss_of)
     times = []
     for i in range(warmup, warmup + steps):
         _barrier()
-        sync()
+        _sync(device)
         t0 = time.perf_counter()
-        step(i)
-        sync()
+        training_step(module, batches[i % len(batches)], optimizer, loss_fn or loss_of)
+        _sync(device)
         times.append(time.perf_counter() - t0)
+    return times
 
+
+def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,
+                     warmup: int = 2, steps: int = 5,
+                     loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepMeasurement:
+    """``time_training``, then the peak memory of one more step.
+
+    Every rank of a distributed module must call this together (steps start after a barrier).
+    """
+    times = time_training(module, batches, optimizer, warmup=warmup, steps=steps, loss_fn=loss_fn)
+    device = _device(module)
     last = warmup + steps
+
+    def step() -> None:
+        training_step(module, batches[last % len(batches)], optimizer, loss_fn or loss_of)
+
     gc.collect()
     _barrier()
-    if cuda:
-        sync()
+    if device.type == "cuda":
+        _sync(device)
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        step(last)
-        sync()
+        step()
+        _sync(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
         baseline = live_bytes(_state_tensors(module, optimizer, batches[last % len(batches)]))
-        growth = cpu_peak_growth(lambda: step(last))
+        growth = cpu_peak_growth(step)
         if growth == 0:  # a training step always allocates: the profiler recorded nothing
             raise AutoparError("the profiler reported no CPU allocation during a training step; "
                                "cannot measure peak memory (is another profiler active?)")

@@ -409,21 +409,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = result["configs"]
     for launch in range(a.launches):
         for i, cfg in enumerate(configs):
+            if launch and records[i]["status"] != "ok":
+                continue   # failed in an earlier launch
             print(f"[launch {launch + 1}/{a.launches}, {i + 1}/{len(configs)}] {cfg.label} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             try:
                 if launch == 0:
                     records.append(plan_config(cfg, a.device, hardware, plan_kwargs, profile=not a.no_profile))
-                if records[i]["status"] == "ok":
-                    measure_config(records[i], a.device, a.warmup, a.steps, a.timeout)
-            except AutoparError as e:
+                measure_config(records[i], a.device, a.warmup, a.steps, a.timeout)
+            except AutoparError as e:   # replaces (or, if planning failed, appends) this config's record
                 records[i:i + 1] = [{**dataclasses.asdict(cfg), "label": cfg.label, "status": "error", "error": str(e)}]
                 print(f"  failed: {str(e).splitlines()[0]}", file=sys.stderr)
             else:
-                if records[i]["status"] == "ok":
-                    last = records[i]["launches"][-1]
-                    print(f"  {fmt(time.perf_counter() - t0, 's')}: measured step {fmt(last['step_s'], 's')}, "
-                          f"peak {fmt(last['peak_bytes'], 'B')}", file=sys.stderr, flush=True)
+                last = records[i]["launches"][-1]
+                print(f"  {fmt(time.perf_counter() - t0, 's')}: measured step {fmt(last['step_s'], 's')}, "
+                      f"peak {fmt(last['peak_bytes'], 'B')}", file=sys.stderr, flush=True)
             a.out.write_text(json.dumps(result, indent=1, default=str))  # an interrupted run keeps its results
     for record in records:
         if record["status"] == "ok":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import autopar
 from autopar.baselines import candidates
 from autopar.launch import run_on_gloo_mesh
-from autopar.measure import measure_training
+from autopar.measure import time_training
 from autopar.zoo import get_model
 from cost_models.profiling import profile_model
 
@@ -51,8 +52,8 @@ def _worker(mesh, name: str, plans: dict[str, str], rounds: int) -> dict[str, li
     for _ in range(rounds):
         for label, (pmodel, opt) in runs.items():
             dist.barrier()
-            m = measure_training(pmodel, [(args, kwargs)], opt, warmup=WARMUP, steps=STEPS)
-            times[label].append(m.step_s)
+            seconds = time_training(pmodel, [(args, kwargs)], opt, warmup=WARMUP, steps=STEPS)
+            times[label].append(statistics.median(seconds))
     return times
 
 

@@ -110,7 +110,7 @@ class Profile:
             version = d.get("autopar_profile_version")
             if version != PROFILE_VERSION:
                 raise StaleProfileError(f"{where} is a version-{version} profile; this autopar reads version "
-                                   f"{PROFILE_VERSION}: run `autopar profile` again")
+                                        f"{PROFILE_VERSION}: run `autopar profile` again")
             return cls(fingerprint=dict(d["fingerprint"]),
                        ops={k: OpTime(float(f), float(b)) for k, (f, b) in d["ops"].items()},
                        collectives={k: Link(bandwidth=float(v["bandwidth_Bps"]), latency=float(v["latency_s"]))

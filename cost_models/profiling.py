@@ -233,7 +233,7 @@ def _calibration_worker(mesh: DeviceMesh, name: str, batch: int, seq: int, plans
     rank: the median of ``CALIBRATION_STEPS`` steps, in ``CALIBRATION_ROUNDS`` rounds taking
     turns with the other plans, the fastest round."""
     import autopar
-    from autopar.measure import training_step
+    from autopar.measure import time_training
     from autopar.zoo import get_model
 
     entry = get_model(name)
@@ -245,13 +245,8 @@ def _calibration_worker(mesh: DeviceMesh, name: str, batch: int, seq: int, plans
     best = dict.fromkeys(plans, math.inf)
     for _ in range(CALIBRATION_ROUNDS):
         for label, (sharded, optimizer) in runs.items():
-            times = []
-            for step in range(CALIBRATION_STEPS + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                training_step(sharded, (args, kwargs), optimizer)
-                times.append(time.perf_counter() - start)
-            best[label] = min(best[label], statistics.median(times[2:]))
+            times = time_training(sharded, [(args, kwargs)], optimizer, warmup=2, steps=CALIBRATION_STEPS)
+            best[label] = min(best[label], statistics.median(times))
     return best
 
 

@@ -36,7 +36,7 @@ from cost_models.activations import NOTHING, Saved, SavedTensors, needs_grad
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time
 from cost_models.hardware import Hardware, get_hardware
-from cost_models.profile import OpTime, Profile
+from cost_models.profile import OpTime, Profile, calibration_key
 
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
 
@@ -124,9 +124,10 @@ class CostModel:
         # Share of backward compute that hides queued gradient sync (see schedule.Timeline).
         self.overlap_efficiency = calibration.get("overlap", 1.0)
         # Collectives inside a step cost more than alone in lockstep (ranks arrive apart, and on
-        # CPU they share cores with compute): in-step factors for blocking and queued ones.
-        self.comm_scale = calibration.get("comm", 1.0)
-        self.sync_scale = calibration.get("sync", 1.0)
+        # CPU they share cores with compute): in-step factors for blocking and queued ones, fitted
+        # on this mesh shape (1 where it was not calibrated).
+        self.comm_scale = calibration.get(calibration_key("comm", self.mesh.shape), 1.0)
+        self.sync_scale = calibration.get(calibration_key("sync", self.mesh.shape), 1.0)
         self._flops: dict[tuple, float] = {}
         self._moves: dict[tuple, Cost] = {}
 

@@ -25,7 +25,8 @@ import torch
 from autopar.errors import AutoparError
 from cost_models.comm import Link
 
-PROFILE_VERSION = 3   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too
+PROFILE_VERSION = 4   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+                      # 4: collective factors per mesh shape
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 OVERHEADS = {
@@ -64,8 +65,9 @@ class Profile:
     overheads: dict[str, float] = field(default_factory=dict)    # OVERHEADS key -> seconds
     # Inside a training step ops run slower than alone in a timing loop (cold caches, the
     # allocator), the runtime's per-call costs differ from their micro-benchmarks, and collectives
-    # cost more than in lockstep: factors {"ops", "overheads", "comm" (blocking), "sync" (queued
-    # gradient sync)} fitted on fixed calibration workloads (``profiling``), and "overlap".
+    # cost more than in lockstep: factors "ops" and "overheads", and per mesh shape "comm@AxB"
+    # (blocking) and "sync@AxB" (queued gradient sync) (``calibration_key``), fitted on fixed
+    # calibration workloads (``profiling``); and "overlap".
     calibration: dict[str, float] = field(default_factory=dict)
 
     def link(self, kind: str, n: int) -> Link | None:
@@ -125,6 +127,13 @@ class Profile:
 
 def collective_key(kind: str, n: int) -> str:
     return f"{kind}@{n}"
+
+
+def calibration_key(factor: str, shape: tuple[int, ...]) -> str:
+    """Key of an in-step collective factor ("comm" or "sync") of one mesh shape. It is fitted per
+    shape, not per process count: which ranks wait for which, and how far apart they arrive,
+    differs between a 2x2 and a 4 mesh of the same four processes."""
+    return f"{factor}@{'x'.join(map(str, shape))}"
 
 
 def hardware_fingerprint(device: str = "cpu", processes_per_host: int = 1, threads: int | None = None) -> dict[str, Any]:

@@ -8,11 +8,12 @@ rank's time is kept), then the collectives per mesh axis and the runtime's overh
 """
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,13 +31,14 @@ from autopar.placements import Placements
 from autopar.strategies import Strategy, build_space
 from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
-from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, collective_key, default_profile_path,
-                                 hardware_fingerprint)
+from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
+                                 default_profile_path, hardware_fingerprint)
 from cost_models.profile_comm import measure_mesh, print_progress, time_overlap
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
 Progress = Callable[[str], None]
 THREADS_PER_RANK = 1   # autopar.launch gives each local rank one thread
+log = logging.getLogger(__name__)
 
 
 def local_fingerprint(mesh: MeshSpec) -> dict[str, Any]:
@@ -47,12 +49,17 @@ def local_fingerprint(mesh: MeshSpec) -> dict[str, Any]:
 
 def find_profile(mesh: MeshSpec) -> Profile | None:
     """The cached profile of this host for ``mesh``, if ``autopar profile`` made one and the mesh's
-    hardware is this host's kind of device (planning for other hardware uses its preset)."""
+    hardware is this host's kind of device (planning for other hardware uses its preset). One left
+    by an older autopar is not used, with a warning: plans still work, on the presets."""
     local_kind = hardware_for_device("cuda" if torch.cuda.is_available() else "cpu")
     if mesh.hardware != local_kind:
         return None
     path = default_profile_path(local_fingerprint(mesh))
-    return Profile.from_json(path) if path.exists() else None
+    try:
+        return Profile.from_json(path) if path.exists() else None
+    except StaleProfileError as e:
+        log.warning("autopar: %s; planning with the hardware presets meanwhile", e)
+        return None
 
 
 def resolve_profile(profile: Profile | str | Path | None, mesh: MeshSpec) -> Profile | None:
@@ -77,7 +84,8 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     """Measure the ops ``model`` runs on ``mesh`` (every candidate strategy's local shapes), the
     collectives of each mesh axis and the runtime overheads on a local gloo mesh; merge them into
     the cached profile for this host and mesh size and save it; the first time, calibrate how
-    much slower ops run inside a step (``_calibrate``). Returns (profile, file)."""
+    much slower ops run inside a step, and the first time on each mesh shape how much slower
+    collectives do (``_calibrate``). Returns (profile, file)."""
     spec = as_mesh_spec(mesh) if not isinstance(mesh, tuple) else MeshSpec(mesh, hardware="cpu")
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
@@ -107,8 +115,8 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
-    if calibrate and "ops" not in profile.calibration:
-        profile.calibration.update(_calibrate(spec, path, say))
+    if calibrate and _uncalibrated(profile, spec):
+        profile.calibration.update(_calibrate(spec, path, say, profile.calibration))
         profile.to_json(path)
     return profile, path
 
@@ -119,7 +127,7 @@ CALIBRATION = ("gpt-tiny", ((4, 16), (12, 48), (24, 64)))
 CALIBRATION_STEPS = 8
 #: Each plan is timed in this many rounds, taking turns with the others; its fastest round counts
 #: (other work on the host only ever slows a round down).
-CALIBRATION_ROUNDS = 2
+CALIBRATION_ROUNDS = 3
 
 
 def _calibration_plan(hand: str) -> bool:
@@ -144,30 +152,43 @@ class _Row:
         return self.measured - self.rest
 
 
-def _calibrate(spec: MeshSpec, path: Path, say: Progress) -> dict[str, float]:
+def _uncalibrated(profile: Profile, spec: MeshSpec) -> bool:
+    """Whether ``profile`` lacks in-step factors ``spec`` needs: ops and overheads (per process
+    count, like the profile), collectives (per mesh shape)."""
+    return "ops" not in profile.calibration or (
+        spec.size > 1 and calibration_key("comm", spec.shape) not in profile.calibration)
+
+
+def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float]) -> dict[str, float]:
     """In-step factors for what the profile measures alone, from whole training steps of the
     calibration workloads (``_calibration_rows``), fitted by least squares in two stages:
 
     * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``;
+      skipped where ``known`` has them (fitted on another mesh of as many processes);
     * on a mesh of several devices, the calibration model's data- and tensor-parallel hand plans:
-      what ``a`` and ``b`` leave, ``c * blocking comm + d * exposed gradient sync``. Collectives
-      in a step cost more than alone in lockstep: ranks reach them apart, and CPU ranks share
-      their cores with the compute of others."""
+      what ``a`` and ``b`` leave, ``c * blocking comm + d * exposed gradient sync``, for this mesh
+      shape. Collectives in a step cost more than alone in lockstep: ranks reach them apart, and
+      CPU ranks share their cores with the compute of others."""
     name, sizes = CALIBRATION
-    rows = [r for batch, seq in sizes for r in _calibration_rows(spec, path, name, batch, seq)]
+    replicated = "ops" not in known
+    rows = [r for batch, seq in sizes for r in _calibration_rows(spec, path, name, batch, seq, replicated)]
     for r in rows:
         say(f"calibration {r.label}: step {r.measured * 1e3:.1f} ms; ops alone {r.ops * 1e3:.1f}, runtime overheads "
             f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
             f"other {r.rest * 1e3:.1f} ms")
-    replicated = [r for r in rows if r.label.endswith("replicated")]
-    a, b = _fit(replicated, lambda r: (r.ops, r.overheads), lambda r: r.unfitted)
+    if replicated:
+        a, b = _fit([r for r in rows if r.label.endswith("replicated")], lambda r: (r.ops, r.overheads),
+                    lambda r: r.unfitted)
+        say(f"calibrated: ops run {a:.2f}x their time alone, runtime overheads {b:.2f}x their micro-benchmarks")
+    else:
+        a, b = known["ops"], known["overheads"]
     factors = {"ops": a, "overheads": b}
-    say(f"calibrated: ops run {a:.2f}x their time alone, runtime overheads {b:.2f}x their micro-benchmarks")
     talking = [r for r in rows if r.comm or r.sync]
     if talking:
         c, d = _fit(talking, lambda r: (r.comm, r.sync), lambda r: r.unfitted - a * r.ops - b * r.overheads)
-        factors.update(comm=c, sync=d)
-        say(f"calibrated: blocking collectives take {c:.2f}x, gradient sync {d:.2f}x their lockstep timings")
+        factors.update({calibration_key("comm", spec.shape): c, calibration_key("sync", spec.shape): d})
+        say(f"calibrated on {spec.describe()}: blocking collectives take {c:.2f}x, gradient sync {d:.2f}x "
+            f"their lockstep timings")
     return factors
 
 
@@ -183,9 +204,10 @@ def _fit(rows: Sequence[_Row], x: Callable[[_Row], tuple[float, float]], y: Call
     return tuple(float(min(max(f, 0.5), 4.0)) for f in factors)   # type: ignore[return-value]
 
 
-def _calibration_rows(spec: MeshSpec, path: Path, name: str, batch: int, seq: int) -> list[_Row]:
-    """One workload: every op replicated, and (on several devices) the calibration hand plans,
-    each planned with the uncalibrated profile and timed on this mesh."""
+def _calibration_rows(spec: MeshSpec, path: Path, name: str, batch: int, seq: int, replicated: bool) -> list[_Row]:
+    """One workload: every op replicated (if ``replicated``), and on several devices the
+    calibration hand plans, each planned with the profile's uncalibrated numbers and timed on
+    this mesh."""
     from autopar.baselines import hand_plans
     from autopar.planner import plan_captured, prepare
     from autopar.zoo import get_model
@@ -194,12 +216,15 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, batch: int, seq: in
     model = entry.build()
     args, kwargs = entry.example(batch, seq)
     profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
+    profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
     captured = capture(model, args, kwargs)
     space = build_space(captured, spec)
-    replicated = [_replicated(nc.strategies) for nc in space.nodes]
-    forced = {nc.node.name: s for nc, s in zip(space.nodes, replicated) if nc.kind != "alias"}
-    plans = {"replicated": (plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
-                            CostModel(spec, space, profile=profile), space, replicated)}
+    plans = {}
+    if replicated:
+        chosen = [_replicated(nc.strategies) for nc in space.nodes]
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
+        plans["replicated"] = (plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
+                               CostModel(spec, space, profile=profile), space, chosen)
     if spec.size > 1:
         planning = prepare(captured, spec, profile=profile)
         for hand, (plan, choices) in hand_plans(planning).items():

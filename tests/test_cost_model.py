@@ -101,8 +101,9 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
 
 
 def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
-    """A profile's in-step factors scale blocking collectives (``comm``) and queued gradient sync
-    (``sync``) separately, and nothing else: bytes moved stay what the collective sends."""
+    """A profile's in-step factors of this mesh shape scale blocking collectives (``comm``) and
+    queued gradient sync (``sync``) separately, and nothing else: bytes moved stay what the
+    collective sends. Factors of another mesh shape do not apply."""
     space = _space(mesh=(2,), hardware="cpu")
     linear, weight = _node(space, "linear"), _node(space, "p_up_weight")
     s = _strategy(linear, (S0,), ((S0,), (R,), (R,)))
@@ -113,10 +114,13 @@ def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
         model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, calibration=calibration))
         return model.redistribute((1024, 1024), torch.float32, (Partial(),), (R,)), model.edge(weight, w, linear, s, i)
 
-    (blocking, sync), (blocking2, sync3) = costs({}), costs({"comm": 2.0, "sync": 3.0})
+    (blocking, sync), (blocking2, sync3) = costs({}), costs({"comm@2": 2.0, "sync@2": 3.0})
     assert blocking.comm_s > 0 and sync.overlap_s > 0 and sync.comm_s == 0
     assert blocking2.comm_s == pytest.approx(2 * blocking.comm_s) and blocking2.comm_bytes == blocking.comm_bytes
     assert sync3.overlap_s == pytest.approx(3 * sync.overlap_s) and sync3.comm_bytes == sync.comm_bytes
+    other_shape = costs({"comm@2x1": 2.0, "sync@1x2": 3.0})   # fitted on another mesh shape: not this one's
+    assert other_shape[0].comm_s == pytest.approx(blocking.comm_s)
+    assert other_shape[1].overlap_s == pytest.approx(sync.overlap_s)
 
 
 def test_no_backward_collective_for_a_tensor_without_gradient():

@@ -50,7 +50,7 @@ def test_a_profile_of_other_hardware_is_refused_for_this_host():
     assert resolve_profile(None, mesh) is None
 
 
-def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
+def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch, caplog):
     """End to end on one local process: profile the tiny GPT, find it in the cache, plan with it;
     profiling again measures nothing new."""
     monkeypatch.setenv("AUTOPAR_PROFILE_DIR", str(tmp_path))
@@ -64,6 +64,9 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
 
     stale = default_profile_path(local_fingerprint(mesh))   # left by an older autopar: measured afresh
     stale.write_text('{"autopar_profile_version": %d}' % (PROFILE_VERSION - 1))
+    with caplog.at_level("WARNING"):   # and meanwhile, plans use the presets
+        assert autopar.plan(model, mesh, args, kwargs).predicted.cost_source.startswith("no profile")
+    assert "version" in caplog.text and "autopar profile" in caplog.text
     profile, path = profile_model(model, mesh, args, kwargs, progress=None)
     assert path == stale and json.loads(path.read_text())["autopar_profile_version"] == PROFILE_VERSION
     assert path.parent == tmp_path and json.loads(path.read_text())["fingerprint"] == local_fingerprint(mesh)
@@ -81,6 +84,32 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch):
     lines = []
     again, _ = profile_model(model, mesh, args, kwargs, progress=lines.append)
     assert lines[0].startswith("0 op calls to time") and again == profile
+
+
+def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
+    """A second mesh shape of as many processes (2x2 after 4) fits its own collective factors and
+    reuses the ops and overheads factors, timing no replicated plan again; a calibrated shape is
+    not calibrated again."""
+    from cost_models import profiling
+    from cost_models.profiling import _Row, _calibrate, _uncalibrated
+
+    asked = []
+
+    def rows(spec, path, name, batch, seq, replicated):
+        asked.append(replicated)
+        comm, sync = 0.001 * batch, 0.0005 * seq
+        return [_Row(f"{name} {batch}x{seq} ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
+                     ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)]
+
+    monkeypatch.setattr(profiling, "_calibration_rows", rows)
+    known = {"ops": 1.2, "overheads": 1.0, "comm@4": 1.5, "sync@4": 0.7, "overlap": 0.3}
+    square = MeshSpec((2, 2), hardware="cpu")
+    assert _uncalibrated(Profile({}, calibration=known), square)
+    assert not _uncalibrated(Profile({}, calibration=known), MeshSpec((4,), hardware="cpu"))
+    factors = _calibrate(square, tmp_path / "p.json", lambda line: None, known)
+    assert asked and not any(asked)   # ops and overheads known: no replicated plan timed
+    assert factors == pytest.approx({"ops": 1.2, "overheads": 1.0, "comm@2x2": 3.0, "sync@2x2": 2.0})
+    assert not _uncalibrated(Profile({}, calibration={**known, **factors}), square)
 
 
 def test_calibration_fit_recovers_in_step_factors():

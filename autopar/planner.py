@@ -188,8 +188,7 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
     matrices: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # per shared grid: (blocking, overlap) seconds
     for grid in priced.edges.values():
         if id(grid) not in matrices:
-            matrices[id(grid)] = (np.array([[c.compute_s + c.comm_s for c in row] for row in grid]),
-                                  np.array([[c.overlap_s for c in row] for row in grid]))
+            matrices[id(grid)] = (grid.matrix(lambda c: c.compute_s + c.comm_s), grid.matrix(lambda c: c.overlap_s))
     seconds = {e: matrices[id(grid)] for e, grid in priced.edges.items()}
     grouping = group(space, lambda i: np.array([c.compute_s + c.comm_s for c in full[i]]),
                      lambda i, j, k: seconds[(i, j, k)][0] + seconds[(i, j, k)][1], share_blocks=share_layers)

@@ -48,13 +48,20 @@ def needs_grad(graph: fx.Graph, params: set[fx.Node]) -> dict[fx.Node, bool]:
 
 
 class SavedTensors:
-    """``Saved`` per op, cached by op signature (identical layers are analysed once)."""
+    """``Saved`` per op, cached by op signature (identical layers are analysed once) and by node
+    (the planner asks once per strategy)."""
 
     def __init__(self, grad: dict[fx.Node, bool]) -> None:
         self.grad = grad
         self._cache: dict[str, Saved] = {}
+        self._of: dict[fx.Node, Saved] = {}
 
     def __call__(self, node: fx.Node) -> Saved:
+        if node not in self._of:
+            self._of[node] = self._analysed(node)
+        return self._of[node]
+
+    def _analysed(self, node: fx.Node) -> Saved:
         inputs = flat_tensor_inputs(node)
         if node.op != "call_function" or node.target in VIEW_OPS or not self.grad.get(node, False):
             return NOTHING

@@ -15,10 +15,12 @@ the backward to the optimizer step; and each node's working memory only while it
 """
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import sympy
 import torch
 import torch.fx as fx
@@ -91,8 +93,7 @@ class Cost:
         n = max(len(self.comm_bytes), len(o.comm_bytes))
         a = self.comm_bytes + (0.0,) * (n - len(self.comm_bytes))
         b = o.comm_bytes + (0.0,) * (n - len(o.comm_bytes))
-        summed = {f.name: getattr(self, f.name) + getattr(o, f.name) for f in fields(self)
-                  if f.name not in ("comm_bytes", "measured")}
+        summed = {name: getattr(self, name) + getattr(o, name) for name in _SUMMED}
         return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b)), measured=self.measured | o.measured)
 
     @property
@@ -104,6 +105,10 @@ class Cost:
     def memory_bytes(self) -> float:
         """Bytes this node holds at its heaviest (working memory aside)."""
         return self.state_bytes + self.saved_bytes + self.grad_bytes
+
+
+#: The fields of ``Cost`` that add up (the planner sums millions of costs on large meshes).
+_SUMMED = tuple(f.name for f in fields(Cost) if f.name not in ("comm_bytes", "measured"))
 
 
 @dataclass
@@ -129,6 +134,7 @@ class CostModel:
         self.comm_scale = calibration.get(calibration_key("comm", self.mesh.shape), 1.0)
         self.sync_scale = calibration.get(calibration_key("sync", self.mesh.shape), 1.0)
         self._flops: dict[tuple, float] = {}
+        self._node_flops: dict[fx.Node, float] = {}
         self._moves: dict[tuple, Cost] = {}
 
     # ------------------------------------------------------------ communication
@@ -279,7 +285,10 @@ class CostModel:
         return counted
 
     def flops(self, node: fx.Node) -> float:
-        """Forward FLOPs of the whole (unsharded) op, counted by PyTorch's FlopCounterMode."""
+        """Forward FLOPs of the whole (unsharded) op, counted by PyTorch's FlopCounterMode (once per
+        node, and once per signature: identical layers share the count)."""
+        if node in self._node_flops:
+            return self._node_flops[node]
         args = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
         key = (node.target, repr(torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), args)))
         if key not in self._flops:
@@ -290,6 +299,7 @@ class CostModel:
                 self._flops[key] = as_amount(counter.get_total_flops())
             except Exception:  # an op the counter cannot run on fake tensors: count it as memory-bound
                 self._flops[key] = 0.0
+        self._node_flops[node] = self._flops[key]
         return self._flops[key]
 
     # ------------------------------------------------------------ edges
@@ -312,22 +322,41 @@ class CostModel:
         target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)
         return fwd + self.redistribute(val.shape, val.dtype, grad, target, queued=src.kind == "param")
 
-    def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> list[list[Cost]]:
-        """``edge`` for every pair of strategies. An edge's cost depends only on the source's
-        output and storage layouts and on the input's layout and gradient layout, far fewer than
-        the pairs on 2-D and 3-D meshes: each distinct combination is priced once."""
-        ins = [(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies]
-        memo: dict[tuple, Cost] = {}
-        grid = []
-        for s in src.strategies:
-            row = []
-            for d, key in zip(dst.strategies, ins):
-                key = (s.out, s.storage, key)
-                if key not in memo:
-                    memo[key] = self.edge(src, s, dst, d, i)
-                row.append(memo[key])
-            grid.append(row)
-        return grid
+    def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
+        """``edge`` for every pair of strategies, each distinct combination priced once."""
+        def classes(keys: list) -> tuple[np.ndarray, list[int]]:
+            """Each key's class, and the first strategy of each class."""
+            index: dict = {}
+            first = []
+            for n, key in enumerate(keys):
+                if key not in index:
+                    index[key] = len(first)
+                    first.append(n)
+            return np.array([index[key] for key in keys], dtype=np.intp), first
+
+        rows, src_reps = classes([(s.out, s.storage) for s in src.strategies])
+        cols, dst_reps = classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
+        return EdgeGrid(rows, cols, [[self.edge(src, src.strategies[a], dst, dst.strategies[b], i) for b in dst_reps]
+                                     for a in src_reps])
+
+
+@dataclass(frozen=True)
+class EdgeGrid:
+    """An edge's cost for every pair of strategies, factored: it depends only on the source's
+    output and storage layouts (its row class) and on the input's layout and gradient layout
+    (its column class), far fewer than the strategies on 2-D and 3-D meshes."""
+    rows: np.ndarray            # per source strategy: its class
+    cols: np.ndarray            # per destination strategy: its class
+    classes: list[list[Cost]]   # [row class][column class]
+
+    def __getitem__(self, pair: tuple[int, int]) -> Cost:
+        """The cost with source strategy ``pair[0]`` and destination strategy ``pair[1]``."""
+        return self.classes[self.rows[pair[0]]][self.cols[pair[1]]]
+
+    def matrix(self, what: Callable[[Cost], float]) -> np.ndarray:
+        """``what`` of every pair, as a [source strategy, destination strategy] array."""
+        core = np.array([[what(c) for c in row] for row in self.classes], dtype=float)
+        return core[np.ix_(self.rows, self.cols)]
 
 
 def _storage_root(node: fx.Node) -> fx.Node:
@@ -350,6 +379,8 @@ def _collective(s: Placement, d: Placement) -> str | None:
 def _dim(size):
     """One dimension as an int; a symbolic one (a ``SymInt`` of a capture with dynamic shapes, or
     a sympy expression: ``autopar.symbolic``) as a sympy expression."""
+    if type(size) is int:   # the common case first: the planner prices millions of moves
+        return size
     if isinstance(size, torch.SymInt):
         return size.node.expr
     if isinstance(size, sympy.Basic):
@@ -364,6 +395,7 @@ def _numel(shape: Sequence[int]):
     return n
 
 
+@functools.cache
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.strategies import VIEW_OPS, Strategy, StrategySpace
-from cost_models.estimate import Cost, CostModel
+from cost_models.estimate import Cost, CostModel, EdgeGrid
 from solver import Row
 
 
@@ -184,8 +184,8 @@ class PricedSpace:
     def __init__(self, space: StrategySpace, model: CostModel) -> None:
         self.space = space
         self.nodes = [[model.node(nc, s) for s in nc.strategies] for nc in space.nodes]
-        grids: dict[tuple, list[list[Cost]]] = {}
-        self.edges: dict[tuple[int, int, int], list[list[Cost]]] = {}
+        grids: dict[tuple, EdgeGrid] = {}
+        self.edges: dict[tuple[int, int, int], EdgeGrid] = {}
         for i, j, k in space.edges():
             src, nc = space.nodes[i], space.nodes[j]
             val = nc.inputs[k].meta.get("val")
@@ -197,7 +197,7 @@ class PricedSpace:
     def step_costs(self, strategy: Sequence[int]) -> tuple[list[Cost], list[tuple[int, float]]]:
         """``step_costs`` of the plan giving node i its strategy number ``strategy[i]``."""
         return _assemble(self.space, lambda i: self.nodes[i][strategy[i]],
-                         lambda i, j, k: self.edges[(i, j, k)][strategy[i]][strategy[j]])
+                         lambda i, j, k: self.edges[(i, j, k)][strategy[i], strategy[j]])
 
 
 def _assemble(space: StrategySpace, node: Callable[[int], Cost], edge: Callable[[int, int, int], Cost]

@@ -23,7 +23,11 @@ the compute left to hide it.
 Before building the model we shrink it: parallel edges are merged; edges touching a
 single-choice node, and edges whose matrix is additively separable
 (``M[s, d] = a[s] + b[d]``, which covers constant and all-zero matrices), are folded into
-the endpoints' linear costs, so only genuinely pairwise edges get ``e`` variables.
+the endpoints' linear costs, so only genuinely pairwise edges get ``e`` variables. Those are
+over classes of choices, not choices: choices whose rows (columns) of the remaining matrix are
+equal share one class (many strategies of an op put a tensor in the same placement, and the
+edge only sees the placement), with marginals ``sum_d e[p, d] = sum_{s in p} x_src[s]``; exact
+for integral ``x`` as before, and 3-D meshes need several times fewer variables.
 Single-choice nodes get no variables at all.
 
 The model is built as a ``ModelProto`` and loaded with ``mathopt.Model.from_model_proto``:
@@ -270,13 +274,32 @@ def _infeasible(problem: Problem, data: _Data, why: str) -> Exception:
 # --------------------------------------------------------------------------- reduction
 
 
+@dataclass(frozen=True)
+class _Pair:
+    """A genuinely pairwise edge, its separable part folded away, and its choices' classes."""
+
+    matrix: np.ndarray  # [u_choice, v_choice]
+    rows: np.ndarray  # per u choice: its row class (equal rows of ``matrix``)
+    cols: np.ndarray  # per v choice: its column class
+    core: np.ndarray  # [row class, column class]: one pair variable each
+
+    @classmethod
+    def of(cls, matrix: np.ndarray) -> "_Pair":
+        # Classes by value to within the folding tolerance: rows that differ by rounding noise
+        # of the same placement's cost are one placement.
+        key = np.round(matrix / (np.abs(matrix).max() * _SEPARABLE_RTOL * 10), 0)
+        _, first_rows, rows = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        _, first_cols, cols = np.unique(key, axis=1, return_index=True, return_inverse=True)
+        return cls(matrix, rows.ravel(), cols.ravel(), matrix[np.ix_(first_rows, first_cols)])
+
+
 @dataclass
 class _Reduced:
     """The objective after folding everything that does not need pair variables."""
 
     linear: list[np.ndarray]  # per node: linear cost per choice (may be negative after folding)
     offset: float  # constant term
-    pairs: dict[tuple[int, int], np.ndarray]  # (u, v), u < v, both free -> matrix [u_choice, v_choice]
+    pairs: dict[tuple[int, int], _Pair]  # (u, v), u < v, both free
 
 
 def _reduce(problem: Problem, data: _Data) -> _Reduced:
@@ -292,7 +315,7 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
             u, v, m = v, u, m.T
         merged[(u, v)] = merged[(u, v)] + m if (u, v) in merged else m
 
-    pairs: dict[tuple[int, int], np.ndarray] = {}
+    pairs: dict[tuple[int, int], _Pair] = {}
     for (u, v), m in sorted(merged.items()):
         # m = a[s] + b[d] + r[s, d]; when r vanishes the edge is purely linear.
         a = m[:, 0]
@@ -302,7 +325,9 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
             linear[u] = linear[u] + a
             linear[v] = linear[v] + b
         else:
-            pairs[(u, v)] = m
+            linear[u] = linear[u] + a
+            linear[v] = linear[v] + b
+            pairs[(u, v)] = _Pair.of(r)
     offset = sum(float(linear[i][0]) for i in range(len(k)) if k[i] == 1)
     return _Reduced(linear, offset, pairs)
 
@@ -314,7 +339,7 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
 class _Model:
     proto: model_pb2.ModelProto
     x_ids: dict[int, range]  # free node -> ids of its one-hot variables
-    e_ids: dict[tuple[int, int], int]  # pair edge -> id of e[0, 0] (row-major block)
+    e_ids: dict[tuple[int, int], int]  # pair edge -> id of e[0, 0] (row-major block over its classes)
     t_id: int | None  # largest transient, in units of t_scale bytes
     t_scale: float
     exposed_id: int | None  # exposed communication, seconds
@@ -332,9 +357,9 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         nxt += k[i]
     num_x = nxt
     e_ids: dict[tuple[int, int], int] = {}
-    for u, v in red.pairs:
-        e_ids[(u, v)] = nxt
-        nxt += k[u] * k[v]
+    for uv, pair in red.pairs.items():
+        e_ids[uv] = nxt
+        nxt += pair.core.size
     budget = problem.memory_budget
     binding = _binding_moments(problem, data)
     t_id = nxt if binding and data.transient is not None else None   # largest transient (bytes)
@@ -346,7 +371,7 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
     var = proto.variables
     var.ids.extend(range(nxt))
     var.lower_bounds.extend([0.0] * nxt)
-    var.upper_bounds.extend([1.0] * (num_x + sum(m.size for m in red.pairs.values())))
+    var.upper_bounds.extend([1.0] * (num_x + sum(p.core.size for p in red.pairs.values())))
     var.upper_bounds.extend([math.inf] * (nxt - len(var.upper_bounds)))
     var.integers.extend([True] * num_x + [False] * (nxt - num_x))
 
@@ -359,8 +384,8 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         lo = float(red.linear[i].min())
         offset += lo
         blocks.append((x_ids[i], red.linear[i] - lo))
-    for (u, v), m in red.pairs.items():
-        blocks.append((range(e_ids[(u, v)], e_ids[(u, v)] + m.size), m.ravel()))
+    for uv, pair in red.pairs.items():
+        blocks.append((range(e_ids[uv], e_ids[uv] + pair.core.size), pair.core.ravel()))
     scale = max((float(vals.max()) for _, vals in blocks), default=0.0) or 1.0
     obj = proto.objective.linear_coefficients
     for ids, vals in blocks:
@@ -394,11 +419,14 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
     for i in free:  # one-hot
         add_row(x_ids[i], [1.0] * k[i], 1.0, 1.0)
     for (u, v), base in e_ids.items():  # marginals of the pair variables (x ids < e ids)
-        ku, kv = k[u], k[v]
-        for s in range(ku):
-            add_row([x_ids[u][s], *range(base + s * kv, base + (s + 1) * kv)], [-1.0] + [1.0] * kv, 0.0, 0.0)
-        for d in range(kv):
-            add_row([x_ids[v][d], *range(base + d, base + ku * kv, kv)], [-1.0] + [1.0] * ku, 0.0, 0.0)
+        pair = red.pairs[(u, v)]
+        nu, nv = pair.core.shape
+        for p in range(nu):
+            xs = [x_ids[u][c] for c in np.flatnonzero(pair.rows == p).tolist()]
+            add_row([*xs, *range(base + p * nv, base + (p + 1) * nv)], [-1.0] * len(xs) + [1.0] * nv, 0.0, 0.0)
+        for q in range(nv):
+            xs = [x_ids[v][c] for c in np.flatnonzero(pair.cols == q).tolist()]
+            add_row([*xs, *range(base + q, base + nu * nv, nv)], [-1.0] * len(xs) + [1.0] * nu, 0.0, 0.0)
 
     if binding:
         # Only memory above each node's minimum competes for the slack of each moment.
@@ -479,9 +507,9 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
         choices = [int(np.argmin(m.max(axis=0))) for m in per_node]
 
     adjacency: dict[int, list[tuple[np.ndarray, int, bool]]] = {i: [] for i in range(len(k)) if k[i] > 1}
-    for (u, v), m in red.pairs.items():
-        adjacency[u].append((m, v, True))
-        adjacency[v].append((m, u, False))
+    for (u, v), pair in red.pairs.items():
+        adjacency[u].append((pair.matrix, v, True))
+        adjacency[v].append((pair.matrix, u, False))
     used = sum(m[:, c] for m, c in zip(per_node, choices)) if k else np.zeros(len(moments))
     work = max((float(t[c]) for t, c in zip(data.transient, choices)), default=0.0) if data.transient else 0.0
     for _ in range(_MAX_SWEEPS):
@@ -590,9 +618,9 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     hint_values = np.zeros(len(variables))
     for i, ids in built.x_ids.items():
         hint_values[ids[hint[i]]] = 1.0
-    k = data.k
     for (u, v), base in built.e_ids.items():
-        hint_values[base + hint[u] * k[v] + hint[v]] = 1.0
+        pair = red.pairs[(u, v)]
+        hint_values[base + pair.rows[hint[u]] * pair.core.shape[1] + pair.cols[hint[v]]] = 1.0
     if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
         hint_values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
     if built.exposed_id is not None:

@@ -229,6 +229,42 @@ def test_separable_and_parallel_edges_need_no_pair_variables() -> None:
     assert sol.objective == pytest.approx(brute_force(swap)[0])
 
 
+def placement_problem(seed: int, budget_frac: float | None) -> tuple[Problem, int]:
+    """Nodes with several choices per placement: an edge's cost depends only on the classes of
+    its ends' choices (the placement each puts the tensor in), plus per-choice parts. Returns
+    the problem and the pair variables a class-level model needs."""
+    rng = random.Random(seed)
+    k = [rng.randint(3, 6) for _ in range(5)]
+    classes = [[rng.randrange(2) for _ in range(ki)] for ki in k]   # two placements per node
+    for c in classes:
+        c[:2] = [0, 1]   # both occur
+    costs = tuple(tuple(rng.uniform(0, 1) for _ in range(ki)) for ki in k)
+    memory = tuple(tuple(rng.uniform(0, 4) * GIB for _ in range(ki)) for ki in k)
+    edges = []
+    for u, v in [(0, 1), (1, 2), (2, 3), (3, 4), (4, 0), (1, 3)]:
+        core = [[rng.uniform(0, 2) for _ in range(2)] for _ in range(2)]
+        a = [rng.uniform(0, 1) for _ in range(k[u])]
+        edges.append(Edge(u, v, tuple(tuple(core[classes[u][s]][classes[v][d]] + a[s] for d in range(k[v]))
+                                      for s in range(k[u]))))
+    budget = None
+    if budget_frac is not None:
+        lo, hi = sum(min(m) for m in memory), sum(max(m) for m in memory)
+        budget = lo + budget_frac * (hi - lo)
+    return Problem(costs, memory, tuple(edges), budget), sum(k) + 4 * len(edges)
+
+
+@pytest.mark.parametrize("budget_frac", [None, 0.3])
+@pytest.mark.parametrize("seed", range(6))
+def test_pair_variables_over_placement_classes_match_brute_force(seed: int, budget_frac: float | None) -> None:
+    """Choices that put a tensor in the same placement share their edge's pair variables (2 x 2
+    per edge here, not k_src x k_dst), and the optimum is still brute force's."""
+    problem, variables = placement_problem(seed, budget_frac)
+    sol = solve(problem)
+    check_solution(problem, sol)
+    assert sol.num_variables == variables
+    assert sol.objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)
+
+
 def test_time_limit_returns_incumbent() -> None:
     rng = random.Random(7)
     n, k = 300, 6

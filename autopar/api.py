@@ -13,7 +13,7 @@ from autopar.capture import CapturedGraph, capture
 from autopar.errors import MeshError
 from autopar.mesh import MeshSpec, as_mesh_spec
 from autopar.plan import Plan
-from autopar.planner import DEFAULT_TIME_LIMIT_S, plan_captured
+from autopar.planner import DEFAULT_TIME_LIMIT_S, MIN_GAIN, plan_captured
 from codegen.module import ShardedModule, full_state_dict
 from cost_models.profile import Profile
 from cost_models.profiling import resolve_profile
@@ -28,7 +28,7 @@ def _as_tuple(example_inputs: Any) -> tuple:
 def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, example_kwargs: dict | None = None, *,
          memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S,
          profile: Profile | str | None = "auto", optimizer: str = "adamw", share_layers: bool = True,
-         hand_plans: bool = True) -> Plan:
+         hand_plans: bool = True, min_gain: float = MIN_GAIN) -> Plan:
     """Choose a placement for every op of ``model`` on ``mesh``; runs no collective.
 
     ``memory_budget``: bytes per device (default: the hardware's memory). ``time_limit``: seconds
@@ -39,7 +39,9 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). ``share_layers``: let
     identical inner layers share decisions (``autopar.shrink``). ``hand_plans``: cost the standard
     strategies first (``autopar.baselines``) and start from the best that fits; the plan's
-    ``solver["hand_plans"]`` lists them. The model and inputs may live on the ``meta`` device.
+    ``solver["hand_plans"]`` lists them. ``min_gain``: the solver's plan is returned only if
+    predicted at least this fraction faster than the best fitting hand plan (else that hand plan,
+    saying so). The model and inputs may live on the ``meta`` device.
     """
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
@@ -47,7 +49,7 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     timings = {"capture": time.perf_counter() - t0}
     return plan_captured(captured, spec, memory_budget=memory_budget, time_limit=time_limit, timings=timings,
                          profile=resolve_profile(profile, spec), optimizer=optimizer, share_layers=share_layers,
-                         hand_plans=hand_plans)
+                         hand_plans=hand_plans, min_gain=min_gain)
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,

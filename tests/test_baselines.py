@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar import MeshSpec
+from autopar.errors import AutoparError
 from autopar.baselines import candidates
 from autopar.zoo import get_model
 from tests.equivalence import build, make_batches
@@ -93,3 +94,33 @@ def test_a_fitting_hand_plan_replaces_a_solver_plan_that_does_not_fit(monkeypatc
                   key=lambda name: plan.solver["hand_plans"][name]["step_time_s"])
     assert plan.feasible and plan.solver["kept_hand_plan"] == fastest and plan.name == "auto"
     assert any("exceeds the memory budget" in w for w in plan.warnings)
+
+
+def test_a_solver_plan_must_beat_the_best_hand_plan_by_min_gain(monkeypatch):
+    """A solver plan predicted only 2% faster than the best fitting hand plan is inside the cost
+    model's error: the hand plan is returned, saying by how much; with ``min_gain=0`` the solver's
+    plan is. A min_gain outside [0, 1) is refused."""
+    from dataclasses import replace
+
+    import autopar.planner as planner
+
+    solve = planner.solve_planning
+    best: dict[str, float] = {}
+
+    def slightly_faster(planning, **kwargs):
+        plan, choices = solve(planning, **kwargs)
+        return replace(plan, predicted=replace(plan.predicted, step_time_s=0.98 * best["s"])), choices
+
+    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    mesh = MeshSpec((4,), hardware="h100-80gb")
+    hands = autopar.plan(model, mesh, args, kwargs).solver["hand_plans"]
+    fastest = min((n for n, h in hands.items() if h["feasible"]), key=lambda n: hands[n]["step_time_s"])
+    best["s"] = hands[fastest]["step_time_s"]
+    monkeypatch.setattr(planner, "solve_planning", slightly_faster)   # the auto solve only
+    kept = autopar.plan(model, mesh, args, kwargs)
+    assert kept.solver["kept_hand_plan"] == fastest and kept.predicted.step_time_s == pytest.approx(best["s"])
+    assert any("2.0% faster" in w and "min_gain" in w for w in kept.warnings)
+    solved = autopar.plan(model, mesh, args, kwargs, min_gain=0.0)
+    assert "kept_hand_plan" not in solved.solver and solved.predicted.step_time_s == pytest.approx(0.98 * best["s"])
+    with pytest.raises(AutoparError, match="min_gain"):
+        autopar.plan(model, mesh, args, kwargs, min_gain=1.5)

@@ -149,14 +149,15 @@ def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.
     if steps < 1 or warmup < 0:
         raise AutoparError(f"timing training needs steps >= 1 and warmup >= 0 (got {steps}, {warmup})")
     device = _device(module)
+    loss_fn = loss_fn or loss_of
     for i in range(warmup):
-        training_step(module, batches[i % len(batches)], optimizer, loss_fn or loss_of)
+        training_step(module, batches[i % len(batches)], optimizer, loss_fn)
     times = []
     for i in range(warmup, warmup + steps):
         _barrier()
         _sync(device)
         t0 = time.perf_counter()
-        training_step(module, batches[i % len(batches)], optimizer, loss_fn or loss_of)
+        training_step(module, batches[i % len(batches)], optimizer, loss_fn)
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times

@@ -275,13 +275,16 @@ def finish_record(record: dict[str, Any]) -> None:
     ``peak_spread_pct``). The plan's JSON is dropped: the record keeps its summary."""
     del record["plan_json"]
     steps = [launch["step_s"] for launch in record["launches"]]
-    record["measured_step_s"] = min(steps)
     peaks = [launch["peak_bytes"] for launch in record["launches"]]
-    record["measured_peak_bytes"] = min(peaks)
-    record["launch_spread_pct"] = (max(steps) / min(steps) - 1) * 100
-    record["peak_spread_pct"] = (max(peaks) / min(peaks) - 1) * 100
+    record["measured_step_s"], record["measured_peak_bytes"] = min(steps), min(peaks)
+    record["launch_spread_pct"], record["peak_spread_pct"] = _spread_pct(steps), _spread_pct(peaks)
     record["step_error_pct"] = error_pct(record["predicted"]["step_time_s"], record["measured_step_s"])
     record["memory_error_pct"] = error_pct(record["predicted"]["peak_memory_bytes"], record["measured_peak_bytes"])
+
+
+def _spread_pct(values: Sequence[float]) -> float:
+    """How far the largest of ``values`` is above the smallest, in percent."""
+    return (max(values) / min(values) - 1) * 100
 
 
 # --------------------------------------------------------------------------------------- output

@@ -69,8 +69,9 @@ def run(name: str, mesh: tuple[int, ...], rounds: int) -> dict:
     auto = autopar.plan(model, spec, args, kwargs)
     hands = candidates(model, spec, args, kwargs)
     plan_s = time.perf_counter() - t0
+    plans = {"auto": auto, **hands}
     kept = auto.solver.get("kept_hand_plan")
-    timed = {**hands} if kept else {"auto": auto, **hands}
+    timed = {k: p for k, p in plans.items() if not (kept and k == "auto")}
     ranks = run_on_gloo_mesh(_worker, mesh, name, {k: p.to_json() for k, p in timed.items()}, rounds,
                              start_method="forkserver")
     # per plan: each round's slowest rank, then the fastest round
@@ -82,7 +83,7 @@ def run(name: str, mesh: tuple[int, ...], rounds: int) -> dict:
         "model": name, "mesh": list(mesh), "batch": BATCH, "seq": SEQ, "plan_s": plan_s,
         "auto_kept_hand_plan": kept,
         "plans": {k: {"measured_step_s": measured[k], "predicted_step_s": p.predicted.step_time_s,
-                      "rounds_s": rounds_s[k]} for k, p in {"auto": auto, **hands}.items()},
+                      "rounds_s": rounds_s[k]} for k, p in plans.items()},
         "best_hand_plan": best, "ratio_auto_over_best_hand": measured["auto"] / measured[best],
     }
 

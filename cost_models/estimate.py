@@ -146,29 +146,59 @@ class CostModel:
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
         key = (shape, dtype, src, dst, queued)
         if key not in self._moves:
-            c = self._redistribute(shape, dtype, src, dst)
-            self._moves[key] = (Cost(overlap_s=c.comm_s * self.sync_scale, comm_bytes=c.comm_bytes, measured=c.measured)
-                                if queued else replace(c, comm_s=c.comm_s * self.comm_scale))
+            full = _numel(shape) * _itemsize(dtype)
+            time, sent, measured = 0.0, [], False
+            for a, (s, d) in enumerate(zip(src, dst)):
+                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape))
+                time, measured = time + t, measured or m
+                sent.append(b)
+            # Collective buffers: the result and the backend's staging copy of it, while it runs.
+            buffers = 2 * full * max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape)) if time else 0.0
+            self._moves[key] = self._in_step(Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers,
+                                                  measured=frozenset({"comm"}) if measured else frozenset()), queued)
         return self._moves[key]
 
-    def _redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements) -> Cost:
-        full = _numel(shape) * _itemsize(dtype)
-        time, sent, measured = 0.0, [], frozenset()
-        for a, (s, d) in enumerate(zip(src, dst)):
-            n = self.mesh.shape[a]
-            others = tuple(p if i != a else Replicate() for i, p in enumerate(src))
-            nbytes = full * shard_fraction(others, self.mesh.shape)
-            kind = _collective(s, d)
-            if kind is None or n == 1:
-                sent.append(0.0)
-                continue
-            link = self._link(kind, a)
-            measured |= {"comm"} if link is not self.links[a] else frozenset()
-            time += collective_time(kind, nbytes, n, link)
-            sent.append(nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1))
-        # Collective buffers: the result and the backend's staging copy of it, while it runs.
-        buffers = 2 * full * max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape)) if time else 0.0
-        return Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
+    def redistribute_grid(self, shape: Sequence[int], dtype: torch.dtype, srcs: Sequence[Placements],
+                          dsts: Sequence[Placements], *, queued: bool = False) -> Cost:
+        """``redistribute`` from each of ``srcs`` to each of ``dsts`` (concrete shapes only), as a
+        grid ``Cost``: each field a [source, destination] array, ``measured`` a bool array (the
+        "comm" came from the profile). Each axis is priced once per distinct (source placement,
+        bytes, destination placement): a few calls where the pairs are hundreds of thousands."""
+        full = float(_numel(shape) * _itemsize(dtype))
+        mesh = self.mesh.shape
+        time = np.zeros((len(srcs), len(dsts)))
+        measured = np.zeros(time.shape, dtype=bool)
+        sent = []
+        for a in range(len(mesh)):
+            rows, row_keys = _classes([(s[a], full * _others_fraction(s, a, mesh)) for s in srcs])
+            cols, col_keys = _classes([d[a] for d in dsts])
+            table = np.array([[self._axis_move(a, s, d, nbytes) for d in col_keys] for s, nbytes in row_keys])
+            table = table[np.ix_(rows, cols)]   # [source, destination, (seconds, bytes sent, measured)]
+            time += table[..., 0]
+            sent.append(table[..., 1])
+            measured |= table[..., 2].astype(bool)
+        largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
+                             np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
+        buffers = np.where(time > 0, 2 * full * largest, 0.0)   # as in ``redistribute``
+        return self._in_step(Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured), queued)
+
+    def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float) -> tuple[float, float, bool]:
+        """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
+        one group of that axis: (seconds, bytes each rank sends, over a profiled link)."""
+        n = self.mesh.shape[a]
+        kind = _collective(s, d)
+        if kind is None or n == 1:
+            return 0.0, 0.0, False
+        link = self._link(kind, a)
+        return (collective_time(kind, nbytes, n, link), nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1),
+                link is not self.links[a])
+
+    def _in_step(self, c: Cost, queued: bool) -> Cost:
+        """A redistribution inside a step, at its in-step factor: blocking, or a queued gradient
+        synchronisation (``overlap_s``, no staging buffers of its own)."""
+        if queued:
+            return Cost(overlap_s=c.comm_s * self.sync_scale, comm_bytes=c.comm_bytes, measured=c.measured)
+        return replace(c, comm_s=c.comm_s * self.comm_scale)
 
     def _link(self, kind: str, axis: int) -> Link:
         """The profile's fitted link for this collective and group size, else the preset's."""
@@ -316,28 +346,63 @@ class CostModel:
             replicated = (Replicate(),) * self.mesh.ndim
             return self.redistribute(val.shape, val.dtype, s.out, replicated) + Cost(state_bytes=_bytes(val))
         fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i])
-        if self.saved is not None and not self.saved.grad.get(src.node, False):
-            return fwd   # no gradient flows back here (integers, inputs, buffers, what derives from them)
+        if not self._grad_flows(src):
+            return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
-        target = s.storage if s.storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in s.out)
-        return fwd + self.redistribute(val.shape, val.dtype, grad, target, queued=src.kind == "param")
+        return fwd + self.redistribute(val.shape, val.dtype, grad, _grad_target(s.out, s.storage), queued=src.kind == "param")
 
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
-        """``edge`` for every pair of strategies, each distinct combination priced once."""
-        def classes(keys: list) -> tuple[np.ndarray, list[int]]:
-            """Each key's class, and the first strategy of each class."""
-            index: dict = {}
-            first = []
-            for n, key in enumerate(keys):
-                if key not in index:
-                    index[key] = len(first)
-                    first.append(n)
-            return np.array([index[key] for key in keys], dtype=np.intp), first
+        """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
+        val = tensor_val(src.node)
+        rows, src_reps = _classes([(s.out, s.storage) for s in src.strategies])
+        cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
+        if val is None:
+            return EdgeGrid(rows, cols, Cost())
+        outs = [s for s, _ in src_reps]
+        if dst.kind == "output":   # as in ``edge``
+            grid = self.redistribute_grid(val.shape, val.dtype, outs, [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
+            return EdgeGrid(rows, cols, replace(grid, state_bytes=_bytes(val)))
+        grid = self.redistribute_grid(val.shape, val.dtype, outs, [inp for inp, _ in dst_reps])
+        if self._grad_flows(src):
+            back = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
+                                          [_grad_target(out, storage) for out, storage in src_reps],
+                                          queued=src.kind == "param")
+            grid = grid + _transposed(back)
+        return EdgeGrid(rows, cols, grid)
 
-        rows, src_reps = classes([(s.out, s.storage) for s in src.strategies])
-        cols, dst_reps = classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
-        return EdgeGrid(rows, cols, [[self.edge(src, src.strategies[a], dst, dst.strategies[b], i) for b in dst_reps]
-                                     for a in src_reps])
+    def _grad_flows(self, src: NodeChoices) -> bool:
+        """Does a gradient flow back into ``src``'s output? Not into integers, inputs, buffers and
+        what derives from them only."""
+        return self.saved is None or self.saved.grad.get(src.node, False)
+
+
+def _grad_target(out: Placements, storage: Placements | None) -> Placements:
+    """Where the gradient of a node's output must end up: the parameter's storage, else the
+    output's placement (a partial output's gradient is replicated)."""
+    return storage if storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in out)
+
+
+def _classes(keys: Sequence) -> tuple[np.ndarray, list]:
+    """Each key's class number, and the distinct keys in order of first appearance."""
+    index: dict = {}
+    for key in keys:
+        index.setdefault(key, len(index))
+    return np.array([index[key] for key in keys], dtype=np.intp), list(index)
+
+
+def _others_fraction(placements: Placements, axis: int, mesh_shape: Sequence[int]) -> float:
+    """Fraction of a tensor one group along ``axis`` holds: the shards of the other axes only."""
+    return shard_fraction(tuple(p if a != axis else Replicate() for a, p in enumerate(placements)), mesh_shape)
+
+
+def _transposed(c: Cost) -> Cost:
+    """A grid ``Cost`` (``redistribute_grid``) with sources and destinations swapped."""
+    t = lambda x: x.T if isinstance(x, np.ndarray) else x
+    return Cost(**{n: t(getattr(c, n)) for n in _SUMMED}, comm_bytes=tuple(map(t, c.comm_bytes)), measured=t(c.measured))
+
+
+def _at(x, r: int, c: int):
+    return x[r, c] if isinstance(x, np.ndarray) else x
 
 
 @dataclass(frozen=True)
@@ -345,17 +410,22 @@ class EdgeGrid:
     """An edge's cost for every pair of strategies, factored: it depends only on the source's
     output and storage layouts (its row class) and on the input's layout and gradient layout
     (its column class), far fewer than the strategies on 2-D and 3-D meshes."""
-    rows: np.ndarray            # per source strategy: its class
-    cols: np.ndarray            # per destination strategy: its class
-    classes: list[list[Cost]]   # [row class][column class]
+    rows: np.ndarray    # per source strategy: its class
+    cols: np.ndarray    # per destination strategy: its class
+    classes: Cost       # a grid Cost (``CostModel.redistribute_grid``): [row class, column class] arrays
 
     def __getitem__(self, pair: tuple[int, int]) -> Cost:
         """The cost with source strategy ``pair[0]`` and destination strategy ``pair[1]``."""
-        return self.classes[self.rows[pair[0]]][self.cols[pair[1]]]
+        r, c, g = self.rows[pair[0]], self.cols[pair[1]], self.classes
+        measured = _at(g.measured, r, c)
+        return Cost(**{n: float(_at(getattr(g, n), r, c)) for n in _SUMMED},
+                    comm_bytes=tuple(float(_at(b, r, c)) for b in g.comm_bytes),
+                    measured=measured if isinstance(measured, frozenset) else frozenset({"comm"} if measured else ()))
 
     def matrix(self, what: Callable[[Cost], float]) -> np.ndarray:
-        """``what`` of every pair, as a [source strategy, destination strategy] array."""
-        core = np.array([[what(c) for c in row] for row in self.classes], dtype=float)
+        """``what`` of every pair, as a [source strategy, destination strategy] array. ``what``
+        must be arithmetic on the fields (it is applied to the whole grid at once)."""
+        core = np.broadcast_to(np.asarray(what(self.classes), dtype=float), (self.rows.max() + 1, self.cols.max() + 1))
         return core[np.ix_(self.rows, self.cols)]
 
 

@@ -15,7 +15,8 @@ from autopar.capture import capture
 from autopar.planner import plan_captured
 from autopar.strategies import build_space
 from cost_models.estimate import Cost, CostModel, get_optimizer
-from cost_models.profile import OpTime, Profile
+from cost_models.comm import Link
+from cost_models.profile import OpTime, Profile, collective_key
 from cost_models.profile_ops import op_call
 from cost_models.schedule import Timeline
 
@@ -234,3 +235,31 @@ def test_attention_flops_counted_for_cpu_models():
     space = build_space(capture(Attention(), (torch.randn(2, 4, 32, 16),)), MeshSpec((1,), hardware="cpu"))
     node = next(nc.node for nc in space.nodes if "scaled_dot" in nc.node.name)
     assert CostModel(space.mesh, space).flops(node) == 4 * 2 * 4 * 32 * 32 * 16
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2)])
+def test_edge_grids_price_every_pair_as_edge_does(mesh):
+    """The planner prices edges as grids over distinct layouts (``CostModel.edge_grid``, every
+    axis once per distinct move); each pair must cost exactly what ``edge`` gives it alone, with
+    a profiled link on one collective (its pairs marked measured) and in-step factors."""
+    space = _space(mesh=mesh, hardware="cpu")
+    shape = "x".join(map(str, mesh))
+    profile = Profile({"device": "cpu"}, collectives={collective_key("all_gather", 2): Link(bandwidth=1e8, latency=1e-4)},
+                      calibration={f"comm@{shape}": 1.5, f"sync@{shape}": 0.5})
+    model = CostModel(space.mesh, space, profile=profile)
+    checked = measured = 0
+    for i, j, k in space.edges():
+        src, dst = space.nodes[i], space.nodes[j]
+        grid = model.edge_grid(src, dst, k)
+        for a, s in enumerate(src.strategies):
+            for b, d in enumerate(dst.strategies):
+                want, got = model.edge(src, s, dst, d, k), grid[a, b]
+                for name in ("comm_s", "overlap_s", "transient_bytes", "state_bytes", "saved_bytes"):
+                    assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12, abs=0), (name, s, d)
+                assert got.comm_bytes == pytest.approx(want.comm_bytes, rel=1e-12)
+                assert got.measured == want.measured
+                checked, measured = checked + 1, measured + ("comm" in got.measured)
+        both = grid.matrix(lambda c: c.comm_s + c.overlap_s)
+        assert both.shape == (len(src.strategies), len(dst.strategies))
+        assert both[-1, -1] == pytest.approx(model.edge(src, src.strategies[-1], dst, dst.strategies[-1], k).time_s)
+    assert checked > 1000 and 0 < measured < checked

@@ -1,5 +1,5 @@
 """Sharding-choice optimisation (the ILP), independent of PyTorch."""
 
-from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, evaluate, restrict, solve
+from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, Term, evaluate, restrict, solve
 
-__all__ = ["Edge", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
+__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]

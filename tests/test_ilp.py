@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from autopar.errors import AutoparError, InfeasibleError
-from solver import Edge, Problem, Row, Solution, evaluate, solve
+from solver import Edge, Problem, Row, Solution, Term, evaluate, restrict, solve
 from solver import ilp
 
 GIB = float(1 << 30)
@@ -265,6 +266,46 @@ def test_pair_variables_over_placement_classes_match_brute_force(seed: int, budg
     assert sol.objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)
 
 
+def axis_problem(seed: int, budget_frac: float | None) -> tuple[Problem, int]:
+    """Edges whose cost is a sum over two mesh axes, each seeing only that axis of the ends'
+    placements (three per axis, nine per node): given as terms, the ILP pairs 3 x 3 classes per
+    axis instead of the 9 x 9 placements. Returns the problem and that model's variable count."""
+    rng = random.Random(seed)
+    k = [9] * 4
+    axis = [[(c // 3, c % 3) for c in range(9)] for _ in k]   # choice -> placement per axis
+    costs = tuple(tuple(rng.uniform(0, 1) for _ in range(ki)) for ki in k)
+    memory = tuple(tuple(rng.uniform(0, 4) * GIB for _ in range(ki)) for ki in k)
+    edges = []
+    for u, v in [(0, 1), (1, 2), (2, 3), (3, 0), (1, 3)]:
+        terms = tuple(Term([axis[u][s][a] for s in range(k[u])], [axis[v][d][a] for d in range(k[v])],
+                           [[rng.uniform(0, 2) for _ in range(3)] for _ in range(3)]) for a in range(2))
+        dense = tuple(tuple(sum(t.core[t.rows[s]][t.cols[d]] for t in terms) for d in range(k[v])) for s in range(k[u]))
+        edges.append(Edge(u, v, dense, terms))
+    budget = None
+    if budget_frac is not None:
+        lo, hi = sum(min(m) for m in memory), sum(max(m) for m in memory)
+        budget = lo + budget_frac * (hi - lo)
+    return Problem(costs, memory, tuple(edges), budget), sum(k) + 2 * 9 * len(edges)
+
+
+@pytest.mark.parametrize("budget_frac", [None, 0.3])
+@pytest.mark.parametrize("seed", range(4))
+def test_edge_terms_pair_classes_per_axis_and_match_brute_force(seed: int, budget_frac: float | None) -> None:
+    """An edge given as a sum of terms gets pair variables per term over its classes (two axes
+    of 3 x 3 here), and the optimum is still brute force's, also restricted (as a hand plan is)."""
+    problem, variables = axis_problem(seed, budget_frac)
+    sol = solve(problem)
+    check_solution(problem, sol)
+    assert sol.num_variables == variables
+    assert sol.objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)
+    dense = solve(replace(problem, edges=tuple(Edge(e.src, e.dst, e.cost) for e in problem.edges)))
+    assert dense.num_variables > sum(len(c) for c in problem.costs) + 81 * len(problem.edges) // 2
+    assert sol.objective == pytest.approx(dense.objective, rel=1e-6)
+    allowed = [None, [0, 4, 8], [1, 2, 5, 7], [3]]
+    small = restrict(replace(problem, memory_budget=None), allowed)
+    assert solve(small).objective == pytest.approx(brute_force(small)[0], rel=1e-6, abs=1e-9)
+
+
 def test_time_limit_returns_incumbent() -> None:
     rng = random.Random(7)
     n, k = 300, 6
@@ -297,6 +338,10 @@ def test_time_limit_returns_incumbent() -> None:
         (Problem(((1.0, 2.0),), ((1.0, 1.0),), (), memory_budget=-1.0), "memory_budget"),
         (Problem(((1.0, 2.0),), ((1.0, 1.0),), (), warm_start=(2,)), "warm_start"),
         (Problem(((1.0, 2.0),), ((1.0, 1.0),), (), names=("a", "b")), "names"),
+        (Problem(((1.0, 2.0), (1.0,)), ((1.0, 1.0), (1.0,)),
+                 (Edge(0, 1, ((1.0,), (2.0,)), (Term([0], [0], ((1.0,),)),)),)), "a class per choice"),
+        (Problem(((1.0, 2.0), (1.0,)), ((1.0, 1.0), (1.0,)),
+                 (Edge(0, 1, ((1.0,), (2.0,)), (Term([0, 2], [0], ((1.0,), (2.0,))),)),)), "outside its core"),
     ],
 )
 def test_invalid_input(problem: Problem, match: str) -> None:

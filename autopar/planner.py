@@ -22,7 +22,7 @@ from autopar.units import fmt
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import Profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
-from solver import Edge, Problem, Solution, restrict, solve
+from solver import Edge, Problem, Solution, Term, restrict, solve
 
 log = logging.getLogger("autopar")
 
@@ -224,7 +224,10 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
         sub = np.ix_(choice[i], choice[j])
         if overlap.any():
             queued.append((i, j, overlap[sub].tolist()))
-        edges.append(Edge(owner[i], owner[j], blocking[sub]))
+        # An edge's blocking seconds are its moves' (it computes nothing), a sum over mesh axes
+        # that each see one axis of the placements: the ILP pairs those few classes.
+        terms = tuple(Term(t.rows[choice[i]], t.cols[choice[j]], t.core) for t in priced.edges[(i, j, k)].blocking_terms())
+        edges.append(Edge(owner[i], owner[j], blocking[sub], terms))
     names = tuple(space.nodes[r].node.name for r in grouping.representative)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)
     exposed_rows = timeline.exposed_rows(owner, node_costs, queued, cuts)

@@ -39,6 +39,7 @@ from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time
 from cost_models.hardware import Hardware, get_hardware
 from cost_models.profile import OpTime, Profile, calibration_key
+from solver import Term
 
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
 
@@ -159,20 +160,24 @@ class CostModel:
         return self._moves[key]
 
     def redistribute_grid(self, shape: Sequence[int], dtype: torch.dtype, srcs: Sequence[Placements],
-                          dsts: Sequence[Placements], *, queued: bool = False) -> Cost:
+                          dsts: Sequence[Placements], *, queued: bool = False) -> tuple[Cost, list[Term]]:
         """``redistribute`` from each of ``srcs`` to each of ``dsts`` (concrete shapes only), as a
         grid ``Cost``: each field a [source, destination] array, ``measured`` a bool array (the
         "comm" came from the profile). Each axis is priced once per distinct (source placement,
-        bytes, destination placement): a few calls where the pairs are hundreds of thousands."""
+        bytes, destination placement): a few calls where the pairs are hundreds of thousands.
+        Also returns its seconds (``comm_s``, or ``overlap_s`` if ``queued``) as one
+        ``solver.Term`` per mesh axis; they sum to the grid's."""
         full = float(_numel(shape) * _itemsize(dtype))
         mesh = self.mesh.shape
         time = np.zeros((len(srcs), len(dsts)))
         measured = np.zeros(time.shape, dtype=bool)
-        sent = []
+        sent, terms = [], []
+        scale = self.sync_scale if queued else self.comm_scale   # as ``_in_step`` applies it
         for a in range(len(mesh)):
             rows, row_keys = _classes([(s[a], full * _others_fraction(s, a, mesh)) for s in srcs])
             cols, col_keys = _classes([d[a] for d in dsts])
             table = np.array([[self._axis_move(a, s, d, nbytes) for d in col_keys] for s, nbytes in row_keys])
+            terms.append(Term(rows, cols, table[..., 0] * scale))
             table = table[np.ix_(rows, cols)]   # [source, destination, (seconds, bytes sent, measured)]
             time += table[..., 0]
             sent.append(table[..., 1])
@@ -180,7 +185,8 @@ class CostModel:
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
         buffers = np.where(time > 0, 2 * full * largest, 0.0)   # as in ``redistribute``
-        return self._in_step(Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured), queued)
+        grid = Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
+        return self._in_step(grid, queued), terms
 
     def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float) -> tuple[float, float, bool]:
         """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
@@ -357,18 +363,22 @@ class CostModel:
         rows, src_reps = _classes([(s.out, s.storage) for s in src.strategies])
         cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
         if val is None:
-            return EdgeGrid(rows, cols, Cost())
+            return EdgeGrid(rows, cols, Cost(), ())
         outs = [s for s, _ in src_reps]
         if dst.kind == "output":   # as in ``edge``
-            grid = self.redistribute_grid(val.shape, val.dtype, outs, [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
-            return EdgeGrid(rows, cols, replace(grid, state_bytes=_bytes(val)))
-        grid = self.redistribute_grid(val.shape, val.dtype, outs, [inp for inp, _ in dst_reps])
+            grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs,
+                                                    [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
+            return EdgeGrid(rows, cols, replace(grid, state_bytes=_bytes(val)), tuple(blocking))
+        grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [inp for inp, _ in dst_reps])
         if self._grad_flows(src):
-            back = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
-                                          [_grad_target(out, storage) for out, storage in src_reps],
-                                          queued=src.kind == "param")
+            queued = src.kind == "param"
+            back, terms = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
+                                                   [_grad_target(out, storage) for out, storage in src_reps],
+                                                   queued=queued)
             grid = grid + _transposed(back)
-        return EdgeGrid(rows, cols, grid)
+            if not queued:
+                blocking += [Term(t.cols, t.rows, t.core.T) for t in terms]
+        return EdgeGrid(rows, cols, grid, tuple(blocking))
 
     def _grad_flows(self, src: NodeChoices) -> bool:
         """Does a gradient flow back into ``src``'s output? Not into integers, inputs, buffers and
@@ -413,6 +423,7 @@ class EdgeGrid:
     rows: np.ndarray    # per source strategy: its class
     cols: np.ndarray    # per destination strategy: its class
     classes: Cost       # a grid Cost (``CostModel.redistribute_grid``): [row class, column class] arrays
+    blocking: tuple[Term, ...]   # ``classes.comm_s`` as a sum over mesh axes and directions
 
     def __getitem__(self, pair: tuple[int, int]) -> Cost:
         """The cost with source strategy ``pair[0]`` and destination strategy ``pair[1]``."""
@@ -427,6 +438,11 @@ class EdgeGrid:
         must be arithmetic on the fields (it is applied to the whole grid at once)."""
         core = np.broadcast_to(np.asarray(what(self.classes), dtype=float), (self.rows.max() + 1, self.cols.max() + 1))
         return core[np.ix_(self.rows, self.cols)]
+
+    def blocking_terms(self) -> list[Term]:
+        """The blocking seconds (``matrix(lambda c: c.comm_s)``) as a sum of terms over
+        strategies, each with a few classes: the ILP pairs those instead of the strategies."""
+        return [Term(t.rows[self.rows], t.cols[self.cols], t.core) for t in self.blocking]
 
 
 def _storage_root(node: fx.Node) -> fx.Node:

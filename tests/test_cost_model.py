@@ -4,6 +4,7 @@ communication is hidden only up to the compute under it, and measured numbers re
 roofline where a profile has them."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -259,6 +260,9 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
                 assert got.comm_bytes == pytest.approx(want.comm_bytes, rel=1e-12)
                 assert got.measured == want.measured
                 checked, measured = checked + 1, measured + ("comm" in got.measured)
+        blocking = grid.matrix(lambda c: c.compute_s + c.comm_s)
+        summed = sum((t.core[np.ix_(t.rows, t.cols)] for t in grid.blocking_terms()), np.zeros(blocking.shape))
+        assert summed == pytest.approx(blocking, rel=1e-12, abs=1e-18)   # what the ILP pairs, per axis
         both = grid.matrix(lambda c: c.comm_s + c.overlap_s)
         assert both.shape == (len(src.strategies), len(dst.strategies))
         assert both[-1, -1] == pytest.approx(model.edge(src, src.strategies[-1], dst, dst.strategies[-1], k).time_s)

@@ -214,8 +214,8 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
                   for members, k in zip(per_decision, grouping.sizes))
     # Working memory, with room for a collective's buffers on the largest input (the ILP prices
     # redistributions on edges, which carry no memory term); the largest member's counts.
-    work = [np.array([c.transient_bytes + 2 * max(model.input_bytes(nc, s, floating_only=True), default=0.0)
-                      for c, s in zip(full[i], nc.strategies)])[choice[i]] for i, nc in enumerate(space.nodes)]
+    work = [(np.array([c.transient_bytes for c in full[i]]) + 2 * priced.largest_input[i])[choice[i]]
+            for i in range(len(space.nodes))]
     transient = [np.zeros(k) for k in grouping.sizes]
     for i, w in enumerate(work):
         transient[owner[i]] = np.maximum(transient[owner[i]], w)

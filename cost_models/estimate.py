@@ -231,6 +231,18 @@ class CostModel:
         # (their gradients); input gradients are tracked by the schedule.
         return compute + Cost(saved_bytes=kept, transient_bytes=out_bytes + internal)
 
+    def node_signature(self, nc: NodeChoices) -> tuple:
+        """Everything ``node`` reads of a node besides the strategy: nodes with equal signatures
+        (the same op in identical layers) cost the same under each of their shared strategies."""
+        node = nc.node
+        saved = self.saved(node) if self.saved is not None and nc.kind == "op" else NOTHING
+        counted = self._counted.get(node, frozenset()) & saved.inputs
+        return (id(nc.strategies), nc.kind, node.target, _signature(tensor_val(node)),
+                tuple(_signature(tensor_val(i)) for i in nc.inputs),
+                tuple(repr(a.meta.get("val")) for a in node.all_input_nodes if tensor_val(a) is None),
+                self.saved.grad.get(node, False) if self.saved is not None else None, saved, counted,
+                tuple(_signature(tensor_val(_storage_root(nc.inputs[k]))) for k in sorted(counted)))
+
     def input_bytes(self, nc: NodeChoices, s: Strategy, floating_only: bool = False) -> list[float]:
         """Local bytes of each of the node's tensor inputs under strategy ``s``."""
         return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
@@ -443,6 +455,10 @@ class EdgeGrid:
         """The blocking seconds (``matrix(lambda c: c.comm_s)``) as a sum of terms over
         strategies, each with a few classes: the ILP pairs those instead of the strategies."""
         return [Term(t.rows[self.rows], t.cols[self.cols], t.core) for t in self.blocking]
+
+
+def _signature(val: torch.Tensor | None) -> tuple | None:
+    return None if val is None else (tuple(val.shape), val.dtype)
 
 
 def _storage_root(node: fx.Node) -> fx.Node:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch.fx as fx
 
 from autopar.strategies import VIEW_OPS, Strategy, StrategySpace
@@ -179,11 +180,21 @@ def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy
 
 class PricedSpace:
     """Every node's cost under each of its strategies and every edge's under each pair, priced once
-    (edges of identical layers share one grid) so that many plans of one space cost nothing more."""
+    (nodes and edges of identical layers share theirs) so that many plans of one space cost nothing more."""
 
     def __init__(self, space: StrategySpace, model: CostModel) -> None:
         self.space = space
-        self.nodes = [[model.node(nc, s) for s in nc.strategies] for nc in space.nodes]
+        self.nodes: list[list[Cost]] = []             # per node, per strategy
+        self.largest_input: list[np.ndarray] = []     # per node, per strategy: its largest floating input's bytes
+        shared: dict[tuple, tuple[list[Cost], np.ndarray]] = {}
+        for nc in space.nodes:
+            key = model.node_signature(nc)
+            if key not in shared:
+                shared[key] = ([model.node(nc, s) for s in nc.strategies],
+                               np.array([max(model.input_bytes(nc, s, floating_only=True), default=0.0)
+                                         for s in nc.strategies], dtype=float))
+            self.nodes.append(shared[key][0])
+            self.largest_input.append(shared[key][1])
         grids: dict[tuple, EdgeGrid] = {}
         self.edges: dict[tuple[int, int, int], EdgeGrid] = {}
         for i, j, k in space.edges():

@@ -15,11 +15,12 @@ from autopar.baselines import candidates
 from autopar.capture import capture
 from autopar.planner import plan_captured
 from autopar.strategies import build_space
+from autopar.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.comm import Link
 from cost_models.profile import OpTime, Profile, collective_key
 from cost_models.profile_ops import op_call
-from cost_models.schedule import Timeline
+from cost_models.schedule import PricedSpace, Timeline
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
@@ -267,3 +268,22 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
         assert both.shape == (len(src.strategies), len(dst.strategies))
         assert both[-1, -1] == pytest.approx(model.edge(src, src.strategies[-1], dst, dst.strategies[-1], k).time_s)
     assert checked > 1000 and 0 < measured < checked
+
+
+@pytest.mark.parametrize("name, mesh", [("gpt-tiny", (2, 2)), ("llama-tiny", (2, 1, 2)), ("bert-tiny", (4,))])
+def test_identical_layers_share_node_costs_without_changing_any(name, mesh):
+    """``PricedSpace`` prices a node once per signature (the same op of identical layers): every
+    node's shared costs must be exactly what ``node`` gives it alone, and sharing must happen."""
+    entry = get_model(name)
+    with torch.device("meta"):
+        model = entry.build()
+    args, kwargs = entry.example(2, 16, device="meta")
+    space = build_space(capture(model, args, kwargs), MeshSpec(mesh, hardware="h100-80gb"))
+    model_costs = CostModel(space.mesh, space)
+    priced = PricedSpace(space, model_costs)
+    for i, nc in enumerate(space.nodes):
+        for k, s in enumerate(nc.strategies):
+            assert priced.nodes[i][k] == model_costs.node(nc, s), (nc.node.name, s)
+            largest = max(model_costs.input_bytes(nc, s, floating_only=True), default=0.0)
+            assert priced.largest_input[i][k] == largest, (nc.node.name, s)
+    assert len({id(costs) for costs in priced.nodes}) < 0.8 * len(space.nodes)   # the second layer reuses the first's

@@ -96,10 +96,12 @@ def hand_plans(planning: Planning, *, deadline: float | None = None, share: floa
     sets = role_sets(mesh)
     traits = [_traits(planning.space, nc) for nc in planning.space.nodes]
     out = {}
+    # All hand plans together end by ``end``; each gets an equal part of what is left of it.
+    end = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) * share if deadline is not None else None
     for k, roles in enumerate(sets):
         own = None
-        if deadline is not None:
-            own = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) * share / (len(sets) - k)
+        if end is not None:
+            own = time.perf_counter() + max(end - time.perf_counter(), 0.0) / (len(sets) - k)
         name = plan_name(mesh, roles)
         allowed = _allowed(planning, roles, traits)
         try:

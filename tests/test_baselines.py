@@ -124,3 +124,30 @@ def test_a_solver_plan_must_beat_the_best_hand_plan_by_min_gain(monkeypatch):
     assert "kept_hand_plan" not in solved.solver and solved.predicted.step_time_s == pytest.approx(0.98 * best["s"])
     with pytest.raises(AutoparError, match="min_gain"):
         autopar.plan(model, mesh, args, kwargs, min_gain=1.5)
+
+
+def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
+    """All hand plans together may take ``share`` of the time left, split evenly; the rest is the
+    auto plan's. (Before: each took ``share`` of what the earlier ones left, 75% in all on 3-D.)
+    Each fake solve uses all of its time, on a fake clock."""
+    from types import SimpleNamespace
+
+    from autopar import baselines
+    from autopar.planner import prepare
+
+    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    planning = prepare(autopar.capture.capture(model, args, kwargs), MeshSpec((2, 2, 2), hardware="h100-80gb"))
+    clock = SimpleNamespace(now=0.0)
+    given = []
+
+    def fake_solve(planning, *, deadline, **kwargs):
+        given.append(deadline - clock.now)
+        clock.now = deadline
+        return None, ()
+
+    monkeypatch.setattr(baselines, "solve_planning", fake_solve)
+    monkeypatch.setattr(baselines, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    plans = baselines.hand_plans(planning, deadline=100.0, share=0.4)
+    assert len(plans) == len(given) == 16
+    assert clock.now == pytest.approx(40.0)                    # all within 40% of the 100 s left
+    assert given == pytest.approx([40.0 / 16] * 16)            # an even part each

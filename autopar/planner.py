@@ -33,6 +33,10 @@ DEFAULT_TIME_LIMIT_S = 60.0
 # Cut points of the backward at which the ILP checks memory and exposed communication (the plan's
 # own prediction checks every position).
 CUTS = 8
+# The least time a solve gets past its deadline: enough to return the polished hint (``solver``)
+# and let the solver try to beat it, small enough that 16 hand plans on a 3-D mesh past their
+# share do not eat the auto plan's time.
+MIN_SOLVE_S = 0.25
 # Times the planner adds the moment of a predicted peak above the budget and solves again.
 MAX_MEMORY_REPAIRS = 4
 # The solver's plan replaces the best fitting hand plan only when predicted at least this much
@@ -137,7 +141,7 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
     cuts = planning.cuts
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
         with _stage(planning.timings, stage):   # the deadline covers every solve of the repair loop together
-            left = max(deadline - time.perf_counter(), 1.0) if deadline is not None else None
+            left = max(deadline - time.perf_counter(), MIN_SOLVE_S) if deadline is not None else None
             solution = solve(restrict(problem, allowed), time_limit=left, relative_gap=RELATIVE_GAP)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
             plan, sim = _make_plan(planning, choices, solution, name)

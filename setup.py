@@ -10,7 +10,7 @@ setup(
     install_requires=[
         "torch>=2.13.0,<2.14",
         "networkx>=3.0",
-        "ortools>=9.12",
+        "ortools>=9.12,<10",   # solver.ilp calls math_opt's solver binding directly
         "sympy>=1.12",
     ],
     extras_require={"test": ["pytest>=8", "transformers>=4.50"]},

@@ -139,7 +139,8 @@ def _calibration_plan(hand: str) -> bool:
 @dataclass(frozen=True)
 class _Row:
     """One calibration plan at one size: its measured step and its predicted parts, in seconds."""
-    label: str
+    label: str        # workload, size and plan, for progress lines
+    plan: str         # "replicated", or the hand plan's name
     measured: float
     ops: float        # ops alone (the profile's timings)
     overheads: float  # the runtime's per-call costs (micro-benchmarks)
@@ -177,7 +178,7 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
             f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
             f"other {r.rest * 1e3:.1f} ms")
     if replicated:
-        a, b = _fit([r for r in rows if r.label.endswith("replicated")], lambda r: (r.ops, r.overheads),
+        a, b = _fit([r for r in rows if r.plan == "replicated"], lambda r: (r.ops, r.overheads),
                     lambda r: r.unfitted)
         say(f"calibrated: ops run {a:.2f}x their time alone, runtime overheads {b:.2f}x their micro-benchmarks")
     else:
@@ -240,7 +241,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, batch: int, seq: in
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
         overhead = sum(cost.overhead(nc, s) for nc, s in ops)
         p = plan.predicted
-        rows.append(_Row(f"{name} {batch}x{seq} {label}", max(m[label] for m in measured), alone, overhead,
+        rows.append(_Row(f"{name} {batch}x{seq} {label}", label, max(m[label] for m in measured), alone, overhead,
                          p.comm_s, p.exposed_comm_s, p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
     return rows
 

@@ -98,7 +98,7 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     def rows(spec, path, name, batch, seq, replicated):
         asked.append(replicated)
         comm, sync = 0.001 * batch, 0.0005 * seq
-        return [_Row(f"{name} {batch}x{seq} ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
+        return [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
                      ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)]
 
     monkeypatch.setattr(profiling, "_calibration_rows", rows)
@@ -117,7 +117,7 @@ def test_calibration_fit_recovers_in_step_factors():
     data cannot see stays 1; one far outside [0.5, 4] is clamped (noise, not the machine)."""
     from cost_models.profiling import _fit, _Row
 
-    rows = [_Row(f"r{k}", measured=0.0, ops=o, overheads=h, comm=c, sync=y, rest=0.01)
+    rows = [_Row(f"r{k}", "ddp", measured=0.0, ops=o, overheads=h, comm=c, sync=y, rest=0.01)
             for k, (o, h, c, y) in enumerate([(0.01, 0.02, 0.03, 0.0), (0.04, 0.02, 0.05, 0.02),
                                               (0.09, 0.02, 0.01, 0.06)])]
     rows = [replace(r, measured=r.rest + 1.5 * r.ops + 0.75 * r.overheads + 2 * r.comm + 0.6 * r.sync) for r in rows]

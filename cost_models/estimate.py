@@ -172,12 +172,11 @@ class CostModel:
         time = np.zeros((len(srcs), len(dsts)))
         measured = np.zeros(time.shape, dtype=bool)
         sent, terms = [], []
-        scale = self.sync_scale if queued else self.comm_scale   # as ``_in_step`` applies it
         for a in range(len(mesh)):
             rows, row_keys = _classes([(s[a], full * _others_fraction(s, a, mesh)) for s in srcs])
             cols, col_keys = _classes([d[a] for d in dsts])
             table = np.array([[self._axis_move(a, s, d, nbytes) for d in col_keys] for s, nbytes in row_keys])
-            terms.append(Term(rows, cols, table[..., 0] * scale))
+            terms.append(Term(rows, cols, table[..., 0] * self._in_step_scale(queued)))
             table = table[np.ix_(rows, cols)]   # [source, destination, (seconds, bytes sent, measured)]
             time += table[..., 0]
             sent.append(table[..., 1])
@@ -203,8 +202,11 @@ class CostModel:
         """A redistribution inside a step, at its in-step factor: blocking, or a queued gradient
         synchronisation (``overlap_s``, no staging buffers of its own)."""
         if queued:
-            return Cost(overlap_s=c.comm_s * self.sync_scale, comm_bytes=c.comm_bytes, measured=c.measured)
-        return replace(c, comm_s=c.comm_s * self.comm_scale)
+            return Cost(overlap_s=c.comm_s * self._in_step_scale(queued), comm_bytes=c.comm_bytes, measured=c.measured)
+        return replace(c, comm_s=c.comm_s * self._in_step_scale(queued))
+
+    def _in_step_scale(self, queued: bool) -> float:
+        return self.sync_scale if queued else self.comm_scale
 
     def _link(self, kind: str, axis: int) -> Link:
         """The profile's fitted link for this collective and group size, else the preset's."""

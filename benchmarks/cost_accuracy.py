@@ -378,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra keyword argument of autopar.plan (VALUE parsed as JSON if it can be); repeatable")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
-    ap.add_argument("--launches", type=int, default=2,
-                    help="separate launches of each config, taking turns; the fastest counts (default 2)")
+    ap.add_argument("--launches", type=int, default=3,
+                    help="separate launches of each config, taking turns; the fastest counts (default 3)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per config (default 600)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
     ap.add_argument("--no-profile", action="store_true",

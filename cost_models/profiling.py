@@ -116,7 +116,9 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
     if calibrate and _uncalibrated(profile, spec):
-        profile.calibration.update(_calibrate(spec, path, say, profile.calibration))
+        factors = _calibrate(spec, path, say, profile.calibration)
+        profile = Profile.from_json(path)   # now with the calibration workloads' ops too
+        profile.calibration.update(factors)
         profile.to_json(path)
     return profile, path
 
@@ -124,10 +126,10 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
 #: Calibration workloads: a model at sizes the cost-accuracy benchmark does not run, from one
 #: where the runtime's per-call costs dominate to one where the ops do.
 CALIBRATION = ("gpt-tiny", ((4, 16), (12, 48), (24, 64)))
-CALIBRATION_STEPS = 8
+CALIBRATION_STEPS = 6
 #: Each plan is timed in this many rounds, taking turns with the others; its fastest round counts
 #: (other work on the host only ever slows a round down).
-CALIBRATION_ROUNDS = 3
+CALIBRATION_ROUNDS = 5
 
 
 def _calibration_plan(hand: str) -> bool:
@@ -172,7 +174,7 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
       CPU ranks share their cores with the compute of others."""
     name, sizes = CALIBRATION
     replicated = "ops" not in known
-    rows = [r for batch, seq in sizes for r in _calibration_rows(spec, path, name, batch, seq, replicated)]
+    rows = _calibration_rows(spec, path, name, sizes, replicated)
     for r in rows:
         say(f"calibration {r.label}: step {r.measured * 1e3:.1f} ms; ops alone {r.ops * 1e3:.1f}, runtime overheads "
             f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
@@ -205,44 +207,49 @@ def _fit(rows: Sequence[_Row], x: Callable[[_Row], tuple[float, float]], y: Call
     return tuple(float(min(max(f, 0.5), 4.0)) for f in factors)   # type: ignore[return-value]
 
 
-def _calibration_rows(spec: MeshSpec, path: Path, name: str, batch: int, seq: int, replicated: bool) -> list[_Row]:
-    """One workload: every op replicated (if ``replicated``), and on several devices the
-    calibration hand plans, each planned with the profile's uncalibrated numbers and timed on
-    this mesh."""
+def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tuple[int, int]], replicated: bool
+                      ) -> list[_Row]:
+    """The workload at each size: every op replicated (if ``replicated``), and on several devices
+    the calibration hand plans, each planned with the profile's uncalibrated numbers; all of them
+    timed in one launch on this mesh (``_calibration_worker``)."""
     from autopar.baselines import hand_plans
     from autopar.planner import plan_captured, prepare
     from autopar.zoo import get_model
 
     entry = get_model(name)
-    model = entry.build()
-    args, kwargs = entry.example(batch, seq)
-    profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
-    profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
-    captured = capture(model, args, kwargs)
-    space = build_space(captured, spec)
-    plans = {}
-    if replicated:
-        chosen = [_replicated(nc.strategies) for nc in space.nodes]
-        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
-        plans["replicated"] = (plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
-                               CostModel(spec, space, profile=profile), space, chosen)
-    if spec.size > 1:
-        planning = prepare(captured, spec, profile=profile)
-        for hand, (plan, choices) in hand_plans(planning).items():
-            if _calibration_plan(hand):
-                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
-                plans[hand] = (plan, planning.model, planning.space, chosen)
-    measured = run_on_gloo_mesh(_calibration_worker, spec.shape, name, batch, seq,
-                                {label: p[0].to_json() for label, p in plans.items()},
+    plans = {}   # label -> (plan, its cost model, space, chosen strategies, batch, seq)
+    for batch, seq in sizes:
+        model = entry.build()
+        args, kwargs = entry.example(batch, seq)
+        profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
+        profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
+        captured = capture(model, args, kwargs)
+        space = build_space(captured, spec)
+        if replicated:
+            chosen = [_replicated(nc.strategies) for nc in space.nodes]
+            forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
+            plans[(batch, seq, "replicated")] = (
+                plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
+                CostModel(spec, space, profile=profile), space, chosen)
+        if spec.size > 1:
+            planning = prepare(captured, spec, profile=profile)
+            for hand, (plan, choices) in hand_plans(planning).items():
+                if _calibration_plan(hand):
+                    chosen = [nc.strategies[k]
+                              for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
+                    plans[(batch, seq, hand)] = (plan, planning.model, planning.space, chosen)
+    measured = run_on_gloo_mesh(_calibration_worker, spec.shape, name,
+                                [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []
-    for label, (plan, cost, plan_space, chosen) in plans.items():
+    for (batch, seq, hand), (plan, cost, plan_space, chosen) in plans.items():
         ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
         overhead = sum(cost.overhead(nc, s) for nc, s in ops)
         p = plan.predicted
-        rows.append(_Row(f"{name} {batch}x{seq} {label}", label, max(m[label] for m in measured), alone, overhead,
-                         p.comm_s, p.exposed_comm_s, p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
+        slowest = max(m[(batch, seq, hand)] for m in measured)
+        rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, slowest, alone, overhead, p.comm_s, p.exposed_comm_s,
+                         p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
     return rows
 
 
@@ -254,25 +261,29 @@ def _replicated(strategies: list[Strategy]) -> Strategy:
     return next(s for s in strategies if whole(s.out) and whole(s.storage) and all(whole(i) for i in s.ins))
 
 
-def _calibration_worker(mesh: DeviceMesh, name: str, batch: int, seq: int, plans: dict[str, str]) -> dict[str, float]:
-    """Seconds of one training step (AdamW) of the calibration model under each plan on this
-    rank: the median of ``CALIBRATION_STEPS`` steps, in ``CALIBRATION_ROUNDS`` rounds taking
-    turns with the other plans, the fastest round."""
+def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int, int, str], str]]
+                        ) -> dict[tuple[int, int, str], float]:
+    """Seconds of one training step (AdamW) of the calibration model under each (batch, seq,
+    plan) on this rank: the median of ``CALIBRATION_STEPS`` steps, in ``CALIBRATION_ROUNDS``
+    rounds taking turns with all the others, the fastest round. Turns spread each plan's rounds
+    over the whole run: the host's slow spells last seconds, and would otherwise slow every
+    round of one plan alike."""
     import autopar
     from autopar.measure import time_training
     from autopar.zoo import get_model
 
     entry = get_model(name)
-    args, kwargs = entry.example(batch, seq)
     runs = {}
-    for label, plan_json in plans.items():
+    for key, plan_json in plans:
+        batch, seq, _ = key
+        args, kwargs = entry.example(batch, seq)
         sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
-        runs[label] = (sharded, torch.optim.AdamW(sharded.parameters()))
-    best = dict.fromkeys(plans, math.inf)
+        runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
+    best = dict.fromkeys(runs, math.inf)
     for _ in range(CALIBRATION_ROUNDS):
-        for label, (sharded, optimizer) in runs.items():
-            times = time_training(sharded, [(args, kwargs)], optimizer, warmup=2, steps=CALIBRATION_STEPS)
-            best[label] = min(best[label], statistics.median(times))
+        for key, (sharded, optimizer, batch) in runs.items():
+            times = time_training(sharded, [batch], optimizer, warmup=1, steps=CALIBRATION_STEPS)
+            best[key] = min(best[key], statistics.median(times))
     return best
 
 

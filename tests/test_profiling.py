@@ -95,11 +95,11 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
 
     asked = []
 
-    def rows(spec, path, name, batch, seq, replicated):
+    def rows(spec, path, name, sizes, replicated):
         asked.append(replicated)
-        comm, sync = 0.001 * batch, 0.0005 * seq
         return [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
-                     ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)]
+                     ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)
+                for batch, seq in sizes for comm, sync in [(0.001 * batch, 0.0005 * seq)]]
 
     monkeypatch.setattr(profiling, "_calibration_rows", rows)
     known = {"ops": 1.2, "overheads": 1.0, "comm@4": 1.5, "sync@4": 0.7, "overlap": 0.3}

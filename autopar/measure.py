@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 
-__all__ = ["StepMeasurement", "measure_training", "time_training", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
+__all__ = ["StepMeasurement", "measure_training", "time_training", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
 
 Batch = tuple[tuple, dict]
 
@@ -161,6 +161,15 @@ def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def slowest_rank_steps(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Each timed step's seconds on its slowest rank, from every rank's ``time_training`` list:
+    the ranks time the same steps, each starting after a barrier, so a step lasts as long as its
+    slowest rank takes."""
+    if len({len(steps) for steps in per_rank}) != 1:
+        raise AutoparError(f"ranks timed different numbers of steps: {[len(steps) for steps in per_rank]}")
+    return [max(step) for step in zip(*per_rank)]
 
 
 def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,

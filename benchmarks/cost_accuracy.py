@@ -45,7 +45,7 @@ import autopar
 from autopar.cli import parse_mesh
 from autopar.errors import AutoparError
 from autopar.launch import run_on_gloo_mesh
-from autopar.measure import measure_training
+from autopar.measure import measure_training, slowest_rank_steps
 from autopar.mesh import hardware_for_device
 from autopar.units import fmt
 from cost_models.profiling import profile_model
@@ -262,21 +262,25 @@ def measure_config(record: dict[str, Any], device: str, warmup: int, steps: int,
     else:
         ranks = run_on_gloo_mesh(_rank_worker, tuple(record["mesh"]), *worker_args, timeout_s=timeout_s,
                                  start_method="forkserver")
-    record["launches"].append({"run_s": time.perf_counter() - t0, "ranks": ranks,
-                               "step_s": max(r["step_s"] for r in ranks), "peak_bytes": max(r["peak_bytes"] for r in ranks)})
+    steps = slowest_rank_steps([r["step_s_all"] for r in ranks])
+    record["launches"].append({"run_s": time.perf_counter() - t0, "ranks": ranks, "slowest_rank_steps_s": steps,
+                               "step_s": statistics.median(steps), "peak_bytes": max(r["peak_bytes"] for r in ranks)})
 
 
 def finish_record(record: dict[str, Any]) -> None:
-    """Measured figures over the launches: the fastest launch's step (the slowest rank's median;
-    load from elsewhere only ever slows a launch down), the lowest peak (the CPU measurement can
-    only err high, see ``autopar.measure``: frees of blocks allocated before the step are not
-    seen; CUDA's peak counter is exact and launches agree), and how far the launches' steps and
-    peaks spread (``launch_spread_pct``: slowest over fastest, the noise floor;
-    ``peak_spread_pct``). The plan's JSON is dropped: the record keeps its summary."""
+    """Measured figures over the launches: the typical step (each timed step's slowest rank,
+    pooled over all launches, the median: the figure the cost model predicts, its calibration
+    measured the same way), the lowest peak (the CPU measurement can only err high, see
+    ``autopar.measure``: frees of blocks allocated before the step are not seen; CUDA's peak
+    counter is exact and launches agree), and how far the launches' typical steps and peaks
+    spread (``launch_spread_pct``: slowest over fastest, the noise floor; ``peak_spread_pct``).
+    The plan's JSON is dropped: the record keeps its summary."""
     del record["plan_json"]
-    steps = [launch["step_s"] for launch in record["launches"]]
-    peaks = [launch["peak_bytes"] for launch in record["launches"]]
-    record["measured_step_s"], record["measured_peak_bytes"] = min(steps), min(peaks)
+    launches = record["launches"]
+    steps = [launch["step_s"] for launch in launches]
+    peaks = [launch["peak_bytes"] for launch in launches]
+    record["measured_step_s"] = statistics.median(s for launch in launches for s in launch["slowest_rank_steps_s"])
+    record["measured_peak_bytes"] = min(peaks)
     record["launch_spread_pct"], record["peak_spread_pct"] = _spread_pct(steps), _spread_pct(peaks)
     record["step_error_pct"] = error_pct(record["predicted"]["step_time_s"], record["measured_step_s"])
     record["memory_error_pct"] = error_pct(record["predicted"]["peak_memory_bytes"], record["measured_peak_bytes"])
@@ -379,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (default 10)")
     ap.add_argument("--launches", type=int, default=3,
-                    help="separate launches of each config, taking turns; the fastest counts (default 3)")
+                    help="separate launches of each config, taking turns; the median of all their steps counts "
+                         "(default 3)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per config (default 600)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
     ap.add_argument("--no-profile", action="store_true",
@@ -414,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     # Launch k of every config runs after launch k-1 of all of them: a slow spell of the host
-    # hits different configs in different launches, and the fastest launch of each counts.
+    # hits different configs in different launches, and the median pools the steps of all.
     records = result["configs"]
     for launch in range(a.launches):
         for i, cfg in enumerate(configs):
@@ -446,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = result["machine"]["load_avg_1_5_15min"][0], result["load_avg_at_end"][0]
     print(f"Cost model accuracy on {result['machine']['cpu']} ({result['machine']['cores']} cores, load "
           f"{load[0]:.1f} at start, {load[1]:.1f} at end), torch {torch.__version__}, device {a.device}, planned for "
-          f"{hardware}; median of {a.steps} timed steps after {a.warmup} warm-up, fastest of {a.launches} launches, AdamW:")
+          f"{hardware}; median of {a.steps} timed steps (slowest rank) after {a.warmup} warm-up in each of {a.launches} launches, AdamW:")
     print(format_table([table_row(r) for r in result["configs"]]))
     print()
     print(format_summary(summary))

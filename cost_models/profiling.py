@@ -9,7 +9,6 @@ rank's time is kept), then the collectives per mesh axis and the runtime's overh
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.capture import capture
 from autopar.launch import run_on_gloo_mesh
+from autopar.measure import slowest_rank_steps
 from autopar.mesh import MeshSpec, as_mesh_spec, hardware_for_device
 from autopar.placements import Placements
 from autopar.strategies import Strategy, build_space
@@ -127,8 +127,8 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
 #: where the runtime's per-call costs dominate to one where the ops do.
 CALIBRATION = ("gpt-tiny", ((4, 16), (12, 48), (24, 64)))
 CALIBRATION_STEPS = 6
-#: Each plan is timed in this many rounds, taking turns with the others; its fastest round counts
-#: (other work on the host only ever slows a round down).
+#: Each plan is timed in this many rounds, taking turns with the others; the median of all its
+#: steps counts.
 CALIBRATION_ROUNDS = 5
 
 
@@ -247,8 +247,8 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tup
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
         overhead = sum(cost.overhead(nc, s) for nc, s in ops)
         p = plan.predicted
-        slowest = max(m[(batch, seq, hand)] for m in measured)
-        rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, slowest, alone, overhead, p.comm_s, p.exposed_comm_s,
+        typical = statistics.median(slowest_rank_steps([m[(batch, seq, hand)] for m in measured]))
+        rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,
                          p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
     return rows
 
@@ -262,12 +262,12 @@ def _replicated(strategies: list[Strategy]) -> Strategy:
 
 
 def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int, int, str], str]]
-                        ) -> dict[tuple[int, int, str], float]:
-    """Seconds of one training step (AdamW) of the calibration model under each (batch, seq,
-    plan) on this rank: the median of ``CALIBRATION_STEPS`` steps, in ``CALIBRATION_ROUNDS``
-    rounds taking turns with all the others, the fastest round. Turns spread each plan's rounds
-    over the whole run: the host's slow spells last seconds, and would otherwise slow every
-    round of one plan alike."""
+                        ) -> dict[tuple[int, int, str], list[float]]:
+    """Seconds of each timed training step (AdamW) of the calibration model under each (batch,
+    seq, plan) on this rank, ``CALIBRATION_STEPS`` at a time in ``CALIBRATION_ROUNDS`` rounds
+    taking turns with all the others. Turns spread each plan's steps over the whole run: the
+    host's slow and fast spells last seconds, and the median of steps spread over them is the
+    typical step, the figure the cost model predicts."""
     import autopar
     from autopar.measure import time_training
     from autopar.zoo import get_model
@@ -279,12 +279,11 @@ def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int
         args, kwargs = entry.example(batch, seq)
         sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
-    best = dict.fromkeys(runs, math.inf)
+    steps: dict[tuple[int, int, str], list[float]] = {key: [] for key in runs}
     for _ in range(CALIBRATION_ROUNDS):
         for key, (sharded, optimizer, batch) in runs.items():
-            times = time_training(sharded, [batch], optimizer, warmup=1, steps=CALIBRATION_STEPS)
-            best[key] = min(best[key], statistics.median(times))
-    return best
+            steps[key] += time_training(sharded, [batch], optimizer, warmup=1, steps=CALIBRATION_STEPS)
+    return steps
 
 
 def _op_name(target: Any) -> str:

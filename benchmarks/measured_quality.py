@@ -27,7 +27,7 @@ import torch.distributed as dist
 import autopar
 from autopar.baselines import candidates
 from autopar.launch import run_on_gloo_mesh
-from autopar.measure import time_training
+from autopar.measure import slowest_rank_steps, time_training
 from autopar.zoo import get_model
 from cost_models.profiling import profile_model
 
@@ -75,7 +75,7 @@ def run(name: str, mesh: tuple[int, ...], rounds: int) -> dict:
     ranks = run_on_gloo_mesh(_worker, mesh, name, {k: p.to_json() for k, p in timed.items()}, rounds,
                              start_method="forkserver")
     # per plan: each round's slowest rank, then the fastest round
-    rounds_s = {k: [max(r[k][i] for r in ranks) for i in range(rounds)] for k in timed}
+    rounds_s = {k: slowest_rank_steps([r[k] for r in ranks]) for k in timed}
     rounds_s["auto"] = rounds_s[kept or "auto"]
     measured = {k: min(v) for k, v in rounds_s.items()}
     best = min(hands, key=lambda k: measured[k])

@@ -217,7 +217,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tup
     from autopar.zoo import get_model
 
     entry = get_model(name)
-    plans = {}   # label -> (plan, its cost model, space, chosen strategies, batch, seq)
+    plans = {}   # (batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
     for batch, seq in sizes:
         model = entry.build()
         args, kwargs = entry.example(batch, seq)
@@ -281,8 +281,8 @@ def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
     steps: dict[tuple[int, int, str], list[float]] = {key: [] for key in runs}
     for _ in range(CALIBRATION_ROUNDS):
-        for key, (sharded, optimizer, batch) in runs.items():
-            steps[key] += time_training(sharded, [batch], optimizer, warmup=1, steps=CALIBRATION_STEPS)
+        for key, (sharded, optimizer, inputs) in runs.items():
+            steps[key] += time_training(sharded, [inputs], optimizer, warmup=1, steps=CALIBRATION_STEPS)
     return steps
 
 

@@ -48,7 +48,6 @@ from autopar.launch import run_on_gloo_mesh
 from autopar.measure import measure_training, slowest_rank_steps
 from autopar.mesh import hardware_for_device
 from autopar.units import fmt
-from cost_models.host_speed import HostClock, typical_probe_s
 from cost_models.profiling import profile_model
 from autopar.zoo import get_model
 
@@ -131,8 +130,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     (each with ``step_error_pct``, ``memory_error_pct``, ``launch_spread_pct``, ``peak_spread_pct``,
     ``label``), the worst memory under-prediction (0 when memory is never under-predicted), and
     the spread between launches of one config (the measurement's own noise): median and worst in
-    step time, worst in peak memory; where every row has one, the median and worst step error at
-    the host's typical speed (``finish_record``)."""
+    step time, worst in peak memory."""
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return {"n": 0}
@@ -141,7 +139,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     worst_step = max(ok, key=lambda r: abs(r["step_error_pct"]))
     worst_mem = max(ok, key=lambda r: abs(r["memory_error_pct"]))
     most_under = min(ok, key=lambda r: r["memory_error_pct"])
-    summary = {
+    return {
         "n": len(ok),
         "step_median_abs_pct": statistics.median(step), "step_worst_abs_pct": max(step),
         "step_worst_config": worst_step["label"],
@@ -153,11 +151,6 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "launch_spread_worst_pct": max(r["launch_spread_pct"] for r in ok),
         "peak_spread_worst_pct": max(r["peak_spread_pct"] for r in ok),
     }
-    if all("step_error_at_typical_speed_pct" in r for r in ok):
-        at_typical = [abs(r["step_error_at_typical_speed_pct"]) for r in ok]
-        summary.update(step_at_typical_speed_median_abs_pct=statistics.median(at_typical),
-                       step_at_typical_speed_worst_abs_pct=max(at_typical))
-    return summary
 
 
 def verdicts(summary: dict[str, Any]) -> list[tuple[str, bool, float, float]]:
@@ -190,12 +183,9 @@ def _rank_worker(mesh: DeviceMesh, model_name: str, batch: int, seq: int, plan_j
     pmodel = autopar.compile(model, mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
     compile_s = time.perf_counter() - t0
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
-    clock = HostClock() if device.type == "cpu" else None
-    before = clock.run_seconds() if clock is not None else 0.0
     m = measure_training(pmodel, [(args, kwargs)], optimizer, warmup=warmup, steps=steps)
-    probe = (before + clock.run_seconds()) / 2 / clock.calls if clock is not None else None
     return {"rank": dist.get_rank(), "compile_s": compile_s, "threads": torch.get_num_threads(),
-            "probe_s": probe, **dataclasses.asdict(m)}
+            **dataclasses.asdict(m)}
 
 
 def _cuda_rank(rank: int, n: int, port: int, shape: tuple[int, ...], fn: Callable[..., Any], args: tuple,
@@ -254,14 +244,11 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     args, kwargs = entry.example(cfg.batch, cfg.seq, device=device)
     spec = autopar.MeshSpec(cfg.mesh, None, hardware)
     profile_s = 0.0
-    typical_probe = None
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
-        measured, _ = profile_model(model, spec, args, kwargs, progress=None)
-        typical_probe = typical_probe_s(measured.host_probe_s)
+        profile_model(model, spec, args, kwargs, progress=None)
         profile_s = time.perf_counter() - t0
     plan = autopar.plan(model, spec, args, kwargs, **plan_kwargs)
     return {**dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s,
-            "typical_probe_s": typical_probe,
             "plan_s": time.perf_counter() - t0 - profile_s, "predicted": dataclasses.asdict(plan.predicted),
             "plan": _plan_summary(plan), "plan_json": plan.to_json(), "launches": []}
 
@@ -276,10 +263,8 @@ def measure_config(record: dict[str, Any], device: str, warmup: int, steps: int,
         ranks = run_on_gloo_mesh(_rank_worker, tuple(record["mesh"]), *worker_args, timeout_s=timeout_s,
                                  start_method="forkserver")
     steps = slowest_rank_steps([r["step_s_all"] for r in ranks])
-    probes = [r["probe_s"] for r in ranks if r["probe_s"] is not None]
     record["launches"].append({"run_s": time.perf_counter() - t0, "ranks": ranks, "slowest_rank_steps_s": steps,
-                               "step_s": statistics.median(steps), "peak_bytes": max(r["peak_bytes"] for r in ranks),
-                               "probe_s": statistics.median(probes) if probes else None})
+                               "step_s": statistics.median(steps), "peak_bytes": max(r["peak_bytes"] for r in ranks)})
 
 
 def finish_record(record: dict[str, Any]) -> None:
@@ -289,10 +274,6 @@ def finish_record(record: dict[str, Any]) -> None:
     ``autopar.measure``: frees of blocks allocated before the step are not seen; CUDA's peak
     counter is exact and launches agree), and how far the launches' typical steps and peaks
     spread (``launch_spread_pct``: slowest over fastest, the noise floor; ``peak_spread_pct``).
-    On CPU, also how fast the host ran during the launches against the typical speed the profile's
-    seconds are at (``host_speed_pct``, from the host probe, ``cost_models.host_speed``), and the
-    step error once each launch's steps are scaled to that typical speed
-    (``step_error_at_typical_speed_pct``): the part of the error the host's drift does not explain.
     The plan's JSON is dropped: the record keeps its summary."""
     del record["plan_json"]
     launches = record["launches"]
@@ -303,12 +284,6 @@ def finish_record(record: dict[str, Any]) -> None:
     record["launch_spread_pct"], record["peak_spread_pct"] = _spread_pct(steps), _spread_pct(peaks)
     record["step_error_pct"] = error_pct(record["predicted"]["step_time_s"], record["measured_step_s"])
     record["memory_error_pct"] = error_pct(record["predicted"]["peak_memory_bytes"], record["measured_peak_bytes"])
-    typical = record.get("typical_probe_s")
-    if typical and all(launch["probe_s"] for launch in launches):
-        record["host_speed_pct"] = 100 * typical / statistics.median(launch["probe_s"] for launch in launches)
-        at_typical = statistics.median(s * typical / launch["probe_s"]
-                                       for launch in launches for s in launch["slowest_rank_steps_s"])
-        record["step_error_at_typical_speed_pct"] = error_pct(record["predicted"]["step_time_s"], at_typical)
 
 
 def _spread_pct(values: Sequence[float]) -> float:
@@ -318,17 +293,17 @@ def _spread_pct(values: Sequence[float]) -> float:
 
 # --------------------------------------------------------------------------------------- output
 
-HEADERS = ("model", "mesh", "batch x seq", "pred step ms", "meas step ms", "err %", "launch spread %", "host speed %",
+HEADERS = ("model", "mesh", "batch x seq", "pred step ms", "meas step ms", "err %", "launch spread %",
            "pred peak MiB", "meas peak MiB", "err %")
 
 
 def table_row(r: dict[str, Any]) -> tuple[str, ...]:
     head = (r["model"], mesh_str(r["mesh"]), f"{r['batch']}x{r['seq']}")
     if r["status"] != "ok":
-        return head + ("failed",) + ("",) * 7
+        return head + ("failed",) + ("",) * 6
     p = r["predicted"]
     return head + (f"{p['step_time_s'] * 1e3:.2f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{r['step_error_pct']:+.0f}",
-                   f"{r['launch_spread_pct']:.0f}", f"{r['host_speed_pct']:.0f}" if "host_speed_pct" in r else "-",
+                   f"{r['launch_spread_pct']:.0f}",
                    f"{p['peak_memory_bytes'] / 2**20:.2f}", f"{r['measured_peak_bytes'] / 2**20:.2f}",
                    f"{r['memory_error_pct']:+.0f}")
 
@@ -356,10 +331,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"noise floor: the launches of one config spread by {s['launch_spread_median_pct']:.1f}% (median), "
         f"{s['launch_spread_worst_pct']:.1f}% (worst) in step time, up to {s['peak_spread_worst_pct']:.1f}% in peak memory",
     ]
-    if "step_at_typical_speed_median_abs_pct" in s:
-        lines.append(f"host drift: with each launch scaled to the host's typical speed (host probe), the step time "
-                     f"error would be median {s['step_at_typical_speed_median_abs_pct']:.1f}%, worst "
-                     f"{s['step_at_typical_speed_worst_abs_pct']:.1f}% (a diagnostic; the targets use the real times)")
     lines += [f"{'PASS' if ok else 'FAIL'}: {name} {value:.1f}% (target <= {limit:g}%)"
               for name, ok, value, limit in verdicts(summary)]
     return "\n".join(lines)

@@ -4,9 +4,7 @@ A ``Profile`` holds
 * ``ops``: forward and backward seconds of one op at one set of local shapes (``op_key``);
 * ``collectives``: a fitted ``Link`` (latency + bandwidth) per collective kind and group size,
   measured through the runtime's own ``redistribute`` (so its Python overhead is in the latency);
-* ``overheads``: seconds the generated code's runtime adds per call site (see ``OVERHEADS``);
-* ``host_probe_s``: on CPU, the host probe's speed beside every measurement (``host_speed``): all
-  the profile's seconds are seconds at the median of these, the host's typical speed.
+* ``overheads``: seconds the generated code's runtime adds per call site (see ``OVERHEADS``).
 
 It is keyed by a hardware fingerprint: a profile taken on another device, torch version, thread
 count or number of processes sharing the host (CPU cores are shared) does not describe this run,
@@ -18,7 +16,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,13 +24,9 @@ import torch
 
 from autopar.errors import AutoparError
 from cost_models.comm import Link
-from cost_models.host_speed import NOMINAL_PROBE_S, typical_probe_s
 
-PROFILE_VERSION = 5   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
-                      # 4: collective factors per mesh shape; 5: seconds at the host's typical speed
-#: Probe samples a profile keeps; beyond this every other one of the sorted samples is dropped
-#: (the median stays).
-MAX_PROBE_SAMPLES = 2048
+PROFILE_VERSION = 4   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+                      # 4: collective factors per mesh shape
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 OVERHEADS = {
@@ -63,9 +56,6 @@ class OpTime:
     def total_s(self) -> float:
         return self.fwd_s + self.bwd_s
 
-    def scaled(self, factor: float) -> "OpTime":
-        return OpTime(self.fwd_s * factor, self.bwd_s * factor)
-
 
 @dataclass
 class Profile:
@@ -79,24 +69,6 @@ class Profile:
     # (blocking) and "sync@AxB" (queued gradient sync) (``calibration_key``), fitted on fixed
     # calibration workloads (``profiling``); and "overlap".
     calibration: dict[str, float] = field(default_factory=dict)
-    host_probe_s: list[float] = field(default_factory=list)   # seconds per probe call (host_speed)
-
-    @classmethod
-    def measured(cls, fingerprint: dict[str, Any], ops: dict[str, OpTime], collectives: dict[str, Link],
-                 overheads: dict[str, float], calibration: dict[str, float], host_probe_s: list[float]) -> "Profile":
-        """A profile of numbers measured at the nominal host speed (``host_speed.HostClock``), in
-        seconds at the typical speed of the probe samples; without samples (CUDA), as they are."""
-        profile = cls(fingerprint, ops, collectives, overheads, calibration, list(host_probe_s))
-        typical = typical_probe_s(host_probe_s)
-        return profile._scaled(typical / NOMINAL_PROBE_S) if typical is not None else profile
-
-    def _scaled(self, factor: float) -> "Profile":
-        """This profile with every time multiplied by ``factor`` (bandwidths divided by it)."""
-        return Profile(self.fingerprint, {k: v.scaled(factor) for k, v in self.ops.items()},
-                       {k: Link(bandwidth=v.bandwidth / factor, latency=v.latency * factor)
-                        for k, v in self.collectives.items()},
-                       {k: v * factor for k, v in self.overheads.items()}, dict(self.calibration),
-                       list(self.host_probe_s))
 
     def link(self, kind: str, n: int) -> Link | None:
         return self.collectives.get(collective_key(kind, n))
@@ -105,18 +77,6 @@ class Profile:
         """Add ``other``'s measurements (same fingerprint) to this profile; newer numbers win."""
         if other.fingerprint != self.fingerprint:
             raise ProfileError("cannot merge profiles of different hardware fingerprints")
-        mine, theirs = typical_probe_s(self.host_probe_s), typical_probe_s(other.host_probe_s)
-        if mine is not None and theirs is not None:   # both to the typical speed of all the samples
-            samples = self.host_probe_s + other.host_probe_s
-            while len(samples) > MAX_PROBE_SAMPLES:
-                samples = sorted(samples)[::2]
-            typical = statistics.median(samples)
-            rescaled = self._scaled(typical / mine)
-            self.ops, self.collectives, self.overheads = rescaled.ops, rescaled.collectives, rescaled.overheads
-            other = other._scaled(typical / theirs)
-            self.host_probe_s = samples
-        else:
-            self.host_probe_s = self.host_probe_s or list(other.host_probe_s)
         self.ops.update(other.ops)
         self.collectives.update(other.collectives)
         self.overheads.update(other.overheads)
@@ -131,7 +91,6 @@ class Profile:
                             for k, v in sorted(self.collectives.items())},
             "overheads": dict(sorted(self.overheads.items())),
             "calibration": dict(sorted(self.calibration.items())),
-            "host_probe_s": self.host_probe_s,
         }, indent=1)
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -159,8 +118,7 @@ class Profile:
                        collectives={k: Link(bandwidth=float(v["bandwidth_Bps"]), latency=float(v["latency_s"]))
                                     for k, v in d["collectives"].items()},
                        overheads={k: float(v) for k, v in d["overheads"].items()},
-                       calibration={k: float(v) for k, v in d["calibration"].items()},
-                       host_probe_s=[float(v) for v in d["host_probe_s"]])
+                       calibration={k: float(v) for k, v in d["calibration"].items()})
         except ProfileError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:

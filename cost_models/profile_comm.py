@@ -29,7 +29,6 @@ from autopar.launch import run_on_gloo_mesh
 from autopar.placements import local_shape
 from codegen.runtime import as_planned, local_op, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
-from cost_models.host_speed import HostClock
 from cost_models.profile import OVERHEADS, collective_key
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "measure_mesh", "print_progress", "profile_mesh", "time_collectives",
@@ -127,8 +126,7 @@ def _lstsq2(col_a: Sequence[float], col_b: Sequence[float], target: Sequence[flo
 
 
 def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
-                     repeats: int = DEFAULT_REPEATS, progress: Progress | None = None,
-                     clock: HostClock | None = None) -> dict[str, Link]:
+                     repeats: int = DEFAULT_REPEATS, progress: Progress | None = None) -> dict[str, Link]:
     """Fit a ``Link`` per collective kind and group size of ``device_mesh``; every rank calls this
     in lockstep and gets the same result.
 
@@ -139,14 +137,13 @@ def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_
     waits for the slowest rank, so each size keeps the largest per-rank median over ``repeats``.
     All groups of an axis communicate at once, as they do in training. Axes of one size are
     measured once (``collective_key`` knows only the size); axes of size 1 communicate nothing.
-    With a ``clock``, the timings are scaled to the nominal host (``_mean_seconds``).
     Returns ``{collective_key(kind, n): Link}``.
     """
     links: dict[str, Link] = {}
     for axis, n in _axes_by_size(device_mesh):
         for kind in (*REDISTRIBUTIONS, "send_recv"):
             start = time.perf_counter()
-            samples = _sweep(device_mesh, axis, kind, sizes, repeats, clock)
+            samples = _sweep(device_mesh, axis, kind, sizes, repeats)
             link = links[collective_key(kind, n)] = fit_link(kind, n, samples)
             if progress is not None:
                 progress(f"{collective_key(kind, n)}: latency {link.latency * 1e6:.1f} us, "
@@ -164,7 +161,7 @@ def _axes_by_size(mesh: DeviceMesh) -> list[tuple[int, int]]:
 
 
 def _sweep(mesh: DeviceMesh, axis: int, kind: str, sizes: Sequence[int],
-           repeats: int, clock: HostClock | None) -> list[tuple[float, float]]:
+           repeats: int) -> list[tuple[float, float]]:
     """(nbytes, seconds of the slowest rank) per size."""
     nbytes, medians = [], []
     for size in sizes:
@@ -173,7 +170,7 @@ def _sweep(mesh: DeviceMesh, axis: int, kind: str, sizes: Sequence[int],
         else:
             actual, run, calls = _redistribution(mesh, axis, kind, size)
         nbytes.append(actual)
-        medians.append(_mean_seconds([run], repeats, before=dist.barrier, clock=clock)[0] / calls)
+        medians.append(_mean_seconds([run], repeats, before=dist.barrier)[0] / calls)
     return list(zip(nbytes, _slowest(medians)))
 
 
@@ -215,16 +212,12 @@ def _on_axis(ndim: int, axis: int, placement: Placement) -> list[Placement]:
 
 
 def _mean_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
-                  before: Callable[[], Any] = lambda: None, clock: HostClock | None = None) -> list[float]:
+                  before: Callable[[], Any] = lambda: None) -> list[float]:
     """Wall time of each of ``runs``, after one untimed warm-up call each: the median over
     ``BLOCKS`` blocks of the mean of ``repeats / BLOCKS`` timed calls. The runs take turns, so a
     burst of load from elsewhere on the host hits all of them alike. Means within a block, because
     when ranks outnumber cores a run is sometimes descheduled and training pays that too; the
-    median across blocks, so a burst from elsewhere does not. With a ``clock``, its probe takes
-    turns too and the times are scaled to the nominal host."""
-    if clock is not None:
-        *medians, probe = _mean_seconds([*runs, clock.probe], repeats, before)
-        return clock.scaled(medians, probe)
+    median across blocks, so a burst from elsewhere does not."""
     times: list[list[float]] = [[] for _ in runs]
     for run in runs:
         run()
@@ -259,8 +252,7 @@ PARAM_COUNTS = (1, 2)
 _TINY = torch.Size((2, 4))
 
 
-def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS,
-                   clock: HostClock | None = None) -> dict[str, float]:
+def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) -> dict[str, float]:
     """Seconds the runtime adds per occurrence (forward + backward) for each key of
     ``cost_models.profile.OVERHEADS``; every rank calls this in lockstep and gets the slowest
     rank's numbers. All tensors are tiny (2 x 4 fp32) and replicated, so no collective runs and
@@ -285,18 +277,16 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS,
       ``loss.backward()``, ``AdamW.step()``) over ``PARAM_COUNTS`` parameters: added once per
       training step.
 
-    Noise can push a difference below zero; it is reported as 0. With a ``clock``, the timings
-    are scaled to the nominal host (``_mean_seconds``).
+    Noise can push a difference below zero; it is reported as 0.
     """
-    step, per_param = _optimizer_overheads(device_mesh, repeats, clock)
-    one_input = _extra_per_call(device_mesh, repeats, clock, _local_neg(device_mesh), torch.ops.aten.neg.default)
-    two_inputs = _extra_per_call(device_mesh, repeats, clock, _local_add(device_mesh), lambda y: y + y)
+    step, per_param = _optimizer_overheads(device_mesh, repeats)
+    one_input = _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default)
+    two_inputs = _extra_per_call(device_mesh, repeats, _local_add(device_mesh), lambda y: y + y)
     mine = {
         "local_op": one_input,
         "local_op_input": two_inputs - one_input,
-        "dtensor_op": _extra_per_call(device_mesh, repeats, clock, _planned_reshape, _planned_reshape,
-                                      _sharded(device_mesh)),
-        "grad_hook": _grad_hook_overhead(device_mesh, repeats, clock),
+        "dtensor_op": _extra_per_call(device_mesh, repeats, _planned_reshape, _planned_reshape, _sharded(device_mesh)),
+        "grad_hook": _grad_hook_overhead(device_mesh, repeats),
         "optimizer_per_param": per_param,
         "step": step,
     }
@@ -336,13 +326,13 @@ def _planned_reshape(y: torch.Tensor) -> torch.Tensor:
     return as_planned(out, out.placements, "profile") if isinstance(out, DTensor) else out
 
 
-def _extra_per_call(mesh: DeviceMesh, repeats: int, clock: HostClock | None, dtensor_step: Callable[[DTensor], DTensor],
+def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[[DTensor], DTensor],
                     plain_step: Callable[[torch.Tensor], torch.Tensor], x: DTensor | None = None) -> float:
     """Seconds ``dtensor_step`` on a DTensor (default: a tiny replicated one) takes beyond
     ``plain_step`` on its local tensor, per call, forward + backward."""
     x = _tiny(mesh) if x is None else x
     plain = x.to_local().detach().clone().requires_grad_()
-    wrapped, bare = _mean_seconds([_chain(dtensor_step, x), _chain(plain_step, plain)], repeats, clock=clock)
+    wrapped, bare = _mean_seconds([_chain(dtensor_step, x), _chain(plain_step, plain)], repeats)
     return (wrapped - bare) / OVERHEAD_CALLS
 
 
@@ -360,11 +350,11 @@ def _chain(step: Callable[[Any], Any], x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def _grad_hook_overhead(mesh: DeviceMesh, repeats: int, clock: HostClock | None) -> float:
+def _grad_hook_overhead(mesh: DeviceMesh, repeats: int) -> float:
     hooked, bare = [_tiny(mesh) for _ in range(OVERHEAD_CALLS)], [_tiny(mesh) for _ in range(OVERHEAD_CALLS)]
     for p in hooked:
         sync_grad_to(p)
-    with_hooks, without = _mean_seconds([_backward_into(hooked), _backward_into(bare)], repeats, clock=clock)
+    with_hooks, without = _mean_seconds([_backward_into(hooked), _backward_into(bare)], repeats)
     return (with_hooks - without) / OVERHEAD_CALLS
 
 
@@ -379,7 +369,7 @@ def _backward_into(params: list[DTensor]) -> Callable[[], None]:
     return run
 
 
-def _optimizer_overheads(mesh: DeviceMesh, repeats: int, clock: HostClock | None) -> tuple[float, float]:
+def _optimizer_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
     """(fixed seconds of a training step, seconds of ``AdamW.step`` per parameter)."""
     steps, updates = [], []
     for k in PARAM_COUNTS:
@@ -387,7 +377,7 @@ def _optimizer_overheads(mesh: DeviceMesh, repeats: int, clock: HostClock | None
         opt = torch.optim.AdamW(params)
         steps.append(_train_step(mesh, params, opt))
         updates.append(opt.step)  # on the gradients the steps leave
-    medians = _mean_seconds(steps + updates, repeats, clock=clock)
+    medians = _mean_seconds(steps + updates, repeats)
     ones = [1.0] * len(PARAM_COUNTS)
     step, _ = _lstsq2(ones, PARAM_COUNTS, medians[:len(steps)])      # (intercept, slope)
     _, per_param = _lstsq2(ones, PARAM_COUNTS, medians[len(steps):])
@@ -469,14 +459,13 @@ def _timed_after_barrier(fn: Callable[[], Any]) -> float:
 
 
 def measure_mesh(mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-                 progress: Progress | None = None, clock: HostClock | None = None
-                 ) -> tuple[dict[str, Link], dict[str, float]]:
+                 progress: Progress | None = None) -> tuple[dict[str, Link], dict[str, float]]:
     """(collectives, overheads), run by every rank of a live mesh in lockstep; ``progress`` is
-    called on rank 0 only; with a ``clock``, scaled to the nominal host."""
+    called on rank 0 only."""
     say = progress if dist.get_rank() == 0 else None
-    links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say, clock=clock)
+    links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say)
     start = time.perf_counter()
-    overheads = time_overheads(mesh, clock=clock)
+    overheads = time_overheads(mesh)
     if say is not None:
         shown = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in overheads.items())
         say(f"overheads: {shown} ({time.perf_counter() - start:.1f} s)")

@@ -26,7 +26,6 @@ from autopar.placements import local_shape
 from autopar.placements import Placements
 from autopar.strategies import NodeChoices, Strategy, StrategySpace
 from codegen.generate import dispatched_by_dtensor
-from cost_models.host_speed import HostClock
 from cost_models.profile import OpTime, op_key
 
 log = logging.getLogger(__name__)
@@ -120,13 +119,11 @@ def op_calls(space: StrategySpace, mesh_shape: Sequence[int]) -> list[OpCall]:
 
 
 def time_op_calls(calls: Iterable[OpCall], *, device: str = "cpu", min_time_s: float = 0.02, repeats: int = 5,
-                  progress: Callable[[int, int, str], None] | None = None,
-                  clock: HostClock | None = None) -> dict[str, OpTime]:
+                  progress: Callable[[int, int, str], None] | None = None) -> dict[str, OpTime]:
     """Measure forward and backward seconds of each call on real inputs on ``device``.
 
     Each of forward and backward is the median over ``repeats`` batches of calls, each batch
-    lasting at least ``min_time_s / repeats``; with a ``clock``, each batch is followed by a probe
-    run and the median is scaled to the nominal host. ``progress(i, n, key)`` is called before call ``i``
+    lasting at least ``min_time_s / repeats``. ``progress(i, n, key)`` is called before call ``i``
     (0-based) of ``n``. A call that raises gets no entry and a warning: the cost model then falls
     back to the roofline for it."""
     calls = list(calls)
@@ -136,7 +133,7 @@ def time_op_calls(calls: Iterable[OpCall], *, device: str = "cpu", min_time_s: f
         if progress is not None:
             progress(i, len(calls), call.key)
         try:
-            times[call.key] = _time_call(call, dev, min_time_s / repeats, repeats, clock)
+            times[call.key] = _time_call(call, dev, min_time_s / repeats, repeats)
         except Exception as e:  # any op error: the op does not run standalone with these inputs
             first_line = (str(e).strip().splitlines() or [""])[0]
             log.warning("autopar: cannot profile %s (%s: %s); its cost stays the roofline estimate",
@@ -144,21 +141,20 @@ def time_op_calls(calls: Iterable[OpCall], *, device: str = "cpu", min_time_s: f
     return times
 
 
-def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: int, clock: HostClock | None
-               ) -> OpTime:
+def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: int) -> OpTime:
     """Forward seconds, then backward seconds alone (one forward, its graph kept and reused)."""
     args, kwargs = pytree.tree_map(lambda a: _real(a, device), (call.args, call.kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     def run() -> Any:   # as codegen.runtime.local_op runs it: results made contiguous
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, call.target(*args, **kwargs))
 
-    fwd = _median_seconds(run, device, per_repeat, repeats, clock)
+    fwd = _median_seconds(run, device, per_repeat, repeats)
     outs = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outs:
         return OpTime(fwd, 0.0)
     grads = [torch.randn_like(t) for t in outs]
     bwd = _median_seconds(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True),
-                          device, per_repeat, repeats, clock)
+                          device, per_repeat, repeats)
     return OpTime(fwd, bwd)
 
 
@@ -176,22 +172,14 @@ def _real(a: Any, device: torch.device) -> Any:
     return torch.zeros(a.shape, dtype=a.dtype, device=device)
 
 
-def _median_seconds(fn: Callable[[], Any], device: torch.device, per_repeat: float, repeats: int,
-                    clock: HostClock | None) -> float:
-    """Median seconds per call over ``repeats`` batches, each at least ``per_repeat`` long and,
-    with a ``clock``, followed by a probe run: scaled to the nominal host."""
+def _median_seconds(fn: Callable[[], Any], device: torch.device, per_repeat: float, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` batches, each at least ``per_repeat`` long."""
     fn()  # warmup: allocator, kernel choice, dispatcher caches
     _sync(device)
     n = 1
     while (elapsed := _batch_seconds(fn, n, device)) < per_repeat:  # grow the batch (timeit's autorange)
         n = max(2 * n, math.ceil(1.2 * n * per_repeat / max(elapsed, 1e-9)))
-    calls, probes = [], []
-    for _ in range(repeats):
-        calls.append(_batch_seconds(fn, n, device) / n)
-        if clock is not None:
-            probes.append(_batch_seconds(clock.probe, 1, device))
-    median = statistics.median(calls)
-    return clock.scaled([median], statistics.median(probes))[0] if clock is not None else median
+    return statistics.median(_batch_seconds(fn, n, device) / n for _ in range(repeats))
 
 
 def _batch_seconds(fn: Callable[[], Any], n: int, device: torch.device) -> float:

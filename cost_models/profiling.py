@@ -33,7 +33,6 @@ from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
                                  default_profile_path, hardware_fingerprint)
-from cost_models.host_speed import HostClock, typical_probe_s
 from cost_models.profile_comm import measure_mesh, print_progress, time_overlap
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
@@ -111,10 +110,9 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
     if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
         need_comm = False
-    ops, links, overheads, overlap, probes = run_on_gloo_mesh(
-        _worker, spec.shape, portable, need_comm, fingerprint["device"], progress, axis_names=spec.axis_names,
-        start_method="forkserver")[0]
-    profile.merge(Profile.measured(fingerprint, ops, links, overheads, overlap, probes))
+    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint["device"],
+                                                      progress, axis_names=spec.axis_names, start_method="forkserver")[0]
+    profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
     if calibrate and _uncalibrated(profile, spec):
@@ -219,13 +217,12 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tup
     from autopar.zoo import get_model
 
     entry = get_model(name)
-    workloads = [(batch, seq, entry.build(), *entry.example(batch, seq)) for batch, seq in sizes]
-    for _, _, model, args, kwargs in workloads:
-        profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
-    profile = Profile.from_json(path)   # every size's ops, at the host's typical speed over all of them
-    profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
     plans = {}   # (batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
-    for batch, seq, model, args, kwargs in workloads:
+    for batch, seq in sizes:
+        model = entry.build()
+        args, kwargs = entry.example(batch, seq)
+        profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
+        profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
         captured = capture(model, args, kwargs)
         space = build_space(captured, spec)
         if replicated:
@@ -242,7 +239,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tup
                               for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
                     plans[(batch, seq, hand)] = (plan, planning.model, planning.space, chosen)
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, name,
-                                [(key, p[0].to_json()) for key, p in plans.items()], typical_probe_s(profile.host_probe_s),
+                                [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []
     for (batch, seq, hand), (plan, cost, plan_space, chosen) in plans.items():
@@ -264,15 +261,13 @@ def _replicated(strategies: list[Strategy]) -> Strategy:
     return next(s for s in strategies if whole(s.out) and whole(s.storage) and all(whole(i) for i in s.ins))
 
 
-def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int, int, str], str]],
-                        typical_probe: float | None) -> dict[tuple[int, int, str], list[float]]:
+def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int, int, str], str]]
+                        ) -> dict[tuple[int, int, str], list[float]]:
     """Seconds of each timed training step (AdamW) of the calibration model under each (batch,
     seq, plan) on this rank, ``CALIBRATION_STEPS`` at a time in ``CALIBRATION_ROUNDS`` rounds
     taking turns with all the others. Turns spread each plan's steps over the whole run: the
     host's slow and fast spells last seconds, and the median of steps spread over them is the
-    typical step, the figure the cost model predicts. With the profile's ``typical_probe``
-    (seconds per probe call), each turn's steps are scaled by the host probe's speed around them
-    to that typical speed, the one the profile's seconds are at (``host_speed``)."""
+    typical step, the figure the cost model predicts."""
     import autopar
     from autopar.measure import time_training
     from autopar.zoo import get_model
@@ -284,15 +279,10 @@ def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int
         args, kwargs = entry.example(batch, seq)
         sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
-    clock = HostClock() if typical_probe is not None else None
     steps: dict[tuple[int, int, str], list[float]] = {key: [] for key in runs}
     for _ in range(CALIBRATION_ROUNDS):
         for key, (sharded, optimizer, inputs) in runs.items():
-            before = clock.run_seconds() if clock is not None else 0.0
-            timed = time_training(sharded, [inputs], optimizer, warmup=1, steps=CALIBRATION_STEPS)
-            if clock is not None:
-                timed = clock.scaled(timed, (before + clock.run_seconds()) / 2, to=typical_probe)
-            steps[key] += timed
+            steps[key] += time_training(sharded, [inputs], optimizer, warmup=1, steps=CALIBRATION_STEPS)
     return steps
 
 
@@ -311,30 +301,22 @@ def _op(name: str) -> Any:
 
 
 def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, device: str,
-            progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict, list[float]]:
-    """One rank's part of ``profile_model``: (ops, collectives, overheads, overlap, probe samples),
-    the slowest rank's numbers at the nominal host speed and every rank's probe samples (on CPU,
-    where the host's speed drifts; on CUDA the ops' seconds are the GPU's: no clock)."""
+            progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict]:
     say = progress if dist.get_rank() == 0 else None
-    clock = HostClock() if device == "cpu" else None
     calls = [OpCall(_op(name), args, kwargs) for name, args, kwargs in portable]
     if device == "cuda":   # each rank times on its own GPU
         device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
     step = max(1, len(calls) // 10)
     shown = (lambda i, n, key: say(f"op {i + 1}/{n}: {key[:90]}") if say and i % step == 0 else None)
-    mine = time_op_calls(calls, device=device, progress=shown, clock=clock)
+    mine = time_op_calls(calls, device=device, progress=shown)
     everyone: list[dict[str, OpTime]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
     slowest = {k: OpTime(max(r[k].fwd_s for r in everyone if k in r), max(r[k].bwd_s for r in everyone if k in r))
                for k in mine}
-    links: dict = {}
-    overheads: dict = {}
-    overlap: dict = {}
-    if need_comm:
-        links, overheads = measure_mesh(mesh, progress=progress, clock=clock)
-        overlap = {"overlap": time_overlap(mesh)} if any(n > 1 for n in mesh.shape) else {}
-        if say is not None and overlap:
-            say(f"overlap: {100 * overlap['overlap']:.0f}% of an asynchronous all-reduce runs under compute")
-    probes: list[list[float]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(probes, clock.samples if clock is not None else [])
-    return slowest, links, overheads, overlap, [p for rank in probes for p in rank]
+    if not need_comm:
+        return slowest, {}, {}, {}
+    links, overheads = measure_mesh(mesh, progress=progress)
+    overlap = {"overlap": time_overlap(mesh)} if any(n > 1 for n in mesh.shape) else {}
+    if say is not None and overlap:
+        say(f"overlap: {100 * overlap['overlap']:.0f}% of an asynchronous all-reduce runs under compute")
+    return slowest, links, overheads, overlap

@@ -73,8 +73,6 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch, caplog):
     assert profile.ops and all(t.fwd_s > 0 for t in profile.ops.values())
     assert {"local_op", "local_op_input", "dtensor_op", "optimizer_per_param", "step"} <= set(profile.overheads)
     assert set(profile.calibration) == {"ops", "overheads"}   # fitted on the calibration workloads
-    # a probe sample beside each op timing (forward, backward) and each overhead timing
-    assert len(profile.host_probe_s) > len(profile.ops) and min(profile.host_probe_s) > 0
     assert find_profile(mesh) == profile
 
     measured = autopar.plan(model, mesh, args, kwargs)

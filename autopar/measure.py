@@ -21,9 +21,9 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,10 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 
-__all__ = ["StepMeasurement", "measure_training", "time_training", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
+__all__ = ["StepMeasurement", "measure_training", "time_training", "time_in_turns", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
 
 Batch = tuple[tuple, dict]
+K = TypeVar("K")
 
 
 @dataclass
@@ -160,6 +161,21 @@ def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.
         training_step(module, batches[i % len(batches)], optimizer, loss_fn)
         _sync(device)
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch]], *, rounds: int, warmup: int,
+                  steps: int) -> dict[K, list[list[float]]]:
+    """``time_training`` of every run (module, optimizer, batch) in turn, ``rounds`` times: each
+    run's timed steps, round by round. Turns spread each run's steps over the whole timing, so
+    that the host's slow and fast spells (they last seconds) fall on all runs alike.
+
+    Every rank of distributed modules must call this together, with the runs in the same order.
+    """
+    times: dict[K, list[list[float]]] = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, (module, optimizer, batch) in runs.items():
+            times[key].append(time_training(module, [batch], optimizer, warmup=warmup, steps=steps))
     return times
 
 

@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.baselines import candidates
 from autopar.launch import run_on_gloo_mesh
-from autopar.measure import slowest_rank_steps, time_training
+from autopar.measure import slowest_rank_steps, time_in_turns
 from autopar.zoo import get_model
 from cost_models.profiling import profile_model
 
@@ -48,14 +47,9 @@ def _worker(mesh, name: str, plans: dict[str, str], rounds: int) -> dict[str, li
     for label, text in plans.items():
         torch.manual_seed(SEED)
         pmodel = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(text))
-        runs[label] = (pmodel, torch.optim.AdamW(pmodel.parameters(), lr=1e-3))
-    times: dict[str, list[float]] = {label: [] for label in plans}
-    for _ in range(rounds):
-        for label, (pmodel, opt) in runs.items():
-            dist.barrier()
-            seconds = time_training(pmodel, [(args, kwargs)], opt, warmup=WARMUP, steps=STEPS)
-            times[label].append(statistics.median(seconds))
-    return times
+        runs[label] = (pmodel, torch.optim.AdamW(pmodel.parameters(), lr=1e-3), (args, kwargs))
+    times = time_in_turns(runs, rounds=rounds, warmup=WARMUP, steps=STEPS)
+    return {label: [statistics.median(steps) for steps in per_round] for label, per_round in times.items()}
 
 
 def run(name: str, mesh: tuple[int, ...], rounds: int) -> dict:

@@ -269,7 +269,7 @@ def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int
     host's slow and fast spells last seconds, and the median of steps spread over them is the
     typical step, the figure the cost model predicts."""
     import autopar
-    from autopar.measure import time_training
+    from autopar.measure import time_in_turns
     from autopar.zoo import get_model
 
     entry = get_model(name)
@@ -279,11 +279,8 @@ def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int
         args, kwargs = entry.example(batch, seq)
         sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
-    steps: dict[tuple[int, int, str], list[float]] = {key: [] for key in runs}
-    for _ in range(CALIBRATION_ROUNDS):
-        for key, (sharded, optimizer, inputs) in runs.items():
-            steps[key] += time_training(sharded, [inputs], optimizer, warmup=1, steps=CALIBRATION_STEPS)
-    return steps
+    rounds = time_in_turns(runs, rounds=CALIBRATION_ROUNDS, warmup=1, steps=CALIBRATION_STEPS)
+    return {key: [s for steps in per_round for s in steps] for key, per_round in rounds.items()}
 
 
 def _op_name(target: Any) -> str:

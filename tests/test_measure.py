@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from autopar.errors import AutoparError
 from autopar.launch import run_on_gloo_mesh
-from autopar.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps
+from autopar.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps, time_in_turns
 from autopar.zoo import get_model
 from benchmarks.cost_accuracy import (Config, error_pct, finish_record, format_summary, format_table, measure_config,
                                       parse_plan_args, plan_config, select_configs, summarize, table_row, verdicts)
@@ -171,6 +171,30 @@ def test_summary_statistics():
     text = format_summary(s)
     assert "FAIL: worst memory under-prediction 8.0% (target <= 5%)" in text
     assert "PASS: median memory error 5.0% (target <= 10%)" in text
+
+
+class _Logged(nn.Linear):
+    """A layer that notes its name in a shared log at every forward."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__(2, 1)
+        self.name, self.log = name, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(self.name)
+        return super().forward(x).sum()
+
+
+def test_runs_are_timed_in_turns_round_by_round():
+    log: list[str] = []
+    runs = {}
+    for name in "ab":
+        module = _Logged(name, log)
+        runs[name] = (module, torch.optim.SGD(module.parameters(), lr=0.1), ((torch.ones(3, 2),), {}))
+    times = time_in_turns(runs, rounds=3, warmup=1, steps=2)
+    assert log == list("aaabbb" * 3)   # each turn: one warm-up and two timed steps of one run
+    assert {k: [len(r) for r in v] for k, v in times.items()} == {"a": [2, 2, 2], "b": [2, 2, 2]}
+    assert all(s > 0 for v in times.values() for r in v for s in r)
 
 
 def test_a_step_lasts_as_long_as_its_slowest_rank():

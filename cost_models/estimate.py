@@ -153,8 +153,8 @@ class CostModel:
                 t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape))
                 time, measured = time + t, measured or m
                 sent.append(b)
-            # Collective buffers: the result and the backend's staging copy of it, while it runs.
-            buffers = 2 * full * max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape)) if time else 0.0
+            largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
+            buffers = _collective_buffers(full, largest) if time else 0.0
             self._moves[key] = self._in_step(Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers,
                                                   measured=frozenset({"comm"}) if measured else frozenset()), queued)
         return self._moves[key]
@@ -183,7 +183,7 @@ class CostModel:
             measured |= table[..., 2].astype(bool)
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
-        buffers = np.where(time > 0, 2 * full * largest, 0.0)   # as in ``redistribute``
+        buffers = np.where(time > 0, _collective_buffers(full, largest), 0.0)
         grid = Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
         return self._in_step(grid, queued), terms
 
@@ -391,7 +391,7 @@ class CostModel:
                                                    queued=queued)
             grid = grid + _transposed(back)
             if not queued:
-                blocking += [Term(t.cols, t.rows, t.core.T) for t in terms]
+                blocking += [t.transposed() for t in terms]
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
     def _grad_flows(self, src: NodeChoices) -> bool:
@@ -412,6 +412,12 @@ def _classes(keys: Sequence) -> tuple[np.ndarray, list]:
     for key in keys:
         index.setdefault(key, len(index))
     return np.array([index[key] for key in keys], dtype=np.intp), list(index)
+
+
+def _collective_buffers(full: float, largest_fraction: float | np.ndarray) -> float | np.ndarray:
+    """Bytes a redistribution holds while it runs (a float, or an array of fractions): the result
+    and the backend's staging copy of it, each the larger of the source and destination shards."""
+    return 2 * full * largest_fraction
 
 
 def _others_fraction(placements: Placements, axis: int, mesh_shape: Sequence[int]) -> float:

@@ -86,6 +86,10 @@ class Term:
     cols: Sequence[int] | np.ndarray  # per destination choice: its class
     core: Sequence[Sequence[float]] | np.ndarray  # [row class][column class], seconds
 
+    def transposed(self) -> "Term":
+        """The same summand seen from the other end of the edge."""
+        return Term(self.cols, self.rows, np.asarray(self.core).T)
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -364,7 +368,7 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
             linear[u] += np.diag(m)
             continue
         if u > v:
-            u, v, terms = v, u, [Term(t.cols, t.rows, t.core.T) for t in terms]
+            u, v, terms = v, u, [t.transposed() for t in terms]
         same = merged.setdefault((u, v), {})
         for t in terms:   # parallel edges' terms over the same classes add up
             key = (t.core.shape, t.rows.tobytes(), t.cols.tobytes())

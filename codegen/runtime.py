@@ -167,19 +167,23 @@ class _LocalShard(torch.autograd.Function):
                                   shape=ctx.shape, stride=_contiguous_stride(ctx.shape)), None
 
 
-def sharded_embedding(weight: DTensor, ids: DTensor, *, placements: Sequence[Placement], shape: Sequence[int]) -> DTensor:
+def sharded_embedding(weight: DTensor, ids: DTensor, padding_idx: int = -1, *, placements: Sequence[Placement],
+                      shape: Sequence[int]) -> DTensor:
     """Embedding lookup on shards. Where the table is split by rows (vocabulary parallel), each rank
-    looks up the ids it owns and contributes zeros for the rest: the output is a partial sum."""
+    looks up the ids it owns and contributes zeros for the rest: the output is a partial sum.
+    ``padding_idx`` (a global row; negative: none) as in ``aten.embedding``: its row gets no gradient."""
     mesh = weight.device_mesh
     w, i = _to_local((weight, ids), placements)
     vocab_axes = [a for a, p in enumerate(weight.placements) if p == Shard(0)]
     if not vocab_axes:
-        return _wrap(aten.embedding.default(w, i), mesh, placements, shape)
+        return _wrap(aten.embedding.default(w, i, padding_idx), mesh, placements, shape)
     lo = rank_map(lambda r: torch.tensor(_rows_owned(mesh, r, vocab_axes, weight.shape[0])[0]))
     hi = rank_map(lambda r: torch.tensor(_rows_owned(mesh, r, vocab_axes, weight.shape[0])[1]))
     outside = (i < lo) | (i >= hi)
     out = aten.embedding.default(w, torch.where(outside, 0, i - lo))
     out = out * (~outside).unsqueeze(-1).to(out.dtype)
+    if padding_idx >= 0:   # the local row index differs per rank: block its gradient by position
+        out = torch.where((i == padding_idx).unsqueeze(-1), out.detach(), out)
     return _wrap(out, mesh, placements, shape)
 
 

@@ -91,11 +91,12 @@ class Embeddings(nn.Module):
 
 
 class BertEmbeddings(nn.Module):
-    """BERT's position ids (buffer sliced) and token type ids (buffer expanded and gathered)."""
+    """BERT's position ids (buffer sliced) and token type ids (buffer expanded and gathered); its
+    word embedding's padding row (id 4, which every input holds) gets no gradient."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.word = nn.Embedding(11, 6)
+        self.word = nn.Embedding(11, 6, padding_idx=4)
         self.position = nn.Embedding(8, 6)
         self.token_type = nn.Embedding(2, 6)
         self.register_buffer("position_ids", torch.arange(8).expand((1, -1)), persistent=False)
@@ -376,7 +377,7 @@ CASES: list[Case] = [
     Case("embedding", Embeddings, lambda: (_ids(11, 3, 5),),
          (aten.embedding.default, aten.arange.default, aten.add.Tensor),
          {aten.embedding.default: {"batch", "vocab", "embed-dim"}, aten.add.Tensor: {"elementwise"}}),
-    Case("bert-embeddings", BertEmbeddings, lambda: (_ids(11, 3, 5),),
+    Case("bert-embeddings", BertEmbeddings, lambda: (_ids(11, 3, 5).index_fill_(1, torch.tensor([1, 4]), 4),),
          (aten.embedding.default, aten.slice.Tensor, aten.expand.default, aten.gather.default),
          {aten.embedding.default: {"vocab", "embed-dim"}}),
     Case("layer-norm", LayerNorm, lambda: (torch.randn(3, 5, 6),), (aten.layer_norm.default,),

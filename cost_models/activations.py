@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from autopar.capture import flat_tensor_inputs, tensor_val
-from autopar.strategies import VIEW_OPS
+from autopar.strategies import VIEW_OPS, StrategySpace
 from cost_models.compute import as_amount
 
 
@@ -45,6 +45,13 @@ def needs_grad(graph: fx.Graph, params: set[fx.Node]) -> dict[fx.Node, bool]:
         else:
             out[node] = floating and any(out.get(i, False) for i in flat_tensor_inputs(node))
     return out
+
+
+def gradients(space: StrategySpace) -> dict[fx.Node, bool]:
+    """``needs_grad`` of the space's graph: which nodes get a gradient when its parameters train."""
+    if not space.nodes:
+        return {}
+    return needs_grad(space.nodes[0].node.graph, {nc.node for nc in space.nodes if nc.kind == "param"})
 
 
 class SavedTensors:

@@ -34,7 +34,7 @@ from autopar.mesh import MeshSpec
 from autopar.placements import Placements, grad_placement, is_split, shard_fraction
 from autopar.strategies import VIEW_OPS, NodeChoices, StrategySpace, Strategy
 from codegen.generate import dispatched_by_dtensor
-from cost_models.activations import NOTHING, Saved, SavedTensors, needs_grad
+from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time
 from cost_models.hardware import Hardware, get_hardware
@@ -123,8 +123,7 @@ class CostModel:
     def __post_init__(self) -> None:
         self.hw = get_hardware(self.mesh.hardware)
         self.links = [link_for_axis(self.hw, self.mesh.shape, a) for a in range(self.mesh.ndim)]
-        params = {nc.node for nc in self.space.nodes if nc.kind == "param"}
-        self.saved = SavedTensors(needs_grad(self.space.nodes[0].node.graph, params)) if self.space.nodes else None
+        self.saved = SavedTensors(gradients(self.space)) if self.space.nodes else None
         self._counted = self._first_keepers()
         calibration = self.profile.calibration if self.profile is not None else {}
         # Share of backward compute that hides queued gradient sync (see schedule.Timeline).
@@ -224,7 +223,7 @@ class CostModel:
             return Cost()
         compute = self._compute(nc, s, val)
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
-        if self.saved is not None and self.saved.grad.get(nc.node, False):
+        if self._grad(nc.node):
             compute = compute + Cost(output_grad_bytes=out_bytes)
         if nc.node.target in VIEW_OPS:   # aliases: no data moved, nothing kept
             return compute
@@ -281,7 +280,7 @@ class CostModel:
         flops = self.flops(nc.node) / split
         fwd = compute_time(flops, in_bytes + out_bytes, self.hw, val.dtype)
         bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
-        if not val.dtype.is_floating_point:
+        if not self._grad(nc.node):
             bwd = 0.0
         return Cost(compute_s=fwd + bwd + overhead, backward_s=bwd)
 
@@ -290,17 +289,28 @@ class CostModel:
         if self.profile is None or not self.profile.ops:
             return None
         from cost_models.profile_ops import op_call   # profiling is optional: import on use
-        call = op_call(nc, s, self.mesh.shape)
+        call = op_call(nc, s, self.mesh.shape, self.saved.grad)
         return self.profile.ops.get(call.key) if call is not None else None
 
+    def _grad(self, node: fx.Node) -> bool:
+        return self.saved is not None and self.saved.grad.get(node, False)
+
     def overhead(self, nc: NodeChoices, s: Strategy) -> float:
-        """The generated code's per-call cost on top of the op itself (measured by the profile)."""
+        """The generated code's per-call cost on top of the op itself (measured by the profile):
+        the backward's share only where gradients flow (an op on masks or positions has none)."""
         if self.profile is None or nc.node.target is operator.getitem:
             return 0.0
         overheads, scale = self.profile.overheads, self.profile.calibration.get("overheads", 1.0)
         if dispatched_by_dtensor(nc.node, s.out):
             return overheads.get("dtensor_op", 0.0) * scale
-        return (overheads.get("local_op", 0.0) + overheads.get("local_op_input", 0.0) * max(0, len(nc.inputs) - 1)) * scale
+        graded = sum(self._grad(i) for i in nc.inputs)
+        if self._grad(nc.node):   # local_op covers one input that needs a gradient
+            seconds = (overheads.get("local_op", 0.0) + overheads.get("local_op_input", 0.0) * max(0, graded - 1)
+                       + overheads.get("local_op_input_forward", 0.0) * (len(nc.inputs) - graded))
+        else:
+            seconds = (overheads.get("local_op_forward", 0.0)
+                       + overheads.get("local_op_input_forward", 0.0) * max(0, len(nc.inputs) - 1))
+        return seconds * scale
 
     def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> tuple[float, float]:
         """Bytes of the activations this op keeps for its backward, at the strategy's placements,

@@ -25,13 +25,18 @@ import torch
 from autopar.errors import AutoparError
 from cost_models.comm import Link
 
-PROFILE_VERSION = 4   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
-                      # 4: collective factors per mesh shape
+PROFILE_VERSION = 5   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+                      # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
+                      # runtime overheads of ops without one
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
+#: Ops and inputs without a gradient pay only the forward part: the "_forward" keys.
 OVERHEADS = {
     "local_op": "one op run on local shards by codegen.runtime.local_op (wrapping, autograd node)",
-    "local_op_input": "each DTensor input of a local_op beyond the first (unwrapping, gradient node)",
+    "local_op_forward": "one local_op whose output needs no gradient (wrapping only)",
+    "local_op_input": "each DTensor input of a local_op beyond the first that needs a gradient (unwrapping, "
+                      "gradient node)",
+    "local_op_input_forward": "each further DTensor input of a local_op that needs no gradient (unwrapping)",
     "dtensor_op": "one view/reshape/expand dispatched through DTensor",
     "grad_hook": "one parameter's gradient-sync hook when no collective is needed",
     "optimizer_per_param": "one parameter tensor's optimizer update, beyond its bytes",
@@ -160,14 +165,15 @@ def default_profile_path(fingerprint: dict[str, Any]) -> Path:
 
 def op_key(target: Any, args: tuple, kwargs: dict[str, Any]) -> str:
     """Identify one op call by its target, the shapes and dtypes of its tensor arguments (local
-    shapes: what one rank runs) and the values of the others."""
+    shapes: what one rank runs), which of them need a gradient (marked ``(grad)``: the backward
+    computes only those) and the values of the others."""
     shown = torch.utils._pytree.tree_map_only(torch.Tensor, _TensorSig, (args, kwargs))
     return f"{target}{shown[0]!r}{shown[1]!r}"
 
 
 class _TensorSig:
     def __init__(self, t: torch.Tensor) -> None:
-        self.text = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        self.text = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}{'(grad)' if t.requires_grad else ''}"
 
     def __repr__(self) -> str:
         return self.text

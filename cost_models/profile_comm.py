@@ -261,8 +261,12 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     * ``local_op``: a chain of ``OVERHEAD_CALLS`` ``codegen.runtime.local_op(aten.neg)`` calls on
       a DTensor, then backward, minus the same chain of ``aten.neg`` on a plain tensor, per call.
       The cost model adds it to the op's own (plain-tensor) time for every local_op node.
-    * ``local_op_input``: the same for ``local_op(aten.add)`` of two DTensor inputs, minus
-      ``local_op``: added per DTensor input beyond the first.
+    * ``local_op_forward``: the same chain without gradients, forward only: for nodes whose
+      output needs no gradient (masks, positions).
+    * ``local_op_input``: the same for ``local_op(aten.add)`` of the chain and a second DTensor
+      leaf that needs a gradient, minus ``local_op``: added per such input beyond the first.
+    * ``local_op_input_forward``: the same without gradients minus ``local_op_forward``: added
+      per further input that needs no gradient.
     * ``dtensor_op``: the same for generated code's ``planned(aten.reshape...)`` of a row-split
       DTensor (DTensor translates the global shape) minus a plain reshape: added to the op's own
       time for every view/reshape/expand node dispatched through DTensor.
@@ -280,11 +284,19 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     Noise can push a difference below zero; it is reported as 0.
     """
     step, per_param = _optimizer_overheads(device_mesh, repeats)
-    one_input = _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default)
-    two_inputs = _extra_per_call(device_mesh, repeats, _local_add(device_mesh), lambda y: y + y)
+    one_input, two_inputs = {}, {}
+    for grad in (True, False):
+        one_input[grad] = _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default,
+                                          _tiny(device_mesh, grad))
+        other = _tiny(device_mesh, grad)
+        bare_other = other.to_local().detach().clone().requires_grad_(grad)
+        two_inputs[grad] = _extra_per_call(device_mesh, repeats, _local_add(device_mesh, other),
+                                           lambda y, o=bare_other: y + o, _tiny(device_mesh, grad), (other, bare_other))
     mine = {
-        "local_op": one_input,
-        "local_op_input": two_inputs - one_input,
+        "local_op": one_input[True],
+        "local_op_forward": one_input[False],
+        "local_op_input": two_inputs[True] - one_input[True],
+        "local_op_input_forward": two_inputs[False] - one_input[False],
         "dtensor_op": _extra_per_call(device_mesh, repeats, _planned_reshape, _planned_reshape, _sharded(device_mesh)),
         "grad_hook": _grad_hook_overhead(device_mesh, repeats),
         "optimizer_per_param": per_param,
@@ -297,18 +309,19 @@ def _replicated(mesh: DeviceMesh) -> list[Placement]:
     return [Replicate()] * mesh.ndim
 
 
-def _tiny(mesh: DeviceMesh) -> DTensor:
-    """A tiny replicated DTensor leaf that requires grad (a parameter or an activation)."""
-    return DTensor.from_local(torch.ones(_TINY), mesh, _replicated(mesh), run_check=False).requires_grad_()
+def _tiny(mesh: DeviceMesh, grad: bool = True) -> DTensor:
+    """A tiny replicated DTensor leaf, by default one that requires grad (a parameter or an
+    activation)."""
+    return DTensor.from_local(torch.ones(_TINY), mesh, _replicated(mesh), run_check=False).requires_grad_(grad)
 
 
 def _local_neg(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
     return lambda y: local_op(torch.ops.aten.neg.default, (y,), {}, _replicated(mesh), mesh, y.shape)
 
 
-def _local_add(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
-    """A local_op with two DTensor inputs: each input adds its own unwrapping and gradient node."""
-    return lambda y: local_op(torch.ops.aten.add.Tensor, (y, y), {}, _replicated(mesh), mesh, y.shape)
+def _local_add(mesh: DeviceMesh, other: DTensor) -> Callable[[DTensor], DTensor]:
+    """A local_op with a second DTensor input: it adds its own unwrapping (and gradient node)."""
+    return lambda y: local_op(torch.ops.aten.add.Tensor, (y, other), {}, _replicated(mesh), mesh, y.shape)
 
 
 def _sharded(mesh: DeviceMesh) -> DTensor:
@@ -327,25 +340,34 @@ def _planned_reshape(y: torch.Tensor) -> torch.Tensor:
 
 
 def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[[DTensor], DTensor],
-                    plain_step: Callable[[torch.Tensor], torch.Tensor], x: DTensor | None = None) -> float:
+                    plain_step: Callable[[torch.Tensor], torch.Tensor], x: DTensor | None = None,
+                    leaves: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """Seconds ``dtensor_step`` on a DTensor (default: a tiny replicated one) takes beyond
-    ``plain_step`` on its local tensor, per call, forward + backward."""
+    ``plain_step`` on its local tensor, per call, forward + backward where ``x`` requires grad.
+    ``leaves``: the other input each step reads (DTensor, its plain twin), their gradients reset
+    every run as a training step does."""
     x = _tiny(mesh) if x is None else x
-    plain = x.to_local().detach().clone().requires_grad_()
-    wrapped, bare = _mean_seconds([_chain(dtensor_step, x), _chain(plain_step, plain)], repeats)
+    plain = x.to_local().detach().clone().requires_grad_(x.requires_grad)
+    wrapped_leaf, plain_leaf = leaves if leaves is not None else (None, None)
+    wrapped, bare = _mean_seconds([_chain(dtensor_step, x, wrapped_leaf), _chain(plain_step, plain, plain_leaf)],
+                                  repeats)
     return (wrapped - bare) / OVERHEAD_CALLS
 
 
-def _chain(step: Callable[[Any], Any], x: torch.Tensor) -> Callable[[], None]:
-    """``OVERHEAD_CALLS`` calls of ``step`` from ``x``, then backward through all of them."""
+def _chain(step: Callable[[Any], Any], x: torch.Tensor, other: torch.Tensor | None = None) -> Callable[[], None]:
+    """``OVERHEAD_CALLS`` calls of ``step`` from ``x``, then backward through all of them if ``x``
+    requires grad."""
     grad = torch.ones_like(x)
 
     def run() -> None:
         x.grad = None
+        if other is not None:
+            other.grad = None
         y = x
         for _ in range(OVERHEAD_CALLS):
             y = step(y)
-        y.backward(grad)
+        if x.requires_grad:
+            y.backward(grad)
 
     return run
 

@@ -12,7 +12,7 @@ import math
 import operator
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from autopar.placements import local_shape
 from autopar.placements import Placements
 from autopar.strategies import NodeChoices, Strategy, StrategySpace
 from codegen.generate import dispatched_by_dtensor
+from cost_models.activations import gradients
 from cost_models.profile import OpTime, op_key
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,12 @@ class OpCall:
         object.__setattr__(self, "key", op_key(self.target, self.args, self.kwargs))
 
 
-def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int]) -> OpCall | None:
+def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int], grad: Mapping[fx.Node, bool]
+            ) -> OpCall | None:
     """The call node ``nc`` makes on the largest shard (the slowest rank) under strategy ``s``, or
-    None when it has no compute to time (not an op, ``no_compute``, no tensor output)."""
+    None when it has no compute to time (not an op, ``no_compute``, no tensor output). Inputs that
+    get a gradient in training (``grad``, from ``activations.gradients``) require one: the op's
+    backward computes theirs alone, and an op with none has no backward to time."""
     node = nc.node
     if nc.kind != "op" or no_compute(node, s.out) or tensor_val(node) is None:
         return None
@@ -84,7 +88,8 @@ def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int]) -> OpCall |
         val = tensor_val(a)
         if val is None:  # a non-tensor graph value (a symbolic size): its recorded value
             return a.meta.get("val")
-        return torch.empty(local_shape(val.shape, next(placements), mesh_shape), dtype=val.dtype, device="meta")
+        return torch.empty(local_shape(val.shape, next(placements), mesh_shape), dtype=val.dtype, device="meta",
+                           requires_grad=grad.get(a, False))
 
     args, kwargs = pytree.tree_map(local, (tuple(node.args), dict(node.kwargs)))
     if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Partial) for p in s.out):
@@ -108,11 +113,12 @@ def _sharded_cross_entropy(args: tuple) -> OpCall:
 def op_calls(space: StrategySpace, mesh_shape: Sequence[int]) -> list[OpCall]:
     """The distinct calls (by key) of every op node under every candidate strategy, in graph order."""
     calls: dict[str, OpCall] = {}
+    grad = gradients(space)
     for nc in space.nodes:
         if nc.kind != "op":
             continue
         for s in nc.strategies:
-            call = op_call(nc, s, mesh_shape)
+            call = op_call(nc, s, mesh_shape, grad)
             if call is not None:
                 calls.setdefault(call.key, call)
     return list(calls.values())
@@ -159,14 +165,15 @@ def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: i
 
 
 def _real(a: Any, device: torch.device) -> Any:
-    """A real input for a meta one: floats random and differentiable, integers zeros (valid
-    indices and class targets), booleans ones (keep-masks); the runtime device for device args."""
+    """A real input for a meta one: floats random (differentiable where the meta one is), integers
+    zeros (valid indices and class targets), booleans ones (keep-masks); the runtime device for
+    device args."""
     if a is RUNTIME_DEVICE:
         return device
     if not isinstance(a, torch.Tensor):
         return a
     if a.dtype.is_floating_point:
-        return torch.randn(a.shape, dtype=a.dtype, device=device, requires_grad=True)
+        return torch.randn(a.shape, dtype=a.dtype, device=device, requires_grad=a.requires_grad)
     if a.dtype == torch.bool:
         return torch.ones(a.shape, dtype=a.dtype, device=device)
     return torch.zeros(a.shape, dtype=a.dtype, device=device)

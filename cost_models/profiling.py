@@ -28,7 +28,8 @@ from autopar.launch import run_on_gloo_mesh
 from autopar.measure import slowest_rank_steps
 from autopar.mesh import MeshSpec, as_mesh_spec, hardware_for_device
 from autopar.placements import Placements
-from autopar.strategies import Strategy, build_space
+from autopar.plan import Plan
+from autopar.strategies import Strategy, StrategySpace, build_space
 from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
@@ -123,9 +124,11 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     return profile, path
 
 
-#: Calibration workloads: a model at sizes the cost-accuracy benchmark does not run, from one
-#: where the runtime's per-call costs dominate to one where the ops do.
-CALIBRATION = ("gpt-tiny", ((4, 16), (12, 48), (24, 64)))
+#: Calibration workloads: two zoo models the cost-accuracy benchmark does not run, with different
+#: mixes of ops (GPT's fused attention projection, BERT's padding, token types and MLM head), each
+#: at sizes from one where the runtime's per-call costs dominate to one where the ops do. One
+#: model alone lets its own quirks and the host's drift during its few steps set the factors.
+CALIBRATION = (("gpt-tiny", ((4, 16), (12, 48), (24, 64))), ("bert-tiny", ((4, 16), (12, 48), (24, 64))))
 CALIBRATION_STEPS = 6
 #: Each plan is timed in this many rounds, taking turns with the others; the median of all its
 #: steps counts.
@@ -168,13 +171,12 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
 
     * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``;
       skipped where ``known`` has them (fitted on another mesh of as many processes);
-    * on a mesh of several devices, the calibration model's data- and tensor-parallel hand plans:
+    * on a mesh of several devices, the calibration models' data- and tensor-parallel hand plans:
       what ``a`` and ``b`` leave, ``c * blocking comm + d * exposed gradient sync``, for this mesh
       shape. Collectives in a step cost more than alone in lockstep: ranks reach them apart, and
       CPU ranks share their cores with the compute of others."""
-    name, sizes = CALIBRATION
     replicated = "ops" not in known
-    rows = _calibration_rows(spec, path, name, sizes, replicated)
+    rows = _calibration_rows(spec, path, CALIBRATION, replicated)
     for r in rows:
         say(f"calibration {r.label}: step {r.measured * 1e3:.1f} ms; ops alone {r.ops * 1e3:.1f}, runtime overheads "
             f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
@@ -207,17 +209,39 @@ def _fit(rows: Sequence[_Row], x: Callable[[_Row], tuple[float, float]], y: Call
     return tuple(float(min(max(f, 0.5), 4.0)) for f in factors)   # type: ignore[return-value]
 
 
-def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tuple[int, int]], replicated: bool
-                      ) -> list[_Row]:
-    """The workload at each size: every op replicated (if ``replicated``), and on several devices
-    the calibration hand plans, each planned with the profile's uncalibrated numbers; all of them
-    timed in one launch on this mesh (``_calibration_worker``)."""
+def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str, Sequence[tuple[int, int]]]],
+                      replicated: bool) -> list[_Row]:
+    """Each workload (model, sizes) at each size: every op replicated (if ``replicated``), and on
+    several devices the calibration hand plans, each planned with the profile's uncalibrated
+    numbers; all of them timed in one launch on this mesh, taking turns (``_calibration_worker``)."""
+    plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
+    for name, sizes in workloads:
+        plans.update(_calibration_plans(spec, path, name, sizes, replicated))
+    measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
+                                axis_names=spec.axis_names, start_method="forkserver")
+    rows = []
+    for key, (plan, cost, plan_space, chosen) in plans.items():
+        name, batch, seq, hand = key
+        ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
+        alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
+        overhead = sum(cost.overhead(nc, s) for nc, s in ops)
+        p = plan.predicted
+        typical = statistics.median(slowest_rank_steps([m[key] for m in measured]))
+        rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,
+                         p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
+    return rows
+
+
+def _calibration_plans(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tuple[int, int]], replicated: bool
+                       ) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace, list[Strategy]]]:
+    """Model ``name`` at each size, its ops profiled: the replicated plan (if ``replicated``) and on
+    several devices the calibration hand plans, each with its cost model, space and strategies."""
     from autopar.baselines import hand_plans
     from autopar.planner import plan_captured, prepare
     from autopar.zoo import get_model
 
     entry = get_model(name)
-    plans = {}   # (batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
+    plans = {}
     for batch, seq in sizes:
         model = entry.build()
         args, kwargs = entry.example(batch, seq)
@@ -228,7 +252,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tup
         if replicated:
             chosen = [_replicated(nc.strategies) for nc in space.nodes]
             forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
-            plans[(batch, seq, "replicated")] = (
+            plans[(name, batch, seq, "replicated")] = (
                 plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
                 CostModel(spec, space, profile=profile), space, chosen)
         if spec.size > 1:
@@ -237,20 +261,8 @@ def _calibration_rows(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tup
                 if _calibration_plan(hand):
                     chosen = [nc.strategies[k]
                               for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
-                    plans[(batch, seq, hand)] = (plan, planning.model, planning.space, chosen)
-    measured = run_on_gloo_mesh(_calibration_worker, spec.shape, name,
-                                [(key, p[0].to_json()) for key, p in plans.items()],
-                                axis_names=spec.axis_names, start_method="forkserver")
-    rows = []
-    for (batch, seq, hand), (plan, cost, plan_space, chosen) in plans.items():
-        ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
-        alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
-        overhead = sum(cost.overhead(nc, s) for nc, s in ops)
-        p = plan.predicted
-        typical = statistics.median(slowest_rank_steps([m[(batch, seq, hand)] for m in measured]))
-        rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,
-                         p.step_time_s - alone - overhead - p.comm_s - p.exposed_comm_s))
-    return rows
+                    plans[(name, batch, seq, hand)] = (plan, planning.model, planning.space, chosen)
+    return plans
 
 
 def _replicated(strategies: list[Strategy]) -> Strategy:
@@ -261,10 +273,10 @@ def _replicated(strategies: list[Strategy]) -> Strategy:
     return next(s for s in strategies if whole(s.out) and whole(s.storage) and all(whole(i) for i in s.ins))
 
 
-def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int, int, str], str]]
-                        ) -> dict[tuple[int, int, str], list[float]]:
-    """Seconds of each timed training step (AdamW) of the calibration model under each (batch,
-    seq, plan) on this rank, ``CALIBRATION_STEPS`` at a time in ``CALIBRATION_ROUNDS`` rounds
+def _calibration_worker(mesh: DeviceMesh, plans: list[tuple[tuple[str, int, int, str], str]]
+                        ) -> dict[tuple[str, int, int, str], list[float]]:
+    """Seconds of each timed training step (AdamW) of each calibration (model, batch, seq, plan)
+    on this rank, ``CALIBRATION_STEPS`` at a time in ``CALIBRATION_ROUNDS`` rounds
     taking turns with all the others. Turns spread each plan's steps over the whole run: the
     host's slow and fast spells last seconds, and the median of steps spread over them is the
     typical step, the figure the cost model predicts."""
@@ -272,10 +284,10 @@ def _calibration_worker(mesh: DeviceMesh, name: str, plans: list[tuple[tuple[int
     from autopar.measure import time_in_turns
     from autopar.zoo import get_model
 
-    entry = get_model(name)
     runs = {}
     for key, plan_json in plans:
-        batch, seq, _ = key
+        name, batch, seq, _ = key
+        entry = get_model(name)
         args, kwargs = entry.example(batch, seq)
         sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))

@@ -19,6 +19,7 @@ from autopar.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.comm import Link
 from cost_models.profile import OpTime, Profile, collective_key
+from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline
 
@@ -213,7 +214,7 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
     space = _space(mesh=(2,), hardware="cpu")
     linear = _node(space, "linear")
     s = _strategy(linear, (S0,), ((S0,), (R,), (R,)))
-    key = op_call(linear, s, space.mesh.shape).key
+    key = op_call(linear, s, space.mesh.shape, gradients(space)).key
     profile = Profile({"device": "cpu"}, ops={key: OpTime(0.25, 0.5)}, overheads={"local_op": 0.125})
     measured = CostModel(space.mesh, space, profile=profile).node(linear, s)
     roofline = CostModel(space.mesh, space).node(linear, s)
@@ -225,6 +226,36 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
                          profile=profile)
     assert plan.predicted.cost_source.startswith("profile")
     assert {n.source for n in plan.nodes} >= {"roofline"}
+
+
+class _Scaled(nn.Module):
+    """A linear layer scaled by a function of the input alone: ``abs`` and ``add`` get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * (x.abs() + 1)).sum()
+
+
+def test_backward_costs_only_where_gradients_flow():
+    space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
+    overheads = {"local_op": 1.0, "local_op_forward": 2.0 ** -2, "local_op_input": 2.0 ** -3,
+                 "local_op_input_forward": 2.0 ** -4}
+    cost = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads=overheads))
+    roofline = CostModel(space.mesh, space)
+    expected = {
+        "abs_1": 2.0 ** -2,                        # forward only
+        "add": 2.0 ** -2,                          # forward only; the scalar is no DTensor input
+        "linear": 1.0 + 2.0 ** -3 + 2.0 ** -4,     # x needs no gradient, weight and bias do
+        "mul": 1.0 + 2.0 ** -4,                    # the scale needs no gradient
+    }
+    for name, seconds in expected.items():
+        nc = _node(space, name)
+        s = nc.strategies[0]
+        assert cost.overhead(nc, s) == pytest.approx(seconds), name
+        assert (roofline.node(nc, s).backward_s > 0) == (name in ("linear", "mul")), name
 
 
 def test_attention_flops_counted_for_cpu_models():

@@ -15,6 +15,7 @@ from autopar.capture import capture
 from autopar.models import GPT, GPTConfig
 from autopar.strategies import StrategySpace, build_space
 from autopar.zoo import get_model
+from cost_models.activations import gradients
 from cost_models.profile_ops import OpCall, no_compute, op_call, op_calls, time_op_calls
 
 aten = torch.ops.aten
@@ -28,6 +29,11 @@ def zoo_space(name: str) -> StrategySpace:
         model = entry.build()
     args, kwargs = entry.example(device="meta")
     return build_space(capture(model, args, kwargs), MeshSpec(MESH))
+
+
+def call(space: StrategySpace, nc, s, mesh=MESH) -> OpCall | None:
+    """``op_call`` with the space's gradients, as the cost model and profiling ask."""
+    return op_call(nc, s, mesh, gradients(space))
 
 
 def gpt_space(n_layer: int) -> StrategySpace:
@@ -56,12 +62,12 @@ def test_every_op_node_is_timed_or_has_no_compute(name):
         if nc.kind != "op":
             continue
         for s in nc.strategies:
-            call = op_call(nc, s, MESH)
+            got = call(space, nc, s)
             if no_compute(nc.node, s.out):
-                assert call is None, nc.node
+                assert got is None, nc.node
             else:
-                assert isinstance(call, OpCall) and call.key.startswith(str(nc.node.target)), nc.node
-                assert call.key == op_call(nc, s, MESH).key  # deterministic
+                assert isinstance(got, OpCall) and got.key.startswith(str(nc.node.target)), nc.node
+                assert got.key == call(space, nc, s).key  # deterministic
     keys = {c.key for c in op_calls(space, MESH)}
     assert len(keys) == len(op_calls(space, MESH))
 
@@ -71,20 +77,21 @@ def test_linear_column_parallel_runs_on_the_largest_weight_shard():
     space = build_space(capture(model, (torch.randn(4, 16),)), MeshSpec((2,)))
     nc = op_node(space, aten.linear.default)
     column = next(s for s in nc.strategies if s.ins[1] == (Shard(0),))
-    x, w, b = op_call(nc, column, (2,)).args
+    x, w, b = call(space, nc, column, (2,)).args
     assert (x.shape, w.shape, b.shape) == ((4, 16), (4, 16), (4,))
     assert all(t.device.type == "meta" for t in (x, w, b))
     batch = next(s for s in nc.strategies if s.ins[0] == (Shard(0),))
-    assert op_call(nc, batch, (2,)).args[0].shape == (2, 16)
+    assert call(space, nc, batch, (2,)).args[0].shape == (2, 16)
 
 
 def test_batch_split_cross_entropy_times_what_the_runtime_helper_runs():
-    nc = op_node(zoo_space("gpt-tiny"), aten.cross_entropy_loss.default)
+    space = zoo_space("gpt-tiny")
+    nc = op_node(space, aten.cross_entropy_loss.default)
     split = next(s for s in nc.strategies if any(isinstance(p, Partial) for p in s.out))
     whole = next(s for s in nc.strategies if not any(isinstance(p, Partial) for p in s.out))
-    logits, target, weight, reduction, ignore_index = op_call(nc, split, MESH).args
+    logits, target, weight, reduction, ignore_index = call(space, nc, split).args
     assert (reduction, ignore_index, weight) == (2, -100, None)  # summed locally, divided globally
-    assert logits.shape[0] < op_call(nc, whole, MESH).args[0].shape[0]
+    assert logits.shape[0] < call(space, nc, whole).args[0].shape[0]
 
 
 def test_cross_entropy_keeps_the_models_ignore_index():
@@ -95,14 +102,24 @@ def test_cross_entropy_keeps_the_models_ignore_index():
     space = build_space(capture(Loss(), (torch.randn(8, 10), torch.zeros(8, dtype=torch.long))), MeshSpec((2,)))
     nc = op_node(space, aten.cross_entropy_loss.default)
     split = next(s for s in nc.strategies if s.out == (Partial(),))
-    logits, _, _, reduction, ignore_index = op_call(nc, split, (2,)).args
+    logits, _, _, reduction, ignore_index = call(space, nc, split, (2,)).args
     assert (logits.shape, reduction, ignore_index) == ((4, 10), 2, 5)
 
 
 def test_device_arguments_do_not_depend_on_the_capture_device():
-    nc = op_node(zoo_space("gpt-tiny"), aten.arange.default)
-    key = op_call(nc, nc.strategies[0], MESH).key
+    space = zoo_space("gpt-tiny")
+    nc = op_node(space, aten.arange.default)
+    key = call(space, nc, nc.strategies[0]).key
     assert "'device': device" in key and "meta" not in key
+
+
+def test_keys_mark_the_inputs_that_need_a_gradient():
+    space = build_space(capture(nn.Linear(16, 8), (torch.randn(4, 16),)), MeshSpec((1,)))
+    nc = op_node(space, aten.linear.default)
+    got = call(space, nc, nc.strategies[0], (1,))
+    assert [a.requires_grad for a in got.args] == [False, True, True]   # input; weight, bias
+    assert got.key.count("(grad)") == 2
+    assert op_call(nc, nc.strategies[0], (1,), {}).key.count("(grad)") == 0
 
 
 def test_time_op_calls_measures_forward_and_backward():
@@ -116,7 +133,7 @@ def test_time_op_calls_measures_forward_and_backward():
     for call in calls + [ints]:
         t = times[call.key]
         assert t.fwd_s > 0 and math.isfinite(t.fwd_s) and math.isfinite(t.bwd_s), call.key
-        differentiable = any(isinstance(a, torch.Tensor) and a.dtype.is_floating_point for a in call.args)
+        differentiable = any(isinstance(a, torch.Tensor) and a.requires_grad for a in call.args)
         assert (t.bwd_s > 0) == differentiable, call.key
 
 

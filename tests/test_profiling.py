@@ -11,7 +11,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.zoo import get_model
 from cost_models.comm import Link
-from cost_models.profile import PROFILE_VERSION, OpTime, Profile, ProfileError, default_profile_path
+from cost_models.profile import OVERHEADS, PROFILE_VERSION, OpTime, Profile, ProfileError, default_profile_path
 from cost_models.profiling import find_profile, local_fingerprint, profile_model, resolve_profile
 
 
@@ -71,7 +71,7 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch, caplog):
     assert path == stale and json.loads(path.read_text())["autopar_profile_version"] == PROFILE_VERSION
     assert path.parent == tmp_path and json.loads(path.read_text())["fingerprint"] == local_fingerprint(mesh)
     assert profile.ops and all(t.fwd_s > 0 for t in profile.ops.values())
-    assert {"local_op", "local_op_input", "dtensor_op", "optimizer_per_param", "step"} <= set(profile.overheads)
+    assert set(OVERHEADS) == set(profile.overheads)
     assert set(profile.calibration) == {"ops", "overheads"}   # fitted on the calibration workloads
     assert find_profile(mesh) == profile
 
@@ -95,11 +95,12 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
 
     asked = []
 
-    def rows(spec, path, name, sizes, replicated):
+    def rows(spec, path, workloads, replicated):
         asked.append(replicated)
         return [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
                      ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)
-                for batch, seq in sizes for comm, sync in [(0.001 * batch, 0.0005 * seq)]]
+                for name, sizes in workloads for batch, seq in sizes
+                for comm, sync in [(0.001 * batch, 0.0005 * seq)]]
 
     monkeypatch.setattr(profiling, "_calibration_rows", rows)
     known = {"ops": 1.2, "overheads": 1.0, "comm@4": 1.5, "sync@4": 0.7, "overlap": 0.3}

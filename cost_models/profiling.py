@@ -215,8 +215,14 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
     several devices the calibration hand plans, each planned with the profile's uncalibrated
     numbers; all of them timed in one launch on this mesh, taking turns (``_calibration_worker``)."""
     plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
-    for name, sizes in workloads:
-        plans.update(_calibration_plans(spec, path, name, sizes, replicated))
+    strategies_log = logging.getLogger("autopar.strategies")
+    level = strategies_log.level
+    strategies_log.setLevel(logging.ERROR)   # the calibration models' ops without rules are not the user's concern
+    try:
+        for name, sizes in workloads:
+            plans.update(_calibration_plans(spec, path, name, sizes, replicated))
+    finally:
+        strategies_log.setLevel(level)
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []

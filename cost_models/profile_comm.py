@@ -288,10 +288,8 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     for grad in (True, False):
         one_input[grad] = _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default,
                                           _tiny(device_mesh, grad))
-        other = _tiny(device_mesh, grad)
-        bare_other = other.to_local().detach().clone().requires_grad_(grad)
-        two_inputs[grad] = _extra_per_call(device_mesh, repeats, _local_add(device_mesh, other),
-                                           lambda y, o=bare_other: y + o, _tiny(device_mesh, grad), (other, bare_other))
+        two_inputs[grad] = _extra_per_call(device_mesh, repeats, _local_add(device_mesh), torch.ops.aten.add.Tensor,
+                                           _tiny(device_mesh, grad), _tiny(device_mesh, grad))
     mine = {
         "local_op": one_input[True],
         "local_op_forward": one_input[False],
@@ -319,9 +317,9 @@ def _local_neg(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
     return lambda y: local_op(torch.ops.aten.neg.default, (y,), {}, _replicated(mesh), mesh, y.shape)
 
 
-def _local_add(mesh: DeviceMesh, other: DTensor) -> Callable[[DTensor], DTensor]:
+def _local_add(mesh: DeviceMesh) -> Callable[[DTensor, DTensor], DTensor]:
     """A local_op with a second DTensor input: it adds its own unwrapping (and gradient node)."""
-    return lambda y: local_op(torch.ops.aten.add.Tensor, (y, other), {}, _replicated(mesh), mesh, y.shape)
+    return lambda y, other: local_op(torch.ops.aten.add.Tensor, (y, other), {}, _replicated(mesh), mesh, y.shape)
 
 
 def _sharded(mesh: DeviceMesh) -> DTensor:
@@ -339,33 +337,29 @@ def _planned_reshape(y: torch.Tensor) -> torch.Tensor:
     return as_planned(out, out.placements, "profile") if isinstance(out, DTensor) else out
 
 
-def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[[DTensor], DTensor],
-                    plain_step: Callable[[torch.Tensor], torch.Tensor], x: DTensor | None = None,
-                    leaves: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
-    """Seconds ``dtensor_step`` on a DTensor (default: a tiny replicated one) takes beyond
-    ``plain_step`` on its local tensor, per call, forward + backward where ``x`` requires grad.
-    ``leaves``: the other input each step reads (DTensor, its plain twin), their gradients reset
-    every run as a training step does."""
-    x = _tiny(mesh) if x is None else x
-    plain = x.to_local().detach().clone().requires_grad_(x.requires_grad)
-    wrapped_leaf, plain_leaf = leaves if leaves is not None else (None, None)
-    wrapped, bare = _mean_seconds([_chain(dtensor_step, x, wrapped_leaf), _chain(plain_step, plain, plain_leaf)],
-                                  repeats)
+def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[..., DTensor],
+                    plain_step: Callable[..., torch.Tensor], x: DTensor, *others: DTensor) -> float:
+    """Seconds ``dtensor_step`` on DTensor ``x`` (and ``others``, further inputs every step reads)
+    takes beyond ``plain_step`` on their local tensors, per call, forward + backward where ``x``
+    requires grad."""
+    inputs = (x, *others)
+    plain = [t.to_local().detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    wrapped, bare = _mean_seconds([_chain(dtensor_step, *inputs), _chain(plain_step, *plain)], repeats)
     return (wrapped - bare) / OVERHEAD_CALLS
 
 
-def _chain(step: Callable[[Any], Any], x: torch.Tensor, other: torch.Tensor | None = None) -> Callable[[], None]:
-    """``OVERHEAD_CALLS`` calls of ``step`` from ``x``, then backward through all of them if ``x``
-    requires grad."""
+def _chain(step: Callable[..., Any], x: torch.Tensor, *others: torch.Tensor) -> Callable[[], None]:
+    """``OVERHEAD_CALLS`` calls of ``step`` from ``x`` (each also reading ``others``), then
+    backward through all of them if ``x`` requires grad; every input's gradient is reset each
+    run, as a training step does."""
     grad = torch.ones_like(x)
 
     def run() -> None:
-        x.grad = None
-        if other is not None:
-            other.grad = None
+        for t in (x, *others):
+            t.grad = None
         y = x
         for _ in range(OVERHEAD_CALLS):
-            y = step(y)
+            y = step(y, *others)
         if x.requires_grad:
             y.backward(grad)
 

@@ -246,8 +246,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
     strategy = planning.grouping.strategies(choices)
     chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy)]
     costs, queued = planning.priced.step_costs(strategy)
-    step_overhead = model.profile.overheads.get("step", 0.0) if model.profile is not None else 0.0
-    sim = timeline.simulate(costs, queued, step_overhead)
+    sim = timeline.simulate(costs, queued, model.runtime_cost({"step": 1}))
     nodes, total = [], Cost()
     for nc, s, c in zip(space.nodes, chosen, costs):
         total = total + c

@@ -253,8 +253,7 @@ class CostModel:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
         opt = self.optimizer
         update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
-        if self.profile is not None:
-            update += self.profile.overheads.get("optimizer_per_param", 0.0) + self.profile.overheads.get("grad_hook", 0.0)
+        update += self.runtime_cost({"optimizer_per_param": 1, "grad_hook": 1})
         cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                     transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
@@ -298,19 +297,24 @@ class CostModel:
     def overhead(self, nc: NodeChoices, s: Strategy) -> float:
         """The generated code's per-call cost on top of the op itself (measured by the profile):
         the backward's share only where gradients flow (an op on masks or positions has none)."""
-        if self.profile is None or nc.node.target is operator.getitem:
+        if nc.node.target is operator.getitem:
             return 0.0
-        overheads, scale = self.profile.overheads, self.profile.calibration.get("overheads", 1.0)
         if dispatched_by_dtensor(nc.node, s.out):
-            return overheads.get("dtensor_op", 0.0) * scale
+            return self.runtime_cost({"dtensor_op": 1})
         graded = sum(self._grad(i) for i in nc.inputs)
         if self._grad(nc.node):   # local_op covers one input that needs a gradient
-            seconds = (overheads.get("local_op", 0.0) + overheads.get("local_op_input", 0.0) * max(0, graded - 1)
-                       + overheads.get("local_op_input_forward", 0.0) * (len(nc.inputs) - graded))
-        else:
-            seconds = (overheads.get("local_op_forward", 0.0)
-                       + overheads.get("local_op_input_forward", 0.0) * max(0, len(nc.inputs) - 1))
-        return seconds * scale
+            return self.runtime_cost({"local_op": 1, "local_op_input": max(0, graded - 1),
+                                      "local_op_input_forward": len(nc.inputs) - graded})
+        return self.runtime_cost({"local_op_forward": 1, "local_op_input_forward": max(0, len(nc.inputs) - 1)})
+
+    def runtime_cost(self, counts: dict[str, float]) -> float:
+        """Seconds of ``counts[key]`` occurrences of each of the runtime's per-call costs (the
+        profile's micro-benchmarks, ``cost_models.profile.OVERHEADS``), at the one in-step factor
+        calibration fits for all of them: per op, per parameter (hook, optimizer) and per step alike."""
+        if self.profile is None:
+            return 0.0
+        measured = self.profile.overheads
+        return sum(measured.get(key, 0.0) * n for key, n in counts.items()) * self.profile.calibration.get("overheads", 1.0)
 
     def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> tuple[float, float]:
         """Bytes of the activations this op keeps for its backward, at the strategy's placements,

@@ -25,9 +25,10 @@ import torch
 from autopar.errors import AutoparError
 from cost_models.comm import Link
 
-PROFILE_VERSION = 5   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 6   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
-                      # runtime overheads of ops without one
+                      # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
+                      # and per-step costs too
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 #: Ops and inputs without a gradient pay only the forward part: the "_forward" keys.

@@ -148,10 +148,10 @@ class _Row:
     plan: str         # "replicated", or the hand plan's name
     measured: float
     ops: float        # ops alone (the profile's timings)
-    overheads: float  # the runtime's per-call costs (micro-benchmarks)
+    overheads: float  # the runtime's per-call costs (micro-benchmarks): per op, per parameter, per step
     comm: float       # blocking collectives (the profile's links, in lockstep)
     sync: float       # queued gradient synchronisation left exposed
-    rest: float       # the other predicted parts (optimizer, fixed step cost), not fitted
+    rest: float       # the other predicted parts (the optimizer's memory traffic), not fitted
 
     @property
     def unfitted(self) -> float:
@@ -169,7 +169,10 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
     """In-step factors for what the profile measures alone, from whole training steps of the
     calibration workloads (``_calibration_rows``), fitted by least squares in two stages:
 
-    * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``;
+    * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``,
+      where the overheads are all the runtime's micro-benchmarked costs, per op, per parameter and
+      per step: measured with every rank at it at once, they are inflated alike where ranks
+      outnumber cores (left out of the fit, the per-parameter ones pushed ``b`` to its clamp);
       skipped where ``known`` has them (fitted on another mesh of as many processes);
     * on a mesh of several devices, the calibration models' data- and tensor-parallel hand plans:
       what ``a`` and ``b`` leave, ``c * blocking comm + d * exposed gradient sync``, for this mesh
@@ -230,7 +233,9 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         name, batch, seq, hand = key
         ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
-        overhead = sum(cost.overhead(nc, s) for nc, s in ops)
+        params = sum(nc.kind == "param" for nc in plan_space.nodes)
+        overhead = sum(cost.overhead(nc, s) for nc, s in ops) + cost.runtime_cost(
+            {"optimizer_per_param": params, "grad_hook": params, "step": 1})
         p = plan.predicted
         typical = statistics.median(slowest_rank_steps([m[key] for m in measured]))
         rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,

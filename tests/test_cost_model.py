@@ -258,6 +258,24 @@ def test_backward_costs_only_where_gradients_flow():
         assert (roofline.node(nc, s).backward_s > 0) == (name in ("linear", "mul")), name
 
 
+def test_one_calibrated_factor_scales_every_runtime_overhead():
+    """Calibration fits one in-step factor for the runtime's micro-benchmarked costs: it must
+    scale the per-parameter (gradient hook, optimizer) and per-step costs as it scales the
+    per-op ones, or a host where the micro-benchmarks run slow pushes that factor onto the ops."""
+    space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
+    overheads = {"local_op": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_param": 2.0 ** -3, "step": 2.0 ** -4}
+    fingerprint = {"device": "cpu"}
+    plain = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads))
+    scaled = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads,
+                                                          calibration={"overheads": 3.0}))
+    weight = _node(space, "p_lin_weight")
+    s = weight.strategies[0]
+    assert scaled.node(weight, s).compute_s - plain.node(weight, s).compute_s == pytest.approx(2 * (2.0 ** -2 + 2.0 ** -3))
+    assert scaled.runtime_cost({"step": 1}) == pytest.approx(3 * 2.0 ** -4)
+    linear = _node(space, "linear")
+    assert scaled.overhead(linear, linear.strategies[0]) == pytest.approx(3 * plain.overhead(linear, linear.strategies[0]))
+
+
 def test_attention_flops_counted_for_cpu_models():
     """A model built on the CPU runs SDPA as CPU flash attention, which FlopCounterMode does not
     count by itself: the cost model registers its formula (4*B*H*S*S*D forward)."""

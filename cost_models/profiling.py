@@ -124,7 +124,8 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     return profile, path
 
 
-#: Calibration workloads: two zoo models the cost-accuracy benchmark does not run, with different
+#: Calibration workloads: two zoo models at sizes the cost-accuracy benchmark does not run (it
+#: runs gpt-tiny at its own sizes, and reports the models not calibrated on apart), with different
 #: mixes of ops (GPT's fused attention projection, BERT's padding, token types and MLM head), each
 #: at sizes from one where the runtime's per-call costs dominate to one where the ops do. One
 #: model alone lets its own quirks and the host's drift during its few steps set the factors.

@@ -151,17 +151,19 @@ def test_parse_plan_args():
             parse_plan_args([bad])
 
 
-def _row(label: str, step: float, mem: float, spread: float = 0.0) -> dict:
-    return {"label": label, "status": "ok", "step_error_pct": step, "memory_error_pct": mem, "launch_spread_pct": spread,
-            "peak_spread_pct": spread / 10}
+def _row(label: str, step: float, mem: float, spread: float = 0.0, model: str = "gpt2-tiny") -> dict:
+    return {"label": label, "model": model, "status": "ok", "step_error_pct": step, "memory_error_pct": mem,
+            "launch_spread_pct": spread, "peak_spread_pct": spread / 10}
 
 
 def test_summary_statistics():
     assert error_pct(90, 100) == -10 and error_pct(150, 100) == 50
-    rows = [_row("a", -10, 2, 3), _row("b", 40, -8, 30), _row("c", -20, 12, 5), _row("d", 5, -1, 1),
+    rows = [_row("a", -10, 2, 3), _row("b", 40, -8, 30, model="gpt-tiny"), _row("c", -20, 12, 5), _row("d", 5, -1, 1),
             {"label": "e", "status": "error", "error": "boom"}]
     s = summarize(rows)
     assert s["n"] == 4
+    # gpt-tiny is a calibration model: the held-out figures leave its row out
+    assert s["held_out_n"] == 3 and s["held_out_step_median_abs_pct"] == 10 and s["held_out_step_worst_abs_pct"] == 20
     assert s["step_median_abs_pct"] == 15 and s["step_worst_abs_pct"] == 40 and s["step_worst_config"] == "b"
     assert s["mem_median_abs_pct"] == 5 and s["mem_worst_abs_pct"] == 12 and s["mem_worst_config"] == "c"
     assert s["mem_worst_under_pct"] == 8 and s["mem_worst_under_config"] == "b"
@@ -171,6 +173,7 @@ def test_summary_statistics():
     text = format_summary(s)
     assert "FAIL: worst memory under-prediction 8.0% (target <= 5%)" in text
     assert "PASS: median memory error 5.0% (target <= 10%)" in text
+    assert "models calibration does not run (3 configs): step time error median 10.0%, worst 20.0%" in text
 
 
 class _Logged(nn.Linear):

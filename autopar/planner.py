@@ -246,7 +246,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
     strategy = planning.grouping.strategies(choices)
     chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy)]
     costs, queued = planning.priced.step_costs(strategy)
-    sim = timeline.simulate(costs, queued, model.runtime_cost({"step": 1}))
+    sim = timeline.simulate(costs, queued, model.step_overhead())
     nodes, total = [], Cost()
     for nc, s, c in zip(space.nodes, chosen, costs):
         total = total + c

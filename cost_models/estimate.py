@@ -253,7 +253,7 @@ class CostModel:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
         opt = self.optimizer
         update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
-        update += self.runtime_cost({"optimizer_per_param": 1, "grad_hook": 1})
+        update += self.param_overhead()
         cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                     transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
@@ -300,14 +300,23 @@ class CostModel:
         if nc.node.target is operator.getitem:
             return 0.0
         if dispatched_by_dtensor(nc.node, s.out):
-            return self.runtime_cost({"dtensor_op": 1})
+            return self._runtime_cost({"dtensor_op": 1})
         graded = sum(self._grad(i) for i in nc.inputs)
         if self._grad(nc.node):   # local_op covers one input that needs a gradient
-            return self.runtime_cost({"local_op": 1, "local_op_input": max(0, graded - 1),
+            return self._runtime_cost({"local_op": 1, "local_op_input": max(0, graded - 1),
                                       "local_op_input_forward": len(nc.inputs) - graded})
-        return self.runtime_cost({"local_op_forward": 1, "local_op_input_forward": max(0, len(nc.inputs) - 1)})
+        return self._runtime_cost({"local_op_forward": 1, "local_op_input_forward": max(0, len(nc.inputs) - 1)})
 
-    def runtime_cost(self, counts: dict[str, float]) -> float:
+    def param_overhead(self) -> float:
+        """The runtime's cost per parameter tensor beyond its bytes: its gradient hook and its
+        optimizer update."""
+        return self._runtime_cost({"optimizer_per_param": 1, "grad_hook": 1})
+
+    def step_overhead(self) -> float:
+        """The runtime's fixed cost of one training step."""
+        return self._runtime_cost({"step": 1})
+
+    def _runtime_cost(self, counts: dict[str, float]) -> float:
         """Seconds of ``counts[key]`` occurrences of each of the runtime's per-call costs (the
         profile's micro-benchmarks, ``cost_models.profile.OVERHEADS``), at the one in-step factor
         calibration fits for all of them: per op, per parameter (hook, optimizer) and per step alike."""

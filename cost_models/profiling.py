@@ -152,7 +152,7 @@ class _Row:
     overheads: float  # the runtime's per-call costs (micro-benchmarks): per op, per parameter, per step
     comm: float       # blocking collectives (the profile's links, in lockstep)
     sync: float       # queued gradient synchronisation left exposed
-    rest: float       # the other predicted parts (the optimizer's memory traffic), not fitted
+    rest: float       # the other predicted parts (optimizer memory traffic, ops the profile lacks), not fitted
 
     @property
     def unfitted(self) -> float:
@@ -235,8 +235,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
         params = sum(nc.kind == "param" for nc in plan_space.nodes)
-        overhead = sum(cost.overhead(nc, s) for nc, s in ops) + cost.runtime_cost(
-            {"optimizer_per_param": params, "grad_hook": params, "step": 1})
+        overhead = sum(cost.overhead(nc, s) for nc, s in ops) + params * cost.param_overhead() + cost.step_overhead()
         p = plan.predicted
         typical = statistics.median(slowest_rank_steps([m[key] for m in measured]))
         rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,

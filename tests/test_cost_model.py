@@ -271,7 +271,7 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     weight = _node(space, "p_lin_weight")
     s = weight.strategies[0]
     assert scaled.node(weight, s).compute_s - plain.node(weight, s).compute_s == pytest.approx(2 * (2.0 ** -2 + 2.0 ** -3))
-    assert scaled.runtime_cost({"step": 1}) == pytest.approx(3 * 2.0 ** -4)
+    assert scaled.step_overhead() == pytest.approx(3 * 2.0 ** -4)
     linear = _node(space, "linear")
     assert scaled.overhead(linear, linear.strategies[0]) == pytest.approx(3 * plain.overhead(linear, linear.strategies[0]))
 

@@ -3,13 +3,39 @@
 ``autopar.plan(model, mesh, inputs)`` chooses a sharding for every op (data, tensor, sequence
 parallelism, ZeRO-3) with an ILP over a cost model; ``autopar.compile`` returns a module that
 trains sharded on ``torch.distributed``.
+
+The passes, in order, and where each lives (every package imports only the ones above it)::
+
+    solver/              the ILP over choices and costs: no torch, no autopar
+    autopar/core/        capture (torch.export) -> strategies (rules per mesh axis) -> Plan data;
+                         errors, units, mesh, hardware presets, and ``execution``: how each op runs
+                         and which collective each placement change is
+    cost_models/         seconds and bytes of every choice (profile or roofline), the step schedule
+    codegen/             Plan -> readable sharded forward, and the runtime it calls
+    autopar/models/      the zoo of models to plan (as their authors build them)
+    autopar/planning/    shrink, hand plans, problem building and the planner: -> Plan
+    autopar/profiling/   measuring this host: local gloo meshes, op/collective timings, calibration
+    autopar/api.py, cli  plan(), compile(), full_state_dict(), the ``autopar`` command
+
+Importing this package loads none of them: each public name loads its module on first use.
 """
-from autopar.api import compile, full_state_dict, plan
-from autopar.errors import (AutoparError, CaptureError, HardwareError, InfeasibleError, InputMismatchError,
-                            MeshError, PlanFileError)
-from autopar.mesh import MeshSpec
-from autopar.plan import Plan
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "plan", "full_state_dict", "MeshSpec", "Plan", "AutoparError", "CaptureError",
+__all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "AutoparError", "CaptureError",
            "HardwareError", "InfeasibleError", "InputMismatchError", "MeshError", "PlanFileError"]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names load on first use: ``import autopar.core.errors`` runs this file first,
+    and must not pull in the planner, ortools and the code generator with it."""
+    if name not in __all__:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    from autopar import api
+    from autopar.core import errors, mesh, plan as plan_data
+    from autopar.planning import options
+    for module in (api, errors, mesh, plan_data, options):
+        globals().update({k: getattr(module, k) for k in __all__ if hasattr(module, k)})
+    return globals()[name]

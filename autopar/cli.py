@@ -30,8 +30,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-from autopar.errors import AutoparError, MeshError
-from autopar.planner import DEFAULT_TIME_LIMIT_S
+from autopar.core.errors import AutoparError, MeshError
+from autopar.planning.options import PlanOptions
+from cost_models.estimate import OPTIMIZERS
 
 __all__ = ["main", "parse_mesh", "build_parser"]
 
@@ -75,7 +76,7 @@ def _parse_axis_names(text: str | None) -> tuple[str, ...] | None:
 
 
 def _mesh_spec(mesh: str, axis_names: str | None, hardware: str):
-    from autopar.mesh import MeshSpec
+    from autopar.core.mesh import MeshSpec
 
     shape = parse_mesh(mesh)
     names = _parse_axis_names(axis_names)
@@ -100,7 +101,7 @@ def _fmt_count(n: int | None) -> str:
 
 
 def _stages(timings: dict[str, float]) -> str:
-    from autopar.report import fmt
+    from autopar.core.report import fmt
 
     return ", ".join(f"{k} {fmt(v, 's')}" for k, v in timings.items())
 
@@ -109,7 +110,7 @@ def _stages(timings: dict[str, float]) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from autopar.zoo import get_model, list_models
+    from autopar.models.zoo import get_model, list_models
 
     rows = []
     for name in list_models():
@@ -130,27 +131,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     import autopar
-    from autopar.zoo import get_model
-    from cost_models.hardware import get_hardware
+    from autopar.models.zoo import get_model
+    from autopar.core.hardware import get_hardware
 
     spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
     get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
     _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget_gib,
                     time_limit=args.time_limit)
+    options = _plan_options(args)
     entry = get_model(args.model)
     _progress(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for {spec.describe()}...")
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = entry.build()
     example_args, example_kwargs = entry.example(args.batch, args.seq, device="meta")
-    budget = args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None
-    profile = None if args.profile == "none" else args.profile
-    plan = autopar.plan(model, spec, example_args, example_kwargs, memory_budget=budget, time_limit=args.time_limit,
-                        profile=profile, optimizer=args.optimizer)
+    plan = autopar.plan(model, spec, example_args, example_kwargs, options=options)
     _progress(f"planned in {time.perf_counter() - t0:.1f} s ({_stages(plan.timings)})")
     print(plan.report(top=None if args.all_nodes else args.top))
     if args.scaling:
-        from autopar.symbolic import symbolic_plan_costs
+        from autopar.planning.symbolic import symbolic_plan_costs
 
         print()
         print(symbolic_plan_costs(model, plan, example_args, example_kwargs, optimizer=args.optimizer).describe())
@@ -160,12 +159,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The ``PlanOptions`` of ``autopar plan``'s flags (validated there, before the slow capture)."""
+    return PlanOptions(memory_budget=args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None,
+                       time_limit=args.time_limit, profile=None if args.profile == "none" else args.profile,
+                       optimizer=args.optimizer, share_layers=args.share_layers, hand_plans=args.hand_plans,
+                       min_gain=args.min_gain)
+
+
 # --------------------------------------------------------------------------------------- profile
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autopar.zoo import get_model
-    from cost_models.profiling import profile_model
+    from autopar.models.zoo import get_model
+    from autopar.profiling.profiler import profile_model
 
     spec = _mesh_spec(args.mesh, args.axis_names, "cpu")
     _check_positive(batch=args.batch, seq=args.seq)
@@ -231,7 +238,7 @@ def _train(model: Any, batches: list[tuple[tuple, dict]]) -> tuple[list[float], 
     """AdamW steps on ``batches``: (loss per step, seconds per step)."""
     import torch
 
-    from autopar.measure import loss_of
+    from autopar.profiling.measure import loss_of
 
     opt = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
     losses, seconds = [], []
@@ -257,7 +264,7 @@ def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None,
     import torch.distributed as dist
 
     import autopar
-    from autopar.zoo import get_model
+    from autopar.models.zoo import get_model
 
     # DTensor logs a performance hint on every rank each time it all-gathers over two mesh axes
     # one after the other; it would drown the demo's output.
@@ -301,9 +308,9 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     import torch
 
     import autopar
-    from autopar.launch import run_on_gloo_mesh
-    from autopar.mesh import MeshSpec
-    from autopar.zoo import get_model
+    from autopar.profiling.launch import run_on_gloo_mesh
+    from autopar.core.mesh import MeshSpec
+    from autopar.models.zoo import get_model
 
     say = _progress if verbose else (lambda msg: None)
     _check_positive(steps=steps, batch=batch, seq=seq)
@@ -348,7 +355,7 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from autopar.report import fmt
+    from autopar.core.report import fmt
 
     t0 = time.perf_counter()
     result = run_demo(args.model, args.mesh, args.steps, args.batch, args.seq, verbose=True)
@@ -439,8 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     plan.add_argument("--memory-budget-gib", type=float, default=None,
                       help="memory per device in GiB (default: the hardware's)")
-    plan.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
-                      help=f"solver time limit in seconds; the best plan found by then is kept (default {DEFAULT_TIME_LIMIT_S:g})")
+    plan.add_argument("--time-limit", type=float, default=PlanOptions.time_limit,
+                      help="solver time limit in seconds; the best plan found by then is kept "
+                           f"(default {PlanOptions.time_limit:g})")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
     plan.add_argument("--all-nodes", action="store_true",
@@ -450,8 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", default="auto",
                       help="measured costs: auto (the cached profile of this host when it matches; default), "
                            "a profile JSON file, or none (roofline presets only)")
-    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"),
-                      help="optimizer whose states count in memory (default adamw)")
+    plan.add_argument("--optimizer", default=PlanOptions.optimizer, choices=tuple(OPTIMIZERS),
+                      help=f"optimizer whose states count in memory (default {PlanOptions.optimizer})")
+    plan.add_argument("--min-gain", type=float, default=PlanOptions.min_gain,
+                      help="keep the best hand plan unless the solver's is predicted this fraction faster "
+                           f"(default {PlanOptions.min_gain:g})")
+    plan.add_argument("--no-hand-plans", dest="hand_plans", action="store_false",
+                      help="do not cost the standard strategies (DDP, FSDP, Megatron TP...) first")
+    plan.add_argument("--no-share-layers", dest="share_layers", action="store_false",
+                      help="let every layer choose on its own (slower to solve), not identical layers together")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",

@@ -2,7 +2,7 @@
 
 For each zoo model, mesh and batch x sequence size: plan once in this process (``autopar.plan``),
 then on every rank compile the plan, train with AdamW and measure the step
-(:func:`autopar.measure.measure_training`: median step time without a profiler, peak tensor bytes
+(:func:`autopar.profiling.measure.measure_training`: median step time without a profiler, peak tensor bytes
 in a separate step). Prints predicted vs. measured step time (slowest rank) and peak memory
 (largest rank), the error statistics and PASS/FAIL against the targets; saves everything as JSON.
 
@@ -11,7 +11,7 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
     python benchmarks/cost_accuracy.py --models gpt-tiny --meshes 2x2 --plan-arg time_limit=10
     python benchmarks/cost_accuracy.py --device cuda          # one process per GPU (nccl); bigger meshes skipped
 
-On the CPU each device is one gloo process with one thread (``autopar.launch.run_on_gloo_mesh``),
+On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
 ranks too (the JSON records the load average). Plans are made for ``--hardware`` (default: the
 preset of this device type); ``--plan-arg`` passes further keyword arguments to ``autopar.plan``.
@@ -43,13 +43,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import autopar
 from autopar.cli import parse_mesh
-from autopar.errors import AutoparError
-from autopar.launch import run_on_gloo_mesh
-from autopar.measure import measure_training, slowest_rank_steps
-from autopar.mesh import hardware_for_device
-from autopar.units import fmt
-from cost_models.profiling import CALIBRATION, profile_model
-from autopar.zoo import get_model
+from autopar.core.errors import AutoparError
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import measure_training, slowest_rank_steps
+from autopar.core.mesh import hardware_for_device
+from autopar.core.units import fmt
+from autopar.profiling.profiler import CALIBRATION, profile_model
+from autopar.models.zoo import get_model
 
 RESULTS = Path(__file__).parent / "results" / "cost_accuracy.json"
 MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")
@@ -277,7 +277,7 @@ def finish_record(record: dict[str, Any]) -> None:
     """Measured figures over the launches: the typical step (each timed step's slowest rank,
     pooled over all launches, the median: the figure the cost model predicts, its calibration
     measured the same way), the lowest peak (the CPU measurement can only err high, see
-    ``autopar.measure``: frees of blocks allocated before the step are not seen; CUDA's peak
+    ``autopar.profiling.measure``: frees of blocks allocated before the step are not seen; CUDA's peak
     counter is exact and launches agree), and how far the launches' typical steps and peaks
     spread (``launch_spread_pct``: slowest over fastest, the noise floor; ``peak_spread_pct``).
     The plan's JSON is dropped: the record keeps its summary."""

@@ -1,7 +1,7 @@
 """The auto plan against every hand plan, by measured step time on this machine's CPU mesh.
 
 For each zoo model on 4 gloo processes (mesh 4; --meshes 4,2x2 adds the 2-D one): profile the host (cached), plan the
-auto plan and every hand plan (``autopar.baselines.candidates``) with that profile, then compile
+auto plan and every hand plan (``autopar.planning.baselines.candidates``) with that profile, then compile
 them all in one run of the mesh and time them side by side: rounds of every plan in turn (so
 that the machine's slow and fast moments fall on all of them), each round's step time is the
 median of its steps on the slowest rank, and a plan's figure is its fastest round. An auto plan
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.baselines import candidates
-from autopar.launch import run_on_gloo_mesh
-from autopar.measure import slowest_rank_steps, time_in_turns
-from autopar.zoo import get_model
-from cost_models.profiling import profile_model
+from autopar.planning.baselines import candidates
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import slowest_rank_steps, time_in_turns
+from autopar.models.zoo import get_model
+from autopar.profiling.profiler import profile_model
 
 RESULTS = Path(__file__).parent / "results" / "measured_quality.json"
 MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")

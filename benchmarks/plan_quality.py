@@ -1,4 +1,4 @@
-"""The auto plan against every hand plan (``autopar.baselines``), by predicted step time.
+"""The auto plan against every hand plan (``autopar.planning.baselines``), by predicted step time.
 
 For each model, mesh and memory budget: every standard strategy (DDP, FSDP, HSDP, Megatron TP
 with and without sequence parallelism, data x tensor mixes) with its predicted step time and
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import autopar
-from autopar.units import fmt
+from autopar.core.units import fmt
 from variants import build_meta
 
 RESULTS = Path(__file__).parent / "results" / "plan_quality.json"

@@ -64,7 +64,7 @@ def run(name: str, mesh: tuple[int, ...], time_limit: float) -> dict:
 
 
 def line(r: dict) -> str:
-    from autopar.units import fmt
+    from autopar.core.units import fmt
 
     stages = ", ".join(f"{k} {fmt(v, 's')}" for k, v in r["stages_s"].items())
     s = r["solver"]

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from autopar.models.gpt import GPT
-from autopar.zoo import get_model
+from autopar.models.zoo import get_model
 
 SUFFIXES = {"-48l": {"n_layer": 48}, "-256k-vocab": {"vocab_size": 256_000}}
 

@@ -1,5 +1,6 @@
 """Code generation: a ``Plan`` becomes readable Python for the sharded forward (``generate``),
-run by ``ShardedModule`` (``module``) with the helpers in ``runtime``."""
-# codegen builds on autopar's stages, and autopar.compile on codegen: loading the autopar package
-# first keeps every import order (``import codegen.generate`` alone included) free of cycles.
-import autopar  # noqa: F401
+run by ``ShardedModule`` (``module``) with the helpers in ``runtime``.
+
+Layer: above ``autopar.core`` (the plan, the captured graph and ``execution``, which says how
+each op runs), beside ``cost_models``; the API above compiles with it.
+"""

@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
-from autopar.capture import CapturedGraph
-from autopar.errors import InputMismatchError
-from autopar.plan import Plan
+from autopar.core.capture import CapturedGraph
+from autopar.core.errors import InputMismatchError
+from autopar.core.plan import Plan
 from codegen.generate import generate_source
 
 _counter = [0]

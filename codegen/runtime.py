@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
-from autopar.errors import AutoparError
-from autopar.placements import grad_placement
+from autopar.core.errors import AutoparError
+from autopar.core.placements import grad_placement
 
 aten = torch.ops.aten
 

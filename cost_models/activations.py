@@ -15,8 +15,9 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from autopar.capture import flat_tensor_inputs, tensor_val
-from autopar.strategies import VIEW_OPS, StrategySpace
+from autopar.core.execution import VIEW_OPS
+from autopar.core.capture import flat_tensor_inputs, tensor_val
+from autopar.core.strategies import StrategySpace
 from cost_models.compute import as_amount
 
 

@@ -20,7 +20,7 @@ send_recv       the message sent from one rank to another                   a + 
 ==============  ==========================================================  ======================================
 
 ``n == 1`` costs 0 for every kind (no communication happens), as does ``N == 0``.
-``N`` may be a sympy expression (symbolic costs, ``autopar.symbolic``); the time then is one too.
+``N`` may be a sympy expression (symbolic costs, ``autopar.planning.symbolic``); the time then is one too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 from .compute import is_amount
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .hardware import Hardware
+    from autopar.core.hardware import Hardware
 
 __all__ = ["Link", "COLLECTIVE_KINDS", "collective_time", "link_for_axis"]
 

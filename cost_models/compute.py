@@ -7,14 +7,14 @@ import math
 import sympy
 import torch
 
-from .hardware import Hardware
+from autopar.core.hardware import Hardware
 
 __all__ = ["as_amount", "compute_time", "is_amount", "maximum"]
 
 
 def as_amount(x):
     """A count from PyTorch as a float, or as a sympy expression when it is symbolic (a
-    ``SymInt``/``SymFloat`` of a capture with dynamic shapes: ``autopar.symbolic``)."""
+    ``SymInt``/``SymFloat`` of a capture with dynamic shapes: ``autopar.planning.symbolic``)."""
     if isinstance(x, (torch.SymInt, torch.SymFloat)):
         from torch.utils._sympy.functions import ToFloat
 
@@ -24,7 +24,7 @@ def as_amount(x):
 
 def is_amount(value) -> bool:
     """A non-negative finite number, or a sympy expression of sizes not known to be negative
-    (symbolic costs, ``autopar.symbolic``: FLOPs and bytes as expressions of batch and sequence)."""
+    (symbolic costs, ``autopar.planning.symbolic``: FLOPs and bytes as expressions of batch and sequence)."""
     if isinstance(value, sympy.Expr):
         return value.is_negative is not True and value.is_finite is not False
     return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0

@@ -16,6 +16,7 @@ the backward to the optimizer step; and each node's working memory only while it
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,23 +25,24 @@ import numpy as np
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
-from autopar.capture import tensor_val
-from autopar.errors import AutoparError
-from autopar.mesh import MeshSpec
-from autopar.placements import Placements, grad_placement, is_split, shard_fraction
-from autopar.strategies import VIEW_OPS, NodeChoices, StrategySpace, Strategy
-from codegen.generate import dispatched_by_dtensor
+from autopar.core.capture import tensor_val
+from autopar.core.execution import VIEW_OPS, axis_collective, dispatched_by_dtensor
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import MeshSpec
+from autopar.core.placements import Placements, grad_placement, is_split, shard_fraction
+from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time
-from cost_models.hardware import Hardware, get_hardware
+from autopar.core.hardware import Hardware, get_hardware
 from cost_models.profile import OpTime, Profile, calibration_key
 from solver import Term
 
+log = logging.getLogger(__name__)
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
 
 
@@ -78,6 +80,10 @@ def get_optimizer(name: str) -> Optimizer:
 
 @dataclass(frozen=True)
 class Cost:
+    """What one node costs per device under one strategy (or one edge under a pair of
+    strategies), in seconds and bytes; made by ``CostModel.node``/``edge``, laid out in time by
+    ``cost_models.schedule`` and summed by the planner into the ILP's costs and memory rows."""
+
     compute_s: float = 0.0        # forward + backward compute, runtime overhead included
     backward_s: float = 0.0       # the part of compute_s in the backward (it can hide gradient sync)
     comm_s: float = 0.0           # blocking communication
@@ -114,6 +120,12 @@ _SUMMED = tuple(f.name for f in fields(Cost) if f.name not in ("comm_bytes", "me
 
 @dataclass
 class CostModel:
+    """Prices every strategy of a ``StrategySpace`` on ``mesh``: each node's compute (the profile's
+    measurement, else the hardware preset's roofline), each placement change's collectives (one
+    per mesh axis, as ``autopar.core.execution`` says the runtime runs them) and the bytes each
+    holds. Made once per planning request (``autopar.planning.problem.prepare``); its ``Cost``s
+    feed the ILP and the plan's predictions."""
+
     mesh: MeshSpec
     space: StrategySpace
     profile: Profile | None = None
@@ -190,7 +202,7 @@ class CostModel:
         """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
         one group of that axis: (seconds, bytes each rank sends, over a profiled link)."""
         n = self.mesh.shape[a]
-        kind = _collective(s, d)
+        kind = axis_collective(s, d)
         if kind is None or n == 1:
             return 0.0, 0.0, False
         link = self._link(kind, a)
@@ -370,7 +382,11 @@ class CostModel:
                 with val.fake_mode, FlopCounterMode(display=False) as counter:
                     node.target(*args[0], **args[1])
                 self._flops[key] = as_amount(counter.get_total_flops())
-            except Exception:  # an op the counter cannot run on fake tensors: count it as memory-bound
+            except Exception as e:  # noqa: BLE001 - any op the counter cannot run on fake tensors
+                msg = (f"cannot count the FLOPs of {node.target} ({node.name}: {type(e).__name__}: {e}); "
+                       "it is costed as memory-bound (0 FLOPs): run `autopar profile` to measure it")
+                self.space.warnings.append(msg)
+                log.warning("autopar: %s", msg)
                 self._flops[key] = 0.0
         self._node_flops[node] = self._flops[key]
         return self._flops[key]
@@ -499,19 +515,9 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _collective(s: Placement, d: Placement) -> str | None:
-    if s == d or (isinstance(s, Partial) and isinstance(d, Partial)):
-        return None
-    if isinstance(d, Replicate):
-        return "all_reduce" if isinstance(s, Partial) else "all_gather"
-    if isinstance(d, Shard):
-        return "reduce_scatter" if isinstance(s, Partial) else "all_to_all" if isinstance(s, Shard) else None
-    return "all_gather" if isinstance(s, Shard) else None   # to Partial: shard -> replicate first
-
-
 def _dim(size):
     """One dimension as an int; a symbolic one (a ``SymInt`` of a capture with dynamic shapes, or
-    a sympy expression: ``autopar.symbolic``) as a sympy expression."""
+    a sympy expression: ``autopar.planning.symbolic``) as a sympy expression."""
     if type(size) is int:   # the common case first: the planner prices millions of moves
         return size
     if isinstance(size, torch.SymInt):

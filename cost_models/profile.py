@@ -13,6 +13,7 @@ and the cost model falls back to the roofline presets for it. Profiles are JSON,
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import platform
@@ -22,13 +23,17 @@ from typing import Any
 
 import torch
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
 PROFILE_VERSION = 6   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too
+
+THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
+log = logging.getLogger(__name__)
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
 #: Ops and inputs without a gradient pay only the forward part: the "_forward" keys.
@@ -162,6 +167,43 @@ def default_profile_path(fingerprint: dict[str, Any]) -> Path:
     """Where ``autopar profile`` caches a profile (``$AUTOPAR_PROFILE_DIR``, else ~/.cache/autopar)."""
     root = Path(os.environ.get("AUTOPAR_PROFILE_DIR", Path.home() / ".cache" / "autopar" / "profiles"))
     return root / f"profile-{fingerprint_id(fingerprint)}.json"
+
+
+def local_fingerprint(mesh: MeshSpec) -> dict[str, Any]:
+    """The fingerprint a profile of ``mesh`` run on this host (one process per device) carries."""
+    device = "cuda" if mesh.hardware != "cpu" and torch.cuda.is_available() else "cpu"
+    return hardware_fingerprint(device, processes_per_host=mesh.size, threads=THREADS_PER_RANK)
+
+
+def find_profile(mesh: MeshSpec) -> Profile | None:
+    """The cached profile of this host for ``mesh``, if ``autopar profile`` made one and the mesh's
+    hardware is this host's kind of device (planning for other hardware uses its preset). One left
+    by an older autopar is not used, with a warning: plans still work, on the presets."""
+    local_kind = hardware_for_device("cuda" if torch.cuda.is_available() else "cpu")
+    if mesh.hardware != local_kind:
+        return None
+    path = default_profile_path(local_fingerprint(mesh))
+    try:
+        return Profile.from_json(path) if path.exists() else None
+    except StaleProfileError as e:
+        log.warning("autopar: %s; planning with the hardware presets meanwhile", e)
+        return None
+
+
+def resolve_profile(profile: Profile | str | Path | None, mesh: MeshSpec) -> Profile | None:
+    """``"auto"``: the cached profile of this host if one matches; a path or Profile: that one,
+    refused if it was measured on other hardware; ``None``: roofline presets only."""
+    if profile is None:
+        return None
+    if isinstance(profile, str) and profile == "auto":
+        return find_profile(mesh)
+    loaded = profile if isinstance(profile, Profile) else Profile.from_json(str(profile))
+    want = local_fingerprint(mesh)
+    if mesh.hardware == hardware_for_device(want["device"]) and loaded.fingerprint != want:
+        diff = {k: (loaded.fingerprint.get(k), v) for k, v in want.items() if loaded.fingerprint.get(k) != v}
+        raise ProfileError(f"the profile was measured on other hardware than this {mesh.describe()} "
+                           f"(profile vs here: {diff}); run `autopar profile` for this mesh")
+    return loaded
 
 
 def op_key(target: Any, args: tuple, kwargs: dict[str, Any]) -> str:

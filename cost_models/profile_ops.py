@@ -21,11 +21,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial
 from torch.utils import _pytree as pytree
 
-from autopar.capture import tensor_val
-from autopar.placements import local_shape
-from autopar.placements import Placements
-from autopar.strategies import NodeChoices, Strategy, StrategySpace
-from codegen.generate import dispatched_by_dtensor
+from autopar.core.capture import tensor_val
+from autopar.core.execution import dispatched_by_dtensor
+from autopar.core.placements import local_shape
+from autopar.core.placements import Placements
+from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import gradients
 from cost_models.profile import OpTime, op_key
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autopar.strategies import VIEW_OPS, Strategy, StrategySpace
+from autopar.core.execution import VIEW_OPS
+from autopar.core.strategies import Strategy, StrategySpace
 from cost_models.estimate import Cost, CostModel, EdgeGrid
 from solver import Row
 

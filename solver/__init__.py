@@ -1,5 +1,8 @@
-"""Sharding-choice optimisation (the ILP), independent of PyTorch."""
+"""Sharding-choice optimisation (the ILP), independent of PyTorch and of the rest of autopar:
+the lowest layer, which every other package may use and which uses none of them."""
 
+from solver.errors import InfeasibleProblem, MemoryHog, SolverError
 from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, Term, evaluate, restrict, solve
 
-__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
+__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS",
+           "SolverError", "InfeasibleProblem", "MemoryHog"]

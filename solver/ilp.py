@@ -57,6 +57,8 @@ from ortools.math_opt.core.python import solver as core_solver
 from ortools.math_opt.python import init_arguments, mathopt
 from pybind11_abseil.status import StatusNotOk
 
+from solver.errors import InfeasibleProblem, MemoryHog, SolverError
+
 __all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
 
 #: Accepted values of ``solve(..., solver=...)``.
@@ -144,14 +146,6 @@ class Solution:
 # --------------------------------------------------------------------------- validation
 
 
-def _error(message: str) -> Exception:
-    """An ``AutoparError``, imported late: ``autopar/__init__`` imports the planner, which imports
-    this package, so importing ``autopar.errors`` at module level breaks ``import solver``."""
-    from autopar.errors import AutoparError
-
-    return AutoparError(message)
-
-
 @dataclass
 class _Data:
     """The problem as validated numpy arrays."""
@@ -201,11 +195,11 @@ def _array(values: object, what: str, signed: bool = False) -> np.ndarray:
     try:
         arr = np.asarray(values, dtype=float)
     except (TypeError, ValueError) as exc:
-        raise _error(f"{what} must be a (rectangular) sequence of numbers: {exc}") from None
+        raise SolverError(f"{what} must be a (rectangular) sequence of numbers: {exc}") from None
     if not np.isfinite(arr).all():
-        raise _error(f"{what} contains NaN or inf; use a large finite value or drop the choice")
+        raise SolverError(f"{what} contains NaN or inf; use a large finite value or drop the choice")
     if not signed and (arr < 0).any():
-        raise _error(f"{what} contains a negative value ({arr.min()}); costs and memory must be >= 0")
+        raise SolverError(f"{what} contains a negative value ({arr.min()}); costs and memory must be >= 0")
     return arr
 
 
@@ -214,10 +208,10 @@ def _row(problem: Problem, row: Row, what: str, k: list[int]) -> tuple[dict[int,
     nodes: dict[int, np.ndarray] = {}
     for i, values in row.nodes:
         if not _is_int(i) or not 0 <= i < len(k):
-            raise _error(f"{what} refers to node {i!r}; valid node indices are 0..{len(k) - 1}")
+            raise SolverError(f"{what} refers to node {i!r}; valid node indices are 0..{len(k) - 1}")
         v = _array(values, f"{what}, {_label(problem, i)}", signed=True)
         if v.shape != (k[i],):
-            raise _error(f"{what} gives {v.size} values for {_label(problem, i)}, which has {k[i]} choices")
+            raise SolverError(f"{what} gives {v.size} values for {_label(problem, i)}, which has {k[i]} choices")
         nodes[i] = nodes[i] + v if i in nodes else v
     return nodes, float(row.constant)
 
@@ -230,29 +224,29 @@ def _validate(problem: Problem) -> _Data:
     """Raise AutoparError on malformed input, so that solver errors never surface raw."""
     n = len(problem.costs)
     if len(problem.memory) != n:
-        raise _error(f"costs has {n} nodes but memory has {len(problem.memory)}")
+        raise SolverError(f"costs has {n} nodes but memory has {len(problem.memory)}")
     if problem.names is not None and len(problem.names) != n:
-        raise _error(f"costs has {n} nodes but names has {len(problem.names)}")
+        raise SolverError(f"costs has {n} nodes but names has {len(problem.names)}")
     costs, memory = [], []
     for i in range(n):
         c = _array(problem.costs[i], f"costs of {_label(problem, i)}")
         m = _array(problem.memory[i], f"memory of {_label(problem, i)}")
         if c.ndim != 1 or c.size == 0:
-            raise _error(f"costs of {_label(problem, i)} must be a non-empty list of per-choice costs")
+            raise SolverError(f"costs of {_label(problem, i)} must be a non-empty list of per-choice costs")
         if m.shape != c.shape:
-            raise _error(f"{_label(problem, i)} has {c.size} cost entries but {m.size} memory entries")
+            raise SolverError(f"{_label(problem, i)} has {c.size} cost entries but {m.size} memory entries")
         costs.append(c)
         memory.append(m)
     edges, terms = [], []
     for j, edge in enumerate(problem.edges):
         for end in (edge.src, edge.dst):
             if not _is_int(end) or not 0 <= end < n:
-                raise _error(f"edge {j} refers to node {end!r}; valid node indices are 0..{n - 1}")
+                raise SolverError(f"edge {j} refers to node {end!r}; valid node indices are 0..{n - 1}")
         what = f"cost matrix of edge {j} ({_label(problem, edge.src)} -> {_label(problem, edge.dst)})"
         m = _array(edge.cost, what)
         want = (costs[edge.src].size, costs[edge.dst].size)
         if m.shape != want:
-            raise _error(f"{what} has shape {m.shape}; expected {want} (src choices x dst choices)")
+            raise SolverError(f"{what} has shape {m.shape}; expected {want} (src choices x dst choices)")
         edges.append(m)
         terms.append([_term(t, want, f"term {n} of the {what}") for n, t in enumerate(edge.terms)]
                      if edge.terms is not None else [Term(np.arange(want[0]), np.arange(want[1]), m)])
@@ -260,13 +254,13 @@ def _validate(problem: Problem) -> _Data:
     if budget is not None and (
         not isinstance(budget, numbers.Real) or isinstance(budget, bool) or math.isnan(budget) or budget < 0
     ):
-        raise _error(f"memory_budget must be a non-negative number of bytes or None, got {budget!r}")
+        raise SolverError(f"memory_budget must be a non-negative number of bytes or None, got {budget!r}")
     if problem.warm_start is not None:
         if len(problem.warm_start) != n:
-            raise _error(f"warm_start has {len(problem.warm_start)} entries for {n} nodes")
+            raise SolverError(f"warm_start has {len(problem.warm_start)} entries for {n} nodes")
         for i, c in enumerate(problem.warm_start):
             if not _is_int(c) or not 0 <= c < costs[i].size:
-                raise _error(
+                raise SolverError(
                     f"warm_start gives choice {c!r} for {_label(problem, i)}, which has {costs[i].size} choices"
                 )
     k = [c.size for c in costs]
@@ -274,16 +268,16 @@ def _validate(problem: Problem) -> _Data:
     for r, row in enumerate(problem.memory_rows):
         nodes, constant = _row(problem, row, f"memory row {r}", k)
         if constant:
-            raise _error(f"memory row {r} may only have node terms")
+            raise SolverError(f"memory row {r} may only have node terms")
         memory_rows.append(nodes)
     transient = None
     if problem.transient is not None:
         if len(problem.transient) != n:
-            raise _error(f"costs has {n} nodes but transient has {len(problem.transient)}")
+            raise SolverError(f"costs has {n} nodes but transient has {len(problem.transient)}")
         transient = [_array(t, f"transient of {_label(problem, i)}") for i, t in enumerate(problem.transient)]
         for i, t in enumerate(transient):
             if t.shape != (k[i],):
-                raise _error(f"transient of {_label(problem, i)} has {t.size} entries for {k[i]} choices")
+                raise SolverError(f"transient of {_label(problem, i)} has {t.size} entries for {k[i]} choices")
     exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
     return _Data(costs, memory, edges, terms, memory_rows, transient, exposed)
 
@@ -292,26 +286,17 @@ def _term(term: Term, shape: tuple[int, int], what: str) -> Term:
     core = _array(term.core, what, signed=True)
     rows, cols = np.asarray(term.rows, dtype=np.intp), np.asarray(term.cols, dtype=np.intp)
     if core.ndim != 2 or rows.shape != (shape[0],) or cols.shape != (shape[1],):
-        raise _error(f"{what}: expected a class per choice ({shape[0]} rows, {shape[1]} columns) and a 2-D core")
+        raise SolverError(f"{what}: expected a class per choice ({shape[0]} rows, {shape[1]} columns) and a 2-D core")
     if rows.min() < 0 or rows.max() >= core.shape[0] or cols.min() < 0 or cols.max() >= core.shape[1]:
-        raise _error(f"{what}: a class number is outside its core of shape {core.shape}")
+        raise SolverError(f"{what}: a class number is outside its core of shape {core.shape}")
     return Term(rows, cols, core)
 
 
-def _infeasible(problem: Problem, data: _Data, why: str) -> Exception:
-    """The ``InfeasibleError`` that says how far off the budget is and which nodes are to blame."""
-    from autopar.errors import InfeasibleError  # late, see _error
-    from autopar.units import fmt
-
-    floor = data.min_memory()
+def _infeasible(problem: Problem, data: _Data, why: str) -> InfeasibleProblem:
+    """Say how far off the budget is and which nodes are to blame."""
     top = sorted(range(len(data.memory)), key=lambda i: (-data.memory[i].min(), i))[:3]
-    who = ", ".join(f"{_label(problem, i)}: {fmt(float(data.memory[i].min()), 'B')}" for i in top)
-    return InfeasibleError(
-        f"{why}: the memory budget is {fmt(float(problem.memory_budget), 'B')} per device, but even the "
-        f"lowest-memory choice for every node needs {fmt(float(floor), 'B')}. Largest contributors to that "
-        f"minimum: {who}. Raise the budget, use more devices, or shrink the model/batch.",
-        min_memory_bytes=floor,
-    )
+    return InfeasibleProblem(why, float(problem.memory_budget), float(data.min_memory()),
+                             [MemoryHog(_label(problem, i), float(data.memory[i].min())) for i in top])
 
 
 # --------------------------------------------------------------------------- reduction
@@ -618,7 +603,7 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
         return problem
     keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed)]
     if any(len(k) == 0 for k in keep):
-        raise _error("restrict: every node needs at least one allowed choice")
+        raise SolverError("restrict: every node needs at least one allowed choice")
 
     def pick(values, i):
         return tuple(np.asarray(values, dtype=float)[keep[i]].tolist())
@@ -671,11 +656,11 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     """
     start = time.perf_counter()
     if solver not in SOLVERS:
-        raise _error(f"unknown solver {solver!r}; valid choices are {sorted(SOLVERS)}")
+        raise SolverError(f"unknown solver {solver!r}; valid choices are {sorted(SOLVERS)}")
     if time_limit is not None and not (
         isinstance(time_limit, numbers.Real) and not isinstance(time_limit, bool) and time_limit > 0
     ):
-        raise _error(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
     data = _validate(problem)
     budget = problem.memory_budget
     if budget is not None and data.min_memory() > budget:
@@ -717,11 +702,11 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     values = _primal_values(result)
     if values is None:
         if reason == TR.NO_SOLUTION_FOUND:
-            raise _error(
+            raise SolverError(
                 f"The {solver} solver found no sharding plan within time_limit={time_limit} s "
                 f"({result.termination.detail or reason.name}); raise time_limit."
             )
-        raise _error(f"The {solver} solver failed ({reason.name}): {result.termination.detail}")
+        raise SolverError(f"The {solver} solver failed ({reason.name}): {result.termination.detail}")
 
     choices = list(hint)
     for i, ids in built.x_ids.items():
@@ -770,7 +755,7 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
                                  params.to_proto(), model_params, None, callback_pb2.CallbackRegistrationProto(),
                                  None, None)
     except StatusNotOk as e:
-        raise _error(f"the solver rejected the model: {e}") from None
+        raise SolverError(f"the solver rejected the model: {e}") from None
 
 
 def _primal_values(result: result_pb2.SolveResultProto) -> np.ndarray | None:

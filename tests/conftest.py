@@ -1,5 +1,21 @@
-"""Hermetic tests: no profile cached by `autopar profile` on this machine may change a plan."""
+"""Settings every test runs under.
+
+* Hermetic: no profile cached by `autopar profile` on this machine may change a plan.
+* Strict runtime: a placement mismatch between a plan and what the runtime produces is a rule
+  bug, so it fails instead of being silently redistributed; in this process (the fixture) and in
+  the gloo processes tests start (the environment variable, read when they import the runtime).
+"""
 import os
 import tempfile
 
+import pytest
+
 os.environ["AUTOPAR_PROFILE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-profiles-")
+os.environ["AUTOPAR_STRICT"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def strict_runtime(monkeypatch):
+    import codegen.runtime
+
+    monkeypatch.setattr(codegen.runtime, "STRICT", True)

@@ -1,11 +1,11 @@
 """A twelve-layer tiny GPT: enough identical layers for the planner to share decisions between the
-inner ones (``autopar.shrink``). Zoo name: ``tests.deep_gpt:build``."""
+inner ones (``autopar.planning.shrink``). Zoo name: ``tests.deep_gpt:build``."""
 from __future__ import annotations
 
 import torch
 
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.zoo import get_model
+from autopar.models.zoo import get_model
 
 NAME = "tests.deep_gpt:build"
 LAYERS = 12

@@ -1,4 +1,5 @@
-"""Train a zoo model single-device and sharded with the same batches; return what to compare.
+"""Helpers the tests share: train a zoo model single-device and sharded with the same batches and
+compare (``check_training`` with ``local_runner`` or ``gloo_runner``), zoo models on ``meta``.
 
 The reference runs in plain PyTorch outside any simulated mesh. AdamW uses eps=1e-6: key biases
 of attention have a gradient that is exactly zero in exact arithmetic, so its float noise is all
@@ -6,11 +7,14 @@ Adam normalises; a larger eps keeps that noise from turning into lr-sized steps 
 """
 from __future__ import annotations
 
-
+import pytest
 import torch
 
 import autopar
-from autopar.zoo import get_model
+from autopar.core.errors import InfeasibleError
+from autopar.core.mesh import MeshSpec
+from autopar.models.zoo import get_model
+from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
 
 STEPS = 3
 LR = 1e-3
@@ -65,3 +69,67 @@ def train_sharded(mesh, model: torch.nn.Module, batches, plan_options: dict) -> 
     pmodel = autopar.compile(model, mesh, args, kwargs, **plan_options)
     losses = train(pmodel, batches)
     return losses, autopar.full_state_dict(pmodel), pmodel.plan
+
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def meta_model(name: str, batch: int | None = None, seq: int | None = None) -> tuple[torch.nn.Module, tuple, dict]:
+    """(model, args, kwargs) of zoo model ``name`` on the meta device: for planning only."""
+    entry = get_model(name)
+    with torch.device("meta"):
+        model = entry.build()
+    return (model, *entry.example(batch, seq, device="meta"))
+
+
+def check_training(name: str, batch: int, seq: int, mesh_shape: tuple[int, ...], runner, plan_options: dict
+                   ) -> autopar.Plan:
+    """Train ``name`` on one device and sharded (``runner``: ``local_runner`` or ``gloo_runner``)
+    with the same batches; every rank's losses and final parameters must equal one device's."""
+    batches = make_batches(name, batch, seq)
+    ref_losses, ref_state = train_reference(name, batches)
+    losses, state, plan = runner(mesh_shape, name, batches, plan_options)
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        for r, value in enumerate(got):
+            assert abs(value - want) <= ATOL + RTOL * abs(want), f"step {step} rank {r}: loss {value} != {want}"
+    assert state.keys() == ref_state.keys()
+    for key, want in ref_state.items():
+        for r, value in enumerate(state[key]):
+            torch.testing.assert_close(value, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key} rank {r}: {m}")
+    return plan
+
+
+def local_runner(mesh_shape, name, batches, plan_options):
+    """Every rank in this process (LocalTensorMode): per-step losses and final state per rank."""
+    model = build(name)
+
+    def body(mesh):
+        losses, state, plan = train_sharded(mesh, model, batches, plan_options)
+        return ([[float(x) for x in per_rank(l)] for l in losses],
+                {k: [t.clone() for t in per_rank(v)] for k, v in state.items()}, plan)
+    return run_on_local_tensor_mesh(body, mesh_shape)
+
+
+def _gloo_worker(mesh, name, batches, plan_options):
+    losses, state, plan = train_sharded(mesh, build(name), batches, plan_options)
+    return [float(l) for l in losses], state, plan.to_json()
+
+
+def gloo_runner(mesh_shape, name, batches, plan_options):
+    """One gloo process per rank; they must all have run the same plan."""
+    results = run_on_gloo_mesh(_gloo_worker, mesh_shape, name, batches, plan_options, start_method="forkserver")
+    assert len({res[2] for res in results}) == 1, "every rank must run the same plan"
+    losses = [[results[r][0][s] for r in range(len(results))] for s in range(len(results[0][0]))]
+    state = {k: [res[1][k] for res in results] for k in results[0][1]}
+    return losses, state, results[0][2]
+
+
+def tight_budget(name, batch, seq, mesh_shape) -> float:
+    """Halfway between the least memory any plan needs on this mesh and what full replication
+    needs (the planner's own estimates): replicating everything does not fit, so the planner
+    must shard (TP and/or ZeRO-3)."""
+    args, kwargs = make_batches(name, batch, seq, steps=1)[0]
+    replicated = autopar.plan(build(name), MeshSpec((1,)), args, kwargs).predicted.peak_memory_bytes
+    with pytest.raises(InfeasibleError) as info:
+        autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, memory_budget=1.0)
+    return info.value.min_memory_bytes + 0.5 * (replicated - info.value.min_memory_bytes)

@@ -1,31 +1,22 @@
-"""Hand plans (``autopar.baselines``): the standard strategies, costed like the auto plan, run
+"""Hand plans (``autopar.planning.baselines``): the standard strategies, costed like the auto plan, run
 exactly like any plan, never beat it, and say when they do not fit."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar import MeshSpec
-from autopar.errors import AutoparError
-from autopar.baselines import candidates
-from autopar.zoo import get_model
-from tests.equivalence import build, make_batches
-from tests.test_equivalence import _check, _local_runner
+from autopar.core.errors import AutoparError
+from autopar.planning.baselines import candidates
+from tests.equivalence import meta_model, build, make_batches
+from tests.equivalence import check_training, local_runner
 
 R = Replicate()
 
 
-def _meta(name: str, batch: int, seq: int):
-    entry = get_model(name)
-    with torch.device("meta"):
-        model = entry.build()
-    return (model, *entry.example(batch, seq, device="meta"))
-
-
 def test_standard_strategies_are_what_they_say():
-    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     plans = candidates(model, MeshSpec((2, 2), axis_names=("dp", "tp"), hardware="h100-80gb"), args, kwargs)
     assert {"ddp", "fsdp", "dp(dp) x tp(tp)", "dp(dp) x tp+sp(tp)", "fsdp(dp) x tp(tp)", "dp(dp) x fsdp(tp)"} <= set(plans)
     params = {name: plan.parameters for name, plan in plans.items()}
@@ -49,7 +40,7 @@ def test_standard_strategies_are_what_they_say():
 
 
 def test_hand_plan_that_does_not_fit_is_kept_with_its_shortfall():
-    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     mesh = MeshSpec((4,), hardware="h100-80gb")
     free = candidates(model, mesh, args, kwargs)
     ddp, fsdp = free["ddp"].predicted.peak_memory_bytes, free["fsdp"].predicted.peak_memory_bytes
@@ -70,7 +61,7 @@ def test_every_hand_plan_trains_exactly(mesh):
     plans = candidates(build("gpt-tiny"), MeshSpec(mesh), args, kwargs)
     assert len(plans) == (4 if len(mesh) == 1 else 8)
     for name, plan in plans.items():
-        got = _check("gpt-tiny", batch, seq, mesh, _local_runner, {"plan": plan})
+        got = check_training("gpt-tiny", batch, seq, mesh, local_runner, {"plan": plan})
         assert got.name == name
 
 
@@ -79,7 +70,7 @@ def test_a_fitting_hand_plan_replaces_a_solver_plan_that_does_not_fit(monkeypatc
     ILP's cuts); a hand plan that fits is then returned instead, saying why."""
     from dataclasses import replace
 
-    import autopar.planner as planner
+    import autopar.planning.planner as planner
 
     solve = planner.solve_planning
 
@@ -87,7 +78,7 @@ def test_a_fitting_hand_plan_replaces_a_solver_plan_that_does_not_fit(monkeypatc
         plan, choices = solve(planning, **kwargs)
         return replace(plan, feasible=False, shortfall_bytes=1e6), choices
 
-    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     monkeypatch.setattr(planner, "solve_planning", overshooting)   # the auto solve only: hand plans import theirs
     plan = autopar.plan(model, MeshSpec((4,), hardware="h100-80gb"), args, kwargs)
     fastest = min((name for name, h in plan.solver["hand_plans"].items() if h["feasible"]),
@@ -102,7 +93,7 @@ def test_a_solver_plan_must_beat_the_best_hand_plan_by_min_gain(monkeypatch):
     plan is. A min_gain outside [0, 1) is refused."""
     from dataclasses import replace
 
-    import autopar.planner as planner
+    import autopar.planning.planner as planner
 
     solve = planner.solve_planning
     best: dict[str, float] = {}
@@ -111,7 +102,7 @@ def test_a_solver_plan_must_beat_the_best_hand_plan_by_min_gain(monkeypatch):
         plan, choices = solve(planning, **kwargs)
         return replace(plan, predicted=replace(plan.predicted, step_time_s=0.98 * best["s"])), choices
 
-    model, args, kwargs = _meta("gpt-tiny", 8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     mesh = MeshSpec((4,), hardware="h100-80gb")
     hands = autopar.plan(model, mesh, args, kwargs).solver["hand_plans"]
     fastest = min((n for n, h in hands.items() if h["feasible"]), key=lambda n: hands[n]["step_time_s"])
@@ -132,11 +123,12 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     Each fake solve uses all of its time, on a fake clock."""
     from types import SimpleNamespace
 
-    from autopar import baselines
-    from autopar.planner import prepare
+    from autopar.planning import baselines
+    from autopar.core.capture import capture
+    from autopar.planning.problem import prepare
 
-    model, args, kwargs = _meta("gpt-tiny", 8, 32)
-    planning = prepare(autopar.capture.capture(model, args, kwargs), MeshSpec((2, 2, 2), hardware="h100-80gb"))
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    planning = prepare(capture(model, args, kwargs), MeshSpec((2, 2, 2), hardware="h100-80gb"))
     clock = SimpleNamespace(now=0.0)
     given = []
 

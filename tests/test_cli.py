@@ -12,8 +12,8 @@ import pytest
 
 from autopar import Plan
 from autopar.cli import main, parse_mesh
-from autopar.errors import MeshError
-from autopar.report import fmt, param_pattern
+from autopar.core.errors import MeshError
+from autopar.core.report import fmt, param_pattern
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,8 +84,8 @@ def test_parse_mesh_and_units():
 def _synthetic_plan(layers: int) -> Plan:
     from torch.distributed.tensor import Replicate, Shard
 
-    from autopar.mesh import MeshSpec
-    from autopar.plan import NodePlan, Prediction
+    from autopar.core.mesh import MeshSpec
+    from autopar.core.plan import NodePlan, Prediction
 
     R, S0 = Replicate(), Shard(0)
     nodes = []

@@ -11,14 +11,15 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import MeshSpec
-from autopar.baselines import candidates
-from autopar.capture import capture
-from autopar.planner import plan_captured
-from autopar.strategies import build_space
-from autopar.zoo import get_model
+from autopar.planning.baselines import candidates
+from autopar.core.capture import capture
+from autopar.planning.options import PlanOptions
+from autopar.planning.planner import plan_captured
+from autopar.core.strategies import build_space
+from autopar.models.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.comm import Link
-from cost_models.profile import OpTime, Profile, collective_key
+from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline
@@ -215,7 +216,7 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
     linear = _node(space, "linear")
     s = _strategy(linear, (S0,), ((S0,), (R,), (R,)))
     key = op_call(linear, s, space.mesh.shape, gradients(space)).key
-    profile = Profile({"device": "cpu"}, ops={key: OpTime(0.25, 0.5)}, overheads={"local_op": 0.125})
+    profile = Profile(local_fingerprint(MeshSpec((2,), hardware="cpu")), ops={key: OpTime(0.25, 0.5)}, overheads={"local_op": 0.125})
     measured = CostModel(space.mesh, space, profile=profile).node(linear, s)
     roofline = CostModel(space.mesh, space).node(linear, s)
     assert measured.compute_s == pytest.approx(0.25 + 0.5 + 0.125) and measured.backward_s == 0.5
@@ -223,7 +224,7 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
     with torch.device("meta"):
         model = MLP()
     plan = plan_captured(capture(model, (torch.empty(32, 64, device="meta"),)), MeshSpec((2,), hardware="cpu"),
-                         profile=profile)
+                         PlanOptions(profile=profile))
     assert plan.predicted.cost_source.startswith("profile")
     assert {n.source for n in plan.nodes} >= {"roofline"}
 

@@ -10,19 +10,10 @@ import pickle
 import pytest
 import torch
 
-from autopar.errors import HardwareError
-from cost_models import (
-    COLLECTIVE_KINDS,
-    PRESETS,
-    Hardware,
-    Link,
-    collective_time,
-    compute_time,
-    get_hardware,
-    hardware_from_dict,
-    hardware_to_dict,
-    link_for_axis,
-)
+from autopar.core.errors import HardwareError
+from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time, link_for_axis
+from cost_models.compute import compute_time
+from autopar.core.hardware import PRESETS, Hardware, get_hardware, hardware_from_dict, hardware_to_dict
 
 GiB = 2**30
 BIG = 4 * GiB  # bandwidth-dominated on every link below

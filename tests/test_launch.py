@@ -1,4 +1,4 @@
-"""Tests for autopar.launch: gloo multi-process meshes and in-process LocalTensorMode meshes."""
+"""Tests for autopar.profiling.launch: gloo multi-process meshes and in-process LocalTensorMode meshes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from autopar.errors import AutoparError
-from autopar.launch import (
+from autopar.core.errors import AutoparError
+from autopar.profiling.launch import (
     DistributedRunError,
     per_rank,
     rank_map,

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import AutoparError
-from autopar.launch import run_on_gloo_mesh
-from autopar.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps, time_in_turns
-from autopar.zoo import get_model
+from autopar.core.errors import AutoparError
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps, time_in_turns
+from autopar.models.zoo import get_model
 from benchmarks.cost_accuracy import (Config, error_pct, finish_record, format_summary, format_table, measure_config,
                                       parse_plan_args, plan_config, select_configs, summarize, table_row, verdicts)
 

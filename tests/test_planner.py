@@ -10,20 +10,12 @@ from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar import MeshSpec
-from autopar.zoo import get_model
-
-
-def _meta_gpt(batch: int, seq: int):
-    entry = get_model("gpt-tiny")
-    with torch.device("meta"):
-        model = entry.build()
-    args, kwargs = entry.example(batch, seq, device="meta")
-    return model, args, kwargs
+from tests.equivalence import meta_model
 
 
 def test_large_batch_small_model_is_data_parallel():
     # Enough tokens that compute, not collective latency, dominates on an H100.
-    model, args, kwargs = _meta_gpt(1024, 64)
+    model, args, kwargs = meta_model("gpt-tiny", 1024, 64)
     plan = autopar.plan(model, MeshSpec((4,), hardware="h100-80gb"), args, kwargs)
     linears = [n for n in plan.nodes if n.op == "aten.linear.default"]
     assert linears and all(n.strategy == "batch" for n in linears), [(n.name, n.strategy) for n in linears]
@@ -34,7 +26,7 @@ def test_large_batch_small_model_is_data_parallel():
 def test_small_batch_first_layer_may_stay_replicated():
     # With few tokens, the last gradients of the backward (the first layer's) could not be hidden
     # under compute: computing that layer redundantly on every rank avoids their all-reduce.
-    model, args, kwargs = _meta_gpt(64, 64)
+    model, args, kwargs = meta_model("gpt-tiny", 64, 64)
     plan = autopar.plan(model, MeshSpec((4,), hardware="h100-80gb"), args, kwargs)
     linears = [n for n in plan.nodes if n.op == "aten.linear.default"]
     assert linears[0].strategy == "replicate" and "batch" in {n.strategy for n in linears[1:]}
@@ -42,7 +34,7 @@ def test_small_batch_first_layer_may_stay_replicated():
 
 
 def test_small_budget_shards_parameters_and_fits():
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     replicated = autopar.plan(model, MeshSpec((1,)), args, kwargs).predicted.peak_memory_bytes
     budget = 0.45 * replicated
     plan = autopar.plan(model, MeshSpec((4,)), args, kwargs, memory_budget=budget)
@@ -52,16 +44,19 @@ def test_small_budget_shards_parameters_and_fits():
 
 
 def test_infeasible_budget_states_minimum():
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     with pytest.raises(autopar.InfeasibleError) as info:
         autopar.plan(model, MeshSpec((2,)), args, kwargs, memory_budget=1000)
     assert info.value.min_memory_bytes > 1000
     message = str(info.value)
-    assert "budget is 1000 B per device" in message and "needs" in message, message
+    from autopar.core.units import fmt
+
+    assert "budget is 1000 B per device" in message, message
+    assert f"needs {fmt(info.value.min_memory_bytes, 'B')}" in message and "Largest contributors" in message, message
 
 
 def test_plan_is_deterministic_and_json_round_trips(tmp_path):
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     a = autopar.plan(model, MeshSpec((2, 2)), args, kwargs)
     b = autopar.plan(model, MeshSpec((2, 2)), args, kwargs)
     assert [(n.name, n.out, n.ins, n.storage) for n in a.nodes] == [(n.name, n.out, n.ins, n.storage) for n in b.nodes]
@@ -75,7 +70,7 @@ def test_plan_is_deterministic_and_json_round_trips(tmp_path):
 
 
 def test_plan_predictions_are_in_seconds_and_bytes_per_axis():
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     plan = autopar.plan(model, MeshSpec((2, 2), ("dp", "tp"), hardware="h100-80gb"), args, kwargs)
     p = plan.predicted
     assert p.step_time_s > 0 and p.peak_memory_bytes > 0
@@ -84,9 +79,9 @@ def test_plan_predictions_are_in_seconds_and_bytes_per_axis():
 
 
 def test_foreign_and_stale_plan_files_are_refused(tmp_path):
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     plan = autopar.plan(model, MeshSpec((2,)), args, kwargs)
-    other = autopar.plan(model, MeshSpec((2,)), *_meta_gpt(8, 16)[1:])
+    other = autopar.plan(model, MeshSpec((2,)), *meta_model("gpt-tiny", 8, 16)[1:])
     with pytest.raises(autopar.PlanFileError, match="another model or input shapes"):
         other.check_matches(plan.fingerprint, plan.mesh)
     d = json.loads(plan.to_json())
@@ -102,7 +97,7 @@ def test_foreign_and_stale_plan_files_are_refused(tmp_path):
 
 
 def test_mesh_must_be_devicemesh_or_meshspec():
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     with pytest.raises(autopar.MeshError, match="DeviceMesh or an autopar.MeshSpec"):
         autopar.plan(model, (2, 2), args, kwargs)
     with pytest.raises(autopar.MeshError):
@@ -110,7 +105,7 @@ def test_mesh_must_be_devicemesh_or_meshspec():
 
 
 def test_inputs_that_do_not_match_forward():
-    model, args, kwargs = _meta_gpt(8, 32)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     with pytest.raises(autopar.InputMismatchError, match="forward"):
         autopar.plan(model, MeshSpec((2,)), args + (args[0], args[0]), kwargs)
 
@@ -148,7 +143,7 @@ def test_unknown_op_falls_back_to_replication_with_warning(caplog):
 
 
 def test_unknown_op_still_trains_correctly():
-    from autopar.launch import per_rank, run_on_local_tensor_mesh
+    from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 
     torch.manual_seed(0)
     x = torch.randn(6, 4)
@@ -167,3 +162,58 @@ def test_unknown_op_still_trains_correctly():
     assert all(abs(v - ref(x).item()) < 1e-5 for v in losses)
     for k, p in ref.named_parameters():
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_options_are_declared_once_and_checked():
+    """``PlanOptions`` is what plan, compile and the hand plans take: the keyword form and the
+    object form are the same plan, and a misspelt or out-of-range option says what is allowed."""
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    mesh = MeshSpec((2,), hardware="h100-80gb")
+    by_keyword = autopar.plan(model, mesh, args, kwargs, memory_budget=2**30, hand_plans=False)
+    by_object = autopar.plan(model, mesh, args, kwargs, options=autopar.PlanOptions(memory_budget=2**30,
+                                                                                     hand_plans=False))
+    assert by_keyword.nodes == by_object.nodes and "hand_plans" not in by_keyword.solver
+    with pytest.raises(autopar.AutoparError, match="memory_budgte.*the options are memory_budget, time_limit"):
+        autopar.plan(model, mesh, args, kwargs, memory_budgte=2**30)
+    with pytest.raises(autopar.AutoparError, match="unknown optimizer 'lamb'"):
+        autopar.PlanOptions(optimizer="lamb")
+    with pytest.raises(autopar.AutoparError, match="time_limit"):
+        autopar.PlanOptions(time_limit=0)
+
+
+def test_forcing_a_node_that_is_not_there_or_a_strategy_it_lacks_is_refused():
+    from autopar.core.capture import capture
+    from autopar.core.strategies import build_space
+    from autopar.planning.planner import plan_captured
+
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    captured = capture(model, args, kwargs)
+    mesh = MeshSpec((2,), hardware="h100-80gb")
+    space = build_space(captured, mesh)
+    linear = next(nc for nc in space.nodes if nc.kind == "op" and "linear" in str(nc.node.target))
+    with pytest.raises(autopar.AutoparError, match="cannot force node 'no_such_node'"):
+        plan_captured(captured, mesh, forced={"no_such_node": linear.strategies[0]})
+    foreign = next(s for nc in space.nodes for s in nc.strategies if s not in linear.strategies)
+    with pytest.raises(autopar.AutoparError, match=f"cannot force {linear.node.name} to .*not one of its candidate"):
+        plan_captured(captured, mesh, forced={linear.node.name: foreign})
+
+
+def test_an_op_whose_flops_cannot_be_counted_is_named_in_the_plan(monkeypatch):
+    """The FLOP counter failing on an op is not silent: the plan's warnings name the op and say
+    it is costed as memory-bound."""
+    import cost_models.estimate as estimate
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("no fake kernel")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(estimate, "FlopCounterMode", Broken)
+    plan = autopar.plan(Cumsum(), MeshSpec((2,)), (torch.randn(6, 4),), profile=None, hand_plans=False)
+    flop_warnings = [w for w in plan.warnings if "cannot count the FLOPs" in w]
+    assert any("aten.linear" in w and "no fake kernel" in w and "memory-bound" in w for w in flop_warnings), plan.warnings

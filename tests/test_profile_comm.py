@@ -10,7 +10,7 @@ import pytest
 
 from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
-from cost_models.profile_comm import _axes_by_size, fit_link, profile_mesh
+from autopar.profiling.profile_comm import _axes_by_size, fit_link, profile_mesh
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 SIZES = [4096 * 4**i for i in range(7)]

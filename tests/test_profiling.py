@@ -9,10 +9,11 @@ import pytest
 
 import autopar
 from autopar import MeshSpec
-from autopar.zoo import get_model
+from autopar.models.zoo import get_model
 from cost_models.comm import Link
 from cost_models.profile import OVERHEADS, PROFILE_VERSION, OpTime, Profile, ProfileError, default_profile_path
-from cost_models.profiling import find_profile, local_fingerprint, profile_model, resolve_profile
+from autopar.profiling.profiler import profile_model
+from cost_models.profile import find_profile, local_fingerprint, resolve_profile
 
 
 def _profile(fingerprint: dict) -> Profile:
@@ -91,8 +92,8 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     """A second mesh shape of as many processes (2x2 after 4) fits its own collective factors and
     reuses the ops and overheads factors, timing no replicated plan again; a calibrated shape is
     not calibrated again."""
-    from cost_models import profiling
-    from cost_models.profiling import _Row, _calibrate, _uncalibrated
+    from autopar.profiling import profiler as profiling
+    from autopar.profiling.profiler import _Row, _calibrate, _uncalibrated
 
     asked = []
 
@@ -117,7 +118,7 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
 def test_calibration_fit_recovers_in_step_factors():
     """The two-stage calibration fit: factors that generated the steps come back; a factor the
     data cannot see stays 1; one far outside [0.5, 4] is clamped (noise, not the machine)."""
-    from cost_models.profiling import _fit, _Row
+    from autopar.profiling.profiler import _fit, _Row
 
     rows = [_Row(f"r{k}", "ddp", measured=0.0, ops=o, overheads=h, comm=c, sync=y, rest=0.01)
             for k, (o, h, c, y) in enumerate([(0.01, 0.02, 0.03, 0.0), (0.04, 0.02, 0.05, 0.02),

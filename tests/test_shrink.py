@@ -6,24 +6,17 @@ import torch
 
 import autopar
 from autopar import MeshSpec
-from autopar.capture import capture
-from autopar.planner import prepare
-from autopar.shrink import is_follower
-from autopar.zoo import get_model
+from autopar.core.capture import capture
+from autopar.planning.problem import prepare
+from autopar.planning.options import PlanOptions
+from autopar.planning.shrink import is_follower
 from tests import deep_gpt
-from tests.test_equivalence import _check, _local_runner
-
-
-def _meta(name: str, batch: int = 8, seq: int = 32):
-    entry = get_model(name)
-    with torch.device("meta"):
-        model = entry.build()
-    return (model, *entry.example(batch, seq, device="meta"))
+from tests.equivalence import meta_model, check_training, local_runner
 
 
 def _planning(name: str, mesh: tuple[int, ...], **options):
-    model, args, kwargs = _meta(name)
-    return prepare(capture(model, args, kwargs), MeshSpec(mesh, hardware="h100-80gb"), **options)
+    model, args, kwargs = meta_model(name)
+    return prepare(capture(model, args, kwargs), MeshSpec(mesh, hardware="h100-80gb"), PlanOptions(**options))
 
 
 def test_inner_layers_share_decisions_first_and_last_do_not():
@@ -60,7 +53,7 @@ def test_followers_take_no_decision_of_their_own():
 def test_sharing_layers_costs_nothing_on_identical_layers():
     """The full problem (every layer free) is a superset: sharing may only lose where layers should
     differ, which identical inner layers do not."""
-    model, args, kwargs = _meta(deep_gpt.NAME, 64, 64)
+    model, args, kwargs = meta_model(deep_gpt.NAME, 64, 64)
     spec = MeshSpec((4,), hardware="h100-80gb")
     shared = autopar.plan(model, spec, args, kwargs, hand_plans=False)
     free = autopar.plan(model, spec, args, kwargs, share_layers=False, hand_plans=False)
@@ -70,5 +63,5 @@ def test_sharing_layers_costs_nothing_on_identical_layers():
 
 def test_shared_plan_trains_exactly():
     batch, seq = 6, 16
-    plan = _check(deep_gpt.NAME, batch, seq, (2, 2), _local_runner, {"time_limit": 20})
+    plan = check_training(deep_gpt.NAME, batch, seq, (2, 2), local_runner, {"time_limit": 20})
     assert "repeated blocks" in plan.solver["problem"], plan.solver["problem"]

@@ -4,7 +4,7 @@ plan is compiled and run on a simulated mesh, and the outputs and every paramete
 (on every rank) must match one device. Meshes (2,), (3,) and (2, 2), with shapes that some axes
 divide unevenly (batch 3 on 2 ranks...).
 
-* The runtime is strict (``codegen.runtime.STRICT``): an op whose DTensor output placement is not
+* The runtime is strict (``codegen.runtime.STRICT``, set for every test in conftest.py): an op whose DTensor output placement is not
   the one its rule promised raises, so the rules themselves are checked, not only the numbers.
 * References run in plain PyTorch, outside the simulated mesh.
 * The cases (tests/strategy_cases.py) feed float inputs through a parameter of the input's full
@@ -31,13 +31,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-import codegen.runtime as runtime
-from autopar.capture import capture
-from autopar.launch import per_rank, run_on_local_tensor_mesh
-from autopar.mesh import MeshSpec
-from autopar.placements import placements_str
-from autopar.planner import plan_captured
-from autopar.strategies import Strategy, build_space
+from autopar.core.capture import capture
+from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
+from autopar.core.mesh import MeshSpec
+from autopar.core.placements import placements_str
+from autopar.planning.planner import plan_captured
+from autopar.core.strategies import Strategy, build_space
 from codegen.module import ShardedModule
 from tests.strategy_cases import CASES, Case, Pre
 
@@ -48,11 +47,6 @@ ZOO_TEST_MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", "bert-tiny")
 
 # Nodes with no tensor input or no tensor output: there is no placement to choose.
 NOT_FORCEABLE = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten.to.device}
-
-
-@pytest.fixture(autouse=True)
-def strict_runtime(monkeypatch):
-    monkeypatch.setattr(runtime, "STRICT", True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +286,7 @@ def test_covering_2d_keeps_every_axis_rule_and_pair_kind():
 
 def test_cases_cover_every_op_of_the_zoo_test_models():
     """Every op with a placement to choose in the tiny zoo models is forced by some case."""
-    from autopar.zoo import get_model
+    from autopar.models.zoo import get_model
 
     covered = {t for c in CASES for t in c.targets}
     missing: dict[str, set[str]] = {}

@@ -12,14 +12,15 @@ import torch
 
 from autopar import AutoparError, MeshSpec
 from autopar.api import plan as make_plan
-from autopar.capture import capture
+from autopar.core.execution import VIEW_OPS
+from autopar.core.capture import capture
 from autopar.models.gpt import GPT, GPTConfig
-from autopar.plan import Plan
-from autopar.planner import plan_captured
-from autopar.strategies import VIEW_OPS, build_space
-from autopar.symbolic import B, S, GraphMismatchError, align_plan, closed_forms, symbolic_plan_costs
+from autopar.core.plan import Plan
+from autopar.planning.planner import plan_captured
+from autopar.core.strategies import build_space
+from autopar.planning.symbolic import B, S, GraphMismatchError, align_plan, closed_forms, symbolic_plan_costs
 from cost_models.schedule import step_costs
-from autopar.zoo import get_model
+from autopar.models.zoo import get_model
 from cost_models.estimate import CostModel
 from cost_models.schedule import Timeline
 

@@ -1,4 +1,4 @@
-"""Tests of the model zoo (autopar.zoo) and the hand-written GPT (autopar.models.gpt)."""
+"""Tests of the model zoo (autopar.models.zoo) and the hand-written GPT (autopar.models.gpt)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 from autopar.models import GPT, GPTConfig
-from autopar.zoo import ZooEntry, get_model, list_models
+from autopar.models.zoo import ZooEntry, get_model, list_models
 
 TINY = ["gpt-tiny", "gpt2-tiny", "llama-tiny", "bert-tiny"]
 HF_TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny"]
@@ -196,7 +196,7 @@ def user_module(tmp_path, monkeypatch):
         """
         import torch
         import torch.nn as nn
-        from autopar.zoo import ZooEntry
+        from autopar.models.zoo import ZooEntry
 
         DEFAULT_SEQ = 6
         CALLS = []

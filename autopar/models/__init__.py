@@ -1,4 +1,4 @@
-"""Hand-written example models used by the zoo (:mod:`autopar.zoo`), tests and benchmarks."""
+"""Hand-written example models used by the zoo (:mod:`autopar.models.zoo`), tests and benchmarks."""
 
 from autopar.models.gpt import GPT, GPTConfig
 

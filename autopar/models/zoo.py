@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 from autopar.models.gpt import GPT, GPTConfig
 
 __all__ = ["ZooEntry", "get_model", "list_models"]
@@ -372,7 +372,7 @@ def get_model(name: str) -> ZooEntry:
     To tell the two apart, the factory is called once here under ``torch.device("meta")``,
     so no real memory is allocated.
 
-    Raises :class:`~autopar.errors.AutoparError` for an unknown name (listing the available ones)
+    Raises :class:`~autopar.core.errors.AutoparError` for an unknown name (listing the available ones)
     or a factory that cannot be imported or returns something else.
     """
     if name in _REGISTRY:

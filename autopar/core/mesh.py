@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.errors import MeshError
+from autopar.core.errors import MeshError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError, InputMismatchError
+from autopar.core.execution import IDENTITY_OPS
+from autopar.core.errors import CaptureError, InputMismatchError
 
 
 @dataclass
@@ -70,11 +71,6 @@ def _user_frame(exc: BaseException) -> str:
     return f" at {f.filename}:{f.lineno} ({f.line})"
 
 
-# Ops that change no value. Export records them or not depending on the device's layouts (a
-# transpose of CPU flash attention's output is already contiguous, of a meta tensor it is not),
-# so they are left out of the fingerprint and plans are matched without them.
-IDENTITY_OPS = {torch.ops.aten.contiguous.default, torch.ops.aten.alias.default,
-                torch.ops.aten.clone.default, torch.ops.aten.detach.default}
 
 
 def fingerprint(program: ExportedProgram, model_name: str) -> str:
@@ -91,10 +87,15 @@ def fingerprint(program: ExportedProgram, model_name: str) -> str:
     return h.hexdigest()[:16]
 
 
+def as_args(example_inputs: Any) -> tuple:
+    """Example inputs as the positional-argument tuple ``capture`` takes (a lone tensor is one argument)."""
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             dynamic_shapes: Any = None) -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
-    makes dims symbolic (``autopar.symbolic``)."""
+    makes dims symbolic (``autopar.planning.symbolic``)."""
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)

@@ -10,9 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autopar.errors import PlanFileError
-from autopar.mesh import MeshSpec
-from autopar.placements import Placements, parse_placement, placements_str
+from autopar.core.errors import PlanFileError
+from autopar.core.mesh import MeshSpec
+from autopar.core.placements import Placements, parse_placement, placements_str
+from autopar.core.report import format_report
 
 PLAN_FORMAT_VERSION = 3
 
@@ -71,6 +72,11 @@ class Prediction:
 
 @dataclass
 class Plan:
+    """The planner's answer: each node's chosen strategy (``nodes``) with its predicted costs, the
+    predicted step (``predicted``), and how it was found (``solver``, ``timings``, ``warnings``).
+    Made by ``autopar.plan`` (or a hand plan of ``autopar.planning.baselines``), read by the code
+    generator and by people (``report()``), saved and reloaded as JSON (``to_json``/``from_json``)."""
+
     mesh: MeshSpec
     model_name: str
     fingerprint: str
@@ -82,7 +88,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     feasible: bool = True                 # predicted peak within the memory budget
     shortfall_bytes: float = 0.0          # how far the predicted peak is above the budget
-    name: str = "auto"                    # "auto", or the hand plan it is (``autopar.baselines``)
+    name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
     version: int = PLAN_FORMAT_VERSION
 
     def node(self, name: str) -> NodePlan:
@@ -172,8 +178,6 @@ class Plan:
     def report(self, top: int | None = 12) -> str:
         """The planning report; ``top=None`` lists every node's predicted compute, communication
         and memory, and whether each figure was measured or came from the roofline."""
-        from autopar.report import format_report
-
         return format_report(self, top=top)
 
     def __repr__(self) -> str:

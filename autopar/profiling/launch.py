@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 __all__ = [
     "DistributedRunError",

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
-from autopar.errors import HardwareError
+from autopar.core.errors import HardwareError
 
 __all__ = [
     "Hardware",
@@ -389,7 +389,7 @@ def get_hardware(name_or_path: str | os.PathLike[str] | Hardware) -> Hardware:
     A JSON file holds ``{"base": "<preset>", <field>: <value>, ...}``; the listed
     fields replace the base preset's (``peak_flops`` is merged entry by entry).
     Without ``"base"`` the file must give every field.  A :class:`Hardware`
-    instance is returned unchanged.  Raises :class:`autopar.errors.HardwareError`
+    instance is returned unchanged.  Raises :class:`autopar.core.errors.HardwareError`
     naming the valid presets when nothing matches.
     """
     if isinstance(name_or_path, Hardware):

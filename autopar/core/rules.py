@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.capture import tensor_val
+from autopar.core.capture import tensor_val
 
 aten = torch.ops.aten
 R = Replicate()

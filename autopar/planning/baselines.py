@@ -28,12 +28,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.capture import capture
-from autopar.errors import InfeasibleError
-from autopar.mesh import MeshSpec, as_mesh_spec
-from autopar.plan import Plan
-from autopar.planner import DEFAULT_TIME_LIMIT_S, Planning, prepare, solve_planning
-from autopar.strategies import VIEW_OPS, NodeChoices, Strategy
+from autopar.core.execution import VIEW_OPS
+from autopar.core.capture import as_args, capture
+from autopar.core.errors import InfeasibleError
+from autopar.core.mesh import MeshSpec, as_mesh_spec
+from autopar.core.plan import Plan
+from autopar.planning.options import PlanOptions
+from autopar.planning.problem import Planning, prepare, solve_planning
+from autopar.core.strategies import NodeChoices, Strategy
 
 __all__ = ["candidates", "hand_plans", "ROLES"]
 
@@ -46,20 +48,15 @@ HAND_PLAN_TIME_SHARE = 0.4
 
 
 def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: dict | None = None, *,
-               memory_budget: float | None = None, time_limit: float | None = DEFAULT_TIME_LIMIT_S,
-               profile: Any = "auto", optimizer: str = "adamw") -> dict[str, Plan]:
-    """Every standard strategy for ``mesh`` as a ``Plan``, costed like the auto plan (same
-    options as ``autopar.plan``); each can be compiled and run (``autopar.compile(plan=...)``)."""
-    from cost_models.profiling import resolve_profile
-
-    from autopar.api import _as_tuple
-
+               options: PlanOptions | None = None, **option_values: Any) -> dict[str, Plan]:
+    """Every standard strategy for ``mesh`` as a ``Plan``, costed like the auto plan (the same
+    ``PlanOptions`` as ``autopar.plan``); each can be compiled and run (``autopar.compile(plan=...)``)."""
+    options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
-    captured = capture(model, _as_tuple(example_inputs), example_kwargs)
-    planning = prepare(captured, spec, memory_budget=memory_budget, timings={"capture": time.perf_counter() - t0},
-                       profile=resolve_profile(profile, spec), optimizer=optimizer)
-    deadline = time.perf_counter() + time_limit if time_limit is not None else None
+    captured = capture(model, as_args(example_inputs), example_kwargs)
+    planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0})
+    deadline = time.perf_counter() + options.time_limit if options.time_limit is not None else None
     return {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
 
 

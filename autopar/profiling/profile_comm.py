@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.launch import run_on_gloo_mesh
-from autopar.placements import local_shape
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.core.placements import local_shape
 from codegen.runtime import as_planned, local_op, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from autopar.errors import AutoparError
+from autopar.core.errors import AutoparError
 
 __all__ = ["StepMeasurement", "measure_training", "time_training", "time_in_turns", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.errors import PlanFileError
+from autopar.core.errors import PlanFileError
 
 Placements = tuple[Placement, ...]
 

@@ -13,12 +13,16 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from autopar.placements import placements_str
-from autopar.units import fmt
-from autopar.plan import NodePlan, Plan
+from autopar.core.hardware import get_hardware
+from autopar.core.placements import placements_str
+from autopar.core.units import fmt
 
-__all__ = ["format_report", "fmt", "param_pattern"]  # fmt re-exported from autopar.units
+if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
+    from autopar.core.plan import NodePlan, Plan
+
+__all__ = ["format_report", "fmt", "param_pattern"]  # fmt re-exported from autopar.core.units
 
 def _op_name(op: str) -> str:
     """``aten.linear.default`` -> ``linear``; ``<built-in function getitem>`` -> ``getitem``."""
@@ -115,8 +119,6 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozense
 
 def _hardware_line(name: str) -> str:
     try:
-        from cost_models.hardware import get_hardware
-
         hw = get_hardware(name)
     except Exception:  # noqa: BLE001 - a report never fails on a hardware file that moved
         return name

@@ -19,27 +19,22 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
-from autopar.mesh import MeshSpec
-from autopar.placements import Placements, local_shape, placements_str
-from autopar.rules import AxisRule, axis_rules, rule_for
+from autopar.core.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
+from autopar.core.mesh import MeshSpec
+from autopar.core.placements import Placements, local_shape, placements_str
+from autopar.core.rules import AxisRule, axis_rules, rule_for
 
 log = logging.getLogger(__name__)
 R = Replicate()
 
-# Ops whose output aliases their input: they move no data and save nothing for backward.
-VIEW_OPS = {
-    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.permute.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
-    torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
-    torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.alias.default,
-    torch.ops.aten.detach.default, operator.getitem,
-}
 
 
 @dataclass(frozen=True)
 class Strategy:
+    """One way a node can run on the mesh: its output's placement, the placement each input must
+    be redistributed to first, and (parameters) how it is stored. Made by ``build_space`` from the
+    per-axis rules (``autopar.core.rules``); the ILP chooses one per node, the plan records it."""
+
     out: Placements                     # output placement, one per mesh axis
     ins: tuple[Placements, ...]         # placement each flat tensor input must have
     names: tuple[str, ...]              # rule name per mesh axis, e.g. ("batch", "column")
@@ -55,6 +50,8 @@ class Strategy:
 
 @dataclass
 class NodeChoices:
+    """A graph node with its candidate strategies: one decision of the planning problem."""
+
     node: fx.Node
     kind: str                            # "param", "buffer", "input", "op", "output", "alias"
     inputs: list[fx.Node]                # flat tensor inputs (edges come from these)
@@ -67,6 +64,9 @@ class NodeChoices:
 
 @dataclass
 class StrategySpace:
+    """Every node's candidate strategies on one mesh (``build_space``), with the warnings about
+    ops that have no rule and run replicated; what the cost model prices and the planner solves."""
+
     mesh: MeshSpec
     nodes: list[NodeChoices]
     index: dict[fx.Node, int] = field(default_factory=dict)
@@ -185,7 +185,7 @@ def alias_strategies(source: list[Strategy]) -> list[Strategy]:
 
 def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool = True) -> StrategySpace:
     """Classify the graph's nodes and list each one's candidate strategies (``with_strategies=
-    False``: classify only, the strategies left empty for the caller to fill: ``autopar.symbolic``)."""
+    False``: classify only, the strategies left empty for the caller to fill: ``autopar.planning.symbolic``)."""
     nodes: list[NodeChoices] = []
     position: dict[fx.Node, int] = {}
     warnings: list[str] = []

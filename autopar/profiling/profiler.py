@@ -1,5 +1,5 @@
-"""Profile the machine at hand for one model and mesh (``autopar profile``), and find the cached
-profile that matches a planning request.
+"""Profile the machine at hand for one model and mesh (``autopar profile``), and calibrate the
+cost model on whole training steps (``cost_models.profile.find_profile`` looks the result up).
 
 One local gloo run measures everything, with every rank busy at once as in training (CPU ranks
 share cores): each rank times the model's distinct local op calls (``profile_ops``; the slowest
@@ -23,60 +23,28 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from autopar.capture import capture
-from autopar.launch import run_on_gloo_mesh
-from autopar.measure import slowest_rank_steps
-from autopar.mesh import MeshSpec, as_mesh_spec, hardware_for_device
-from autopar.placements import Placements
-from autopar.plan import Plan
-from autopar.strategies import Strategy, StrategySpace, build_space
+from autopar.core.capture import capture
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.models.zoo import get_model
+from autopar.planning.baselines import hand_plans
+from autopar.planning.options import PlanOptions
+from autopar.planning.planner import plan_captured
+from autopar.planning.problem import prepare
+from autopar.profiling.measure import slowest_rank_steps, time_in_turns
+from autopar.core.mesh import MeshSpec, as_mesh_spec
+from autopar.core.placements import Placements
+from autopar.core.plan import Plan
+from autopar.core.strategies import Strategy, StrategySpace, build_space
+from codegen.module import ShardedModule
 from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
-                                 default_profile_path, hardware_fingerprint)
-from cost_models.profile_comm import measure_mesh, print_progress, time_overlap
+                                 default_profile_path, local_fingerprint)
+from autopar.profiling.profile_comm import measure_mesh, print_progress, time_overlap
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
 Progress = Callable[[str], None]
-THREADS_PER_RANK = 1   # autopar.launch gives each local rank one thread
 log = logging.getLogger(__name__)
-
-
-def local_fingerprint(mesh: MeshSpec) -> dict[str, Any]:
-    """The fingerprint a profile of ``mesh`` run on this host (one process per device) carries."""
-    device = "cuda" if mesh.hardware != "cpu" and torch.cuda.is_available() else "cpu"
-    return hardware_fingerprint(device, processes_per_host=mesh.size, threads=THREADS_PER_RANK)
-
-
-def find_profile(mesh: MeshSpec) -> Profile | None:
-    """The cached profile of this host for ``mesh``, if ``autopar profile`` made one and the mesh's
-    hardware is this host's kind of device (planning for other hardware uses its preset). One left
-    by an older autopar is not used, with a warning: plans still work, on the presets."""
-    local_kind = hardware_for_device("cuda" if torch.cuda.is_available() else "cpu")
-    if mesh.hardware != local_kind:
-        return None
-    path = default_profile_path(local_fingerprint(mesh))
-    try:
-        return Profile.from_json(path) if path.exists() else None
-    except StaleProfileError as e:
-        log.warning("autopar: %s; planning with the hardware presets meanwhile", e)
-        return None
-
-
-def resolve_profile(profile: Profile | str | Path | None, mesh: MeshSpec) -> Profile | None:
-    """``"auto"``: the cached profile of this host if one matches; a path or Profile: that one,
-    refused if it was measured on other hardware; ``None``: roofline presets only."""
-    if profile is None:
-        return None
-    if isinstance(profile, str) and profile == "auto":
-        return find_profile(mesh)
-    loaded = profile if isinstance(profile, Profile) else Profile.from_json(str(profile))
-    want = local_fingerprint(mesh)
-    if mesh.hardware == hardware_for_device(want["device"]) and loaded.fingerprint != want:
-        diff = {k: (loaded.fingerprint.get(k), v) for k, v in want.items() if loaded.fingerprint.get(k) != v}
-        raise ProfileError(f"the profile was measured on other hardware than this {mesh.describe()} "
-                           f"(profile vs here: {diff}); run `autopar profile` for this mesh")
-    return loaded
 
 
 def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_inputs: Any,
@@ -219,7 +187,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
     several devices the calibration hand plans, each planned with the profile's uncalibrated
     numbers; all of them timed in one launch on this mesh, taking turns (``_calibration_worker``)."""
     plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
-    strategies_log = logging.getLogger("autopar.strategies")
+    strategies_log = logging.getLogger("autopar.core.strategies")
     level = strategies_log.level
     strategies_log.setLevel(logging.ERROR)   # the calibration models' ops without rules are not the user's concern
     try:
@@ -247,10 +215,6 @@ def _calibration_plans(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tu
                        ) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace, list[Strategy]]]:
     """Model ``name`` at each size, its ops profiled: the replicated plan (if ``replicated``) and on
     several devices the calibration hand plans, each with its cost model, space and strategies."""
-    from autopar.baselines import hand_plans
-    from autopar.planner import plan_captured, prepare
-    from autopar.zoo import get_model
-
     entry = get_model(name)
     plans = {}
     for batch, seq in sizes:
@@ -264,10 +228,10 @@ def _calibration_plans(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tu
             chosen = [_replicated(nc.strategies) for nc in space.nodes]
             forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
             plans[(name, batch, seq, "replicated")] = (
-                plan_captured(captured, spec, forced=forced, profile=profile, hand_plans=False),
+                plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
                 CostModel(spec, space, profile=profile), space, chosen)
         if spec.size > 1:
-            planning = prepare(captured, spec, profile=profile)
+            planning = prepare(captured, spec, PlanOptions(profile=profile))
             for hand, (plan, choices) in hand_plans(planning).items():
                 if _calibration_plan(hand):
                     chosen = [nc.strategies[k]
@@ -291,16 +255,13 @@ def _calibration_worker(mesh: DeviceMesh, plans: list[tuple[tuple[str, int, int,
     taking turns with all the others. Turns spread each plan's steps over the whole run: the
     host's slow and fast spells last seconds, and the median of steps spread over them is the
     typical step, the figure the cost model predicts."""
-    import autopar
-    from autopar.measure import time_in_turns
-    from autopar.zoo import get_model
-
     runs = {}
     for key, plan_json in plans:
         name, batch, seq, _ = key
         entry = get_model(name)
         args, kwargs = entry.example(batch, seq)
-        sharded = autopar.compile(entry.build(), mesh, args, kwargs, plan=autopar.Plan.from_json(plan_json))
+        model = entry.build()
+        sharded = ShardedModule(model, mesh, Plan.from_json(plan_json), capture(model, args, kwargs))
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
     rounds = time_in_turns(runs, rounds=CALIBRATION_ROUNDS, warmup=1, steps=CALIBRATION_STEPS)
     return {key: [s for steps in per_round for s in steps] for key, per_round in rounds.items()}

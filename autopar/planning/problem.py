@@ -1,5 +1,7 @@
-"""Planning: capture -> strategies -> costs -> ILP -> ``Plan``. Runs no collective; works on
-``meta`` models, so clusters that do not exist here can be planned.
+"""The planning problem of one captured graph on one mesh: strategies -> costs -> ILP
+(``prepare``), and solving it, or a restriction of it, into a ``Plan`` (``solve_planning``).
+The hand plans (``baselines``) and the auto plan (``planner``) both go through here. Runs no
+collective; works on ``meta`` models, so clusters that do not exist here can be planned.
 """
 from __future__ import annotations
 
@@ -12,24 +14,24 @@ from typing import Iterator
 
 import numpy as np
 
-from autopar.capture import CapturedGraph, readable_name
-from autopar.errors import AutoparError
-from autopar.mesh import MeshSpec
-from autopar.plan import NodePlan, Plan, Prediction
-from autopar.shrink import Grouping, group
-from autopar.strategies import StrategySpace, Strategy, alias_strategies, build_space
-from autopar.units import fmt
+from autopar.core.capture import CapturedGraph, readable_name
+from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.mesh import MeshSpec
+from autopar.core.plan import NodePlan, Plan, Prediction
+from autopar.planning.shrink import Grouping, group
+from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
+from autopar.core.units import fmt
+from autopar.planning.options import PlanOptions
 from cost_models.estimate import Cost, CostModel, get_optimizer
-from cost_models.profile import Profile
+from cost_models.profile import resolve_profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
-from solver import Edge, Problem, Solution, Term, restrict, solve
+from solver import Edge, InfeasibleProblem, Problem, Solution, SolverError, Term, restrict, solve
 
 log = logging.getLogger("autopar")
 
 # Stop when the plan is provably within 0.1% of the best: far inside the cost model's own error,
 # and it spares the solver proving optimality on large problems.
 RELATIVE_GAP = 1e-3
-DEFAULT_TIME_LIMIT_S = 60.0
 # Cut points of the backward at which the ILP checks memory and exposed communication (the plan's
 # own prediction checks every position).
 CUTS = 8
@@ -39,11 +41,6 @@ CUTS = 8
 MIN_SOLVE_S = 0.25
 # Times the planner adds the moment of a predicted peak above the budget and solves again.
 MAX_MEMORY_REPAIRS = 4
-# The solver's plan replaces the best fitting hand plan only when predicted at least this much
-# faster: a smaller gain is inside the cost model's own error (``benchmarks/cost_accuracy.py``),
-# and there the standard plan is the safer choice (measured: auto plans predicted 4% faster than
-# DDP ran 11-13% slower on the CPU mesh).
-MIN_GAIN = 0.05
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
@@ -56,7 +53,7 @@ def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
 
 @dataclass
 class Planning:
-    """What the auto plan and the hand plans (``autopar.baselines``) share: the strategy space,
+    """What the auto plan and the hand plans (``autopar.planning.baselines``) share: the strategy space,
     its costs and the shrunken ILP (``Problem`` over ``Grouping`` decisions)."""
 
     captured: CapturedGraph
@@ -72,56 +69,25 @@ class Planning:
     timings: dict[str, float]
 
 
-def prepare(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
-            timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
-            profile: Profile | None = None, optimizer: str = "adamw", share_layers: bool = True) -> Planning:
-    """Strategies, costs and the ILP of one captured graph on one mesh."""
+def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
+            timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None) -> Planning:
+    """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
+    nodes to a strategy)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
         space = build_space(captured, mesh)
         if forced:
             _force(space, forced)
     with _stage(timings, "costs"):
-        model = CostModel(mesh, space, profile=profile, optimizer=get_optimizer(optimizer))
+        model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
+                          optimizer=get_optimizer(options.optimizer))
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency)
-        budget = float(memory_budget) if memory_budget is not None else float(model.hw.memory_bytes)
+        budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
     with _stage(timings, "ilp"):
-        problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, share_layers)
+        problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, options.share_layers)
         log.info("autopar: %s", grouping.describe(len(space.nodes)))
     return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings)
-
-
-def plan_captured(captured: CapturedGraph, mesh: MeshSpec, *, memory_budget: float | None = None,
-                  time_limit: float | None = DEFAULT_TIME_LIMIT_S, timings: dict[str, float] | None = None,
-                  forced: dict[str, Strategy] | None = None, profile: Profile | None = None,
-                  optimizer: str = "adamw", share_layers: bool = True, hand_plans: bool = True,
-                  min_gain: float = MIN_GAIN) -> Plan:
-    """Choose one strategy per node. ``forced`` pins named nodes to a strategy (tests, calibration);
-    ``profile`` supplies measured costs of this machine (else roofline presets); ``share_layers``
-    lets identical inner layers share decisions; ``hand_plans`` costs the standard strategies
-    (``autopar.baselines``) first, warm-starts the solver from the best that fits and keeps it
-    unless the solver's plan is predicted faster by at least ``min_gain`` (a fraction)."""
-    if not 0 <= min_gain < 1:
-        raise AutoparError(f"min_gain is a fraction of the best hand plan's step time in [0, 1), got {min_gain!r}")
-    from autopar.baselines import hand_plans as standard_plans
-
-    deadline = time.perf_counter() + time_limit if time_limit is not None else None
-    planning = prepare(captured, mesh, memory_budget=memory_budget, timings=timings, forced=forced,
-                       profile=profile, optimizer=optimizer, share_layers=share_layers)
-    hands = standard_plans(planning, deadline=deadline) if hand_plans and not forced else {}
-    fitting = [h for h in hands.values() if h[0].feasible]
-    best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)
-    plan, _ = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
-    if best is not None and (not plan.feasible or plan.predicted.step_time_s > (1 - min_gain) * best[0].predicted.step_time_s):
-        plan = _renamed(best[0], "auto", plan, min_gain)
-    if hands:
-        plan.solver["warm_start"] = best[0].name if best else None
-        plan.solver["hand_plans"] = {name: {"step_time_s": h.predicted.step_time_s,
-                                            "peak_memory_bytes": h.predicted.peak_memory_bytes,
-                                            "feasible": h.feasible} for name, (h, _) in hands.items()}
-    plan.timings = dict(planning.timings)
-    return plan
 
 
 def solve_planning(planning: Planning, *, deadline: float | None = None, allowed: Sequence[Sequence[int] | None] | None = None,
@@ -142,7 +108,7 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
         with _stage(planning.timings, stage):   # the deadline covers every solve of the repair loop together
             left = max(deadline - time.perf_counter(), MIN_SOLVE_S) if deadline is not None else None
-            solution = solve(restrict(problem, allowed), time_limit=left, relative_gap=RELATIVE_GAP)
+            solution = _solve(restrict(problem, allowed), left)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
             plan, sim = _make_plan(planning, choices, solution, name)
         peak = plan.predicted.peak_memory_bytes
@@ -162,16 +128,18 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
     return plan, choices
 
 
-def _renamed(hand: Plan, name: str, solved: Plan, min_gain: float) -> Plan:
-    """The hand plan, kept as the auto plan because the solver's plan does not fit the budget or
-    is not predicted faster by ``min_gain`` under the exact schedule."""
-    gain = 1 - solved.predicted.step_time_s / hand.predicted.step_time_s
-    why = (f"exceeds the memory budget by {fmt(solved.shortfall_bytes, 'B')}" if not solved.feasible else
-           f"({fmt(solved.predicted.step_time_s, 's')}) was predicted {abs(gain):.1%} "
-           f"{'faster' if gain > 0 else 'slower'} than {hand.name!r} ({fmt(hand.predicted.step_time_s, 's')}) "
-           f"under the exact schedule, not the {min_gain:.0%} (min_gain) worth leaving a standard plan for")
-    note = f"the solver's plan {why}: keeping the hand plan {hand.name!r}"
-    return replace(hand, name=name, warnings=[*hand.warnings, note], solver={**solved.solver, "kept_hand_plan": hand.name})
+def _solve(problem: Problem, time_limit: float | None) -> Solution:
+    """The ILP, its errors told in autopar's terms: how much memory any plan needs and what to do."""
+    try:
+        return solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
+    except InfeasibleProblem as e:
+        who = ", ".join(f"{h.label}: {fmt(h.min_bytes, 'B')}" for h in e.largest)
+        raise InfeasibleError(
+            f"{e.why}: the memory budget is {fmt(e.budget, 'B')} per device, but even the lowest-memory choice "
+            f"for every node needs {fmt(e.min_memory, 'B')}. Largest contributors to that minimum: {who}. Raise "
+            "the budget, use more devices, or shrink the model/batch.", min_memory_bytes=e.min_memory) from None
+    except SolverError as e:
+        raise AutoparError(f"planning failed in the solver: {e}") from None
 
 
 def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
@@ -179,9 +147,13 @@ def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
     strategies that give that output placement; aliases then follow their sources again."""
     by_name = {nc.node.name: nc for nc in space.nodes}
     for name, want in forced.items():
-        nc = by_name[name]
+        nc = by_name.get(name)
+        if nc is None:
+            raise AutoparError(f"cannot force node {name!r}: the graph has no such node with strategies "
+                               f"(nodes are named as in the captured graph, e.g. {next(iter(by_name), '?')!r})")
         if want not in nc.strategies:
-            raise ValueError(f"{want} is not a candidate strategy of {name}")
+            raise AutoparError(f"cannot force {name} to {want.label()}: not one of its candidate strategies "
+                               f"({', '.join(s.label() for s in nc.strategies[:8])}{', ...' if len(nc.strategies) > 8 else ''})")
         if nc.kind == "alias":
             src = space.nodes[space.index[nc.source]]
             src.strategies = [s for s in src.strategies if s.out == want.out]
@@ -195,7 +167,7 @@ def _force(space: StrategySpace, forced: dict[str, Strategy]) -> None:
 
 def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget: float, cuts: list[int],
              share_layers: bool) -> tuple[Problem, Grouping, dict[int, list[Cost]], PricedSpace]:
-    """The ILP over the decisions of the shrunken problem (``autopar.shrink``). Returns it with
+    """The ILP over the decisions of the shrunken problem (``autopar.planning.shrink``). Returns it with
     the grouping, each node's costs per choice of its decision (for the repair loop's rows) and the
     priced space (to cost any plan)."""
     priced = PricedSpace(space, model)

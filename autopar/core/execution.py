@@ -1,0 +1,59 @@
+"""How each op executes in generated code, and which collective each placement change is.
+
+One statement read by the code generator (what it emits), the cost model (what it prices) and
+profiling (what it times), so that they cannot drift apart: if codegen changes how an op runs,
+the cost model's price changes with it.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.core.placements import Placements
+
+aten = torch.ops.aten
+
+#: Ops whose output aliases their input: they move no data and save nothing for the backward.
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.transpose.int, aten.t.default, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.expand.default, aten.slice.Tensor, aten.select.int,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.alias.default,
+    aten.detach.default, operator.getitem,
+}
+
+#: Ops that change no value. Export records them or not depending on the device's layouts (a
+#: transpose of CPU flash attention's output is already contiguous, of a meta tensor it is not),
+#: so they are left out of the fingerprint and plans are matched without them.
+IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default}
+
+#: Ops whose arguments include global shapes; every other op runs on local shards.
+SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                 aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
+
+#: The collectives a placement change can run (``axis_collective``), as the cost model names them.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def dispatched_by_dtensor(node: fx.Node, out: Placements) -> bool:
+    """Whether generated code runs ``node`` through DTensor's dispatch (a shape-argument op on a
+    sharded tensor) rather than on local shards; the two cost differently."""
+    return node.target in SHAPE_ARG_OPS and any(not isinstance(p, Replicate) for p in out)
+
+
+def axis_collective(src: Placement, dst: Placement) -> str | None:
+    """The collective that moves a tensor from ``src`` to ``dst`` on one mesh axis, or None when
+    the change is local (same placement, slicing a replica, or a replica becoming a partial sum).
+    A shard that must become partial is gathered first (the runtime reaches Replicate, then splits)."""
+    if src == dst or (isinstance(src, Partial) and isinstance(dst, Partial)):
+        return None
+    if isinstance(dst, Replicate):
+        return "all_reduce" if isinstance(src, Partial) else "all_gather"
+    if isinstance(dst, Shard):
+        return "reduce_scatter" if isinstance(src, Partial) else "all_to_all" if isinstance(src, Shard) else None
+    return "all_gather" if isinstance(src, Shard) else None

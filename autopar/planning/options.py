@@ -1,0 +1,65 @@
+"""``PlanOptions``: everything that steers planning, declared once. ``autopar.plan``,
+``autopar.compile``, ``autopar.planning.baselines.candidates`` and the ``autopar plan`` command
+all take these fields by name (``plan(model, mesh, x, memory_budget=...)``) or as one object
+(``options=PlanOptions(...)``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from autopar.core.errors import AutoparError
+from cost_models.estimate import get_optimizer
+from cost_models.profile import Profile
+
+#: Seconds the solver may take (all hand plans and the auto plan together) by default.
+DEFAULT_TIME_LIMIT_S = 60.0
+#: The solver's plan replaces the best fitting hand plan only when predicted at least this much
+#: faster: a smaller gain is inside the cost model's own error (``benchmarks/cost_accuracy.py``),
+#: and there the standard plan is the safer choice (measured: auto plans predicted 4% faster than
+#: DDP ran 11-13% slower on the CPU mesh).
+MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan.
+
+    ``memory_budget``: bytes per device (None: the hardware's memory). ``time_limit``: seconds for
+    the solver, after which the best plan found is returned with its optimality gap (None: solve
+    to optimality). ``profile``: measured costs of this host (``autopar profile``); ``"auto"`` uses
+    the cached one when it matches the mesh, a path or ``Profile`` that one, None the roofline
+    presets only (the plan's ``predicted.cost_source`` says which were used). ``optimizer``:
+    "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). ``share_layers``: let
+    identical inner layers share decisions (``autopar.planning.shrink``). ``hand_plans``: cost the
+    standard strategies first (``autopar.planning.baselines``) and warm-start from the best that
+    fits; the plan's ``solver["hand_plans"]`` lists them. ``min_gain``: the solver's plan is
+    returned only if predicted at least this fraction faster than the best fitting hand plan
+    (else that hand plan, saying so).
+    """
+
+    memory_budget: float | None = None
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S
+    profile: Profile | str | Path | None = "auto"
+    optimizer: str = "adamw"
+    share_layers: bool = True
+    hand_plans: bool = True
+    min_gain: float = MIN_GAIN
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise AutoparError(f"memory_budget is bytes per device (> 0) or None, got {self.memory_budget!r}")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise AutoparError(f"time_limit is seconds (> 0) or None for no limit, got {self.time_limit!r}")
+        if not 0 <= self.min_gain < 1:
+            raise AutoparError(f"min_gain is a fraction of the best hand plan's step time in [0, 1), got {self.min_gain!r}")
+        get_optimizer(self.optimizer)   # an unknown name raises, listing the known ones
+
+    @classmethod
+    def of(cls, options: PlanOptions | None = None, **values: Any) -> PlanOptions:
+        """``options`` (default: all defaults) with ``values`` replaced; an unknown name is refused."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise AutoparError(f"unknown planning option(s) {', '.join(unknown)}; the options are {', '.join(names)}")
+        return replace(options or cls(), **values)

@@ -15,7 +15,8 @@ import codegen.runtime as runtime
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError
 from autopar.core.plan import Plan
-from codegen.generate import generate_source
+from codegen.generate import generate
+from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, partial_axes
 
 _counter = [0]
 
@@ -27,10 +28,10 @@ def compile_forward(source: str) -> Any:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {
         "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
-        "shard_input": runtime.shard_input, "replicated": runtime.replicated,
-        "redistribute": runtime.redistribute, "planned": runtime.as_planned, "local_op": runtime.local_op,
-        "sharded_cross_entropy": runtime.sharded_cross_entropy,
-        "sharded_embedding": runtime.sharded_embedding, "full": runtime.full,
+        "shard_input": runtime.shard_input, "redistribute": runtime.redistribute, "move": runtime.move,
+        "param_shard": runtime.param_shard, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
+        "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
+        "full": runtime.full, "as_dtensor": runtime.as_dtensor,
     }
     exec(compile(source, filename, "exec"), namespace)
     return namespace["forward"]
@@ -40,7 +41,7 @@ class ShardedModule(nn.Module):
     """Holds the original submodules (so parameter names are unchanged) with DTensor parameters."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, captured: CapturedGraph,
-                 keep_outputs_sharded: bool = False) -> None:
+                 keep_outputs_sharded: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -50,30 +51,48 @@ class ShardedModule(nn.Module):
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         self.mesh = mesh
         self.plan = plan
-        self.code = generate_source(captured, plan, keep_outputs_sharded)
+        generated = generate(captured, plan, keep_outputs_sharded, strict=runtime.STRICT)
+        self.code = generated.source
         self._forward = compile_forward(self.code)
+        self._sizes = generated.sizes.values(mesh)
+        self._bucket_bytes = bucket_bytes
+        self._param_reads = generated.param_reads
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh)
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> None:
+        """Parameters become DTensors of their planned storage. A parameter reached under several
+        names (tied embeddings: export reads it through one of them) stays one parameter, stored
+        as planned for the name the graph uses."""
         replicate = [Replicate()] * mesh.ndim
-        for fqn, node in plan.parameters.items():
+        used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
+        sharded: dict[int, nn.Parameter] = {}
+        bucketed: dict[str, tuple[nn.Parameter, tuple[int, ...]]] = {}
+        for fqn, node in sorted(plan.parameters.items(), key=lambda kv: kv[0] not in used):
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
             p = getattr(mod, leaf)
-            shard = runtime.own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
-            dp = nn.Parameter(shard, requires_grad=p.requires_grad)
-            setattr(mod, leaf, dp)
-            runtime.sync_grad_to(dp)
+            if id(p) not in sharded:
+                shard = runtime.own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
+                sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
+                axes = partial_axes(node.storage, self._param_reads.get(fqn, []))
+                if axes and p.requires_grad:
+                    bucketed[fqn] = (sharded[id(p)], axes)
+                else:
+                    runtime.sync_grad_to(sharded[id(p)])
+            setattr(mod, leaf, sharded[id(p)])
+        # the backward produces gradients in about the reverse order the forward first reads them
+        ready_order = [bucketed[f] for f in reversed(self._param_reads) if f in bucketed]
+        self._grad_sync = GradSync(mesh, ready_order, self._bucket_bytes)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
             setattr(mod, leaf, runtime.own_storage(distribute_tensor(getattr(mod, leaf), mesh, replicate)))
         self._autopar_constants = {
-            name: runtime.own_storage(distribute_tensor(t, mesh, replicate)) if isinstance(t, torch.Tensor) else t
-            for name, t in captured.program.constants.items()
+            name: runtime.own_storage(distribute_tensor(t, mesh, replicate)).to_local() if isinstance(t, torch.Tensor)
+            else t for name, t in captured.program.constants.items()
         }
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,7 +102,7 @@ class ShardedModule(nn.Module):
                 "inputs have another structure than the example inputs the module was compiled with "
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
-        outs = self._forward(self, self.mesh, self._device, *flat)
+        outs = self._forward(self, self.mesh, self._device, self._sizes, *flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
 

@@ -1,34 +1,35 @@
 """The few helpers generated code calls. Each one is a named step a Megatron engineer would
-recognise: shard an input, redistribute (a collective), run an op on local shards, gather.
+recognise: shard an input, move a tensor to another placement (a collective), read a parameter's
+shard, gather an output.
 
-Tensors in generated code are DTensors with global shapes. Ops run on each rank's shards
-(``local_op``): the plan's rule says which shards make the local result exact, and the output is
-declared with exactly the planned placement. Only ops with shape arguments (view, reshape,
-expand) go through DTensor's own dispatch, which translates global shapes to local ones.
+Tensors in generated code are plain local tensors: each rank's shard (or summand, for a partial
+sum) of the planned placement. Ops are the ATen ops themselves, with shape arguments made local
+when the code is generated (``LocalSizes``: this rank's share of an uneven split, fixed when the
+module is built). DTensor appears only where the placement changes (``move``: one redistribution
+whose backward brings the gradient where the producer needs it) and at the boundary: parameters
+stay DTensors (state_dict, optimizers, checkpoints) and the forward reads their local shards.
 """
 from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import LocalTensor, local_tensor_mode, rank_map
+from torch.distributed._local_tensor import LocalIntNode, LocalTensor, local_tensor_mode, rank_map
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError
-from autopar.core.placements import grad_placement
 
 aten = torch.ops.aten
 
 
 class PlacementMismatchError(AutoparError):
-    """An op produced another placement than the plan said (a rule bug; strict mode only)."""
+    """An op's local result has another shape than its planned placement implies (a rule bug;
+    strict mode only)."""
 
 
 STRICT = os.environ.get("AUTOPAR_STRICT", "0") == "1"
@@ -46,17 +47,55 @@ def own_storage(t: DTensor) -> DTensor:
 
 
 def shard_input(t: Any, mesh: DeviceMesh, placements: Sequence[Placement]) -> Any:
-    """Every rank holds the full input: keep this rank's slice, no communication."""
+    """Every rank holds the full input: keep this rank's part, no communication."""
     if not isinstance(t, torch.Tensor):
         return t
-    return own_storage(distribute_tensor(t, mesh, list(placements), src_data_rank=None))
+    return distribute_tensor(t, mesh, list(placements), src_data_rank=None).to_local()
 
 
-def replicated(t: Any, mesh: DeviceMesh) -> Any:
-    """A tensor the graph created (arange, ones...) or a buffer: identical on every rank."""
-    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-        return own_storage(DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False))
-    return t
+def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Sequence[Placement],
+         grad: Sequence[Placement], shape: Sequence[int]) -> torch.Tensor:
+    """``x``, this rank's part of a tensor of global ``shape`` placed ``have``, placed ``want``
+    instead: the collectives ``execution.axis_collective`` names. Its backward takes the gradient
+    as the consumer produces it (placed ``grad``: a replicated input of a split op gets a partial
+    one) to where the producer keeps its gradient (a partial sum becomes replicated)."""
+    if not x.requires_grad and _same(have, want):
+        return x
+    dt = DTensor.from_local(x.contiguous(), mesh, list(have), run_check=False, shape=torch.Size(shape),
+                            stride=_contiguous_stride(shape))
+    return _LocalShard.apply(redistribute(dt, want), tuple(grad))
+
+
+def param_shard(p: DTensor, want: Sequence[Placement], grad: Sequence[Placement]) -> torch.Tensor:
+    """This rank's shard of parameter ``p`` placed ``want``, its gradient flowing back placed
+    ``grad`` (partial where the op using it runs split: gradient synchronisation reduces it)."""
+    return _LocalShard.apply(redistribute(p, want), tuple(grad))
+
+
+def uneven_reshape(x: torch.Tensor, shape: Sequence[Any]) -> torch.Tensor:
+    """``x.reshape(shape)`` where ranks hold different sizes (an uneven split): input and gradient
+    are made contiguous before they are reshaped, a copy that per-rank sizes cannot decide on
+    their own (LocalTensorMode runs ``reshape`` of a strided view as a ``view``)."""
+    return _UnevenReshape.apply(x, tuple(shape))
+
+
+class _UnevenReshape(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shape: tuple) -> torch.Tensor:
+        ctx.shape = x.shape
+        return x.contiguous().reshape(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.contiguous().reshape(ctx.shape), None
+
+
+def expect(x: Any, shape: Sequence[Any], where: str) -> Any:
+    """Strict mode: the local result must have the shape its planned placement implies."""
+    if isinstance(x, torch.Tensor) and list(x.shape) != list(shape):
+        raise PlacementMismatchError(f"{where}: the local result has shape {list(x.shape)}, the plan's placement "
+                                     f"implies {list(shape)}")
+    return x
 
 
 def redistribute(t: DTensor, placements: Sequence[Placement]) -> DTensor:
@@ -107,48 +146,12 @@ def _same_one(h: Placement, w: Placement) -> bool:
     return h == w
 
 
-def as_planned(t: Any, placements: Sequence[Placement], where: str) -> Any:
-    """Check a DTensor-dispatched op's output placement against the plan (strict mode: a rule bug)."""
-    if not isinstance(t, DTensor) or _same(t.placements, placements):
-        return t
-    msg = f"{where}: DTensor produced {t.placements}, plan says {tuple(placements)}"
-    if STRICT:
-        raise PlacementMismatchError(msg)
-    warnings.warn(f"autopar: {msg}; redistributing", stacklevel=2)
-    return redistribute(t, placements)
-
-
-def _wrap(out: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Any) -> Any:
-    """Declare local results as DTensors of the given global shape(s) and planned placement."""
-    if isinstance(out, (list, tuple)):
-        return type(out)(_wrap(o, mesh, placements, s) for o, s in zip(out, shape))
-    out = out.contiguous()  # kernels such as CPU flash attention return permuted layouts
-    return DTensor.from_local(out, mesh, list(placements), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
-
-
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
-
-
-def local_op(op: Any, args: tuple, kwargs: dict, placements: Sequence[Placement], mesh: DeviceMesh,
-             shape: Any) -> Any:
-    """Run ``op`` on each rank's shards (inputs already placed as the rule needs, so the local
-    result is exact) and declare the result with the planned placement and global ``shape``."""
-    local_args, local_kwargs = _to_local((args, kwargs), placements)
-    return _wrap(op(*local_args, **local_kwargs), mesh, placements, shape)
-
-
-def _to_local(tree: Any, out_placements: Sequence[Placement]) -> Any:
-    """Local shards of every DTensor in ``tree``, each declaring where its gradient will come
-    back (a replicated input of a split op receives a partial gradient)."""
-    inputs = [d.placements for d in pytree.tree_leaves(tree) if isinstance(d, DTensor)]
-    return pytree.tree_map_only(
-        DTensor, lambda d: _LocalShard.apply(d, grad_placement(d.placements, inputs, out_placements)), tree)
 
 
 class _LocalShard(torch.autograd.Function):
@@ -167,58 +170,76 @@ class _LocalShard(torch.autograd.Function):
                                   shape=ctx.shape, stride=_contiguous_stride(ctx.shape)), None
 
 
-def sharded_embedding(weight: DTensor, ids: DTensor, padding_idx: int = -1, *, placements: Sequence[Placement],
-                      shape: Sequence[int]) -> DTensor:
-    """Embedding lookup on shards. Where the table is split by rows (vocabulary parallel), each rank
-    looks up the ids it owns and contributes zeros for the rest: the output is a partial sum.
-    ``padding_idx`` (a global row; negative: none) as in ``aten.embedding``: its row gets no gradient."""
-    mesh = weight.device_mesh
-    w, i = _to_local((weight, ids), placements)
-    vocab_axes = [a for a, p in enumerate(weight.placements) if p == Shard(0)]
-    if not vocab_axes:
-        return _wrap(aten.embedding.default(w, i, padding_idx), mesh, placements, shape)
-    lo = rank_map(lambda r: torch.tensor(_rows_owned(mesh, r, vocab_axes, weight.shape[0])[0]))
-    hi = rank_map(lambda r: torch.tensor(_rows_owned(mesh, r, vocab_axes, weight.shape[0])[1]))
-    outside = (i < lo) | (i >= hi)
-    out = aten.embedding.default(w, torch.where(outside, 0, i - lo))
+def shard_range(size: int, coords: Sequence[int], axes: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, int]:
+    """[start, stop) of a dimension of ``size`` that the rank at mesh ``coords`` holds when it is
+    split over mesh ``axes`` (as DTensor splits, like torch.chunk, axis by axis in mesh order)."""
+    start, length = 0, size
+    for a in axes:
+        chunk = math.ceil(length / mesh_shape[a])
+        begin = min(coords[a] * chunk, length)
+        start, length = start + begin, max(0, min(chunk, length - begin))
+    return start, start + length
+
+
+def rank_value(mesh: DeviceMesh, fn: Any, as_tensor: bool = False) -> Any:
+    """``fn(coords)`` for this rank's mesh coordinates, computed once when a module is built: an
+    int for shape arguments, or (``as_tensor``) a 0-d tensor for tensor arithmetic. Under
+    LocalTensorMode (every rank in this process) a per-rank int or tensor, read rank by rank."""
+    lm = local_tensor_mode()
+    if lm is None:
+        value = fn(mesh.get_coordinate())
+        return torch.tensor(value) if as_tensor else value
+    with lm.disable():
+        values = {r: fn((mesh.mesh == r).nonzero()[0].tolist()) for r in lm.ranks}
+    if as_tensor:
+        return rank_map(lambda r: torch.tensor(values[r]))
+    return torch.SymInt(LocalIntNode(values))
+
+
+def sharded_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1, *,
+                      rows: tuple[Any, Any] | None = None) -> torch.Tensor:
+    """Embedding lookup on shards. Where the table is split by rows (vocabulary parallel), this
+    rank holds rows [``rows[0]``, ``rows[1]``): it looks up the ids it owns and contributes zeros
+    for the rest, so the output is a partial sum. ``padding_idx`` (a global row; negative: none)
+    as in ``aten.embedding``: its row gets no gradient."""
+    if rows is None:
+        return aten.embedding.default(weight, ids, padding_idx)
+    lo, hi = rows
+    outside = (ids < lo) | (ids >= hi)
+    out = aten.embedding.default(weight, torch.where(outside, 0, ids - lo))
     out = out * (~outside).unsqueeze(-1).to(out.dtype)
     if padding_idx >= 0:   # the local row index differs per rank: block its gradient by position
-        out = torch.where((i == padding_idx).unsqueeze(-1), out.detach(), out)
-    return _wrap(out, mesh, placements, shape)
+        out = torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
+    return out
 
 
-def _rows_owned(mesh: DeviceMesh, rank: int, axes: Sequence[int], rows: int) -> tuple[int, int]:
-    """[start, stop) of the table rows global ``rank`` holds when dim 0 is split over ``axes``
-    (DTensor splits like torch.chunk, axis by axis in mesh order)."""
-    coords = (mesh.mesh == rank).nonzero()[0].tolist()
-    start, size = 0, rows
-    for a in axes:
-        chunk = math.ceil(size / mesh.shape[a])
-        begin = min(coords[a] * chunk, size)
-        start, size = start + begin, max(0, min(chunk, size - begin))
-    return start, start + size
-
-
-def sharded_cross_entropy(logits: DTensor, target: DTensor, weight=None, reduction: int = 1,
-                          ignore_index: int = -100, label_smoothing: float = 0.0, *,
-                          placements: Sequence[Placement]) -> DTensor:
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
+                          ignore_index: int = -100, label_smoothing: float = 0.0, *, mesh: DeviceMesh,
+                          placements: Sequence[Placement]) -> torch.Tensor:
     """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
-    the sum of local losses (a partial sum) divided by the global count of counted targets."""
-    mesh = logits.device_mesh
-    local_logits, local_target = _to_local((logits, target), placements)
-    log_probs = torch.log_softmax(local_logits, dim=-1)
-    local_sum = aten.nll_loss_forward.default(log_probs, local_target, weight, 2, ignore_index)[0]
-    loss = DTensor.from_local(local_sum, mesh, list(placements), run_check=False, shape=torch.Size([]), stride=())
+    this rank's summand of the loss, its local sum divided by the global count of counted targets."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
     if reduction == 2:
-        return loss
-    count = (local_target != ignore_index).sum().to(local_sum.dtype)
+        return local_sum
+    count = (target != ignore_index).sum().to(local_sum.dtype)
     total = DTensor.from_local(count, mesh, list(placements), run_check=False, shape=torch.Size([]), stride=())
-    return loss / total.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return local_sum / total.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
 
 
-def full(t: Any) -> Any:
-    """Gather a DTensor output into the full tensor every rank returns."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
+    """The full tensor every rank returns: this rank's part gathered (or summed) over the mesh."""
+    if not isinstance(x, torch.Tensor) or all(isinstance(p, Replicate) for p in have):
+        return x
+    return as_dtensor(x, mesh, have, shape).full_tensor()
+
+
+def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
+    """An output kept sharded: this rank's part as a DTensor of the global ``shape``."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return DTensor.from_local(x.contiguous(), mesh, list(have), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
 
 
 def sync_grad_to(param: DTensor) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
@@ -25,15 +24,15 @@ import numpy as np
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
 from autopar.core.capture import tensor_val
-from autopar.core.execution import VIEW_OPS, axis_collective, dispatched_by_dtensor
+from autopar.core.execution import VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import Placements, grad_placement, is_split, shard_fraction
+from autopar.core.placements import Placements, grad_placement, grad_target, is_split, shard_fraction
 from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
@@ -134,6 +133,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.hw = get_hardware(self.mesh.hardware)
+        self._params = {nc.node for nc in self.space.nodes if nc.kind == "param"}
         self.links = [link_for_axis(self.hw, self.mesh.shape, a) for a in range(self.mesh.ndim)]
         self.saved = SavedTensors(gradients(self.space)) if self.space.nodes else None
         self._counted = self._first_keepers()
@@ -307,17 +307,18 @@ class CostModel:
         return self.saved is not None and self.saved.grad.get(node, False)
 
     def overhead(self, nc: NodeChoices, s: Strategy) -> float:
-        """The generated code's per-call cost on top of the op itself (measured by the profile):
-        the backward's share only where gradients flow (an op on masks or positions has none)."""
-        if nc.node.target is operator.getitem:
+        """The generated code's cost on top of the op itself (the op runs as the profile timed it):
+        reading each parameter input's shard (``runtime.param_shard``)."""
+        return self._runtime_cost({"param_read": sum(i in self._params for i in nc.inputs)})
+
+    def move_overhead(self, src: NodeChoices, s: Strategy, dst: NodeChoices, d: Strategy, i: int) -> float:
+        """The generated code's wrapping cost of the edge into input ``i`` of ``dst``, beyond its
+        collectives: a placement change (``runtime.move``) where the placement or the gradient's
+        differs (see ``moves``); parameters pay theirs as ``overhead``."""
+        if src.kind == "param" or dst.kind == "output" or tensor_val(src.node) is None:
             return 0.0
-        if dispatched_by_dtensor(nc.node, s.out):
-            return self._runtime_cost({"dtensor_op": 1})
-        graded = sum(self._grad(i) for i in nc.inputs)
-        if self._grad(nc.node):   # local_op covers one input that needs a gradient
-            return self._runtime_cost({"local_op": 1, "local_op_input": max(0, graded - 1),
-                                      "local_op_input_forward": len(nc.inputs) - graded})
-        return self._runtime_cost({"local_op_forward": 1, "local_op_input_forward": max(0, len(nc.inputs) - 1)})
+        moved = moves(s.out, d.ins[i], grad_placement(d.ins[i], d.ins, d.out), self._grad_flows(src))
+        return self._runtime_cost({"move": 1}) if moved else 0.0
 
     def param_overhead(self) -> float:
         """The runtime's cost per parameter tensor beyond its bytes: its gradient hook and its
@@ -404,11 +405,11 @@ class CostModel:
             # until the step ends (e.g. a language model's logits beside its loss).
             replicated = (Replicate(),) * self.mesh.ndim
             return self.redistribute(val.shape, val.dtype, s.out, replicated) + Cost(state_bytes=_bytes(val))
-        fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i])
+        fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i]) + Cost(compute_s=self.move_overhead(src, s, dst, d, i))
         if not self._grad_flows(src):
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
-        return fwd + self.redistribute(val.shape, val.dtype, grad, _grad_target(s.out, s.storage), queued=src.kind == "param")
+        return fwd + self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=src.kind == "param")
 
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
         """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
@@ -426,23 +427,23 @@ class CostModel:
         if self._grad_flows(src):
             queued = src.kind == "param"
             back, terms = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
-                                                   [_grad_target(out, storage) for out, storage in src_reps],
+                                                   [grad_target(out, storage) for out, storage in src_reps],
                                                    queued=queued)
             grid = grid + _transposed(back)
             if not queued:
                 blocking += [t.transposed() for t in terms]
+        move = self._runtime_cost({"move": 1})
+        if move and src.kind != "param":
+            flows = self._grad_flows(src)
+            moved = np.array([[moves(out, inp, grad, flows) for inp, grad in dst_reps] for out, _ in src_reps], dtype=float)
+            grid = replace(grid, compute_s=grid.compute_s + moved * move)
+            blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), moved * move))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
     def _grad_flows(self, src: NodeChoices) -> bool:
         """Does a gradient flow back into ``src``'s output? Not into integers, inputs, buffers and
         what derives from them only."""
         return self.saved is None or self.saved.grad.get(src.node, False)
-
-
-def _grad_target(out: Placements, storage: Placements | None) -> Placements:
-    """Where the gradient of a node's output must end up: the parameter's storage, else the
-    output's placement (a partial output's gradient is replicated)."""
-    return storage if storage is not None else tuple(Replicate() if isinstance(p, Partial) else p for p in out)
 
 
 def _classes(keys: Sequence) -> tuple[np.ndarray, list]:
@@ -482,7 +483,7 @@ class EdgeGrid:
     rows: np.ndarray    # per source strategy: its class
     cols: np.ndarray    # per destination strategy: its class
     classes: Cost       # a grid Cost (``CostModel.redistribute_grid``): [row class, column class] arrays
-    blocking: tuple[Term, ...]   # ``classes.comm_s`` as a sum over mesh axes and directions
+    blocking: tuple[Term, ...]   # ``classes.comm_s`` (+ moves) as a sum over mesh axes and directions
 
     def __getitem__(self, pair: tuple[int, int]) -> Cost:
         """The cost with source strategy ``pair[0]`` and destination strategy ``pair[1]``."""

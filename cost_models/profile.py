@@ -27,23 +27,21 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 6   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 7   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
-                      # and per-step costs too
+                      # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
+                      # and parameter reads its only wrappers)
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
 
 #: Runtime overheads a profile measures, seconds per occurrence (forward + backward together).
-#: Ops and inputs without a gradient pay only the forward part: the "_forward" keys.
+#: Generated code runs each op as the ATen call the op profile times; what it adds is below.
 OVERHEADS = {
-    "local_op": "one op run on local shards by codegen.runtime.local_op (wrapping, autograd node)",
-    "local_op_forward": "one local_op whose output needs no gradient (wrapping only)",
-    "local_op_input": "each DTensor input of a local_op beyond the first that needs a gradient (unwrapping, "
-                      "gradient node)",
-    "local_op_input_forward": "each further DTensor input of a local_op that needs no gradient (unwrapping)",
-    "dtensor_op": "one view/reshape/expand dispatched through DTensor",
+    "move": "one placement change (codegen.runtime.move: wrapping as a DTensor, redistributing, unwrapping "
+            "with a gradient node), beyond its collectives",
+    "param_read": "one op's read of a parameter's shard (codegen.runtime.param_shard)",
     "grad_hook": "one parameter's gradient-sync hook when no collective is needed",
     "optimizer_per_param": "one parameter tensor's optimizer update, beyond its bytes",
     "step": "fixed cost of one training step (zero_grad, loss.backward entry, optimizer loop)",

@@ -22,9 +22,7 @@ from torch.distributed.tensor import Partial
 from torch.utils import _pytree as pytree
 
 from autopar.core.capture import tensor_val
-from autopar.core.execution import dispatched_by_dtensor
 from autopar.core.placements import local_shape
-from autopar.core.placements import Placements
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import gradients
 from cost_models.profile import OpTime, op_key
@@ -32,12 +30,10 @@ from cost_models.profile import OpTime, op_key
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-def no_compute(node: fx.Node, out: Placements) -> bool:
-    """Nodes with nothing of their own to time: picking an output of a multi-output op, and ops
-    with global shape arguments that generated code dispatches through DTensor (their cost is
-    the profile's "dtensor_op" overhead). Views that run on local shards are timed: generated code
-    makes every local result contiguous, which copies a transposed view."""
-    return node.target is operator.getitem or dispatched_by_dtensor(node, out)
+def no_compute(node: fx.Node) -> bool:
+    """Nodes with nothing of their own to time: picking an output of a multi-output op. Every other
+    op runs on this rank's part as the ATen op itself, views included (``codegen.generate``)."""
+    return node.target is operator.getitem
 
 
 class _RuntimeDevice:
@@ -76,7 +72,7 @@ def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int], grad: Mappi
     get a gradient in training (``grad``, from ``activations.gradients``) require one: the op's
     backward computes theirs alone, and an op with none has no backward to time."""
     node = nc.node
-    if nc.kind != "op" or no_compute(node, s.out) or tensor_val(node) is None:
+    if nc.kind != "op" or no_compute(node) or tensor_val(node) is None:
         return None
     placements = iter(s.ins)
 
@@ -151,8 +147,8 @@ def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: i
     """Forward seconds, then backward seconds alone (one forward, its graph kept and reused)."""
     args, kwargs = pytree.tree_map(lambda a: _real(a, device), (call.args, call.kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    def run() -> Any:   # as codegen.runtime.local_op runs it: results made contiguous
-        return pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, call.target(*args, **kwargs))
+    def run() -> Any:   # as generated code runs it
+        return call.target(*args, **kwargs)
 
     fwd = _median_seconds(run, device, per_repeat, repeats)
     outs = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -15,6 +15,7 @@ from autopar.planning.baselines import candidates
 from autopar.core.capture import capture
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
+from autopar.core.placements import grad_placement, grad_target
 from autopar.core.strategies import build_space
 from autopar.models.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
@@ -216,10 +217,10 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
     linear = _node(space, "linear")
     s = _strategy(linear, (S0,), ((S0,), (R,), (R,)))
     key = op_call(linear, s, space.mesh.shape, gradients(space)).key
-    profile = Profile(local_fingerprint(MeshSpec((2,), hardware="cpu")), ops={key: OpTime(0.25, 0.5)}, overheads={"local_op": 0.125})
+    profile = Profile(local_fingerprint(MeshSpec((2,), hardware="cpu")), ops={key: OpTime(0.25, 0.5)}, overheads={"param_read": 0.125})
     measured = CostModel(space.mesh, space, profile=profile).node(linear, s)
     roofline = CostModel(space.mesh, space).node(linear, s)
-    assert measured.compute_s == pytest.approx(0.25 + 0.5 + 0.125) and measured.backward_s == 0.5
+    assert measured.compute_s == pytest.approx(0.25 + 0.5 + 2 * 0.125) and measured.backward_s == 0.5   # weight, bias
     assert "compute" in measured.measured and "compute" not in roofline.measured
     with torch.device("meta"):
         model = MLP()
@@ -240,23 +241,34 @@ class _Scaled(nn.Module):
         return (self.lin(x) * (x.abs() + 1)).sum()
 
 
-def test_backward_costs_only_where_gradients_flow():
+def test_backward_costs_only_where_gradients_flow_and_ops_pay_their_parameter_reads():
+    """Generated code runs each op as the ATen op the profile times: its only addition is reading
+    a parameter's shard per parameter input. The roofline gives no backward to ops on values that
+    need no gradient."""
     space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
-    overheads = {"local_op": 1.0, "local_op_forward": 2.0 ** -2, "local_op_input": 2.0 ** -3,
-                 "local_op_input_forward": 2.0 ** -4}
-    cost = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads=overheads))
+    cost = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads={"param_read": 0.5, "move": 8.0}))
     roofline = CostModel(space.mesh, space)
-    expected = {
-        "abs_1": 2.0 ** -2,                        # forward only
-        "add": 2.0 ** -2,                          # forward only; the scalar is no DTensor input
-        "linear": 1.0 + 2.0 ** -3 + 2.0 ** -4,     # x needs no gradient, weight and bias do
-        "mul": 1.0 + 2.0 ** -4,                    # the scale needs no gradient
-    }
-    for name, seconds in expected.items():
+    for name, reads in {"abs_1": 0, "add": 0, "linear": 2, "mul": 0}.items():
         nc = _node(space, name)
         s = nc.strategies[0]
-        assert cost.overhead(nc, s) == pytest.approx(seconds), name
+        assert cost.overhead(nc, s) == pytest.approx(0.5 * reads), name
         assert (roofline.node(nc, s).backward_s > 0) == (name in ("linear", "mul")), name
+
+
+def test_a_placement_change_pays_the_runtime_move_where_generated_code_makes_one():
+    """An edge costs one ``runtime.move`` where the placement changes, or where a replicated value
+    feeds a split op (its partial gradient is all-reduced back): as ``codegen`` emits them."""
+    space = _space(mesh=(2,), hardware="cpu")
+    cost = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads={"move": 1.0}))
+    src, dst = next((space.nodes[i], space.nodes[j], k) for i, j, k in space.edges()
+                    if space.nodes[i].kind == "op" and space.nodes[j].kind == "op")[:2]
+    i = dst.inputs.index(src.node)
+    for s in src.strategies:
+        for d in dst.strategies:
+            grad = grad_placement(d.ins[i], d.ins, d.out)
+            want = 1.0 if (s.out != d.ins[i] or grad != grad_target(s.out)) else 0.0
+            assert cost.move_overhead(src, s, dst, d, i) == want, (s, d)
+    assert {cost.move_overhead(src, s, dst, d, i) for s in src.strategies for d in dst.strategies} == {0.0, 1.0}
 
 
 def test_one_calibrated_factor_scales_every_runtime_overhead():
@@ -264,7 +276,7 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     scale the per-parameter (gradient hook, optimizer) and per-step costs as it scales the
     per-op ones, or a host where the micro-benchmarks run slow pushes that factor onto the ops."""
     space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
-    overheads = {"local_op": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_param": 2.0 ** -3, "step": 2.0 ** -4}
+    overheads = {"param_read": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_param": 2.0 ** -3, "step": 2.0 ** -4}
     fingerprint = {"device": "cpu"}
     plain = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads))
     scaled = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads,
@@ -297,7 +309,7 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
     space = _space(mesh=mesh, hardware="cpu")
     shape = "x".join(map(str, mesh))
     profile = Profile({"device": "cpu"}, collectives={collective_key("all_gather", 2): Link(bandwidth=1e8, latency=1e-4)},
-                      calibration={f"comm@{shape}": 1.5, f"sync@{shape}": 0.5})
+                      calibration={f"comm@{shape}": 1.5, f"sync@{shape}": 0.5}, overheads={"move": 1e-5})
     model = CostModel(space.mesh, space, profile=profile)
     checked = measured = 0
     for i, j, k in space.edges():
@@ -306,7 +318,7 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
         for a, s in enumerate(src.strategies):
             for b, d in enumerate(dst.strategies):
                 want, got = model.edge(src, s, dst, d, k), grid[a, b]
-                for name in ("comm_s", "overlap_s", "transient_bytes", "state_bytes", "saved_bytes"):
+                for name in ("compute_s", "comm_s", "overlap_s", "transient_bytes", "state_bytes", "saved_bytes"):
                     assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-12, abs=0), (name, s, d)
                 assert got.comm_bytes == pytest.approx(want.comm_bytes, rel=1e-12)
                 assert got.measured == want.measured
@@ -314,7 +326,7 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
         blocking = grid.matrix(lambda c: c.compute_s + c.comm_s)
         summed = sum((t.core[np.ix_(t.rows, t.cols)] for t in grid.blocking_terms()), np.zeros(blocking.shape))
         assert summed == pytest.approx(blocking, rel=1e-12, abs=1e-18)   # what the ILP pairs, per axis
-        both = grid.matrix(lambda c: c.comm_s + c.overlap_s)
+        both = grid.matrix(lambda c: c.compute_s + c.comm_s + c.overlap_s)
         assert both.shape == (len(src.strategies), len(dst.strategies))
         assert both[-1, -1] == pytest.approx(model.edge(src, src.strategies[-1], dst, dst.strategies[-1], k).time_s)
     assert checked > 1000 and 0 < measured < checked

@@ -106,6 +106,6 @@ def test_profile_mesh_on_two_processes_returns_sane_numbers():
     assert set(overheads) == set(OVERHEADS)
     assert all(math.isfinite(v) and v >= 0 for v in overheads.values())
     # Differences of two timings of similar size may be noise (reported as 0); these three are
-    # each hundreds of microseconds above what they are compared with, or a plain slope.
-    assert all(overheads[k] > 0 for k in ("local_op", "dtensor_op", "optimizer_per_param"))
-    assert overheads["local_op_forward"] < overheads["local_op"]   # no backward to run
+    # each tens of microseconds above what they are compared with (autograd nodes, DTensor
+    # wrapping), or a plain slope.
+    assert all(overheads[k] > 0 for k in ("move", "param_read", "optimizer_per_param"))

@@ -9,11 +9,10 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.core.placements import Placements
+from autopar.core.placements import Placements, grad_target
 
 aten = torch.ops.aten
 
@@ -32,7 +31,8 @@ VIEW_OPS = {
 #: so they are left out of the fingerprint and plans are matched without them.
 IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default}
 
-#: Ops whose arguments include global shapes; every other op runs on local shards.
+#: Ops whose second argument is a shape, their output's: generated code passes this rank's local
+#: shape instead (every op runs on this rank's part, as the ATen op itself).
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
@@ -40,10 +40,12 @@ SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-def dispatched_by_dtensor(node: fx.Node, out: Placements) -> bool:
-    """Whether generated code runs ``node`` through DTensor's dispatch (a shape-argument op on a
-    sharded tensor) rather than on local shards; the two cost differently."""
-    return node.target in SHAPE_ARG_OPS and any(not isinstance(p, Replicate) for p in out)
+def moves(out: Placements, inp: Placements, grad: Placements, grad_flows: bool = True) -> bool:
+    """Does generated code move (``runtime.move``) a value placed ``out`` into a consumer that reads
+    it placed ``inp`` and gives its gradient back placed ``grad``? Where the placement differs, or
+    the gradient must be brought to the producer's own (``grad_target``: a replicated input of a
+    split op gets a partial gradient, which is all-reduced)."""
+    return out != inp or (grad_flows and grad != grad_target(out))
 
 
 def axis_collective(src: Placement, dst: Placement) -> str | None:

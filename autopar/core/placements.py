@@ -85,3 +85,12 @@ def grad_placement(placements: Sequence[Placement], op_inputs: Sequence[Sequence
         else:
             out.append(Replicate())
     return tuple(out)
+
+
+def grad_target(out: Sequence[Placement], storage: Sequence[Placement] | None = None) -> tuple[Placement, ...]:
+    """Where the gradient of a value placed ``out`` is kept: a parameter's storage placement, else
+    the value's own placement, a partial sum's gradient being replicated (every summand has the
+    same derivative)."""
+    if storage is not None:
+        return tuple(storage)
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in out)

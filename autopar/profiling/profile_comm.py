@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.core.placements import local_shape
-from codegen.runtime import as_planned, local_op, redistribute, sync_grad_to
+from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
 
@@ -258,18 +258,12 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     rank's numbers. All tensors are tiny (2 x 4 fp32) and replicated, so no collective runs and
     only fixed costs are left. Each time is a median over ``repeats``; the runs compared take turns.
 
-    * ``local_op``: a chain of ``OVERHEAD_CALLS`` ``codegen.runtime.local_op(aten.neg)`` calls on
-      a DTensor, then backward, minus the same chain of ``aten.neg`` on a plain tensor, per call.
-      The cost model adds it to the op's own (plain-tensor) time for every local_op node.
-    * ``local_op_forward``: the same chain without gradients, forward only: for nodes whose
-      output needs no gradient (masks, positions).
-    * ``local_op_input``: the same for ``local_op(aten.add)`` of the chain and a second DTensor
-      leaf that needs a gradient, minus ``local_op``: added per such input beyond the first.
-    * ``local_op_input_forward``: the same without gradients minus ``local_op_forward``: added
-      per further input that needs no gradient.
-    * ``dtensor_op``: the same for generated code's ``planned(aten.reshape...)`` of a row-split
-      DTensor (DTensor translates the global shape) minus a plain reshape: added to the op's own
-      time for every view/reshape/expand node dispatched through DTensor.
+    * ``move``: a chain of ``OVERHEAD_CALLS`` ``aten.neg`` calls each followed by a
+      ``codegen.runtime.move`` that keeps the placement, then backward, minus the same chain
+      without moves, per move. The cost model adds it to every placement change (its collectives
+      are priced apart: they were timed through the same ``redistribute``).
+    * ``param_read``: the same chain adding a parameter read through ``codegen.runtime.param_shard``
+      at each step, minus adding its plain local tensor: added per op input that is a parameter.
     * ``grad_hook``: backward into ``OVERHEAD_CALLS`` DTensor parameters (through ``to_local``)
       with ``codegen.runtime.sync_grad_to`` hooks whose gradient already has the parameter's
       placement, minus the same without hooks, per parameter: added once per parameter, on top
@@ -284,18 +278,20 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     Noise can push a difference below zero; it is reported as 0.
     """
     step, per_param = _optimizer_overheads(device_mesh, repeats)
-    one_input, two_inputs = {}, {}
-    for grad in (True, False):
-        one_input[grad] = _extra_per_call(device_mesh, repeats, _local_neg(device_mesh), torch.ops.aten.neg.default,
-                                          _tiny(device_mesh, grad))
-        two_inputs[grad] = _extra_per_call(device_mesh, repeats, _local_add(device_mesh), torch.ops.aten.add.Tensor,
-                                           _tiny(device_mesh, grad), _tiny(device_mesh, grad))
+    rep = _replicated(device_mesh)
+    x = torch.ones(_TINY, requires_grad=True)
+    param = _tiny(device_mesh)
+    plain_param = param.to_local().detach().clone().requires_grad_()
+    neg = torch.ops.aten.neg.default
+    moved, bare, read, plain_read = _mean_seconds([
+        _chain(lambda y: move(neg(y), device_mesh, rep, rep, rep, _TINY), x),
+        _chain(neg, x),
+        _chain(lambda y: neg(y) + param_shard(param, rep, rep), x),
+        _chain(lambda y: neg(y) + plain_param, x),
+    ], repeats)
     mine = {
-        "local_op": one_input[True],
-        "local_op_forward": one_input[False],
-        "local_op_input": two_inputs[True] - one_input[True],
-        "local_op_input_forward": two_inputs[False] - one_input[False],
-        "dtensor_op": _extra_per_call(device_mesh, repeats, _planned_reshape, _planned_reshape, _sharded(device_mesh)),
+        "move": (moved - bare) / OVERHEAD_CALLS,
+        "param_read": (read - plain_read) / OVERHEAD_CALLS,
         "grad_hook": _grad_hook_overhead(device_mesh, repeats),
         "optimizer_per_param": per_param,
         "step": step,
@@ -308,60 +304,21 @@ def _replicated(mesh: DeviceMesh) -> list[Placement]:
 
 
 def _tiny(mesh: DeviceMesh, grad: bool = True) -> DTensor:
-    """A tiny replicated DTensor leaf, by default one that requires grad (a parameter or an
-    activation)."""
+    """A tiny replicated DTensor leaf, by default one that requires grad (a parameter)."""
     return DTensor.from_local(torch.ones(_TINY), mesh, _replicated(mesh), run_check=False).requires_grad_(grad)
 
 
-def _local_neg(mesh: DeviceMesh) -> Callable[[DTensor], DTensor]:
-    return lambda y: local_op(torch.ops.aten.neg.default, (y,), {}, _replicated(mesh), mesh, y.shape)
-
-
-def _local_add(mesh: DeviceMesh) -> Callable[[DTensor, DTensor], DTensor]:
-    """A local_op with a second DTensor input: it adds its own unwrapping (and gradient node)."""
-    return lambda y, other: local_op(torch.ops.aten.add.Tensor, (y, other), {}, _replicated(mesh), mesh, y.shape)
-
-
-def _sharded(mesh: DeviceMesh) -> DTensor:
-    """A tiny DTensor split by rows on the first mesh axis, as generated code reshapes them."""
-    rows = 2 * mesh.shape[0]
-    local = torch.ones(2, 4)
-    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=(rows, 4), stride=(4, 1)).requires_grad_()
-
-
-def _planned_reshape(y: torch.Tensor) -> torch.Tensor:
-    """Generated code's ``planned(aten.reshape...)``: DTensor translates the global shape."""
-    shape = [y.shape[0], 2, 2] if y.dim() == 2 else [y.shape[0], 4]
-    out = torch.ops.aten.reshape.default(y, shape)
-    return as_planned(out, out.placements, "profile") if isinstance(out, DTensor) else out
-
-
-def _extra_per_call(mesh: DeviceMesh, repeats: int, dtensor_step: Callable[..., DTensor],
-                    plain_step: Callable[..., torch.Tensor], x: DTensor, *others: DTensor) -> float:
-    """Seconds ``dtensor_step`` on DTensor ``x`` (and ``others``, further inputs every step reads)
-    takes beyond ``plain_step`` on their local tensors, per call, forward + backward where ``x``
-    requires grad."""
-    inputs = (x, *others)
-    plain = [t.to_local().detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-    wrapped, bare = _mean_seconds([_chain(dtensor_step, *inputs), _chain(plain_step, *plain)], repeats)
-    return (wrapped - bare) / OVERHEAD_CALLS
-
-
-def _chain(step: Callable[..., Any], x: torch.Tensor, *others: torch.Tensor) -> Callable[[], None]:
-    """``OVERHEAD_CALLS`` calls of ``step`` from ``x`` (each also reading ``others``), then
-    backward through all of them if ``x`` requires grad; every input's gradient is reset each
-    run, as a training step does."""
+def _chain(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+    """``OVERHEAD_CALLS`` calls of ``step`` from ``x``, then backward through all of them; the
+    gradients are reset each run, as a training step does."""
     grad = torch.ones_like(x)
 
     def run() -> None:
-        for t in (x, *others):
-            t.grad = None
+        x.grad = None
         y = x
         for _ in range(OVERHEAD_CALLS):
-            y = step(y, *others)
-        if x.requires_grad:
-            y.backward(grad)
+            y = step(y)
+        y.backward(grad)
 
     return run
 

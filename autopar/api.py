@@ -16,6 +16,7 @@ from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.plan import Plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
+from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
 from cost_models.profile import resolve_profile
 
@@ -35,10 +36,11 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,
-            plan: Plan | None = None, keep_outputs_sharded: bool = False, options: PlanOptions | None = None,
-            **option_values: Any) -> ShardedModule:
+            plan: Plan | None = None, keep_outputs_sharded: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            options: PlanOptions | None = None, **option_values: Any) -> ShardedModule:
     """Shard ``model`` over a live ``mesh`` and return a module every rank calls with global inputs.
     Without ``plan``, plans first with ``options``/``option_values`` (``autopar.PlanOptions``).
+    ``bucket_bytes``: size of the buckets gradients are all-reduced in during the backward.
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
     this rank's shard, under the original names.
@@ -55,7 +57,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         plan = _plan_shared_by_all_ranks(captured, spec, mesh, options)
     else:
         plan.check_matches(captured.fingerprint, spec)
-    return ShardedModule(model, mesh, plan, captured, keep_outputs_sharded)
+    return ShardedModule(model, mesh, plan, captured, keep_outputs_sharded, bucket_bytes)
 
 
 def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: PlanOptions) -> Plan:

@@ -33,6 +33,28 @@ HEADER = '''\
 '''
 
 
+def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan]) -> Placements | None:
+    """Where a parameter's gradient accumulates when the forward reads its shard as it is stored
+    (no move, no autograd wrapper): every op reads it as stored and gives its gradient back alike,
+    as stored or partial where it is replicated (gradient sync sums those). None otherwise: it is
+    read through ``runtime.param_shard`` and its gradient synchronised by its own hook."""
+    grads = set()
+    for user in param.users:
+        up = plan.get(user.name)
+        if up is None:
+            return None
+        for inp, want in zip(flat_tensor_inputs(user), up.ins):
+            if inp is param:
+                if want != np_.storage or np_.storage != np_.out:
+                    return None
+                grads.add(grad_placement(want, up.ins, up.out))
+    if len(grads) != 1:
+        return None
+    grad = grads.pop()
+    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, np_.storage))
+    return grad if ok else None
+
+
 def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) -> str:
     """Name the collective(s) a redistribution performs, per mesh axis (``execution.axis_collective``)."""
     steps = []
@@ -116,12 +138,12 @@ def _pick(start_stop: tuple[int, int], which: int) -> int:
 @dataclass(frozen=True)
 class GeneratedCode:
     """The forward's source and the per-rank sizes it reads (``sizes``), for ``ShardedModule``;
-    ``param_reads``: per parameter (FQN, in the order the forward first reads them), each read's
-    placement and the placement its gradient comes back in, for gradient synchronisation."""
+    ``direct``: the parameters the forward reads as their local shard, by FQN in the order it
+    reads them, with the placement their gradient accumulates in (``grad_sync`` finishes it)."""
 
     source: str
     sizes: LocalSizes
-    param_reads: dict[str, list[tuple[Placements, Placements]]]
+    direct: dict[str, Placements]
 
 
 class _Emitter:
@@ -136,7 +158,7 @@ class _Emitter:
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
         self.params: set[str] = set()                  # vars holding a parameter (a DTensor), read per use
-        self.param_reads: dict[str, list[tuple[Placements, Placements]]] = {}   # FQN -> (placement, gradient's)
+        self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
         self.defined: set[str] = set()                 # variables assigned so far
 
     def emit(self, line: str, comment: str = "") -> None:
@@ -178,6 +200,8 @@ class _Emitter:
         if have is None:
             return node.name
         param = node.name in self.params
+        if node.name in self.captured.param_of and self.captured.param_of[node.name] in self.direct:
+            return node.name
         if not param and not moves(have, want, grad):
             return node.name
         key = (node.name, placements_str(want), placements_str(grad))
@@ -188,7 +212,6 @@ class _Emitter:
             back = grad_target(have) if not param else have
             backward = "" if grad == back else f"; backward: {collective_comment(grad, back, self.axes)}"
             if param:
-                self.param_reads.setdefault(self.captured.param_of[node.name], []).append((want, grad))
                 self.emit(f"{var} = param_shard({node.name}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
                           f"{collective_comment(have, want, self.axes)}{backward}: {why}")
             else:
@@ -201,7 +224,15 @@ class _Emitter:
 
     def placeholder(self, node: fx.Node, np_: NodePlan | None) -> None:
         c = self.captured
-        if node.name in c.param_of:
+        if node.name in c.param_of and (grad := direct_grad(node, np_, self.plan)) is not None:
+            self.direct[c.param_of[node.name]] = grad
+            partial = [a for a, p in enumerate(grad) if isinstance(p, Partial)]
+            why = (f"; its gradient, partial over {', '.join(self.axes[a] for a in partial)}, is all-reduced by "
+                   "gradient sync" if partial else "")
+            self.emit(f"{node.name} = shard_of({_attr_path(c.param_of[node.name])})",
+                      f"this rank's shard, stored {placements_str(np_.storage)}{why}")
+            self.out_of[node.name] = np_.out
+        elif node.name in c.param_of:
             self.emit(f"{node.name} = {_attr_path(c.param_of[node.name])}", f"stored {placements_str(np_.storage)}")
             if np_.storage != np_.out:
                 self.emit(f"{node.name} = redistribute({node.name}, {_fmt_placements(np_.out)})",
@@ -325,4 +356,4 @@ def generate(captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool = F
         elif node.op == "output":
             em.output(node)
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
-    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.param_reads)
+    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct)

@@ -1,18 +1,19 @@
 """Gradient synchronisation as DDP does it: buckets of gradients all-reduced while the backward
 still runs.
 
-A replicated parameter used by ops that run split (a batch split over dp, a sequence split over
-tp) gets a partial gradient on those mesh axes: each rank holds a summand. Parameters whose
+The generated forward reads most parameters as their local shard (``runtime.shard_of``): the
+gradient accumulates there, as a plain tensor, placed as ``codegen.generate.direct_grad`` says. A
+replicated parameter used by ops that run split (a batch split over dp, a sequence split over tp)
+gets a partial gradient on those mesh axes: each rank holds a summand. Parameters whose
 gradients reduce over the same axes, in the same dtype, share buckets (``bucket_bytes``, 25 MiB by
 default, as DDP's), filled in the order the backward produces their gradients (the reverse of
-their first use in the forward). When a bucket's last gradient is accumulated, its all-reduce is
-launched (functional collectives: asynchronous until waited for); at the end of the backward every
-bucket is waited for and each gradient becomes its parameter's replicated DTensor gradient, ready
-for the optimizer.
+their first use in the forward). When a bucket's last gradient is accumulated its all-reduce is
+launched (functional collectives: asynchronous until waited for); when the backward ends every
+bucket is waited for, and each summed gradient is added to its parameter's ``grad``, a DTensor
+placed as the parameter is stored (a second backward before the optimizer step adds to it).
 
-Parameters outside these buckets keep a per-parameter hook (``runtime.sync_grad_to``): sharded
-ones (ZeRO-3 and tensor parallel storage, whose gradients the backward reduce-scatters itself) and
-those whose uses disagree on where the gradient is partial.
+Parameters read otherwise (moved first: ZeRO-3, or reads that disagree) keep a per-parameter hook
+(``runtime.sync_grad_to``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 
 from autopar.core.placements import Placements
 
@@ -34,7 +35,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 @dataclass
 class _Bucket:
-    axes: tuple[int, ...]                 # mesh axes the gradients are summed over
+    axes: tuple[int, ...]                 # mesh axes the gradients are summed over (none: only handed over)
     params: list[nn.Parameter] = field(default_factory=list)
     nbytes: int = 0
     ready: int = 0                        # gradients accumulated in this backward
@@ -42,44 +43,50 @@ class _Bucket:
 
 
 class GradSync:
-    """Bucketed, overlapped all-reduce of the partial gradients of replicated parameters.
+    """Hands every directly read parameter its gradient after the backward, summing the partial
+    ones in buckets whose all-reduce overlaps the rest of the backward.
 
-    ``params``: each parameter (a DTensor stored ``storage``) with the mesh axes its gradient is
-    partial on, in the order their gradients become ready in the backward."""
+    ``params``: each parameter with the placement its local gradient accumulates in, in the order
+    their gradients become ready in the backward."""
 
-    def __init__(self, mesh: DeviceMesh, params: Sequence[tuple[nn.Parameter, tuple[int, ...]]],
+    def __init__(self, mesh: DeviceMesh, params: Sequence[tuple[nn.Parameter, Placements]],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.mesh = mesh
         self.buckets: list[_Bucket] = []
         open_: dict[tuple[tuple[int, ...], torch.dtype], _Bucket] = {}
         self._bucket_of: dict[int, _Bucket] = {}
-        for p, axes in params:
+        self._param_of: dict[int, nn.Parameter] = {}
+        for p, grad in params:
+            axes = tuple(a for a, g in enumerate(grad) if isinstance(g, Partial))
             key = (axes, p.dtype)
             bucket = open_.get(key)
             if bucket is None or bucket.nbytes >= bucket_bytes:
                 bucket = open_[key] = _Bucket(axes)
                 self.buckets.append(bucket)
+            local = p._local_tensor
+            local.requires_grad_(True)   # the forward reads the shard: its gradient accumulates there
             bucket.params.append(p)
-            bucket.nbytes += p.to_local().numel() * p.element_size()
-            self._bucket_of[id(p)] = bucket
-            p.register_post_accumulate_grad_hook(self._ready)
+            bucket.nbytes += local.numel() * local.element_size()
+            self._bucket_of[id(local)] = bucket
+            self._param_of[id(local)] = p
+            local.register_post_accumulate_grad_hook(self._ready)
         self._queued = False
 
-    def _ready(self, p: nn.Parameter) -> None:
-        """A parameter's gradient is accumulated: launch its bucket's all-reduce once it is full."""
-        if not self._queued:   # once per backward: wait for every bucket when the backward ends
+    def _ready(self, local: torch.Tensor) -> None:
+        """A shard's gradient is accumulated: launch its bucket's all-reduce once it is full."""
+        if not self._queued:   # once per backward: finish every bucket when the backward ends
             Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
-        bucket = self._bucket_of[id(p)]
+        bucket = self._bucket_of[id(local)]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and bucket.axes:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad for p in bucket.params if p.grad is not None]
-        flat = torch.cat([_partial_local(g, bucket.axes).reshape(-1) for g in grads])
+        grads = [p._local_tensor.grad for p in bucket.params if p._local_tensor.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         if len(bucket.axes) == self.mesh.ndim and self.mesh.size() == dist.get_world_size():
-            flat = funcol.all_reduce(flat, "sum", dist.group.WORLD)   # one collective, ranks summed in order
+            flat = funcol.all_reduce(flat, "sum", dist.group.WORLD)   # one collective over the whole mesh
         else:
             for axis in bucket.axes:
                 flat = funcol.all_reduce(flat, "sum", (self.mesh, axis))
@@ -87,44 +94,23 @@ class GradSync:
 
     def _finish(self) -> None:
         """End of the backward: launch what is left (parameters this step did not use leave a
-        bucket short), wait, and give every parameter its summed gradient."""
+        bucket short), wait, and add every summed gradient to its parameter's ``grad``."""
         self._queued = False
         for bucket in self.buckets:
-            if bucket.reduced is None and bucket.ready:
+            if bucket.axes and bucket.reduced is None and bucket.ready:
                 self._launch(bucket)
-            if bucket.reduced is None:
-                continue
-            flat = funcol.wait_tensor(bucket.reduced)
+            flat = funcol.wait_tensor(bucket.reduced) if bucket.reduced is not None else None
             offset = 0
             for p in bucket.params:
-                if p.grad is None:
+                local = p._local_tensor
+                if local.grad is None:
                     continue
-                local = p.to_local()
-                n = local.numel()
-                p.grad = DTensor.from_local(flat[offset:offset + n].view_as(local), self.mesh, list(p.placements),
-                                            run_check=False, shape=p.shape, stride=p.stride())
-                offset += n
+                summed = local.grad
+                if flat is not None:
+                    summed = flat[offset:offset + local.numel()].view_as(local)
+                    offset += local.numel()
+                grad = DTensor.from_local(summed, self.mesh, list(p.placements), run_check=False, shape=p.shape,
+                                          stride=p.stride())
+                p.grad = grad if p.grad is None else p.grad + grad
+                local.grad = None
             bucket.ready, bucket.reduced = 0, None
-
-
-def _partial_local(grad: DTensor, axes: tuple[int, ...]) -> torch.Tensor:
-    """This rank's summand of ``grad`` over ``axes``. A gradient already summed there (left by an
-    earlier backward the optimizer has not consumed: gradient accumulation) counts 1/n per rank."""
-    local = grad.to_local()
-    for a in axes:
-        if isinstance(grad.placements[a], Replicate):
-            local = local / grad.device_mesh.size(a)
-    return local
-
-
-def partial_axes(storage: Placements, reads: Sequence[tuple[Placements, Placements]]) -> tuple[int, ...] | None:
-    """The mesh axes a replicated parameter's gradient is summed over, if every read takes it as
-    stored and gives its gradient back partial on the same axes (``reads``: (placement, gradient's
-    placement) each); None when it cannot go in a bucket (a read that moves it first hands the
-    gradient through that move's backward, which places it otherwise)."""
-    if not reads or any(want != tuple(storage) or grad != reads[0][1] for want, grad in reads):
-        return None
-    if any(not isinstance(p, Replicate) for p in storage):
-        return None
-    axes = tuple(a for a, p in enumerate(reads[0][1]) if isinstance(p, Partial))
-    return axes or None

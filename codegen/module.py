@@ -16,7 +16,7 @@ from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError
 from autopar.core.plan import Plan
 from codegen.generate import generate
-from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync, partial_axes
+from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 
 _counter = [0]
 
@@ -29,7 +29,7 @@ def compile_forward(source: str) -> Any:
     namespace = {
         "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
         "shard_input": runtime.shard_input, "redistribute": runtime.redistribute, "move": runtime.move,
-        "param_shard": runtime.param_shard, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
+        "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
         "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
         "full": runtime.full, "as_dtensor": runtime.as_dtensor,
     }
@@ -56,7 +56,7 @@ class ShardedModule(nn.Module):
         self._forward = compile_forward(self.code)
         self._sizes = generated.sizes.values(mesh)
         self._bucket_bytes = bucket_bytes
-        self._param_reads = generated.param_reads
+        self._direct = generated.direct
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
@@ -69,7 +69,7 @@ class ShardedModule(nn.Module):
         replicate = [Replicate()] * mesh.ndim
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
         sharded: dict[int, nn.Parameter] = {}
-        bucketed: dict[str, tuple[nn.Parameter, tuple[int, ...]]] = {}
+        direct: dict[str, nn.Parameter] = {}
         for fqn, node in sorted(plan.parameters.items(), key=lambda kv: kv[0] not in used):
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
@@ -77,14 +77,13 @@ class ShardedModule(nn.Module):
             if id(p) not in sharded:
                 shard = runtime.own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
-                axes = partial_axes(node.storage, self._param_reads.get(fqn, []))
-                if axes and p.requires_grad:
-                    bucketed[fqn] = (sharded[id(p)], axes)
+                if fqn in self._direct and p.requires_grad:
+                    direct[fqn] = sharded[id(p)]
                 else:
                     runtime.sync_grad_to(sharded[id(p)])
             setattr(mod, leaf, sharded[id(p)])
         # the backward produces gradients in about the reverse order the forward first reads them
-        ready_order = [bucketed[f] for f in reversed(self._param_reads) if f in bucketed]
+        ready_order = [(direct[f], self._direct[f]) for f in reversed(self._direct) if f in direct]
         self._grad_sync = GradSync(mesh, ready_order, self._bucket_bytes)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")

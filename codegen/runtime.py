@@ -66,6 +66,12 @@ def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Seq
     return _LocalShard.apply(redistribute(dt, want), tuple(grad))
 
 
+def shard_of(p: DTensor) -> torch.Tensor:
+    """This rank's shard of parameter ``p``, read without autograd wrapping: its gradient
+    accumulates on the shard, and gradient sync (``codegen.grad_sync``) hands it to ``p.grad``."""
+    return p._local_tensor
+
+
 def param_shard(p: DTensor, want: Sequence[Placement], grad: Sequence[Placement]) -> torch.Tensor:
     """This rank's shard of parameter ``p`` placed ``want``, its gradient flowing back placed
     ``grad`` (partial where the op using it runs split: gradient synchronisation reduces it)."""

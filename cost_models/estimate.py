@@ -2,10 +2,11 @@
 
 Compute: the op's measured forward and backward seconds at its local shapes when a ``Profile``
 of this machine has them, else a roofline over its FLOPs (``FlopCounterMode`` on fake tensors)
-and bytes moved, backward = 2x forward. Either way the runtime's per-call overhead (measured
-by the profile) is added. Communication: alpha-beta per collective and mesh axis, with the
-profile's fitted links when it has them. A parameter's gradient synchronisation is queued
-asynchronously during the backward (``codegen.runtime.sync_grad_to``), so it is reported apart
+and bytes moved, backward = 2x forward (generated code runs the op as it was timed). Edges add
+the runtime's wrapping where generated code moves a value or wraps a parameter read (measured by
+the profile). Communication: alpha-beta per collective and mesh axis, with the profile's fitted
+links when it has them. A parameter's gradient synchronisation is queued asynchronously during
+the backward (``codegen.grad_sync``), so it is reported apart
 (``overlap_s``) and hidden only by the backward compute that follows it (``schedule``).
 
 Memory is split by lifetime, so that ``schedule`` can find the peak of the step instead of a
@@ -133,7 +134,6 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.hw = get_hardware(self.mesh.hardware)
-        self._params = {nc.node for nc in self.space.nodes if nc.kind == "param"}
         self.links = [link_for_axis(self.hw, self.mesh.shape, a) for a in range(self.mesh.ndim)]
         self.saved = SavedTensors(gradients(self.space)) if self.space.nodes else None
         self._counted = self._first_keepers()
@@ -274,14 +274,13 @@ class CostModel:
         return cost
 
     def _compute(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
-        overhead = self.overhead(nc, s)
         timed = self.measured_time(nc, s)
         if timed is not None:
             scale = self.profile.calibration.get("ops", 1.0)
-            return Cost(compute_s=timed.total_s * scale + overhead, backward_s=timed.bwd_s * scale,
+            return Cost(compute_s=timed.total_s * scale, backward_s=timed.bwd_s * scale,
                         measured=frozenset({"compute"}))
         if nc.node.target in VIEW_OPS:
-            return Cost(compute_s=overhead)
+            return Cost()
         split = 1
         for a, n in enumerate(self.mesh.shape):
             if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
@@ -293,7 +292,7 @@ class CostModel:
         bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
         if not self._grad(nc.node):
             bwd = 0.0
-        return Cost(compute_s=fwd + bwd + overhead, backward_s=bwd)
+        return Cost(compute_s=fwd + bwd, backward_s=bwd)
 
     def measured_time(self, nc: NodeChoices, s: Strategy) -> OpTime | None:
         """The profile's forward and backward seconds of this op call, as measured alone."""
@@ -306,19 +305,21 @@ class CostModel:
     def _grad(self, node: fx.Node) -> bool:
         return self.saved is not None and self.saved.grad.get(node, False)
 
-    def overhead(self, nc: NodeChoices, s: Strategy) -> float:
-        """The generated code's cost on top of the op itself (the op runs as the profile timed it):
-        reading each parameter input's shard (``runtime.param_shard``)."""
-        return self._runtime_cost({"param_read": sum(i in self._params for i in nc.inputs)})
-
     def move_overhead(self, src: NodeChoices, s: Strategy, dst: NodeChoices, d: Strategy, i: int) -> float:
         """The generated code's wrapping cost of the edge into input ``i`` of ``dst``, beyond its
-        collectives: a placement change (``runtime.move``) where the placement or the gradient's
-        differs (see ``moves``); parameters pay theirs as ``overhead``."""
-        if src.kind == "param" or dst.kind == "output" or tensor_val(src.node) is None:
+        collectives (ops themselves run as the profile timed them): a placement change
+        (``runtime.move``) where the placement or the gradient's differs (see ``moves``); a
+        parameter read through ``runtime.param_shard`` where the op does not read it as stored
+        (one read as stored is its plain local shard)."""
+        if dst.kind == "output" or tensor_val(src.node) is None:
             return 0.0
-        moved = moves(s.out, d.ins[i], grad_placement(d.ins[i], d.ins, d.out), self._grad_flows(src))
-        return self._runtime_cost({"move": 1}) if moved else 0.0
+        return self._wrapping(src, s.out, s.storage, d.ins[i], grad_placement(d.ins[i], d.ins, d.out))
+
+    def _wrapping(self, src: NodeChoices, out: Placements, storage: Placements | None, inp: Placements,
+                  grad: Placements) -> float:
+        if src.kind == "param":
+            return self._runtime_cost({"param_read": 1}) if inp != (storage or out) else 0.0
+        return self._runtime_cost({"move": 1}) if moves(out, inp, grad, self._grad_flows(src)) else 0.0
 
     def param_overhead(self) -> float:
         """The runtime's cost per parameter tensor beyond its bytes: its gradient hook and its
@@ -432,12 +433,11 @@ class CostModel:
             grid = grid + _transposed(back)
             if not queued:
                 blocking += [t.transposed() for t in terms]
-        move = self._runtime_cost({"move": 1})
-        if move and src.kind != "param":
-            flows = self._grad_flows(src)
-            moved = np.array([[moves(out, inp, grad, flows) for inp, grad in dst_reps] for out, _ in src_reps], dtype=float)
-            grid = replace(grid, compute_s=grid.compute_s + moved * move)
-            blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), moved * move))
+        if self._runtime_cost({"move": 1, "param_read": 1}) and dst.kind != "output":
+            wrapping = np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
+                                 for out, storage in src_reps])
+            grid = replace(grid, compute_s=grid.compute_s + wrapping)
+            blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
     def _grad_flows(self, src: NodeChoices) -> bool:

@@ -16,7 +16,7 @@ from autopar.core.capture import capture
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from autopar.core.placements import grad_placement, grad_target
-from autopar.core.strategies import build_space
+from autopar.core.strategies import Strategy, build_space
 from autopar.models.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.comm import Link
@@ -25,7 +25,7 @@ from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline
 
-R, S0, S1 = Replicate(), Shard(0), Shard(1)
+R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
 
 class MLP(nn.Module):
@@ -220,7 +220,7 @@ def test_profile_numbers_replace_the_roofline_and_the_plan_says_so():
     profile = Profile(local_fingerprint(MeshSpec((2,), hardware="cpu")), ops={key: OpTime(0.25, 0.5)}, overheads={"param_read": 0.125})
     measured = CostModel(space.mesh, space, profile=profile).node(linear, s)
     roofline = CostModel(space.mesh, space).node(linear, s)
-    assert measured.compute_s == pytest.approx(0.25 + 0.5 + 2 * 0.125) and measured.backward_s == 0.5   # weight, bias
+    assert measured.compute_s == pytest.approx(0.25 + 0.5) and measured.backward_s == 0.5
     assert "compute" in measured.measured and "compute" not in roofline.measured
     with torch.device("meta"):
         model = MLP()
@@ -241,18 +241,24 @@ class _Scaled(nn.Module):
         return (self.lin(x) * (x.abs() + 1)).sum()
 
 
-def test_backward_costs_only_where_gradients_flow_and_ops_pay_their_parameter_reads():
-    """Generated code runs each op as the ATen op the profile times: its only addition is reading
-    a parameter's shard per parameter input. The roofline gives no backward to ops on values that
-    need no gradient."""
+def test_backward_costs_only_where_gradients_flow_and_ops_cost_what_they_were_timed():
+    """Generated code runs each op as the ATen op the profile times: no per-op runtime cost. A
+    parameter read as stored is its plain shard; one read otherwise (moved first) pays the
+    runtime's parameter read. The roofline gives no backward to ops on values that need no
+    gradient."""
     space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
     cost = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads={"param_read": 0.5, "move": 8.0}))
     roofline = CostModel(space.mesh, space)
-    for name, reads in {"abs_1": 0, "add": 0, "linear": 2, "mul": 0}.items():
+    for name in ("abs_1", "add", "linear", "mul"):
         nc = _node(space, name)
         s = nc.strategies[0]
-        assert cost.overhead(nc, s) == pytest.approx(0.5 * reads), name
         assert (roofline.node(nc, s).backward_s > 0) == (name in ("linear", "mul")), name
+    linear, weight = _node(space, "linear"), _node(space, "p_lin_weight")
+    i = linear.inputs.index(weight.node)
+    stored = weight.strategies[0]
+    assert cost.move_overhead(weight, stored, linear, linear.strategies[0], i) == 0.0
+    wants_partial = Strategy((R,), tuple((P,) if k == i else (R,) for k in range(len(linear.inputs))), ("x",))
+    assert cost.move_overhead(weight, stored, linear, wants_partial, i) == pytest.approx(0.5)   # read partial first
 
 
 def test_a_placement_change_pays_the_runtime_move_where_generated_code_makes_one():
@@ -285,8 +291,10 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     s = weight.strategies[0]
     assert scaled.node(weight, s).compute_s - plain.node(weight, s).compute_s == pytest.approx(2 * (2.0 ** -2 + 2.0 ** -3))
     assert scaled.step_overhead() == pytest.approx(3 * 2.0 ** -4)
-    linear = _node(space, "linear")
-    assert scaled.overhead(linear, linear.strategies[0]) == pytest.approx(3 * plain.overhead(linear, linear.strategies[0]))
+    linear, weight = _node(space, "linear"), _node(space, "p_lin_weight")
+    i = linear.inputs.index(weight.node)
+    wants_partial = Strategy((R,), tuple((P,) if k == i else (R,) for k in range(len(linear.inputs))), ("x",))
+    assert scaled.move_overhead(weight, s, linear, wants_partial, i) == pytest.approx(3.0)
 
 
 def test_attention_flops_counted_for_cpu_models():

@@ -203,8 +203,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
         params = sum(nc.kind == "param" for nc in plan_space.nodes)
-        overhead = (sum(cost.overhead(nc, s) for nc, s in ops) + _moves_overhead(cost, plan_space, chosen)
-                    + params * cost.param_overhead() + cost.step_overhead())
+        overhead = _moves_overhead(cost, plan_space, chosen) + params * cost.param_overhead() + cost.step_overhead()
         p = plan.predicted
         typical = statistics.median(slowest_rank_steps([m[key] for m in measured]))
         rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,
@@ -213,7 +212,8 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
 
 
 def _moves_overhead(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:
-    """The wrapping cost of every placement change a plan's generated code makes (``moves``)."""
+    """The wrapping cost of every placement change and wrapped parameter read a plan's generated
+    code makes (``CostModel.move_overhead``)."""
     strategy = {nc.node: s for nc, s in zip(space.nodes, chosen)}
     return sum(cost.move_overhead(space.nodes[space.index[src]], strategy[src], nc, s, i)
                for nc, s in zip(space.nodes, chosen) if nc.kind == "op"

@@ -265,10 +265,8 @@ def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None,
 
     import autopar
     from autopar.models.zoo import get_model
+    from autopar.profiling import peers
 
-    # DTensor logs a performance hint on every rank each time it all-gathers over two mesh axes
-    # one after the other; it would drown the demo's output.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rank = dist.get_rank()
     say = _progress if (verbose and rank == 0) else (lambda msg: None)
     entry = get_model(model_name)
@@ -287,12 +285,17 @@ def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None,
     t0 = time.perf_counter()
     losses, step_s = _train(pmodel, batches)
     say(f"  rank 0: trained {steps} sharded steps in {time.perf_counter() - t0:.2f} s")
+    torch.manual_seed(seed)
+    ddp, _ = peers.ddp(entry.build(), example)
+    _, ddp_step_s = _train(ddp, [peers.rank_batch(b, dist.get_world_size(), rank) for b in batches])
+    say(f"  rank 0: trained {steps} steps of torch DDP (each rank its part of the batch)")
     if rank != 0:
         return None
     t0 = time.perf_counter()
     reference_losses, _ = _train(reference, batches)
     say(f"  rank 0: trained {steps} single-device steps in {time.perf_counter() - t0:.2f} s")
-    return {"losses": losses, "reference_losses": reference_losses, "code": pmodel.code, "step_s": step_s}
+    return {"losses": losses, "reference_losses": reference_losses, "code": pmodel.code, "step_s": step_s,
+            "ddp_step_s": ddp_step_s}
 
 
 def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, batch: int | None = None,
@@ -351,7 +354,13 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"])]
     return {"plan": plan, "losses": r0["losses"], "reference_losses": r0["reference_losses"],
             "max_abs_diff": max(diffs), "code": r0["code"], "timings": timings, "batch": batch, "seq": seq,
-            "step_s": r0["step_s"]}
+            "step_s": r0["step_s"], "ddp_step_s": r0["ddp_step_s"]}
+
+
+def _typical_step(seconds: list[float]) -> float:
+    """The median step after the first (which builds optimizer states and warms caches)."""
+    later = sorted(seconds[1:] or seconds)
+    return later[len(later) // 2]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -377,10 +386,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     max_diff = result["max_abs_diff"]
     ok = max_diff <= DEMO_TOLERANCE
     print(f"max abs diff: {max_diff:.2e} ({'OK' if ok else 'MISMATCH'}: tolerance {DEMO_TOLERANCE:g})")
-    later = sorted(result["step_s"][1:] or result["step_s"])
-    print(f"measured time per sharded step: {fmt(later[len(later) // 2], 's')} (median after the first step; "
+    step, ddp_step = _typical_step(result["step_s"]), _typical_step(result["ddp_step_s"])
+    print(f"measured time per sharded step: {fmt(step, 's')} (median after the first step; "
           f"predicted {fmt(plan.predicted.step_time_s, 's')} from {plan.predicted.cost_source}; "
           f"run `autopar profile --mesh {'x'.join(map(str, plan.mesh.shape))}` once to plan with measured costs)")
+    print(f"torch DDP on the same {plan.mesh.size} processes and batch: {fmt(ddp_step, 's')} per step "
+          f"(autopar / DDP = {step / ddp_step:.2f})")
     print()
 
     code = result["code"]

@@ -11,8 +11,10 @@ stay DTensors (state_dict, optimizers, checkpoints) and the forward reads their 
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,29 @@ class PlacementMismatchError(AutoparError):
 
 
 STRICT = os.environ.get("AUTOPAR_STRICT", "0") == "1"
+
+
+class _PlannedRedistributions(logging.Filter):
+    """While autopar redistributes, drop DTensor's hint that a change over several mesh axes runs
+    one collective per axis (logged by every rank, once per mesh): the planner chose and priced
+    exactly those collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ours = threading.local()
+
+    def __enter__(self) -> None:
+        self._ours.active = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ours.active = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self._ours, "active", False)
+
+
+_PLANNED = _PlannedRedistributions()
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PLANNED)
 
 
 def own_storage(t: DTensor) -> DTensor:
@@ -115,7 +140,8 @@ def redistribute(t: DTensor, placements: Sequence[Placement]) -> DTensor:
     first = [Replicate() if p else (h if h.is_partial() and isinstance(w, Partial) else w)
              for h, w, p in zip(t.placements, placements, to_partial)]
     if not _same(t.placements, first):
-        t = _contiguous_shards(t.redistribute(t.device_mesh, first))
+        with _PLANNED:
+            t = _contiguous_shards(t.redistribute(t.device_mesh, first))
     return _replicate_to_partial(t, placements) if any(to_partial) else t
 
 
@@ -237,7 +263,8 @@ def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[in
     """The full tensor every rank returns: this rank's part gathered (or summed) over the mesh."""
     if not isinstance(x, torch.Tensor) or all(isinstance(p, Replicate) for p in have):
         return x
-    return as_dtensor(x, mesh, have, shape).full_tensor()
+    with _PLANNED:
+        return as_dtensor(x, mesh, have, shape).full_tensor()
 
 
 def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
@@ -254,5 +281,11 @@ def sync_grad_to(param: DTensor) -> None:
     is only launched here (``async_op``): it runs while the backward goes on, and the gradient is
     waited for when first used (the optimizer step)."""
     placements = list(param.placements)
-    param.register_hook(lambda g: g.redistribute(g.device_mesh, placements, async_op=True)
-                        if isinstance(g, DTensor) and not _same(g.placements, placements) else g)
+
+    def reduce(g: Any) -> Any:
+        if not isinstance(g, DTensor) or _same(g.placements, placements):
+            return g
+        with _PLANNED:
+            return g.redistribute(g.device_mesh, placements, async_op=True)
+
+    param.register_hook(reduce)

@@ -130,3 +130,21 @@ def test_tied_embeddings_train_as_one_parameter(name):
     assert state.keys() == reference.state_dict().keys()
     for key, want in reference.state_dict().items():
         torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+
+
+def test_no_dtensor_hints_in_normal_use(caplog):
+    """A plan's redistributions over both axes of a 2x2 mesh (moves, gathered outputs, gradient
+    sync) are the collectives the planner chose: DTensor's hint about them (logged by every rank,
+    once per mesh) is not shown."""
+    import logging
+
+    import torch.distributed.tensor._redistribute as redistribute
+
+    redistribute._warned_flatten_issues.clear()   # DTensor warns once per mesh and process
+    hints = logging.getLogger(redistribute.__name__)
+    hints.addHandler(caplog.handler)
+    try:
+        check_training("gpt2-tiny", 6, 16, (2, 2), local_runner, {"time_limit": SOLVE_S, "profile": None})
+    finally:
+        hints.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if "sequential" in r.getMessage()]

@@ -1,0 +1,153 @@
+"""autopar's generated code against what users run instead, by measured step time, side by side.
+
+For each model and mesh, one launch of local gloo processes builds every variant, then times them
+in turns (rounds of every variant, so that the host's slow and fast spells fall on all of them;
+a round's figure is the median of its steps on the slowest rank, a variant's the median of its
+rounds):
+
+* mesh 4: torch DDP, torch FSDP2 (``fully_shard`` per block, then the root); autopar's 'ddp' and
+  'fsdp' hand plans and its auto plan.
+* mesh 2x2 (dp x tp): the same, plus torch tensor parallel (``parallelize_module`` with
+  ColwiseParallel/RowwiseParallel on tp, FSDP2 on dp) where torch's API can split the model
+  unchanged (separate q/k/v projections in ``nn.Linear``: Llama), against autopar's
+  'fsdp(dp) x tp(tp)' hand plan (``autopar.profiling.peers`` builds torch's variants).
+* one process: eager PyTorch against autopar on a (1,) mesh.
+
+Torch's wrappers get each rank's part of the global batch (DDP and FSDP2 a quarter, TP ranks their
+dp group's half); autopar gets the global batch, as its API asks. Prints each variant's step and
+the ratios: autopar hand plan / the torch wrapper doing the same (target <= 1.10), auto / fastest
+torch variant (<= 1.05), one process autopar / eager (<= 1.05); saves
+benchmarks/results/peer_runtime.json.
+
+    python benchmarks/peer_runtime.py                              # every model, mesh 4, 2x2 and 1
+    python benchmarks/peer_runtime.py --models gpt-tiny --meshes 4,1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import autopar
+from autopar.models.zoo import get_model
+from autopar.planning.baselines import candidates
+from autopar.profiling import peers
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import slowest_rank_steps, time_in_turns
+from autopar.profiling.profiler import profile_model
+
+RESULTS = Path(__file__).parent / "results" / "peer_runtime.json"
+MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "gpt2-125m": (8, 128)}
+MESHES = ((4,), (2, 2), (1,))
+ROUNDS, WARMUP, STEPS = 5, 2, 6
+SEED = 1234
+TARGETS = {"hand / torch": 1.10, "auto / fastest torch": 1.05, "autopar (1,) / eager": 1.05}
+# autopar hand plan -> the torch variant doing the same thing
+PEERS = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "fsdp(dp) x tp(tp)": "torch TP x FSDP2"}
+
+
+def _worker(mesh, name: str, batch: int, seq: int, plans: dict[str, str], rounds: int) -> dict[str, list[float]]:
+    """On every rank: build every variant, then time them in turns."""
+    entry = get_model(name)
+    example = entry.example(batch, seq)
+
+    def build() -> nn.Module:
+        torch.manual_seed(SEED)
+        return entry.build()
+
+    runs = {}
+    if dist.get_world_size() > 1:
+        runs["torch DDP"] = peers.ddp(build(), example)
+        runs["torch FSDP2"] = peers.fsdp2(build(), example)
+    else:
+        runs["torch eager"] = (build(), example)
+    if mesh.ndim == 2 and (tp := peers.tensor_parallel(build(), example, mesh)) is not None:
+        runs["torch TP x FSDP2"] = tp
+    for label, text in plans.items():
+        runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=autopar.Plan.from_json(text)),
+                                    example)
+    # foreach=True for every variant: torch picks its per-tensor loop for DTensor parameters (autopar,
+    # FSDP2) and on the CPU, where the loop costs ~40 us per tensor and op
+    timed = {label: (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), rank_batch)
+             for label, (model, rank_batch) in runs.items()}
+    times = time_in_turns(timed, rounds=rounds, warmup=WARMUP, steps=STEPS)
+    return {label: [statistics.median(steps) for steps in per_round] for label, per_round in times.items()}
+
+
+def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
+    batch, seq = MODELS[name]
+    entry = get_model(name)
+    torch.manual_seed(SEED)
+    model = entry.build()
+    args, kwargs = entry.example(batch, seq)
+    spec = autopar.MeshSpec(mesh, ("dp",) if len(mesh) == 1 else ("dp", "tp"), hardware="cpu")
+    if profile == "auto" and spec.size > 1:
+        profile_model(model, spec, args, kwargs, progress=None)
+    options = autopar.PlanOptions(profile=None if profile == "none" else "auto")
+    t0 = time.perf_counter()
+    plans = {"auto": autopar.plan(model, spec, args, kwargs, options=options)}
+    if spec.size > 1:
+        hands = candidates(model, spec, args, kwargs, options=options)
+        plans.update({k: p for k, p in hands.items() if k in PEERS})
+    plan_s = time.perf_counter() - t0
+    ranks = run_on_gloo_mesh(_worker, mesh, name, batch, seq, {k: p.to_json() for k, p in plans.items()}, rounds,
+                             axis_names=spec.axis_names, start_method="forkserver")
+    rounds_s = {k: slowest_rank_steps([r[k] for r in ranks]) for k in ranks[0]}
+    step = {k: statistics.median(v) for k, v in rounds_s.items()}
+    torch_variants = [k for k in step if k.startswith("torch")]
+    ratios = {}
+    for hand, peer in PEERS.items():
+        if f"autopar {hand}" in step and peer in step:
+            ratios[f"{hand} / {peer}"] = ("hand / torch", step[f"autopar {hand}"] / step[peer])
+    fastest = min(torch_variants, key=step.__getitem__)
+    key = "autopar (1,) / eager" if spec.size == 1 else "auto / fastest torch"
+    ratios[f"auto / {fastest}"] = (key, step["autopar auto"] / step[fastest])
+    return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
+            "auto_plan": plans["auto"].solver.get("kept_hand_plan") or "solver",
+            "step_s": step, "rounds_s": rounds_s,
+            "ratios": {k: {"target": kind, "ratio": r, "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
+                       for k, (kind, r) in ratios.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--meshes", default=",".join("x".join(map(str, m)) for m in MESHES))
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--profile", choices=("auto", "none"), default="auto",
+                    help="plan with this host's profile (measured first if not cached; default) or the roofline")
+    a = ap.parse_args()
+    meshes = [tuple(int(x) for x in m.split("x")) for m in a.meshes.split(",")]
+    results = []
+    for mesh in meshes:
+        for name in a.models.split(","):
+            r = run(name, mesh, a.rounds, a.profile)
+            results.append(r)
+            print(f"\n{name} on {'x'.join(map(str, mesh))} gloo process(es), global batch {r['batch']}x{r['seq']} "
+                  f"(auto plan: {r['auto_plan']}):")
+            for k, v in sorted(r["step_s"].items(), key=lambda kv: kv[1]):
+                print(f"  {k:32s} {v * 1e3:8.1f} ms")
+            for k, v in r["ratios"].items():
+                print(f"  {k:48s} {v['ratio']:.2f}  ({'PASS' if v['met'] else 'FAIL'}: <= {v['limit']:.2f})", flush=True)
+    met = all(v["met"] for r in results for v in r["ratios"].values())
+    print(f"\n{'PASS' if met else 'FAIL'}: every ratio within its target")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+                   f"threads, load {Path('/proc/loadavg').read_text().split()[:3]})",
+        "command": f"python benchmarks/peer_runtime.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds} "
+                   f"--profile {a.profile}",
+        "results": results, "targets": TARGETS, "all_met": met,
+    }, indent=1))
+    print(f"saved {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ from autopar.core.errors import InputMismatchError
 from autopar.core.plan import Plan
 from codegen.generate import generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from codegen.shapes import Forward, ForwardPerShape
 
 _counter = [0]
 
@@ -51,16 +52,20 @@ class ShardedModule(nn.Module):
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         self.mesh = mesh
         self.plan = plan
-        generated = generate(captured, plan, keep_outputs_sharded, strict=runtime.STRICT)
-        self.code = generated.source
-        self._forward = compile_forward(self.code)
-        self._sizes = generated.sizes.values(mesh)
+        self._keep_outputs_sharded = keep_outputs_sharded
+        # before the parameters are sharded: the forwards of other input shapes capture a copy
+        self._forwards = ForwardPerShape(model, captured, plan, self._make_forward)
+        self.code = self._forwards.first.code.source
         self._bucket_bytes = bucket_bytes
-        self._direct = generated.direct
+        self._direct = self._forwards.first.code.direct
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh)
+
+    def _make_forward(self, captured: CapturedGraph) -> Forward:
+        generated = generate(captured, self.plan, self._keep_outputs_sharded, strict=runtime.STRICT)
+        return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh))
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> None:
         """Parameters become DTensors of their planned storage. A parameter reached under several
@@ -101,7 +106,8 @@ class ShardedModule(nn.Module):
                 "inputs have another structure than the example inputs the module was compiled with "
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
-        outs = self._forward(self, self.mesh, self._device, self._sizes, *flat)
+        forward = self._forwards.get(flat, args, kwargs)
+        outs = forward.run(self, self.mesh, self._device, forward.sizes, *flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
 

@@ -82,11 +82,12 @@ def meta_model(name: str, batch: int | None = None, seq: int | None = None) -> t
     return (model, *entry.example(batch, seq, device="meta"))
 
 
-def check_training(name: str, batch: int, seq: int, mesh_shape: tuple[int, ...], runner, plan_options: dict
-                   ) -> autopar.Plan:
+def check_training(name: str, batch: int, seq: int, mesh_shape: tuple[int, ...], runner, plan_options: dict,
+                   batches: list | None = None) -> autopar.Plan:
     """Train ``name`` on one device and sharded (``runner``: ``local_runner`` or ``gloo_runner``)
-    with the same batches; every rank's losses and final parameters must equal one device's."""
-    batches = make_batches(name, batch, seq)
+    with the same batches (by default ``STEPS`` of ``batch`` x ``seq``; the sharded module is
+    compiled for the first); every rank's losses and final parameters must equal one device's."""
+    batches = batches or make_batches(name, batch, seq)
     ref_losses, ref_state = train_reference(name, batches)
     losses, state, plan = runner(mesh_shape, name, batches, plan_options)
     for step, (got, want) in enumerate(zip(losses, ref_losses)):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
+from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
 from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, make_batches,
-                               tight_budget)
+                               tight_budget, train_reference)
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
 MESHES = [(1,), (2,), (3,), (4,), (2, 2)]
@@ -148,3 +148,59 @@ def test_no_dtensor_hints_in_normal_use(caplog):
     finally:
         hints.removeHandler(caplog.handler)
     assert not [r for r in caplog.records if "sequential" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_new_input_shapes_train_exactly(mesh_shape):
+    """Compiled for 6 x 16 tokens, fed what a training loop feeds: a smaller last batch (5, split
+    unevenly) and another sequence length (8). Each shape gets its own generated forward with the
+    plan's placements, and training equals one device's."""
+    shapes = [(6, 16), (5, 16), (6, 8), (5, 16)]
+    batches = [make_batches("gpt-tiny", b, s, steps=len(shapes))[i] for i, (b, s) in enumerate(shapes)]
+    check_training("gpt-tiny", 6, 16, mesh_shape, local_runner, {"time_limit": SOLVE_S, "profile": None}, batches)
+
+
+class _ShapeBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).sum() if x.shape[0] > 4 else self.lin(x).mean()
+
+
+def test_an_input_shape_that_changes_the_graph_is_refused():
+    def body(mesh):
+        import autopar
+
+        pm = autopar.compile(_ShapeBranch(), mesh, (torch.randn(6, 8),), profile=None)
+        pm(torch.randn(8, 8))   # same graph, another size: fine
+        with pytest.raises(autopar.InputMismatchError, match="change the model's graph.*Compile the model again"):
+            pm(torch.randn(4, 8))
+
+    run_on_local_tensor_mesh(body, (2,))
+
+
+def _compiled_worker(mesh, batches):
+    import torch._dynamo
+
+    import autopar
+    from tests.equivalence import build, train
+
+    pm = autopar.compile(build("gpt-tiny"), mesh, *batches[0], profile=None, time_limit=SOLVE_S)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    losses = [float(l) for l in train(torch.compile(pm, backend="aot_eager"), batches)]
+    return losses, sum(torch._dynamo.utils.counters["graph_break"].values()), \
+        torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_torch_compile_of_the_sharded_module_trains_exactly():
+    """``torch.compile(pmodel)`` traces the generated forward (aot_eager: dynamo and AOT autograd,
+    no C++ build) in a few graphs, not one per op, and trains as one device does."""
+    batches = make_batches("gpt-tiny", 6, 16)
+    ref_losses, _ = train_reference("gpt-tiny", batches)
+    results = run_on_gloo_mesh(_compiled_worker, (2,), batches, start_method="forkserver")
+    for losses, breaks, graphs in results:
+        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+        assert graphs <= 4 and breaks <= 6, (graphs, breaks)   # gpt-tiny's forward has ~50 ops

@@ -1,0 +1,83 @@
+"""One generated forward per input shape, as ``torch.compile`` recompiles: a training loop feeds a
+smaller last batch, or another sequence length, and generated code holds local shapes.
+
+At compile time the module keeps a copy of the model whose parameters are fake tensors (shapes
+only, no memory). A call with inputs of a new shape captures that copy at those shapes, checks
+that the graph is the one planned (same nodes in the same order; only shapes differ) and
+generates code for it with the plan's placements, which hold at any size (an uneven split is
+exact; a rank may hold an empty part). The forward is cached by the inputs' shapes.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from autopar.core.capture import CapturedGraph, capture
+from autopar.core.errors import InputMismatchError
+from autopar.core.plan import Plan
+from codegen.generate import GeneratedCode
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A generated forward, compiled, with this rank's sizes of its uneven splits."""
+
+    code: GeneratedCode
+    run: Callable[..., Any]
+    sizes: Any
+
+
+def signature(values: Sequence[Any]) -> tuple:
+    """What a generated forward is specialised on: each input's shape and dtype (a non-tensor's value)."""
+    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", repr(v)) for v in values)
+
+
+def _structure(captured: CapturedGraph) -> list[tuple[str, str, str]]:
+    return [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]
+
+
+class ForwardPerShape:
+    """The generated forwards of one plan, one per input signature, generated on first use."""
+
+    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan,
+                 make: Callable[[CapturedGraph], Forward]) -> None:
+        self._mode = FakeTensorMode(allow_non_fake_inputs=True)
+        memo: dict[int, Any] = {}
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            fake = self._mode.from_tensor(t)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        self._model = copy.deepcopy(model, memo)   # the structure only: parameters are shapes
+        self._structure = _structure(captured)
+        self._plan = plan
+        self._make = make
+        placeholders = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
+        self.first = make(captured)
+        self._forwards = {signature([placeholders[name].meta.get("val") for name in captured.user_inputs]): self.first}
+
+    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> Forward:
+        key = signature(flat)
+        if key not in self._forwards:
+            self._forwards[key] = self._generate(args, kwargs)
+        return self._forwards[key]
+
+    def _generate(self, args: tuple, kwargs: dict) -> Forward:
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self._mode.from_tensor, (args, kwargs))
+        captured = capture(self._model, fake_args, fake_kwargs)
+        if _structure(captured) != self._structure:
+            changed = next((a, b) for a, b in zip(_structure(captured) + [None], self._structure + [None]) if a != b)
+            raise InputMismatchError(
+                f"inputs of shapes {[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]} "
+                f"change the model's graph (first difference: {changed[0]} where the plan has {changed[1]}): its "
+                "control flow depends on the shapes. Compile the model again for these inputs (autopar.compile).")
+        forward = self._make(captured)
+        if forward.code.direct != self.first.code.direct:
+            raise InputMismatchError("inputs of a new shape change how the plan reads its parameters; compile again")
+        return forward

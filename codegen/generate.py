@@ -112,12 +112,16 @@ class LocalSizes:
         ranges = self._ranges(size, axes)
         return (self._named(size, axes, 0, {r[0] for r in ranges}), self._named(size, axes, 1, {r[1] for r in ranges}))
 
+    def uneven(self, shape: Sequence[int], placements: Placements) -> bool:
+        """Do ranks hold different local shapes of a tensor of global ``shape`` placed ``placements``?"""
+        return any(len({stop - start for start, stop in self._ranges(int(n), _split_axes(placements, d))}) > 1
+                   for d, n in enumerate(shape))
+
     def shape(self, shape: Sequence[int], placements: Placements, infer: bool = False) -> str:
         """Text of this rank's local shape of a tensor of global ``shape`` placed ``placements``.
         ``infer``: a view's target, where one dimension that differs between ranks is written -1
         (the op infers it; per-rank sizes in a view's arguments defeat its backward's checks)."""
-        dims = [self.dim(int(n), tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d))
-                for d, n in enumerate(shape)]
+        dims = [self.dim(int(n), _split_axes(placements, d)) for d, n in enumerate(shape)]
         uneven = [d for d, text in enumerate(dims) if text.startswith("sizes.")]
         if infer and len(uneven) == 1:
             dims[uneven[0]] = "-1"
@@ -128,6 +132,11 @@ class LocalSizes:
         return SimpleNamespace(**{name: rank_value(mesh, lambda c, s=size, ax=axes, w=which: _pick(
             shard_range(s, c, ax, self.mesh_shape), w), as_tensor=which < 2)
             for name, (size, axes, which) in self.specs.items()})
+
+
+def _split_axes(placements: Placements, dim: int) -> tuple[int, ...]:
+    """The mesh axes that split tensor dimension ``dim``, in mesh order."""
+    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
 
 
 def _pick(start_stop: tuple[int, int], which: int) -> int:
@@ -274,13 +283,12 @@ class _Emitter:
             self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, placements={_fmt_placements(np_.out)})",
                       comment)
         elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
-            rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]),
-                                     tuple(a for a, p in enumerate(np_.ins[0]) if p == Shard(0)))
+            rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
             self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)
         else:
             shape = (self.sizes.shape(tensor_val(node).shape, np_.out, infer=node.target in VIEW_OPS)
                      if node.target in SHAPE_ARG_OPS else None)
-            if node.target in _AS_RESHAPE | {aten.reshape.default} and "sizes." in self.sizes.shape(
+            if node.target in _AS_RESHAPE | {aten.reshape.default} and self.sizes.uneven(
                     tensor_val(node.args[0]).shape, np_.ins[0]):
                 self.emit(f"{node.name} = uneven_reshape({rename.get(node.args[0].name, node.args[0].name)}, {shape})",
                           comment + "; ranks hold different sizes")

@@ -55,7 +55,6 @@ class GradSync:
         self.buckets: list[_Bucket] = []
         open_: dict[tuple[tuple[int, ...], torch.dtype], _Bucket] = {}
         self._bucket_of: dict[int, _Bucket] = {}
-        self._param_of: dict[int, nn.Parameter] = {}
         for p, grad in params:
             axes = tuple(a for a, g in enumerate(grad) if isinstance(g, Partial))
             key = (axes, p.dtype)
@@ -68,7 +67,6 @@ class GradSync:
             bucket.params.append(p)
             bucket.nbytes += local.numel() * local.element_size()
             self._bucket_of[id(local)] = bucket
-            self._param_of[id(local)] = p
             local.register_post_accumulate_grad_hook(self._ready)
         self._queued = False
 

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 import codegen.runtime as runtime
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError
+from autopar.core.placements import Placements
 from autopar.core.plan import Plan
 from codegen.generate import generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
@@ -54,23 +55,24 @@ class ShardedModule(nn.Module):
         self.plan = plan
         self._keep_outputs_sharded = keep_outputs_sharded
         # before the parameters are sharded: the forwards of other input shapes capture a copy
-        self._forwards = ForwardPerShape(model, captured, plan, self._make_forward)
+        self._forwards = ForwardPerShape(model, captured, self._make_forward)
         self.code = self._forwards.first.code.source
-        self._bucket_bytes = bucket_bytes
-        self._direct = self._forwards.first.code.direct
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
-        self._shard_state(plan, captured, mesh)
+        self._shard_state(plan, captured, mesh, self._forwards.first.code.direct, bucket_bytes)
 
     def _make_forward(self, captured: CapturedGraph) -> Forward:
         generated = generate(captured, self.plan, self._keep_outputs_sharded, strict=runtime.STRICT)
         return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh))
 
-    def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh) -> None:
+    def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, direct_grads: dict[str, Placements],
+                     bucket_bytes: int) -> None:
         """Parameters become DTensors of their planned storage. A parameter reached under several
         names (tied embeddings: export reads it through one of them) stays one parameter, stored
-        as planned for the name the graph uses."""
+        as planned for the name the graph uses. Those the forward reads as their shard
+        (``direct_grads``: FQN -> where the gradient accumulates) get their gradients from
+        ``GradSync``, the others from a hook."""
         replicate = [Replicate()] * mesh.ndim
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
         sharded: dict[int, nn.Parameter] = {}
@@ -82,14 +84,14 @@ class ShardedModule(nn.Module):
             if id(p) not in sharded:
                 shard = runtime.own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
-                if fqn in self._direct and p.requires_grad:
+                if fqn in direct_grads and p.requires_grad:
                     direct[fqn] = sharded[id(p)]
                 else:
                     runtime.sync_grad_to(sharded[id(p)])
             setattr(mod, leaf, sharded[id(p)])
         # the backward produces gradients in about the reverse order the forward first reads them
-        ready_order = [(direct[f], self._direct[f]) for f in reversed(self._direct) if f in direct]
-        self._grad_sync = GradSync(mesh, ready_order, self._bucket_bytes)
+        ready_order = [(direct[f], direct_grads[f]) for f in reversed(direct_grads) if f in direct]
+        self._grad_sync = GradSync(mesh, ready_order, bucket_bytes)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)

@@ -86,9 +86,7 @@ def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Seq
     one) to where the producer keeps its gradient (a partial sum becomes replicated)."""
     if not x.requires_grad and _same(have, want):
         return x
-    dt = DTensor.from_local(x.contiguous(), mesh, list(have), run_check=False, shape=torch.Size(shape),
-                            stride=_contiguous_stride(shape))
-    return _LocalShard.apply(redistribute(dt, want), tuple(grad))
+    return _LocalShard.apply(redistribute(as_dtensor(x, mesh, have, shape), want), tuple(grad))
 
 
 def shard_of(p: DTensor) -> torch.Tensor:
@@ -268,7 +266,7 @@ def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[in
 
 
 def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
-    """An output kept sharded: this rank's part as a DTensor of the global ``shape``."""
+    """This rank's part as a DTensor of the global ``shape`` (an output kept sharded; a move's start)."""
     if not isinstance(x, torch.Tensor):
         return x
     return DTensor.from_local(x.contiguous(), mesh, list(have), run_check=False, shape=torch.Size(shape),

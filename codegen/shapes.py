@@ -22,7 +22,6 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.capture import CapturedGraph, capture
 from autopar.core.errors import InputMismatchError
-from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode
 
 
@@ -45,10 +44,10 @@ def _structure(captured: CapturedGraph) -> list[tuple[str, str, str]]:
 
 
 class ForwardPerShape:
-    """The generated forwards of one plan, one per input signature, generated on first use."""
+    """The generated forwards of one plan, one per input signature, generated on first use by
+    ``make`` (which holds the plan)."""
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan,
-                 make: Callable[[CapturedGraph], Forward]) -> None:
+    def __init__(self, model: nn.Module, captured: CapturedGraph, make: Callable[[CapturedGraph], Forward]) -> None:
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         memo: dict[int, Any] = {}
         for t in itertools.chain(model.parameters(), model.buffers()):
@@ -56,7 +55,6 @@ class ForwardPerShape:
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
         self._model = copy.deepcopy(model, memo)   # the structure only: parameters are shapes
         self._structure = _structure(captured)
-        self._plan = plan
         self._make = make
         placeholders = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
         self.first = make(captured)

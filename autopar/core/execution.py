@@ -36,10 +36,6 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
-#: The collectives a placement change can run (``axis_collective``), as the cost model names them.
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
 def moves(out: Placements, inp: Placements, grad: Placements, grad_flows: bool = True) -> bool:
     """Does generated code move (``runtime.move``) a value placed ``out`` into a consumer that reads
     it placed ``inp`` and gives its gradient back placed ``grad``? Where the placement differs, or

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from autopar.core.capture import capture
+from autopar.core.capture import as_args, capture
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import hand_plans
@@ -58,8 +58,7 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     spec = as_mesh_spec(mesh) if not isinstance(mesh, tuple) else MeshSpec(mesh, hardware="cpu")
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    space = build_space(capture(model, args, example_kwargs), spec)
+    space = build_space(capture(model, as_args(example_inputs), example_kwargs), spec)
     fingerprint = local_fingerprint(spec)
     path = Path(path) if path is not None else default_profile_path(fingerprint)
     try:

@@ -33,7 +33,7 @@ HEADER = '''\
 '''
 
 
-def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan]) -> Placements | None:
+def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes: Passes) -> Placements | None:
     """Where a parameter's gradient accumulates when the forward reads its shard as it is stored
     (no move, no autograd wrapper): every op reads it as stored and gives its gradient back alike,
     as stored or partial where it is replicated (gradient sync sums those). None otherwise: it is
@@ -47,12 +47,67 @@ def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan]) -> Pla
             if inp is param:
                 if want != np_.storage or np_.storage != np_.out:
                     return None
-                grads.add(grad_placement(want, up.ins, up.out))
+                grads.add(given_grad(want, up, passes.get(user.name, ())))
     if len(grads) != 1:
         return None
     grad = grads.pop()
     ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, np_.storage))
     return grad if ok else None
+
+
+Passes = dict[str, tuple[int, ...]]
+
+
+def on_parameters(graph: fx.Graph, params: set[str]) -> set[str]:
+    """Names of the nodes computed from parameters (``params``: their node names): the values that
+    may carry a gradient."""
+    out = set(params)
+    for node in graph.nodes:
+        if any(i.name in out for i in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def partial_passes(graph: fx.Graph, plan: dict[str, NodePlan], with_grad: set[str]) -> Passes:
+    """Ops computed whole on every rank of a mesh axis (inputs and output replicated there) whose
+    every consumer gives a partial gradient back on that axis, as a batch-split op gives a
+    replicated input (position embeddings added to the batch): the gradient stays partial through
+    them (each rank's backward is linear in its summand) and is summed once, where it meets a
+    parameter (gradient sync's buckets) or a split value, not all-reduced in the middle of the
+    backward. Op name -> those axes (of ops whose value has a gradient: ``with_grad``)."""
+    passes: Passes = {}
+    for node in reversed(graph.nodes):
+        np_ = plan.get(node.name)
+        if node.op != "call_function" or np_ is None or not node.users or node.name not in with_grad:
+            continue
+        axes = tuple(a for a, o in enumerate(np_.out)
+                     if isinstance(o, Replicate) and all(isinstance(i[a], Replicate) for i in np_.ins)
+                     and all(_gives_partial(user, node, a, np_.out, plan, passes) for user in node.users))
+        if axes:
+            passes[node.name] = axes
+    return passes
+
+
+def _gives_partial(user: fx.Node, node: fx.Node, axis: int, out: Placements, plan: dict[str, NodePlan],
+                   passes: Passes) -> bool:
+    """Does ``user`` read ``node`` as placed (no move) and give its gradient back partial on ``axis``?"""
+    up = plan.get(user.name)
+    if user.op == "call_function" and up is None and user.target not in IDENTITY_OPS | {operator.getitem}:
+        return True   # no tensor output (a metadata assert): no gradient
+    if user.op != "call_function" or up is None:   # an output, a getitem of a multi-output op
+        return False
+    return all(want == out and isinstance(given_grad(want, up, passes.get(user.name, ()))[axis], Partial)
+               for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is node)
+
+
+def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Placements:
+    """The placement of the gradient an op gives back for an input it reads placed ``want``
+    (``grad_placement``; partial on the axes where the op passes partial gradients through)."""
+    grad = list(grad_placement(want, np_.ins, np_.out))
+    for a in passing:
+        if isinstance(want[a], Replicate):
+            grad[a] = Partial()
+    return tuple(grad)
 
 
 def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) -> str:
@@ -169,6 +224,16 @@ class _Emitter:
         self.params: set[str] = set()                  # vars holding a parameter (a DTensor), read per use
         self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
         self.defined: set[str] = set()                 # variables assigned so far
+        self.with_grad = on_parameters(captured.graph, set(captured.param_of))
+        self.passes = partial_passes(captured.graph, self.plan, self.with_grad)
+
+    def grad_target(self, name: str, have: Placements) -> Placements:
+        """Where the gradient of the value ``name`` (placed ``have``) is kept: ``grad_target``, partial
+        on the axes where its op passes partial gradients through."""
+        target = list(grad_target(have))
+        for a in self.passes.get(name, ()):
+            target[a] = Partial()
+        return tuple(target)
 
     def emit(self, line: str, comment: str = "") -> None:
         target = line.split(" = ", 1)[0]
@@ -211,14 +276,15 @@ class _Emitter:
         param = node.name in self.params
         if node.name in self.captured.param_of and self.captured.param_of[node.name] in self.direct:
             return node.name
-        if not param and not moves(have, want, grad):
+        target = self.grad_target(node.name, have)
+        if not param and not moves(have, want, grad, node.name in self.with_grad, target):
             return node.name
         key = (node.name, placements_str(want), placements_str(grad))
         if key not in self.placed:
             var = f"{node.name}_{'_'.join(_tag(p) for p in want)}"
             if var in self.placed.values():
                 var += "_grad_" + "_".join(_tag(p) for p in grad)
-            back = grad_target(have) if not param else have
+            back = target if not param else have
             backward = "" if grad == back else f"; backward: {collective_comment(grad, back, self.axes)}"
             if param:
                 self.emit(f"{var} = param_shard({node.name}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
@@ -233,7 +299,7 @@ class _Emitter:
 
     def placeholder(self, node: fx.Node, np_: NodePlan | None) -> None:
         c = self.captured
-        if node.name in c.param_of and (grad := direct_grad(node, np_, self.plan)) is not None:
+        if node.name in c.param_of and (grad := direct_grad(node, np_, self.plan, self.passes)) is not None:
             self.direct[c.param_of[node.name]] = grad
             partial = [a for a, p in enumerate(grad) if isinstance(p, Partial)]
             why = (f"; its gradient, partial over {', '.join(self.axes[a] for a in partial)}, is all-reduced by "
@@ -274,14 +340,19 @@ class _Emitter:
                 self.emit(f"{node.name} = {self._call_text(node, {})}")
             return
         inputs = flat_tensor_inputs(node)
-        rename = {inp.name: self.operand(inp, want, grad_placement(want, np_.ins, np_.out),
+        rename = {inp.name: self.operand(inp, want, given_grad(want, np_, self.passes.get(node.name, ())),
                                          f"{node.name} ({np_.strategy}) needs {placements_str(want)}")
                   for inp, want in zip(inputs, np_.ins)}
         comment = f"{np_.strategy} -> {placements_str(np_.out)}"
+        if node.name in self.passes:
+            comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
+                        " (summed once, later)")
         args = ", ".join(self.arg(a, rename) for a in node.args)
-        if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Partial) for p in np_.out):
-            self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, placements={_fmt_placements(np_.out)})",
-                      comment)
+        if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
+            summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
+            over = ", ".join(self.axes[a] for a in summed)
+            self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed})",
+                      comment + (f"; one all-reduce over {over} sums the local losses" if summed else ""))
         elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
             rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
             self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)

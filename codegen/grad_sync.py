@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.autograd import Variable
@@ -29,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
 from autopar.core.placements import Placements
+from codegen.runtime import all_reduce
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -82,13 +82,7 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p._local_tensor.grad for p in bucket.params if p._local_tensor.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if len(bucket.axes) == self.mesh.ndim and self.mesh.size() == dist.get_world_size():
-            flat = funcol.all_reduce(flat, "sum", dist.group.WORLD)   # one collective over the whole mesh
-        else:
-            for axis in bucket.axes:
-                flat = funcol.all_reduce(flat, "sum", (self.mesh, axis))
-        bucket.reduced = flat
+        bucket.reduced = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.mesh, bucket.axes)
 
     def _finish(self) -> None:
         """End of the backward: launch what is left (parameters this step did not use leave a
@@ -107,8 +101,7 @@ class GradSync:
                 if flat is not None:
                     summed = flat[offset:offset + local.numel()].view_as(local)
                     offset += local.numel()
-                grad = DTensor.from_local(summed, self.mesh, list(p.placements), run_check=False, shape=p.shape,
-                                          stride=p.stride())
+                grad = DTensor(summed, p._spec, requires_grad=False)   # placed, shaped as the parameter
                 p.grad = grad if p.grad is None else p.grad + grad
                 local.grad = None
             bucket.ready, bucket.reduced = 0, None

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import LocalIntNode, LocalTensor, local_tensor_mode, rank_map
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
@@ -244,17 +246,41 @@ def sharded_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int 
 
 
 def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
-                          ignore_index: int = -100, label_smoothing: float = 0.0, *, mesh: DeviceMesh,
-                          placements: Sequence[Placement]) -> torch.Tensor:
+                          ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int]) -> torch.Tensor:
     """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
-    this rank's summand of the loss, its local sum divided by the global count of counted targets."""
+    the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce (with the
+    count of counted targets, for a mean). Axes where the batch is split but not summed leave
+    this rank's partial sum (reduction='sum' only)."""
     log_probs = torch.log_softmax(logits, dim=-1)
     local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
     if reduction == 2:
-        return local_sum
+        return _SumOverRanks.apply(local_sum, mesh, tuple(summed_over)) if summed_over else local_sum
     count = (target != ignore_index).sum().to(local_sum.dtype)
-    total = DTensor.from_local(count, mesh, list(placements), run_check=False, shape=torch.Size([]), stride=())
-    return local_sum / total.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+    both = _SumOverRanks.apply(torch.stack([local_sum, count]), mesh, tuple(summed_over))
+    return both[0] / both[1]
+
+
+def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
+    """Launch the sum of ``x`` over the ranks of mesh ``axes`` (a functional collective: the
+    result is waited for when first used): one collective when the axes span the whole job."""
+    if len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+    for axis in axes:
+        x = funcol.all_reduce(x, "sum", (mesh, axis))
+    return x
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum over mesh axes of every rank's summand, replicated. Backward: each summand's
+    gradient is the replicated sum's (Megatron's reduce from the model-parallel region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, axes: tuple[int, ...]) -> torch.Tensor:
+        return funcol.wait_tensor(all_reduce(x, mesh, axes))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:

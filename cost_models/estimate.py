@@ -25,7 +25,7 @@ import numpy as np
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
@@ -233,7 +233,7 @@ class CostModel:
             return Cost(state_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
         if nc.kind in ("output", "alias") or val is None:
             return Cost()
-        compute = self._compute(nc, s, val)
+        compute = self._compute(nc, s, val) + self._inside(nc, s)
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         if self._grad(nc.node):
             compute = compute + Cost(output_grad_bytes=out_bytes)
@@ -293,6 +293,14 @@ class CostModel:
         if not self._grad(nc.node):
             bwd = 0.0
         return Cost(compute_s=fwd + bwd, backward_s=bwd)
+
+    def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
+        """Collectives a strategy runs inside its op: a loss over a split batch made whole sums the
+        local loss and target count over the split axes (``runtime.sharded_cross_entropy``)."""
+        if nc.node.target is not torch.ops.aten.cross_entropy_loss.default:
+            return Cost()
+        summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
+        return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
 
     def measured_time(self, nc: NodeChoices, s: Strategy) -> OpTime | None:
         """The profile's forward and backward seconds of this op call, as measured alone."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core.capture import tensor_val
@@ -88,7 +88,7 @@ def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int], grad: Mappi
                            requires_grad=grad.get(a, False))
 
     args, kwargs = pytree.tree_map(local, (tuple(node.args), dict(node.kwargs)))
-    if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Partial) for p in s.out):
+    if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in s.ins[0]):
         return _sharded_cross_entropy(args)
     return OpCall(node.target, args, kwargs)
 

@@ -3,7 +3,7 @@ exactly like any plan, never beat it, and say when they do not fit."""
 from __future__ import annotations
 
 import pytest
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar import MeshSpec
@@ -143,3 +143,20 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     assert len(plans) == len(given) == 16
     assert clock.now == pytest.approx(40.0)                    # all within 40% of the 100 s left
     assert given == pytest.approx([40.0 / 16] * 16)            # an even part each
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])
+def test_ddp_hand_plan_communicates_as_ddp_does(name):
+    """Pure data parallelism: position ids and their embedding (no batch) are computed on every
+    rank, their gradient stays partial to the parameter, and the generated forward moves nothing:
+    the only collectives are the loss's single all-reduce and gradient sync's buckets."""
+    from autopar.core.capture import capture
+    from codegen.generate import generate
+
+    args, kwargs = make_batches(name, 8, 16, steps=1)[0]
+    model = build(name)
+    plan = candidates(model, MeshSpec((4,)), args, kwargs)["ddp"]
+    code = generate(capture(model, args, kwargs), plan)
+    assert "move(" not in code.source and "param_shard(" not in code.source and "redistribute(" not in code.source
+    assert code.source.count("summed_over=(0,)") == 1
+    assert all(isinstance(g[0], type(Partial())) for g in code.direct.values())

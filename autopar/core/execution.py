@@ -36,12 +36,13 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
-def moves(out: Placements, inp: Placements, grad: Placements, grad_flows: bool = True) -> bool:
+def moves(out: Placements, inp: Placements, grad: Placements, grad_flows: bool = True,
+          target: Placements | None = None) -> bool:
     """Does generated code move (``runtime.move``) a value placed ``out`` into a consumer that reads
     it placed ``inp`` and gives its gradient back placed ``grad``? Where the placement differs, or
-    the gradient must be brought to the producer's own (``grad_target``: a replicated input of a
-    split op gets a partial gradient, which is all-reduced)."""
-    return out != inp or (grad_flows and grad != grad_target(out))
+    the gradient must be brought to where the producer keeps it (``target``, by default
+    ``grad_target``: a replicated input of a split op gets a partial gradient, which is all-reduced)."""
+    return out != inp or (grad_flows and grad != (target if target is not None else grad_target(out)))
 
 
 def axis_collective(src: Placement, dst: Placement) -> str | None:

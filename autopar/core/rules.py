@@ -366,12 +366,17 @@ def attention(v: OpView, n: int) -> list[AxisRule]:
 
 
 def cross_entropy(v: OpView, n: int) -> list[AxisRule]:
-    """Loss over [N, C] logits: split the batch. A sum is a partial sum; a mean is computed
-    exactly by the runtime as (sum of local sums) / (global count of counted targets)."""
+    """Loss over [N, C] logits: split the batch. The runtime sums the local losses (and, for a
+    mean, the counts of counted targets) over the split in one all-reduce: the loss is exact for
+    uneven splits and ignored targets, and replicated. A sum may also stay a partial sum."""
     logits = v.in_shapes[0]
     rules = [replicate(v)]
-    if len(v.in_shapes) == 2 and _fits(logits[0], n, even=False) and v.arg(3, "reduction", 1) in (1, 2):
-        rules.append(AxisRule(P, (Shard(0), Shard(0)), "batch"))
+    reduction = v.arg(3, "reduction", 1)
+    if (len(v.in_shapes) == 2 and _fits(logits[0], n, even=False) and reduction in (1, 2)
+            and v.arg(5, "label_smoothing", 0.0) == 0.0):
+        rules.append(AxisRule(R, (Shard(0), Shard(0)), "batch"))
+        if reduction == 2:
+            rules.append(AxisRule(P, (Shard(0), Shard(0)), "batch-partial"))
     return rules
 
 

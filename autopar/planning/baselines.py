@@ -2,7 +2,8 @@
 
 A hand plan gives each mesh axis a role:
 
-* ``dp``: data parallel: parameters replicated, the batch split, no op computed twice (DDP);
+* ``dp``: data parallel: parameters replicated, the batch split, no op on the batch computed twice
+  (DDP; what does not depend on the inputs, such as position ids, is computed on every rank);
 * ``fsdp``: the same, with parameters stored sharded and gathered on use (ZeRO-3/FSDP);
 * ``tp``: Megatron tensor parallel: every matmul weight sharded (the solver picks column or row
   per matrix, which recovers Megatron's column -> row pairs), inputs replicated;
@@ -91,7 +92,8 @@ def hand_plans(planning: Planning, *, deadline: float | None = None, share: floa
     """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision)."""
     mesh = planning.space.mesh
     sets = role_sets(mesh)
-    traits = [_traits(planning.space, nc) for nc in planning.space.nodes]
+    on_batch = _on_batch(planning.space)
+    traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
     out = {}
     # All hand plans together end by ``end``; each gets an equal part of what is left of it.
     end = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) * share if deadline is not None else None
@@ -138,19 +140,19 @@ def _allowed(planning: Planning, roles: Sequence[str], traits: Sequence[Traits])
 Traits = tuple[bool, bool, bool, tuple[int, ...]]
 
 
-def _traits(space, nc: NodeChoices) -> Traits:
-    """What the roles look at: (computes on activations, is a matmul weight, is a residual add,
+def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
+    """What the roles look at: (computes on the batch, is a matmul weight, is a residual add,
     positions of the inputs that are weights of this matmul)."""
     if nc.kind == "param":
         return False, _is_matmul_weight(nc), False, ()
     if nc.kind == "op":
         weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
-        return _computes_on_activations(space, nc), False, _is_residual_add(nc), weights
+        return on_batch, False, _is_residual_add(nc), weights
     return False, False, False, ()
 
 
 def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequence[str]) -> bool:
-    on_activations, matmul_weight, residual_add, weights = traits
+    on_batch, matmul_weight, residual_add, weights = traits
     for a, role in enumerate(roles):
         if mesh.shape[a] == 1:
             continue
@@ -167,8 +169,9 @@ def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequen
             if s.out[a] != want:
                 return False
         elif kind == "op":
-            if role in ("dp", "fsdp") and on_activations and s.out[a] == R and all(p[a] == R for p in s.ins):
-                return False   # the same op computed on every rank of a data-parallel axis
+            replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
+            if role in ("dp", "fsdp") and on_batch == replicated:
+                return False   # an op on the batch computed on every rank, or one without it split
             if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
                 return False   # Megatron splits the matmul itself: its weight is used sharded
             if role == "tp+sp" and residual_add and s.out[a] != Shard(1):
@@ -176,8 +179,14 @@ def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequen
     return True
 
 
-def _computes_on_activations(space, nc: NodeChoices) -> bool:
-    return any(space.nodes[space.index[u]].kind not in ("param", "buffer") for u in nc.inputs if u in space.index)
+def _on_batch(space) -> set[int]:
+    """Indices of the ops that depend on the model's inputs. The others (position ids and their
+    embeddings, causal masks) have no batch to split: data parallelism computes them everywhere."""
+    out: set[int] = set()
+    for i, nc in enumerate(space.nodes):   # in graph order: producers first
+        if nc.kind == "input" or any(space.index.get(u) in out for u in nc.inputs):
+            out.add(i)
+    return out
 
 
 def _from_param(space, node) -> bool:

@@ -6,7 +6,8 @@ node's strategies each choice of that decision means. Three reductions build it:
 * **aliases** (one output of a split) take their source's choice, strategy for strategy;
 * **followers** (views, casts and other one-input elementwise ops) are folded into their
   producer: for each of the producer's strategies the follower takes its own cheapest strategy
-  given that one (no resharding when it can follow), so it needs no variable of its own;
+  that reads the producer's placement as it is (any, where none can), so it needs no variable
+  of its own;
 * **repeated blocks** (transformer layers, found from the graph's structure, never from names)
   share decisions: the blocks strictly between the first and the last of a run of identical
   blocks are cut into a few contiguous segments, and each block takes its segment's first
@@ -88,6 +89,11 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
         elif is_follower(space, j):
             i = space.index[nc.inputs[0]]
             given = edge_cost(i, j, 0)[choice[i]] + node_cost(j)[None, :]   # [producer choice][own strategy]
+            # follow: read the producer's placement as it is where some strategy can (a local slice
+            # looks free here, but whoever reads the follower may have to gather it back)
+            outs = [space.nodes[i].strategies[c].out for c in choice[i]]
+            same = np.array([[s.ins[0] == o for s in nc.strategies] for o in outs])
+            given = np.where(same | ~same.any(axis=1, keepdims=True), given, np.inf)
             root[j], choice[j] = root[i], np.argmin(given, axis=1)
             folded += 1
     rep, blocks = _shared_roots(space, root) if share_blocks else ({}, None)

@@ -22,7 +22,9 @@ from torch.export.graph_signature import OutputKind
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, tensor_val
 from autopar.core.execution import IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, moves
+from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.runtime import rank_value, shard_range
+from codegen.zero3 import GatherSpec
 from autopar.core.placements import Placements, grad_placement, grad_target, placements_str
 from autopar.core.plan import NodePlan, Plan
 
@@ -68,24 +70,35 @@ def on_parameters(graph: fx.Graph, params: set[str]) -> set[str]:
     return out
 
 
-def partial_passes(graph: fx.Graph, plan: dict[str, NodePlan], with_grad: set[str]) -> Passes:
+def partial_passes(graph: fx.Graph, plan: dict[str, NodePlan], with_grad: set[str], params: set[str]) -> Passes:
     """Ops computed whole on every rank of a mesh axis (inputs and output replicated there) whose
     every consumer gives a partial gradient back on that axis, as a batch-split op gives a
-    replicated input (position embeddings added to the batch): the gradient stays partial through
-    them (each rank's backward is linear in its summand) and is summed once, where it meets a
-    parameter (gradient sync's buckets) or a split value, not all-reduced in the middle of the
-    backward. Op name -> those axes (of ops whose value has a gradient: ``with_grad``)."""
-    passes: Passes = {}
-    for node in reversed(graph.nodes):
-        np_ = plan.get(node.name)
-        if node.op != "call_function" or np_ is None or not node.users or node.name not in with_grad:
-            continue
-        axes = tuple(a for a, o in enumerate(np_.out)
-                     if isinstance(o, Replicate) and all(isinstance(i[a], Replicate) for i in np_.ins)
-                     and all(_gives_partial(user, node, a, np_.out, plan, passes) for user in node.users))
-        if axes:
-            passes[node.name] = axes
-    return passes
+    replicated input (position embeddings added to the batch), and whose inputs are parameters
+    or such ops: the gradient stays partial through them (each rank's backward is linear in its
+    summand) and is summed once, in gradient sync's buckets with the parameters', instead of
+    all-reduced in the middle of the backward. (Where the gradient would meet an activation that
+    needs it whole, it is all-reduced at that edge instead: no gain, so no pass.) Op name -> those
+    axes (of ops whose value has a gradient: ``with_grad``; ``params``: parameter node names)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.name in with_grad and n.users
+             and plan.get(n.name) is not None]
+    allowed = {n.name: {a for a, o in enumerate(plan[n.name].out) if isinstance(o, Replicate)
+                        and all(isinstance(i[a], Replicate) for i in plan[n.name].ins)} for n in nodes}
+    while True:
+        passes: Passes = {}
+        for node in reversed(nodes):
+            axes = tuple(a for a in sorted(allowed[node.name]) if all(
+                _gives_partial(user, node, a, plan[node.name].out, plan, passes) for user in node.users))
+            if axes:
+                passes[node.name] = axes
+        dropped = False
+        for node in nodes:   # an input that keeps its gradient whole would all-reduce it: no pass
+            for a in passes.get(node.name, ()):
+                if any(i.name in with_grad and i.name not in params and a not in passes.get(i.name, ())
+                       for i in node.all_input_nodes):
+                    allowed[node.name].discard(a)
+                    dropped = True
+        if not dropped:
+            return passes
 
 
 def _gives_partial(user: fx.Node, node: fx.Node, axis: int, out: Placements, plan: dict[str, NodePlan],
@@ -108,6 +121,78 @@ def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Place
         if isinstance(want[a], Replicate):
             grad[a] = Partial()
     return tuple(grad)
+
+
+def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
+                  group_bytes: int, spans_job: bool) -> list[GatherSpec]:
+    """ZeRO-3 parameters gathered in groups (``codegen.zero3``), in the order the forward first
+    uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
+    split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
+    whole job) and used whole there, read as used by every op, its gradient partial on those axes
+    (reduce-scattered back) and as stored elsewhere.
+    The others are gathered one by one (``runtime.redistribute``)."""
+    order: list[tuple[str, tuple[int, ...], int]] = []   # (param node name, axes, dim)
+    seen: set[str] = set()
+    for node in captured.graph.nodes:
+        for inp in node.all_input_nodes:
+            if inp.name in seen or inp.name not in captured.param_of:
+                continue
+            seen.add(inp.name)
+            axes_dim = _gathered_axes(inp, plan, passes, mesh_shape, spans_job)
+            if axes_dim is not None:
+                order.append((inp.name, *axes_dim))
+    groups: list[GatherSpec] = []
+    names: list[str] = []
+    nbytes = 0
+    for k, (name, axes, dim) in enumerate(order):
+        names.append(name)
+        nbytes += _bytes_of(captured.graph, name)
+        last = k + 1 == len(order)
+        if last or nbytes >= group_bytes or order[k + 1][1] != axes or _dtype(captured, order[k + 1][0]) != _dtype(captured, name):
+            groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
+                                     tuple(d for n, _, d in order if n in names)))
+            names, nbytes = [], 0
+    return groups
+
+
+def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
+                   spans_job: bool) -> tuple[tuple[int, ...], int] | None:
+    """(mesh axes, tensor dim) a ZeRO-3 parameter is gathered over in a group, or None: one axis,
+    or every axis where the mesh is the whole job (``spans_job``)."""
+    np_ = plan.get(param.name)
+    if np_ is None or np_.storage == np_.out:
+        return None
+    axes = tuple(a for a, (s, o) in enumerate(zip(np_.storage, np_.out)) if s != o)
+    dims = {np_.storage[a].dim if isinstance(np_.storage[a], Shard) else None for a in axes}
+    dim = dims.pop()
+    if dims or dim is None or any(not isinstance(np_.out[a], Replicate) for a in axes) or (
+            len(axes) > 1 and not (spans_job and len(axes) == len(mesh_shape))):
+        return None
+    shape = tensor_val(param).shape
+    for b, p in enumerate(np_.storage):   # every split even, the gathered dim split on these axes only
+        if isinstance(p, Shard) and (shape[p.dim] % math.prod(mesh_shape[c] for c, q in enumerate(np_.storage)
+                                                              if q == p) or (b not in axes and p.dim == dim)):
+            return None
+    for user in param.users:
+        up = plan.get(user.name)
+        if up is None:
+            return None
+        for inp, want in zip(flat_tensor_inputs(user), up.ins):
+            if inp is param:
+                grad = given_grad(want, up, passes.get(user.name, ()))
+                if want != np_.out or any(not isinstance(grad[a], Partial) if a in axes else grad[a] != np_.storage[a]
+                                          for a in range(len(grad))):
+                    return None
+    return axes, dim
+
+
+def _bytes_of(graph: fx.Graph, name: str) -> int:
+    val = tensor_val(next(n for n in graph.nodes if n.name == name))
+    return val.numel() * val.element_size()
+
+
+def _dtype(captured: CapturedGraph, name: str) -> torch.dtype:
+    return tensor_val(next(n for n in captured.graph.nodes if n.name == name)).dtype
 
 
 def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) -> str:
@@ -208,10 +293,12 @@ class GeneratedCode:
     source: str
     sizes: LocalSizes
     direct: dict[str, Placements]
+    gathered: tuple[GatherSpec, ...] = ()
 
 
 class _Emitter:
-    def __init__(self, captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool, strict: bool) -> None:
+    def __init__(self, captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool, strict: bool,
+                 group_bytes: int, spans_job: bool) -> None:
         self.captured = captured
         self.plan = {n.name: n for n in plan.nodes}
         self.axes = plan.mesh.axis_names
@@ -225,7 +312,12 @@ class _Emitter:
         self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
         self.defined: set[str] = set()                 # variables assigned so far
         self.with_grad = on_parameters(captured.graph, set(captured.param_of))
-        self.passes = partial_passes(captured.graph, self.plan, self.with_grad)
+        self.passes = partial_passes(captured.graph, self.plan, self.with_grad, set(captured.param_of))
+        self.groups = gather_groups(captured, self.plan, self.passes, plan.mesh.shape, group_bytes, spans_job)
+        node_of = {fqn: name for name, fqn in captured.param_of.items() if name in self.plan}
+        self.group_names = [tuple(node_of[f] for f in g.fqns) for g in self.groups]
+        self.group_of = {name: k for k, names in enumerate(self.group_names) for name in names}   # param node -> group
+        self.gathered: set[int] = set()
 
     def grad_target(self, name: str, have: Placements) -> Placements:
         """Where the gradient of the value ``name`` (placed ``have``) is kept: ``grad_target``, partial
@@ -270,6 +362,9 @@ class _Emitter:
     def operand(self, node: fx.Node, want: Placements, grad: Placements, why: str) -> str:
         """The variable holding this rank's part of ``node`` placed ``want``, emitting the move (or
         the parameter read) if needed. ``grad``: how the consumer's gradient w.r.t. it comes back."""
+        if node.name in self.group_of:   # read whole as used (``gather_groups``)
+            self.gather(self.group_of[node.name])
+            return node.name
         have = self.out_of.get(node.name)
         if have is None:
             return node.name
@@ -297,9 +392,24 @@ class _Emitter:
             self.placed[key] = var
         return self.placed[key]
 
+    def gather(self, k: int) -> None:
+        """Emit group ``k``'s all-gather, where the forward first uses one of its parameters."""
+        if k in self.gathered:
+            return
+        self.gathered.add(k)
+        names = self.group_names[k]
+        axis = ", ".join(self.axes[a] for a in self.groups[k].axes)
+        self.lines.append(f"    # ZeRO-3, group {k}: {len(names)} parameter(s) stored split over {axis}, all-gathered in one "
+                          "collective (the next group's gather runs meanwhile); their gradients are reduce-scattered in one")
+        rows = [", ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
+        self.lines.append("    (" + ",\n     ".join(rows) + ",) = gather_params(self, " + str(k) + ")")
+        self.defined.update(names)
+
     def placeholder(self, node: fx.Node, np_: NodePlan | None) -> None:
         c = self.captured
-        if node.name in c.param_of and (grad := direct_grad(node, np_, self.plan, self.passes)) is not None:
+        if node.name in self.group_of:   # gathered where first used
+            self.out_of[node.name] = np_.out
+        elif node.name in c.param_of and (grad := direct_grad(node, np_, self.plan, self.passes)) is not None:
             self.direct[c.param_of[node.name]] = grad
             partial = [a for a, p in enumerate(grad) if isinstance(p, Partial)]
             why = (f"; its gradient, partial over {', '.join(self.axes[a] for a in partial)}, is all-reduced by "
@@ -415,10 +525,12 @@ def _tag(p: Placement) -> str:
     return "r" if isinstance(p, Replicate) else f"s{p.dim}" if isinstance(p, Shard) else "p"
 
 
-def generate(captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool = False, strict: bool = False
-             ) -> GeneratedCode:
-    """The sharded forward's source; ``strict`` adds a check of every op's local shape."""
-    em = _Emitter(captured, plan, keep_outputs_sharded, strict)
+def generate(captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool = False, strict: bool = False,
+             group_bytes: int = DEFAULT_BUCKET_BYTES, spans_job: bool = True) -> GeneratedCode:
+    """The sharded forward's source; ``strict`` adds a check of every op's local shape;
+    ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
+    mesh holds every rank of the job (a collective over all its axes is one process group)."""
+    em = _Emitter(captured, plan, keep_outputs_sharded, strict, group_bytes, spans_job)
     inputs = ", ".join(captured.user_inputs)
     em.lines.append(f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}):")
     last_use: dict[fx.Node, fx.Node] = {}
@@ -435,4 +547,4 @@ def generate(captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool = F
         elif node.op == "output":
             em.output(node)
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
-    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct)
+    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups))

@@ -12,7 +12,9 @@ launched (functional collectives: asynchronous until waited for); when the backw
 bucket is waited for, and each summed gradient is added to its parameter's ``grad``, a DTensor
 placed as the parameter is stored (a second backward before the optimizer step adds to it).
 
-Parameters read otherwise (moved first: ZeRO-3, or reads that disagree) keep a per-parameter hook
+ZeRO-3 parameters gathered in groups (``codegen.zero3``) hand their group's launched
+reduce-scatter here (``later``); it is waited for and handed over at the same moment. Parameters
+read otherwise (a ZeRO-3 parameter gathered alone, reads that disagree) keep a per-parameter hook
 (``runtime.sync_grad_to``).
 """
 from __future__ import annotations
@@ -69,16 +71,26 @@ class GradSync:
             self._bucket_of[id(local)] = bucket
             local.register_post_accumulate_grad_hook(self._ready)
         self._queued = False
+        self._later: list[tuple[list[nn.Parameter], torch.Tensor]] = []
 
     def _ready(self, local: torch.Tensor) -> None:
         """A shard's gradient is accumulated: launch its bucket's all-reduce once it is full."""
-        if not self._queued:   # once per backward: finish every bucket when the backward ends
-            Variable._execution_engine.queue_callback(self._finish)
-            self._queued = True
+        self._queue()
         bucket = self._bucket_of[id(local)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.axes:
             self._launch(bucket)
+
+    def later(self, params: list[nn.Parameter], reduced: torch.Tensor) -> None:
+        """``reduced``: the launched collective that yields ``params``' local gradients, flattened
+        and concatenated (a ZeRO-3 group's reduce-scatter); handed over when the backward ends."""
+        self._queue()
+        self._later.append((params, reduced))
+
+    def _queue(self) -> None:
+        if not self._queued:   # once per backward: finish every bucket when the backward ends
+            Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p._local_tensor.grad for p in bucket.params if p._local_tensor.grad is not None]
@@ -91,17 +103,29 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.axes and bucket.reduced is None and bucket.ready:
                 self._launch(bucket)
-            flat = funcol.wait_tensor(bucket.reduced) if bucket.reduced is not None else None
-            offset = 0
-            for p in bucket.params:
-                local = p._local_tensor
-                if local.grad is None:
-                    continue
-                summed = local.grad
-                if flat is not None:
-                    summed = flat[offset:offset + local.numel()].view_as(local)
-                    offset += local.numel()
-                grad = DTensor(summed, p._spec, requires_grad=False)   # placed, shaped as the parameter
-                p.grad = grad if p.grad is None else p.grad + grad
-                local.grad = None
+            used = [p for p in bucket.params if p._local_tensor.grad is not None]
+            if bucket.reduced is not None:
+                _hand_over(used, funcol.wait_tensor(bucket.reduced))
+            else:
+                for p in used:
+                    _add_grad(p, p._local_tensor.grad)
+            for p in used:
+                p._local_tensor.grad = None
             bucket.ready, bucket.reduced = 0, None
+        later, self._later = self._later, []
+        for params, reduced in later:
+            _hand_over(params, funcol.wait_tensor(reduced))
+
+
+def _hand_over(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Split ``flat`` into the parameters' local gradients, in order, and add each to its ``grad``."""
+    offset = 0
+    for p in params:
+        local = p._local_tensor
+        _add_grad(p, flat[offset:offset + local.numel()].view_as(local))
+        offset += local.numel()
+
+
+def _add_grad(p: nn.Parameter, local_grad: torch.Tensor) -> None:
+    grad = DTensor(local_grad, p._spec, requires_grad=False)   # placed, shaped as the parameter
+    p.grad = grad if p.grad is None else p.grad + grad

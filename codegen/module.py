@@ -16,9 +16,10 @@ from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError
 from autopar.core.placements import Placements
 from autopar.core.plan import Plan
-from codegen.generate import generate
+from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from codegen.shapes import Forward, ForwardPerShape
+from codegen.zero3 import GatheredParams, gather_params
 
 _counter = [0]
 
@@ -33,7 +34,7 @@ def compile_forward(source: str) -> Any:
         "shard_input": runtime.shard_input, "redistribute": runtime.redistribute, "move": runtime.move,
         "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
         "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
-        "full": runtime.full, "as_dtensor": runtime.as_dtensor,
+        "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
     }
     exec(compile(source, filename, "exec"), namespace)
     return namespace["forward"]
@@ -54,25 +55,29 @@ class ShardedModule(nn.Module):
         self.mesh = mesh
         self.plan = plan
         self._keep_outputs_sharded = keep_outputs_sharded
+        self._bucket_bytes = bucket_bytes
         # before the parameters are sharded: the forwards of other input shapes capture a copy
         self._forwards = ForwardPerShape(model, captured, self._make_forward)
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
-        self._shard_state(plan, captured, mesh, self._forwards.first.code.direct, bucket_bytes)
+        self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
     def _make_forward(self, captured: CapturedGraph) -> Forward:
-        generated = generate(captured, self.plan, self._keep_outputs_sharded, strict=runtime.STRICT)
+        generated = generate(captured, self.plan, self._keep_outputs_sharded, strict=runtime.STRICT,
+                             group_bytes=self._bucket_bytes, spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)))
         return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh))
 
-    def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, direct_grads: dict[str, Placements],
+    def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
         """Parameters become DTensors of their planned storage. A parameter reached under several
         names (tied embeddings: export reads it through one of them) stays one parameter, stored
         as planned for the name the graph uses. Those the forward reads as their shard
-        (``direct_grads``: FQN -> where the gradient accumulates) get their gradients from
-        ``GradSync``, the others from a hook."""
+        (``code.direct``: FQN -> where the gradient accumulates) or gathers in groups
+        (``code.gathered``) get their gradients from ``GradSync``, the others from a hook."""
+        direct_grads = code.direct
+        gathered = {f for g in code.gathered for f in g.fqns}
         replicate = [Replicate()] * mesh.ndim
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
         sharded: dict[int, nn.Parameter] = {}
@@ -86,12 +91,13 @@ class ShardedModule(nn.Module):
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
                 if fqn in direct_grads and p.requires_grad:
                     direct[fqn] = sharded[id(p)]
-                else:
+                elif fqn not in gathered:
                     runtime.sync_grad_to(sharded[id(p)])
             setattr(mod, leaf, sharded[id(p)])
         # the backward produces gradients in about the reverse order the forward first reads them
         ready_order = [(direct[f], direct_grads[f]) for f in reversed(direct_grads) if f in direct]
         self._grad_sync = GradSync(mesh, ready_order, bucket_bytes)
+        self._autopar_gather = GatheredParams(self, mesh, code.gathered, self._grad_sync)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)

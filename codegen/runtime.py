@@ -263,11 +263,26 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
     """Launch the sum of ``x`` over the ranks of mesh ``axes`` (a functional collective: the
     result is waited for when first used): one collective when the axes span the whole job."""
-    if len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
-        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+    if len(axes) == 1 or spans_job(mesh, axes):
+        return funcol.all_reduce(x, "sum", axes_group(mesh, axes))
     for axis in axes:
         x = funcol.all_reduce(x, "sum", (mesh, axis))
     return x
+
+
+def spans_job(mesh: DeviceMesh, axes: Sequence[int]) -> bool:
+    """Are ``axes`` every axis of a mesh made of every rank of the job (one process group)?"""
+    return len(axes) == mesh.ndim and mesh.size() == dist.get_world_size()
+
+
+def axes_group(mesh: DeviceMesh, axes: Sequence[int]) -> Any:
+    """The process group of one mesh axis, or of the whole job (``spans_job``), for a functional
+    collective; ranks in mesh order."""
+    if len(axes) == 1:
+        return (mesh, axes[0])
+    if not spans_job(mesh, axes):
+        raise ValueError(f"mesh axes {tuple(axes)} are neither one axis nor the whole job")
+    return dist.group.WORLD
 
 
 class _SumOverRanks(torch.autograd.Function):

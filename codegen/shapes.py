@@ -76,6 +76,6 @@ class ForwardPerShape:
                 f"change the model's graph (first difference: {changed[0]} where the plan has {changed[1]}): its "
                 "control flow depends on the shapes. Compile the model again for these inputs (autopar.compile).")
         forward = self._make(captured)
-        if forward.code.direct != self.first.code.direct:
+        if forward.code.direct != self.first.code.direct or forward.code.gathered != self.first.code.gathered:
             raise InputMismatchError("inputs of a new shape change how the plan reads its parameters; compile again")
         return forward

@@ -172,6 +172,8 @@ def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequen
             replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
             if role in ("dp", "fsdp") and on_batch == replicated:
                 return False   # an op on the batch computed on every rank, or one without it split
+            if role in ("dp", "fsdp") and any(s.ins[k][a] != R for k in weights):
+                return False   # data parallelism uses every weight whole
             if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
                 return False   # Megatron splits the matmul itself: its weight is used sharded
             if role == "tp+sp" and residual_add and s.out[a] != Shard(1):

@@ -1,0 +1,114 @@
+"""ZeRO-3 parameters gathered as FSDP2 gathers them: in groups, one collective per group.
+
+Parameters stored split over a mesh axis and used whole on it (``codegen.generate.gather_groups``
+picks them) are gathered group by group, in the order the forward first uses them: each
+group's shards are concatenated and all-gathered in one collective, and the next group's
+all-gather is launched as soon as this one is waited for, so it runs while this group computes
+(prefetch). In the backward, the gradients of a group's gathered parameters are packed the
+same way and reduce-scattered in one collective, launched when the group's last gradient is
+ready and waited for when the backward ends (``GradSync.later``), which hands each shard its
+gradient. Gathered copies are freed when the backward no longer needs them, as autograd frees
+any saved tensor.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from codegen.grad_sync import GradSync
+from codegen.runtime import axes_group
+
+
+@dataclass(frozen=True)
+class GatherSpec:
+    """One group: its parameters (FQNs, in first-use order), the mesh axes they are gathered
+    over (one, or all of a mesh spanning the job) and, per parameter, the tensor dimension split
+    over those axes."""
+
+    fqns: tuple[str, ...]
+    axes: tuple[int, ...]
+    dims: tuple[int, ...]
+
+
+class GatheredParams:
+    """The groups of one module, gathered on demand (``gather``) with the next one prefetched."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, specs: Sequence[GatherSpec], grad_sync: GradSync) -> None:
+        self.mesh = mesh
+        self.specs = list(specs)
+        self.params = [[module.get_parameter(f) for f in spec.fqns] for spec in self.specs]
+        self.grad_sync = grad_sync
+        for group in self.params:
+            for p in group:
+                p._local_tensor.requires_grad_(p.requires_grad)
+        self._prefetched: dict[int, torch.Tensor] = {}
+
+    def gather(self, k: int) -> tuple[torch.Tensor, ...]:
+        """Group ``k``'s parameters, whole on the gathered axis; launches group ``k + 1``'s gather."""
+        if k == 0:   # a new forward: parameters may have changed since the last prefetch
+            self._prefetched.clear()
+        flat = self._prefetched.pop(k, None)
+        if flat is None:
+            flat = self._launch(k)
+        if k + 1 < len(self.params):
+            self._prefetched[k + 1] = self._launch(k + 1)
+        locals_ = [p._local_tensor for p in self.params[k]]
+        return _Gather.apply(self, k, funcol.wait_tensor(flat), *locals_)
+
+    def _launch(self, k: int) -> torch.Tensor:
+        flat = torch.cat([p._local_tensor.detach().reshape(-1) for p in self.params[k]])
+        return funcol.all_gather_single(flat, 0, axes_group(self.mesh, self.specs[k].axes))
+
+    def _size(self, k: int) -> int:
+        return math.prod(self.mesh.size(a) for a in self.specs[k].axes)
+
+
+class _Gather(torch.autograd.Function):
+    """Unpack a group's all-gathered shards into whole parameters; backward: pack their gradients
+    and launch one reduce-scatter, handed to gradient sync (the shards get no autograd gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: GatheredParams, k: int, gathered: torch.Tensor, *shards: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.owner, ctx.k = owner, k
+        ctx.shapes = [s.shape for s in shards]
+        n = owner._size(k)
+        rows = gathered.view(n, -1)   # one row per rank of the axis, in mesh order
+        out, offset = [], 0
+        for shard, dim in zip(shards, owner.specs[k].dims):
+            piece = rows[:, offset:offset + shard.numel()].reshape(n, *shard.shape)
+            whole = list(shard.shape)
+            whole[dim] *= n
+            out.append(piece.movedim(0, dim).reshape(whole))
+            offset += shard.numel()
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        owner, k = ctx.owner, ctx.k
+        n = owner._size(k)
+        packed, like = [], next(g for g in grads if g is not None)
+        for g, shape, dim in zip(grads, ctx.shapes, owner.specs[k].dims):
+            whole = list(shape)
+            whole[dim] *= n
+            if g is None:
+                g = like.new_zeros(whole)
+            split = g.reshape(*whole[:dim], n, shape[dim], *whole[dim + 1:]).movedim(dim, 0)
+            packed.append(split.reshape(n, -1))
+        flat = torch.cat(packed, dim=1).reshape(-1)
+        reduced = funcol.reduce_scatter_single(flat, "sum", 0, axes_group(owner.mesh, owner.specs[k].axes))
+        owner.grad_sync.later(owner.params[k], reduced)
+        return (None, None, None) + (None,) * len(ctx.shapes)
+
+
+
+def gather_params(module: nn.Module, k: int) -> tuple[torch.Tensor, ...]:
+    """Generated code's call: group ``k`` of ``module``'s ZeRO-3 parameters, whole where used."""
+    return module._autopar_gather.gather(k)

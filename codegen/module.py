@@ -14,7 +14,6 @@ from torch.utils import _pytree as pytree
 import codegen.runtime as runtime
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError
-from autopar.core.placements import Placements
 from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync

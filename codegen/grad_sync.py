@@ -29,10 +29,11 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
+from autopar.core.execution import BUCKET_BYTES
 from autopar.core.placements import Placements
 from codegen.runtime import all_reduce
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+DEFAULT_BUCKET_BYTES = BUCKET_BYTES
 
 
 @dataclass

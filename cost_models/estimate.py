@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
 from autopar.core.capture import tensor_val
-from autopar.core.execution import VIEW_OPS, axis_collective, moves
+from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, grad_placement, grad_target, is_split, shard_fraction
@@ -151,17 +151,19 @@ class CostModel:
 
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
-                     queued: bool = False) -> Cost:
+                     queued: bool = False, batched: bool = False) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
         blocking (``comm_s``), or a gradient synchronisation queued during the backward
-        (``queued``: ``overlap_s``, no staging buffers of its own), each at its in-step factor."""
+        (``queued``: ``overlap_s``, no staging buffers of its own), each at its in-step factor.
+        Queued and ``batched`` ones (a ZeRO-3 gather) share one collective with others, a bucket
+        of ``BUCKET_BYTES``: each pays its share of the collective's latency."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
-        key = (shape, dtype, src, dst, queued)
+        key = (shape, dtype, src, dst, queued, batched)
         if key not in self._moves:
             full = _numel(shape) * _itemsize(dtype)
             time, sent, measured = 0.0, [], False
             for a, (s, d) in enumerate(zip(src, dst)):
-                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape))
+                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), queued or batched)
                 time, measured = time + t, measured or m
                 sent.append(b)
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
@@ -186,7 +188,7 @@ class CostModel:
         for a in range(len(mesh)):
             rows, row_keys = _classes([(s[a], full * _others_fraction(s, a, mesh)) for s in srcs])
             cols, col_keys = _classes([d[a] for d in dsts])
-            table = np.array([[self._axis_move(a, s, d, nbytes) for d in col_keys] for s, nbytes in row_keys])
+            table = np.array([[self._axis_move(a, s, d, nbytes, queued) for d in col_keys] for s, nbytes in row_keys])
             terms.append(Term(rows, cols, table[..., 0] * self._in_step_scale(queued)))
             table = table[np.ix_(rows, cols)]   # [source, destination, (seconds, bytes sent, measured)]
             time += table[..., 0]
@@ -198,16 +200,20 @@ class CostModel:
         grid = Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
         return self._in_step(grid, queued), terms
 
-    def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float) -> tuple[float, float, bool]:
+    def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, batched: bool = False
+                   ) -> tuple[float, float, bool]:
         """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
-        one group of that axis: (seconds, bytes each rank sends, over a profiled link)."""
+        one group of that axis: (seconds, bytes each rank sends, over a profiled link). A
+        ``batched`` one pays the share of the latency its bytes take of a bucket."""
         n = self.mesh.shape[a]
         kind = axis_collective(s, d)
         if kind is None or n == 1:
             return 0.0, 0.0, False
-        link = self._link(kind, a)
+        link = measured = self._link(kind, a)
+        if batched:
+            link = Link(link.bandwidth, link.latency * min(1.0, nbytes / BUCKET_BYTES))
         return (collective_time(kind, nbytes, n, link), nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1),
-                link is not self.links[a])
+                measured is not self.links[a])
 
     def _in_step(self, c: Cost, queued: bool) -> Cost:
         """A redistribution inside a step, at its in-step factor: blocking, or a queued gradient
@@ -269,7 +275,7 @@ class CostModel:
         cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                     transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
-            gather = self.redistribute(val.shape, val.dtype, s.storage, s.out)
+            gather = self.redistribute(val.shape, val.dtype, s.storage, s.out, batched=True)
             cost = cost + gather + Cost(saved_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
         return cost
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core.capture import tensor_val
+from autopar.core.execution import SHAPE_ARG_OPS
 from autopar.core.placements import local_shape
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import gradients
@@ -88,6 +89,8 @@ def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int], grad: Mappi
                            requires_grad=grad.get(a, False))
 
     args, kwargs = pytree.tree_map(local, (tuple(node.args), dict(node.kwargs)))
+    if node.target in SHAPE_ARG_OPS:   # a view's target shape, made local as generated code makes it
+        args = (args[0], list(local_shape(tensor_val(node).shape, s.out, mesh_shape)), *args[2:])
     if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in s.ins[0]):
         return _sharded_cross_entropy(args)
     return OpCall(node.target, args, kwargs)

@@ -106,6 +106,26 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
     assert cost.comm_s / two.comm_s == pytest.approx((2 * (n - 1) / n) / 1.0, rel=0.01)
 
 
+def test_bucketed_collectives_pay_their_share_of_one_latency():
+    """Gradient sync (queued) and ZeRO-3 gathers (batched) share one collective per bucket, as the
+    runtime runs them: a small tensor pays the bucket's latency in proportion to its bytes, a
+    bucket-sized one all of it; bandwidth and bytes sent are the same either way."""
+    from autopar.core.execution import BUCKET_BYTES
+
+    space = _space(mesh=(4,), hardware="cpu")
+    model = CostModel(space.mesh, space)
+    for numel in (1024, BUCKET_BYTES // 4):
+        alone = model.redistribute((numel,), torch.float32, (Partial(),), (R,))
+        queued = model.redistribute((numel,), torch.float32, (Partial(),), (R,), queued=True)
+        gathered = model.redistribute((numel,), torch.float32, (S0,), (R,), batched=True)
+        latency = 2 * 3 * model.links[0].latency   # a ring all-reduce over 4: 2(n - 1) steps
+        share = min(1.0, numel * 4 / BUCKET_BYTES)
+        assert queued.overlap_s == pytest.approx(alone.comm_s - latency * (1 - share))
+        assert queued.comm_bytes == alone.comm_bytes
+        assert gathered.comm_s == pytest.approx(
+            model.redistribute((numel,), torch.float32, (S0,), (R,)).comm_s - 3 * model.links[0].latency * (1 - share))
+
+
 def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
     """A profile's in-step factors of this mesh shape scale blocking collectives (``comm``) and
     queued gradient sync (``sync``) separately, and nothing else: bytes moved stay what the

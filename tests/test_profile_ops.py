@@ -144,3 +144,15 @@ def test_an_op_that_fails_on_real_inputs_is_skipped_with_a_warning(caplog):
         times = time_op_calls([bad, good], min_time_s=0.002, repeats=3)
     assert set(times) == {good.key}
     assert any(bad.key in r.getMessage() for r in caplog.records)
+
+
+def test_a_view_is_timed_with_its_local_target_shape():
+    """Generated code passes a view its local shape: so does the timed call (the global shape
+    would not fit the local input)."""
+    space = zoo_space("gpt-tiny")
+    nc = next(nc for nc in space.nodes if nc.kind == "op" and nc.node.target is aten.view.default
+              and any(s.out[0] == Shard(0) for s in nc.strategies))
+    split = next(s for s in nc.strategies if s.out[0] == Shard(0))
+    x, shape = call(space, nc, split).args[:2]
+    full = list(nc.node.meta["val"].shape)
+    assert shape == [full[0] // MESH[0], *full[1:]] and x.numel() == math.prod(shape)

@@ -36,6 +36,10 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
+#: Bytes of gradients the runtime reduces in one collective (DDP's default bucket), and of ZeRO-3
+#: parameters it gathers in one: per-collective latency is paid once per this many bytes.
+BUCKET_BYTES = 25 * 2**20
+
 def moves(out: Placements, inp: Placements, grad: Placements, grad_flows: bool = True,
           target: Placements | None = None) -> bool:
     """Does generated code move (``runtime.move``) a value placed ``out`` into a consumer that reads

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, make_batches,
+from tests.equivalence import (ATOL, EPS, LR, RTOL, build, check_training, gloo_runner, local_runner, make_batches,
                                tight_budget, train_reference)
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
@@ -107,7 +107,7 @@ def test_tied_embeddings_train_as_one_parameter(name):
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 96, (4, 16), generator=gen) for _ in range(3)]
     reference, extra = _hf_tied(name)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     for ids in batches:
         reference(input_ids=ids, labels=ids, **extra).loss.backward()
         opt.step()
@@ -119,7 +119,7 @@ def test_tied_embeddings_train_as_one_parameter(name):
 
         pm = autopar.compile(model, mesh, (), {"input_ids": batches[0], "labels": batches[0], **extra}, time_limit=SOLVE_S)
         assert model.get_input_embeddings().weight is model.get_output_embeddings().weight   # pm's modules
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
         for ids in batches:
             pm(input_ids=ids, labels=ids, **extra).loss.backward()
             opt.step()

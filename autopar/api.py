@@ -41,6 +41,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     """Shard ``model`` over a live ``mesh`` and return a module every rank calls with global inputs.
     Without ``plan``, plans first with ``options``/``option_values`` (``autopar.PlanOptions``).
     ``bucket_bytes``: size of the buckets gradients are all-reduced in during the backward.
+    ``keep_outputs_sharded``: return outputs as DTensors placed as the plan leaves them (no
+    communication; ``.full_tensor()`` gathers one) instead of gathering each whole on every rank.
+    A training loop that reads only the loss should set it: a model returning its logits beside
+    the loss otherwise all-gathers batch x sequence x vocabulary values every step.
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
     this rank's shard, under the original names.

@@ -14,7 +14,10 @@ rounds):
 * one process: eager PyTorch against autopar on a (1,) mesh.
 
 Torch's wrappers get each rank's part of the global batch (DDP and FSDP2 a quarter, TP ranks their
-dp group's half); autopar gets the global batch, as its API asks. Prints each variant's step and
+dp group's half); autopar gets the global batch, as its API asks. Torch's wrappers return each
+rank's part of the outputs (its rows of the logits); autopar's variants do the same
+(``keep_outputs_sharded=True``: DTensor outputs, no communication), and its default, every output
+gathered whole on every rank, is timed once more on the 'ddp' plan ("outputs gathered"). Prints each variant's step and
 the ratios: autopar hand plan / the torch wrapper doing the same (target <= 1.10), auto / fastest
 torch variant (<= 1.05), one process autopar / eager (<= 1.05); saves
 benchmarks/results/peer_runtime.json.
@@ -70,9 +73,15 @@ def _worker(mesh, name: str, batch: int, seq: int, plans: dict[str, str], rounds
         runs["torch eager"] = (build(), example)
     if mesh.ndim == 2 and (tp := peers.tensor_parallel(build(), example, mesh)) is not None:
         runs["torch TP x FSDP2"] = tp
+    # torch's wrappers return each rank's part of the outputs (the logits): autopar's counterpart
+    # keeps outputs sharded too; its default (every output gathered whole) is timed on the ddp plan
+    sharded = dist.get_world_size() > 1
     for label, text in plans.items():
-        runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=autopar.Plan.from_json(text)),
+        plan = autopar.Plan.from_json(text)
+        runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=plan, keep_outputs_sharded=sharded),
                                     example)
+        if sharded and label == "ddp":
+            runs[f"autopar {label}, outputs gathered"] = (autopar.compile(build(), mesh, *example, plan=plan), example)
     # foreach=True for every variant: torch picks its per-tensor loop for DTensor parameters (autopar,
     # FSDP2) and on the CPU, where the loop costs ~40 us per tensor and op
     timed = {label: (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), rank_batch)

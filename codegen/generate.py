@@ -229,8 +229,8 @@ class LocalSizes:
     def __init__(self, mesh_shape: Sequence[int], axis_names: Sequence[str]) -> None:
         self.mesh_shape = tuple(mesh_shape)
         self.axis_names = [n if n.isidentifier() else f"axis{a}" for a, n in enumerate(axis_names)]
-        self.specs: dict[str, tuple[int, tuple[int, ...], int]] = {}   # name -> (size, axes, 0 start / 1 stop / 2 length)
-        # starts and stops are 0-d tensors (compared with ids), lengths ints (shape arguments)
+        self.specs: dict[str, tuple[int, tuple[int, ...], int]] = {}   # name -> (size, axes, 0 start / 1 stop / 2 length / 3 offset)
+        # starts and stops are 0-d tensors (compared with ids), lengths and offsets ints (shape and narrow arguments)
 
     def _ranges(self, size: int, axes: tuple[int, ...]) -> list[tuple[int, int]]:
         coords = itertools.product(*(range(n) for n in self.mesh_shape))
@@ -239,7 +239,7 @@ class LocalSizes:
     def _named(self, size: int, axes: tuple[int, ...], which: int, values: set[int]) -> str:
         if len(values) == 1:
             return str(values.pop())
-        name = f"{('start', 'stop', 'n')[which]}{size}_over_{'_'.join(self.axis_names[a] for a in axes)}"
+        name = f"{('start', 'stop', 'n', 'at')[which]}{size}_over_{'_'.join(self.axis_names[a] for a in axes)}"
         self.specs[name] = (size, axes, which)
         return f"sizes.{name}"
 
@@ -251,6 +251,16 @@ class LocalSizes:
         """Texts of the [start, stop) this rank holds of a dimension of ``size`` split over ``axes``."""
         ranges = self._ranges(size, axes)
         return (self._named(size, axes, 0, {r[0] for r in ranges}), self._named(size, axes, 1, {r[1] for r in ranges}))
+
+    def part(self, var: str, shape: Sequence[int], placements: Placements) -> str:
+        """Text of this rank's part of ``var``, a full tensor of ``shape`` that ``placements`` split:
+        a narrow per split dimension (a view: no copy, no communication)."""
+        for d, n in enumerate(shape):
+            if axes := _split_axes(placements, d):
+                ranges = self._ranges(int(n), axes)
+                at = self._named(int(n), axes, 3, {start for start, _ in ranges})
+                var = f"{var}.narrow({d}, {at}, {self.dim(int(n), axes)})"
+        return var
 
     def uneven(self, shape: Sequence[int], placements: Placements) -> bool:
         """Do ranks hold different local shapes of a tensor of global ``shape`` placed ``placements``?"""
@@ -281,7 +291,7 @@ def _split_axes(placements: Placements, dim: int) -> tuple[int, ...]:
 
 def _pick(start_stop: tuple[int, int], which: int) -> int:
     start, stop = start_stop
-    return (start, stop, stop - start)[which]
+    return (start, stop, stop - start, start)[which]
 
 
 @dataclass(frozen=True)
@@ -432,8 +442,9 @@ class _Emitter:
             self.emit(f"{node.name} = self._autopar_constants[{c.constant_of[node.name]!r}]", "replicated constant")
             self.out_of[node.name] = np_.out if np_ else None
         elif np_ is not None:  # user input tensor
-            self.emit(f"{node.name} = shard_input({node.name}, mesh, {_fmt_placements(np_.out)})",
-                      f"every rank passes the full input; keep this rank's part ({np_.strategy})")
+            part = self.sizes.part(node.name, tensor_val(node).shape, np_.out)
+            if part != node.name:
+                self.emit(f"{node.name} = {part}", f"every rank passes the full input; keep this rank's part ({np_.strategy})")
             self.out_of[node.name] = np_.out
 
     def call(self, node: fx.Node, np_: NodePlan | None) -> None:

@@ -30,7 +30,7 @@ def compile_forward(source: str) -> Any:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {
         "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
-        "shard_input": runtime.shard_input, "redistribute": runtime.redistribute, "move": runtime.move,
+        "redistribute": runtime.redistribute, "move": runtime.move,
         "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
         "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
         "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
@@ -114,7 +114,7 @@ class ShardedModule(nn.Module):
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
         forward = self._forwards.get(flat, args, kwargs)
-        outs = forward.run(self, self.mesh, self._device, forward.sizes, *flat)
+        outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import LocalIntNode, LocalTensor, local_tensor_mode, rank_map
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
@@ -73,11 +73,14 @@ def own_storage(t: DTensor) -> DTensor:
     return DTensor.from_local(copies, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
-def shard_input(t: Any, mesh: DeviceMesh, placements: Sequence[Placement]) -> Any:
-    """Every rank holds the full input: keep this rank's part, no communication."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    return distribute_tensor(t, mesh, list(placements), src_data_rank=None).to_local()
+def rank_inputs(values: Sequence[Any]) -> list[Any]:
+    """The inputs as each rank holds them. Under LocalTensorMode (all ranks in one process) a
+    plain tensor stands for every rank at once, and cutting it at a per-rank offset falls back to
+    one rank's value: each tensor becomes a per-rank tensor. A no-op on real processes."""
+    if local_tensor_mode() is None:
+        return list(values)
+    return [rank_map(lambda _rank, v=v: v) if isinstance(v, torch.Tensor) and not isinstance(v, LocalTensor) else v
+            for v in values]
 
 
 def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Sequence[Placement],

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
-from autopar.core.capture import CapturedGraph, flat_tensor_inputs, tensor_val
+from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val
 from autopar.core.execution import IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, moves
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.runtime import rank_value, shard_range
@@ -58,16 +58,6 @@ def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes
 
 
 Passes = dict[str, tuple[int, ...]]
-
-
-def on_parameters(graph: fx.Graph, params: set[str]) -> set[str]:
-    """Names of the nodes computed from parameters (``params``: their node names): the values that
-    may carry a gradient."""
-    out = set(params)
-    for node in graph.nodes:
-        if any(i.name in out for i in node.all_input_nodes):
-            out.add(node.name)
-    return out
 
 
 def partial_passes(graph: fx.Graph, plan: dict[str, NodePlan], with_grad: set[str], params: set[str]) -> Passes:
@@ -321,7 +311,8 @@ class _Emitter:
         self.params: set[str] = set()                  # vars holding a parameter (a DTensor), read per use
         self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
         self.defined: set[str] = set()                 # variables assigned so far
-        self.with_grad = on_parameters(captured.graph, set(captured.param_of))
+        params = {n for n in captured.graph.nodes if n.name in captured.param_of}
+        self.with_grad = {n.name for n, grad in needs_grad(captured.graph, params).items() if grad}
         self.passes = partial_passes(captured.graph, self.plan, self.with_grad, set(captured.param_of))
         self.groups = gather_groups(captured, self.plan, self.passes, plan.mesh.shape, group_bytes, spans_job)
         node_of = {fqn: name for name, fqn in captured.param_of.items() if name in self.plan}

@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from autopar.core.execution import VIEW_OPS
-from autopar.core.capture import flat_tensor_inputs, tensor_val
+from autopar.core.capture import flat_tensor_inputs, needs_grad, tensor_val
 from autopar.core.strategies import StrategySpace
 from cost_models.compute import as_amount
 
@@ -33,19 +33,6 @@ class Saved:
 
 
 NOTHING = Saved(frozenset(), False, 0.0)
-
-
-def needs_grad(graph: fx.Graph, params: set[fx.Node]) -> dict[fx.Node, bool]:
-    """Whether each node's output gets a gradient: it depends on a floating-point parameter."""
-    out: dict[fx.Node, bool] = {}
-    for node in graph.nodes:
-        val = tensor_val(node)
-        floating = val is not None and val.dtype.is_floating_point
-        if node.op == "placeholder":
-            out[node] = floating and node in params
-        else:
-            out[node] = floating and any(out.get(i, False) for i in flat_tensor_inputs(node))
-    return out
 
 
 def gradients(space: StrategySpace) -> dict[fx.Node, bool]:

@@ -7,6 +7,8 @@ Adam normalises; a larger eps keeps that noise from turning into lr-sized steps 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -33,9 +35,10 @@ def make_batches(name: str, batch: int, seq: int, steps: int = STEPS) -> list[tu
     return out
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str | Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Zoo model ``name``, or a model a (module-level, picklable) function builds; same seed, same weights."""
     torch.manual_seed(0)
-    return get_model(name).build()
+    return get_model(name).build() if isinstance(name, str) else name()
 
 
 def loss_of(out) -> torch.Tensor:
@@ -82,10 +85,11 @@ def meta_model(name: str, batch: int | None = None, seq: int | None = None) -> t
     return (model, *entry.example(batch, seq, device="meta"))
 
 
-def check_training(name: str, batch: int, seq: int, mesh_shape: tuple[int, ...], runner, plan_options: dict,
-                   batches: list | None = None) -> autopar.Plan:
+def check_training(name: str | Callable[[], torch.nn.Module], batch: int, seq: int, mesh_shape: tuple[int, ...],
+                   runner, plan_options: dict, batches: list | None = None) -> autopar.Plan:
     """Train ``name`` on one device and sharded (``runner``: ``local_runner`` or ``gloo_runner``)
-    with the same batches (by default ``STEPS`` of ``batch`` x ``seq``; the sharded module is
+    with the same batches (by default ``STEPS`` of ``batch`` x ``seq``, given for a model outside
+    the zoo, which ``name`` then builds: see ``build``; the sharded module is
     compiled for the first); every rank's losses and final parameters must equal one device's."""
     batches = batches or make_batches(name, batch, seq)
     ref_losses, ref_state = train_reference(name, batches)

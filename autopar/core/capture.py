@@ -73,6 +73,54 @@ def _user_frame(exc: BaseException) -> str:
 
 
 
+def _inline_grad_regions(program: ExportedProgram) -> None:
+    """Inline the ``torch.no_grad()`` / ``torch.enable_grad()`` regions export records as
+    ``wrap_with_set_grad_enabled`` higher-order ops on submodules (HF's rotary embeddings run
+    under ``no_grad``): their ops join the graph, to be planned and generated like any other,
+    and each value a ``no_grad`` region returns is detached, so no gradient flows through it,
+    as when the model runs. Nested regions are inlined in turn."""
+    gm = program.graph_module
+    graph = gm.graph
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    while regions := [n for n in graph.nodes if n.op == "call_function" and n.target is hop]:
+        for node in regions:
+            enabled, attr, *operands = node.args
+            body = getattr(gm, attr.target)
+            for inner in body.graph.nodes:   # a nested region's submodule, reached from the parent
+                if inner.op == "get_attr":
+                    inner.target = f"{attr.target}.{inner.target}"
+            placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
+            with graph.inserting_before(node):
+                outs = graph.graph_copy(body.graph, dict(zip(placeholders, operands)))
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            for item in list(node.users):   # getitem(region, i): region output i
+                value = outs[item.args[1]]
+                if enabled:
+                    item.replace_all_uses_with(value)
+                    graph.erase_node(item)
+                else:
+                    item.target, item.args = torch.ops.aten.detach.default, (value,)
+            graph.erase_node(node)
+            if not attr.users:
+                graph.erase_node(attr)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _refuse_higher_order_ops(program: ExportedProgram, model_name: str) -> None:
+    """Higher-order ops other than grad-mode regions (autocast regions, torch.cond, checkpoint
+    wrappers) have no generated form yet: say which, instead of failing in generated code."""
+    found = sorted({str(n.target) for n in program.graph.nodes
+                    if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    if found:
+        raise CaptureError(
+            f"{model_name} contains higher-order ops autopar cannot shard yet: {', '.join(found)} "
+            "(torch.autocast regions, torch.cond, activation checkpointing inside forward). "
+            "Run the model without torch.autocast, replace torch.cond by torch.where, and call "
+            "its layers without torch.utils.checkpoint."
+        )
+
+
 def fingerprint(program: ExportedProgram, model_name: str) -> str:
     """A stable id of the graph (ops and shapes), so a plan is never applied to another model."""
     import hashlib
@@ -112,6 +160,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             "Data-dependent Python control flow on tensor values is the usual cause; "
             "rewrite it with torch.cond/torch.where or make it depend on shapes only."
         ) from e
+    _inline_grad_regions(program)
+    _refuse_higher_order_ops(program, type(model).__name__)
     sig = program.graph_signature
     param_of, buffer_of, constant_of, user_inputs = {}, {}, {}, []
     for spec in sig.input_specs:
@@ -158,6 +208,21 @@ def flat_tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued argument nodes in argument order (duplicates kept: ``x * x`` has two)."""
     leaves = pytree.tree_leaves((node.args, node.kwargs))
     return [a for a in leaves if isinstance(a, fx.Node) and _is_tensor_like(a)]
+
+
+def needs_grad(graph: fx.Graph, params: set[fx.Node]) -> dict[fx.Node, bool]:
+    """Whether each node's output gets a gradient: it depends on a floating-point parameter through
+    ops other than ``detach`` (which ends a ``torch.no_grad`` region: ``_inline_grad_regions``)."""
+    out: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        val = tensor_val(node)
+        floating = val is not None and val.dtype.is_floating_point
+        if node.op == "placeholder":
+            out[node] = floating and node in params
+        else:
+            out[node] = (floating and node.target is not torch.ops.aten.detach.default
+                         and any(out.get(i, False) for i in flat_tensor_inputs(node)))
+    return out
 
 
 def _is_tensor_like(n: fx.Node) -> bool:

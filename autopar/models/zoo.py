@@ -28,9 +28,9 @@ Hugging Face models are made export-friendly (see :func:`_hf_build` and :func:`_
 * untied input/output embeddings (BERT's then-unused ``cls.predictions.bias`` is removed);
 * attention implementation ``autopar_sdpa``: SDPA with ``is_causal=True`` (BERT: ``False``) and
   no ``attn_mask``, instead of a ``[B, 1, T, T]`` mask that HF materialises under ``torch.export``
-  (padding ``attention_mask`` arguments are therefore ignored; the zoo never passes one);
-* no ``torch.no_grad`` region around the rotary embedding (``torch.export`` would capture it as
-  a ``wrap_with_set_grad_enabled`` higher-order op).
+  (padding ``attention_mask`` arguments are therefore ignored; the zoo never passes one).
+
+The rotary embedding's ``torch.no_grad`` region is kept: capture inlines it.
 
 With ``labels`` the HF models return a ``ModelOutput``; an exported program's outputs are then
 ``(loss, logits)``, without labels ``(logits,)``.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -194,29 +193,10 @@ def _register_hf_attention() -> None:
         AttentionInterface.register(_HF_ATTN, sdpa_attention_forward)
 
 
-def _strip_rotary_no_grad(model: nn.Module) -> None:
-    """Drop the ``@torch.no_grad()`` around HF rotary-embedding forwards.
-
-    ``torch.export`` records a ``no_grad`` region inside a training graph as a
-    ``torch.ops.higher_order.wrap_with_set_grad_enabled`` call on a nested submodule. The
-    rotary embedding only reads the non-trainable ``inv_freq`` buffer and integer positions,
-    so running it with grad enabled computes the same values and the same (empty) gradients.
-    Only done for the default RoPE type (the others update ``inv_freq`` in a wrapper).
-    """
-    for module in model.modules():
-        if not type(module).__name__.endswith("RotaryEmbedding"):
-            continue
-        if getattr(module, "rope_type", None) != "default":
-            continue
-        raw_forward = inspect.unwrap(type(module).forward)
-        module.forward = types.MethodType(raw_forward, module)
-
-
 def _prepare_hf_model(model: nn.Module) -> nn.Module:
     model.config.use_cache = False
     if getattr(model, "loss_type", "") is None and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
         model.loss_type = "ForCausalLM"  # what HF falls back to anyway, minus its warning
-    _strip_rotary_no_grad(model)
     model.train()
     return model
 

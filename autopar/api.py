@@ -5,15 +5,16 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._local_tensor import local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import MeshError
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.plan import Plan
+from autopar.core.together import one_process, together
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
@@ -54,31 +55,36 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
             f"compile needs a live torch.distributed DeviceMesh (got {type(mesh).__name__}); "
             "use autopar.plan() with a MeshSpec to plan for a mesh that does not exist here"
         )
-    options = PlanOptions.of(options, **option_values)
-    captured = capture(model, as_args(example_inputs), example_kwargs)
-    spec = as_mesh_spec(mesh)
-    if plan is None:
-        plan = _plan_shared_by_all_ranks(captured, spec, mesh, options)
-    else:
-        plan.check_matches(captured.fingerprint, spec)
-    return ShardedModule(model, mesh, plan, captured, keep_outputs_sharded, bucket_bytes)
+    with torch.set_grad_enabled(torch.is_grad_enabled()):   # grad mode as the caller left it, even on failure
+        options = PlanOptions.of(options, **option_values)
+        spec = as_mesh_spec(mesh)
+        captured = together("capturing the model", lambda: capture(model, as_args(example_inputs), example_kwargs))
+        if plan is None:
+            plan = _plan_shared_by_all_ranks(captured, spec, mesh, options)
+        else:
+            together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec))
+        return together("generating code and sharding the weights",
+                        lambda: ShardedModule(model, mesh, plan, captured, keep_outputs_sharded, bucket_bytes))
 
 
 def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: PlanOptions) -> Plan:
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it. The profile
     is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone."""
-    options = replace(options, profile=resolve_profile(options.profile, spec))
-    if local_tensor_mode() is not None or not dist.is_initialized() or dist.get_world_size() == 1 \
-            or dist.get_backend() == "fake":
-        return plan_captured(captured, spec, options)
+    if one_process():
+        return plan_captured(captured, spec, replace(options, profile=resolve_profile(options.profile, spec)))
     if mesh.size() != dist.get_world_size():
         raise MeshError(
             f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
-    message = [plan_captured(captured, spec, options).to_json() if dist.get_rank() == 0 else None]
+    options = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
+    text = together("planning", lambda: plan_captured(captured, spec, options).to_json() if dist.get_rank() == 0 else None)
+    message = [text]
     dist.broadcast_object_list(message, src=0)
-    shared = Plan.from_json(message[0])
-    shared.check_matches(captured.fingerprint, spec)
-    return shared
+    return together("checking the shared plan", lambda: _checked(Plan.from_json(message[0]), captured, spec))
+
+
+def _checked(plan: Plan, captured: CapturedGraph, spec: MeshSpec) -> Plan:
+    plan.check_matches(captured.fingerprint, spec)
+    return plan

@@ -34,3 +34,11 @@ class PlanFileError(AutoparError):
 
 class HardwareError(AutoparError):
     """Unknown hardware preset or malformed hardware description."""
+
+
+class RankFailedError(AutoparError):
+    """Another rank failed during ``compile``: carries that rank's number and message."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank

@@ -37,15 +37,14 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,
-            plan: Plan | None = None, keep_outputs_sharded: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            plan: Plan | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             options: PlanOptions | None = None, **option_values: Any) -> ShardedModule:
     """Shard ``model`` over a live ``mesh`` and return a module every rank calls with global inputs.
     Without ``plan``, plans first with ``options``/``option_values`` (``autopar.PlanOptions``).
     ``bucket_bytes``: size of the buckets gradients are all-reduced in during the backward.
-    ``keep_outputs_sharded``: return outputs as DTensors placed as the plan leaves them (no
-    communication; ``.full_tensor()`` gathers one) instead of gathering each whole on every rank.
-    A training loop that reads only the loss should set it: a model returning its logits beside
-    the loss otherwise all-gathers batch x sequence x vocabulary values every step.
+    The module returns outputs as the plan says (``gather_outputs``, a planning option): whole on
+    every rank by default; a training loop that reads only the loss should plan with
+    ``gather_outputs=False`` (DTensor outputs, no gather of the logits every step).
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
     this rank's shard, under the original names.
@@ -64,7 +63,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         else:
             together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec))
         return together("generating code and sharding the weights",
-                        lambda: ShardedModule(model, mesh, plan, captured, keep_outputs_sharded, bucket_bytes))
+                        lambda: ShardedModule(model, mesh, plan, captured, bucket_bytes))
 
 
 def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: PlanOptions) -> Plan:

@@ -164,7 +164,7 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(memory_budget=args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None,
                        time_limit=args.time_limit, profile=None if args.profile == "none" else args.profile,
                        optimizer=args.optimizer, share_layers=args.share_layers, hand_plans=args.hand_plans,
-                       min_gain=args.min_gain)
+                       min_gain=args.min_gain, gather_outputs=args.gather_outputs)
 
 
 # --------------------------------------------------------------------------------------- profile
@@ -478,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not cost the standard strategies (DDP, FSDP, Megatron TP...) first")
     plan.add_argument("--no-share-layers", dest="share_layers", action="store_false",
                       help="let every layer choose on its own (slower to solve), not identical layers together")
+    plan.add_argument("--sharded-outputs", dest="gather_outputs", action="store_false",
+                      help="the compiled module returns outputs as DTensors, not gathered whole on every rank "
+                           "(a training loop that reads only the loss: no gather of the logits)")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",

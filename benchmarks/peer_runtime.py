@@ -15,9 +15,9 @@ rounds):
 
 Torch's wrappers get each rank's part of the global batch (DDP and FSDP2 a quarter, TP ranks their
 dp group's half); autopar gets the global batch, as its API asks. Torch's wrappers return each
-rank's part of the outputs (its rows of the logits); autopar's variants do the same
-(``keep_outputs_sharded=True``: DTensor outputs, no communication), and its default, every output
-gathered whole on every rank, is timed once more on the 'ddp' plan ("outputs gathered"). Prints each variant's step and
+rank's part of the outputs (its rows of the logits); autopar's plans do the same
+(``gather_outputs=False``: DTensor outputs, no communication), and its default, every output
+gathered whole on every rank, is timed once more on the 'ddp' plan ("ddp, outputs gathered"). Prints each variant's step and
 the ratios: autopar hand plan / the torch wrapper doing the same (target <= 1.10), auto / fastest
 torch variant (<= 1.05), one process autopar / eager (<= 1.05); saves
 benchmarks/results/peer_runtime.json.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import platform
 import statistics
 import time
@@ -73,15 +74,9 @@ def _worker(mesh, name: str, batch: int, seq: int, plans: dict[str, str], rounds
         runs["torch eager"] = (build(), example)
     if mesh.ndim == 2 and (tp := peers.tensor_parallel(build(), example, mesh)) is not None:
         runs["torch TP x FSDP2"] = tp
-    # torch's wrappers return each rank's part of the outputs (the logits): autopar's counterpart
-    # keeps outputs sharded too; its default (every output gathered whole) is timed on the ddp plan
-    sharded = dist.get_world_size() > 1
     for label, text in plans.items():
-        plan = autopar.Plan.from_json(text)
-        runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=plan, keep_outputs_sharded=sharded),
+        runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=autopar.Plan.from_json(text)),
                                     example)
-        if sharded and label == "ddp":
-            runs[f"autopar {label}, outputs gathered"] = (autopar.compile(build(), mesh, *example, plan=plan), example)
     # foreach=True for every variant: torch picks its per-tensor loop for DTensor parameters (autopar,
     # FSDP2) and on the CPU, where the loop costs ~40 us per tensor and op
     timed = {label: (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), rank_batch)
@@ -99,12 +94,15 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     spec = autopar.MeshSpec(mesh, ("dp",) if len(mesh) == 1 else ("dp", "tp"), hardware="cpu")
     if profile == "auto" and spec.size > 1:
         profile_model(model, spec, args, kwargs, progress=None)
-    options = autopar.PlanOptions(profile=None if profile == "none" else "auto")
+    # torch's wrappers return each rank's part of the outputs: so do autopar's plans here
+    options = autopar.PlanOptions(profile=None if profile == "none" else "auto", gather_outputs=spec.size == 1)
     t0 = time.perf_counter()
     plans = {"auto": autopar.plan(model, spec, args, kwargs, options=options)}
     if spec.size > 1:
         hands = candidates(model, spec, args, kwargs, options=options)
         plans.update({k: p for k, p in hands.items() if k in PEERS})
+        plans["ddp, outputs gathered"] = candidates(model, spec, args, kwargs,
+                                                    options=replace(options, gather_outputs=True))["ddp"]
     plan_s = time.perf_counter() - t0
     ranks = run_on_gloo_mesh(_worker, mesh, name, batch, seq, {k: p.to_json() for k, p in plans.items()}, rounds,
                              axis_names=spec.axis_names, start_method="forkserver")

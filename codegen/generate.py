@@ -297,13 +297,13 @@ class GeneratedCode:
 
 
 class _Emitter:
-    def __init__(self, captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool, strict: bool,
+    def __init__(self, captured: CapturedGraph, plan: Plan, strict: bool,
                  group_bytes: int, spans_job: bool) -> None:
         self.captured = captured
         self.plan = {n.name: n for n in plan.nodes}
         self.axes = plan.mesh.axis_names
         self.sizes = LocalSizes(plan.mesh.shape, self.axes)
-        self.keep = keep_outputs_sharded
+        self.keep = not plan.gather_outputs
         self.strict = strict
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
@@ -527,12 +527,12 @@ def _tag(p: Placement) -> str:
     return "r" if isinstance(p, Replicate) else f"s{p.dim}" if isinstance(p, Shard) else "p"
 
 
-def generate(captured: CapturedGraph, plan: Plan, keep_outputs_sharded: bool = False, strict: bool = False,
+def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
              group_bytes: int = DEFAULT_BUCKET_BYTES, spans_job: bool = True) -> GeneratedCode:
     """The sharded forward's source; ``strict`` adds a check of every op's local shape;
     ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
     mesh holds every rank of the job (a collective over all its axes is one process group)."""
-    em = _Emitter(captured, plan, keep_outputs_sharded, strict, group_bytes, spans_job)
+    em = _Emitter(captured, plan, strict, group_bytes, spans_job)
     inputs = ", ".join(captured.user_inputs)
     em.lines.append(f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}):")
     last_use: dict[fx.Node, fx.Node] = {}

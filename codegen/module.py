@@ -43,7 +43,7 @@ class ShardedModule(nn.Module):
     """Holds the original submodules (so parameter names are unchanged) with DTensor parameters."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, captured: CapturedGraph,
-                 keep_outputs_sharded: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -53,7 +53,6 @@ class ShardedModule(nn.Module):
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         self.mesh = mesh
         self.plan = plan
-        self._keep_outputs_sharded = keep_outputs_sharded
         self._bucket_bytes = bucket_bytes
         # before the parameters are sharded: the forwards of other input shapes capture a copy
         self._forwards = ForwardPerShape(model, captured, self._make_forward)
@@ -64,7 +63,7 @@ class ShardedModule(nn.Module):
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
     def _make_forward(self, captured: CapturedGraph) -> Forward:
-        generated = generate(captured, self.plan, self._keep_outputs_sharded, strict=runtime.STRICT,
+        generated = generate(captured, self.plan, strict=runtime.STRICT,
                              group_bytes=self._bucket_bytes, spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)))
         return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh))
 

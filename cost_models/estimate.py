@@ -130,6 +130,7 @@ class CostModel:
     space: StrategySpace
     profile: Profile | None = None
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS["adamw"])
+    gather_outputs: bool = True      # outputs returned whole on every rank (``PlanOptions.gather_outputs``)
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -416,15 +417,20 @@ class CostModel:
         if val is None:
             return Cost()
         if dst.kind == "output":
-            # Generated code returns full tensors (``full``): gathered, and held by the caller
-            # until the step ends (e.g. a language model's logits beside its loss).
-            replicated = (Replicate(),) * self.mesh.ndim
-            return self.redistribute(val.shape, val.dtype, s.out, replicated) + Cost(state_bytes=_bytes(val))
+            return self._returned(val, s.out)
         fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i]) + Cost(compute_s=self.move_overhead(src, s, dst, d, i))
         if not self._grad_flows(src):
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
         return fwd + self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=src.kind == "param")
+
+    def _returned(self, val: torch.Tensor, out: Placements) -> Cost:
+        """An output returned to the caller, held until the step ends (a language model's logits
+        beside its loss): gathered whole on every rank (``gather_outputs``), or this rank's part."""
+        if not self.gather_outputs:
+            return Cost(state_bytes=_bytes(val) * shard_fraction(out, self.mesh.shape))
+        replicated = (Replicate(),) * self.mesh.ndim
+        return self.redistribute(val.shape, val.dtype, out, replicated) + Cost(state_bytes=_bytes(val))
 
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
         """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
@@ -435,6 +441,9 @@ class CostModel:
             return EdgeGrid(rows, cols, Cost(), ())
         outs = [s for s, _ in src_reps]
         if dst.kind == "output":   # as in ``edge``
+            if not self.gather_outputs:
+                held = [self._returned(val, out).state_bytes for out in outs]
+                return EdgeGrid(rows, cols, Cost(state_bytes=np.repeat(np.array(held)[:, None], len(dst_reps), 1)), ())
             grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs,
                                                     [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
             return EdgeGrid(rows, cols, replace(grid, state_bytes=_bytes(val)), tuple(blocking))

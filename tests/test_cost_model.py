@@ -377,3 +377,34 @@ def test_identical_layers_share_node_costs_without_changing_any(name, mesh):
             largest = max(model_costs.input_bytes(nc, s, floating_only=True), default=0.0)
             assert priced.largest_input[i][k] == largest, (nc.node.name, s)
     assert len({id(costs) for costs in priced.nodes}) < 0.8 * len(space.nodes)   # the second layer reuses the first's
+
+
+class WithLogits(nn.Module):
+    """Returns its logits beside the loss, as language models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 256)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.proj(x)
+        return logits.logsumexp(-1).mean(), logits
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_a_returned_output_is_gathered_and_held_whole_only_when_outputs_are_gathered(gather):
+    with torch.device("meta"):
+        model = WithLogits()
+    captured = capture(model, (torch.empty(32, 64, device="meta"),))
+    space = build_space(captured, MeshSpec((4,), hardware="h100-80gb"))
+    out = next(nc for nc in space.nodes if nc.kind == "output")
+    i = next(i for i, n in enumerate(out.inputs) if n.meta["val"].dim() == 2)
+    logits = next(nc for nc in space.nodes if nc.node is out.inputs[i])
+    cm = CostModel(space.mesh, space, gather_outputs=gather)
+    split = _strategy(logits, (S0,))
+    cost = cm.edge(logits, split, out, out.strategies[0], i)
+    whole = 32 * 256 * 4
+    assert (cost.comm_s > 0) == gather
+    assert cost.state_bytes == (whole if gather else whole / 4)
+    grid = cm.edge_grid(logits, out, i)
+    assert grid[(logits.strategies.index(split), 0)].state_bytes == cost.state_bytes

@@ -55,7 +55,7 @@ def test_logits_without_labels(name, keep_sharded):
     def body(mesh):
         import autopar
 
-        pm = autopar.compile(model, mesh, args, keep_outputs_sharded=keep_sharded, memory_budget=budget,
+        pm = autopar.compile(model, mesh, args, gather_outputs=not keep_sharded, memory_budget=budget,
                              time_limit=SOLVE_S)
         out = pm(*args)[0]
         assert isinstance(out, DTensor) == keep_sharded

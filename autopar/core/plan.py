@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 3
+PLAN_FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class Plan:
     feasible: bool = True                 # predicted peak within the memory budget
     shortfall_bytes: float = 0.0          # how far the predicted peak is above the budget
     name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
+    gather_outputs: bool = True           # outputs returned whole on every rank (else as DTensors)
     version: int = PLAN_FORMAT_VERSION
 
     def node(self, name: str) -> NodePlan:
@@ -111,6 +112,7 @@ class Plan:
             "mesh": self.mesh.to_dict(),
             "memory_budget": self.memory_budget,
             "name": self.name,
+            "gather_outputs": self.gather_outputs,
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
@@ -160,6 +162,7 @@ class Plan:
                 feasible=d["feasible"],
                 shortfall_bytes=d["shortfall_bytes"],
                 name=d["name"],
+                gather_outputs=d["gather_outputs"],
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:

@@ -141,6 +141,8 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add(f"  hardware        {_hardware_line(mesh.hardware)}")
     add(f"  memory budget   {fmt(plan.memory_budget, 'B')} per device")
     add(f"  fingerprint     {plan.fingerprint} (model structure + input shapes)")
+    add("  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
+                                 else "returned as DTensors, placed as planned (gather_outputs=False)"))
     if not plan.feasible:
         add("  FEASIBLE        no: no plan fits the memory budget; the one below is the least bad")
     add("")

@@ -35,7 +35,12 @@ class PlanOptions:
     standard strategies first (``autopar.planning.baselines``) and warm-start from the best that
     fits; the plan's ``solver["hand_plans"]`` lists them. ``min_gain``: the solver's plan is
     returned only if predicted at least this fraction faster than the best fitting hand plan
-    (else that hand plan, saying so).
+    (else that hand plan, saying so). ``gather_outputs``: the compiled module returns every output
+    whole on every rank, as the single-device model does (priced: a gather per split output);
+    False returns them as DTensors placed as the plan leaves them (``.full_tensor()`` gathers
+    one), the choice of a training loop that reads only the loss: a model returning its logits
+    beside the loss would otherwise gather batch x sequence x vocabulary values every step, and
+    the planner would bend the plan to make that gather small.
     """
 
     memory_budget: float | None = None
@@ -45,6 +50,7 @@ class PlanOptions:
     share_layers: bool = True
     hand_plans: bool = True
     min_gain: float = MIN_GAIN
+    gather_outputs: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:

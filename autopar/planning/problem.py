@@ -80,7 +80,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
             _force(space, forced)
     with _stage(timings, "costs"):
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
-                          optimizer=get_optimizer(options.optimizer))
+                          optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs)
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency)
         budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
@@ -248,7 +248,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                    "problem": planning.grouping.describe(len(space.nodes))}
     plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
                 predicted=predicted, memory_budget=planning.budget, solver=solver_info, timings=planning.timings,
-                warnings=captured.warnings + space.warnings, name=name,
+                warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim

@@ -502,7 +502,7 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     chosen, names, warnings = align_plan(plan, space)
     for nc, s in zip(space.nodes, chosen):
         nc.strategies = [s]
-    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer))
+    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs)
     costs, queued = step_costs(space, cost_model, chosen)
     swap = dict(cap.symbols)
 

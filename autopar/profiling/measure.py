@@ -154,13 +154,18 @@ def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.
     for i in range(warmup):
         training_step(module, batches[i % len(batches)], optimizer, loss_fn)
     times = []
-    for i in range(warmup, warmup + steps):
-        _barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        training_step(module, batches[i % len(batches)], optimizer, loss_fn)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    gc.collect()   # as timeit does: a collection the timed steps did not cause falls outside them
+    gc.disable()
+    try:
+        for i in range(warmup, warmup + steps):
+            _barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            training_step(module, batches[i % len(batches)], optimizer, loss_fn)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return times
 
 

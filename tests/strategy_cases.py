@@ -352,6 +352,34 @@ class Reductions(nn.Module):
         return x.sum(dim=1), x.mean(-1, keepdim=True), x.mean(dim=(0, 1)), x.sum()
 
 
+class FlattenLoss(nn.Module):
+    """A GPT's loss as usually written: ``cross_entropy(logits.flatten(0, 1), labels.flatten())``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(4, 5, 7)
+
+    def forward(self, logits, labels):
+        return F.cross_entropy(self.pre(logits).flatten(0, 1), labels.flatten())
+
+
+class MaskOps(nn.Module):
+    """What HF models build masks and positions with: cumsum, tril, gather, ``&`` of comparisons,
+    a move to the input's device, and detach (a ``torch.no_grad`` region's end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(5, 5, 6)
+
+    def forward(self, x, index, ids):
+        x = self.pre(x)
+        positions = x.cumsum(1)
+        causal = torch.tril(positions[..., :5])
+        picked = torch.gather(x, 2, index)
+        keep = (ids > 2) & (ids < 8)
+        return positions.to(x.device, torch.float32), causal, picked, keep, positions.detach() * x
+
+
 # ---------------------------------------------------------------------------------------------
 # the cases
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +462,17 @@ CASES: list[Case] = [
     Case("sum-loss", SumLoss, lambda: (torch.randn(5, 7), _targets_with_ignored(7, 5)),
          (aten.cross_entropy_loss.default,),
          {aten.cross_entropy_loss.default: {"batch"}}, all_2d=True),
+    Case("flatten-loss", FlattenLoss, lambda: (torch.randn(4, 5, 7), _ids(7, 4, 5)),
+         (aten.flatten.using_ints, aten.cross_entropy_loss.default),
+         {aten.flatten.using_ints: {"follow"}, aten.cross_entropy_loss.default: {"batch"}}),
+    # batch 5, not 3: on 2x2 batch 3 leaves one rank an empty shard, and cumsum's backward asks
+    # whether numel <= 1, which LocalTensorMode cannot answer when ranks disagree (gloo ranks can)
+    Case("mask-ops", MaskOps, lambda: (torch.randn(5, 5, 6), torch.randint(0, 6, (5, 5, 2)), _ids(10, 5, 5)),
+         (aten.cumsum.default, aten.tril.default, aten.gather.default, aten.__and__.Tensor, aten.to.device,
+          aten.detach.default),
+         {aten.cumsum.default: {"follow", "partial"}, aten.tril.default: {"follow", "partial"},
+          aten.gather.default: {"follow", "partial"}, aten.__and__.Tensor: {"elementwise"},
+          aten.to.device: {"follow", "partial"}, aten.detach.default: {"follow", "partial"}}),
     Case("reductions", Reductions, lambda: (torch.randn(3, 5, 6),), (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default),
          {aten.sum.dim_IntList: {"follow", "partial-sum"}, aten.mean.dim: {"follow"}, aten.sum.default: {"partial-sum"}}),
 ]

@@ -46,7 +46,7 @@ PARAMS = [pytest.param(c.name, mesh, id=f"{c.name}-{'x'.join(map(str, mesh))}") 
 ZOO_TEST_MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", "bert-tiny")
 
 # Nodes with no tensor input or no tensor output: there is no placement to choose.
-NOT_FORCEABLE = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten.to.device}
+NOT_FORCEABLE = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 # ---------------------------------------------------------------------------------------------

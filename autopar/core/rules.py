@@ -65,7 +65,7 @@ def _fits(size: int, n: int, even: bool) -> bool:
 
 PARTIAL_UNARY = {
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.detach.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.detach.default,
 }
 PARTIAL_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
 PARTIAL_NUMERATOR = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
@@ -162,6 +162,25 @@ def along_dim(dim_arg: int, dim_name: str = "dim", default: int = 0, partial: bo
         )
 
     return rule
+
+
+def leading_dims(v: OpView, n: int) -> list[AxisRule]:
+    """Ops on the last two dims as a matrix (tril, triu): shard the leading (batch) dims; linear,
+    so a partial sum stays one."""
+    nd = len(v.in_shapes[0])
+    return identity_dims(v, n, lambda d: d if d < nd - 2 else None)
+
+
+def gather(v: OpView, n: int) -> list[AxisRule]:
+    """``gather(x, dim, index)``: any other dim where x, index and the output agree is split in
+    all three; linear in x, so a partial x gives a partial output."""
+    shape, index = v.in_shapes[0], v.in_shapes[1]
+    dim = _norm(v.arg(1, "dim"), len(shape))
+    rules = [replicate(v), AxisRule(P, (P, R), "partial")]
+    for d in range(len(shape)):
+        if d != dim and shape[d] == index[d] == v.out_shape[d] and _fits(shape[d], n, even=False):
+            rules.append(AxisRule(Shard(d), (Shard(d), Shard(d)), "follow"))
+    return rules
 
 
 def cat(v: OpView, n: int) -> list[AxisRule]:
@@ -391,6 +410,7 @@ RULES: dict[object, RuleFn] = {
     aten.scaled_dot_product_attention.default: attention,
     aten.cross_entropy_loss.default: cross_entropy,
     aten.view.default: view, aten.reshape.default: view, aten._unsafe_view.default: view,
+    aten.flatten.using_ints: view,
     aten.transpose.int: transpose, aten.t.default: transpose,
     aten.permute.default: permute,
     aten.unsqueeze.default: unsqueeze,
@@ -400,12 +420,17 @@ RULES: dict[object, RuleFn] = {
     aten.select.int: along_dim(1),
     aten.split.Tensor: along_dim(2), aten.split_with_sizes.default: along_dim(2), aten.chunk.default: along_dim(2),
     aten.softmax.int: along_dim(1), aten._softmax.default: along_dim(1),
+    aten.cumsum.default: along_dim(1, partial=True),
+    aten.tril.default: leading_dims, aten.triu.default: leading_dims,
+    aten.gather.default: gather,
+    aten.__and__.Tensor: pointwise, aten.__or__.Tensor: pointwise, aten.__xor__.Tensor: pointwise,
     aten.log_softmax.int: along_dim(1), aten._log_softmax.default: along_dim(1),
     aten.cat.default: cat,
     aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.sum.default: reduction,
     aten.amax.default: reduction,
     aten.contiguous.default: same_dims, aten.clone.default: same_dims, aten.alias.default: same_dims,
     aten._to_copy.default: same_dims, aten.to.dtype: same_dims, aten.to.dtype_layout: same_dims,
+    aten.to.device: same_dims,
     aten.detach.default: same_dims, aten.dropout.default: same_dims, aten.type_as.default: pointwise,
 }
 

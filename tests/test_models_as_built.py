@@ -44,6 +44,23 @@ def qwen2() -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def gpt2() -> nn.Module:
+    """HF GPT-2 as ``from_config`` builds it (tied embeddings, default attention), no dropout."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _padded(ids: torch.Tensor) -> dict:
+    """A left-padded batch: each row's first few positions are padding (mask 0, label -100), which
+    the later, real positions would attend to if the mask were dropped."""
+    lengths = torch.tensor([16, 11, 7, 13])
+    mask = (torch.arange(ids.shape[1])[None, :] >= ids.shape[1] - lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100), "use_cache": False}
+
+
 def _batches(kwargs_of, steps: int = 3) -> list[tuple[tuple, dict]]:
     gen = torch.Generator().manual_seed(0)
     return [((), kwargs_of(torch.randint(0, VOCAB, (4, 16), generator=gen))) for _ in range(steps)]
@@ -73,3 +90,9 @@ class Autocast(nn.Module):
 def test_a_higher_order_op_without_generated_form_is_refused_by_name():
     with pytest.raises(CaptureError, match="wrap_with_autocast"):
         autopar.plan(Autocast(), MeshSpec((2,)), (torch.randn(4, 8),))
+
+
+def test_padded_batch_attention_mask_is_honoured():
+    """A user's 2-D attention mask with padded positions, split with its batch: the padded
+    positions change nothing, on 2x2 as on one device."""
+    check_training(gpt2, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=_batches(_padded))

@@ -74,6 +74,10 @@ def test_foreign_and_stale_plan_files_are_refused(tmp_path):
     other = autopar.plan(model, MeshSpec((2,)), *meta_model("gpt-tiny", 8, 16)[1:])
     with pytest.raises(autopar.PlanFileError, match="another model or input shapes"):
         other.check_matches(plan.fingerprint, plan.mesh)
+    with pytest.raises(autopar.PlanFileError, match="mesh_dim_names"):
+        plan.check_matches(plan.fingerprint, MeshSpec((2,), ("tp",)))
+    with pytest.raises(autopar.PlanFileError, match="costed for cpu"):
+        plan.check_matches(plan.fingerprint, MeshSpec((2,), hardware="h100-80gb"))
     d = json.loads(plan.to_json())
     d["version"] = 999
     with pytest.raises(autopar.PlanFileError, match="version"):
@@ -116,19 +120,21 @@ def test_untraceable_model_names_the_line():
         autopar.plan(DataDependent(), MeshSpec((2,)), (torch.randn(2, 4),))
 
 
-class Cumsum(nn.Module):
+class Diff(nn.Module):
+    """``torch.diff``: an op no rule covers yet."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.cumsum(self.lin(x), dim=1).sum()
+        return torch.diff(self.lin(x), dim=1).sum()
 
 
 def test_unknown_op_falls_back_to_replication_with_warning(caplog):
-    plan = autopar.plan(Cumsum(), MeshSpec((2,)), (torch.randn(6, 4),))
-    assert any("aten.cumsum" in w for w in plan.warnings), plan.warnings
-    node = next(n for n in plan.nodes if "cumsum" in n.op)
+    plan = autopar.plan(Diff(), MeshSpec((2,)), (torch.randn(6, 4),))
+    assert any("aten.diff" in w for w in plan.warnings), plan.warnings
+    node = next(n for n in plan.nodes if "diff" in n.op)
     assert node.out == (Replicate(),) and node.strategy == "replicate"
 
 
@@ -137,8 +143,8 @@ def test_unknown_op_still_trains_correctly():
 
     torch.manual_seed(0)
     x = torch.randn(6, 4)
-    ref = Cumsum()
-    model = Cumsum()
+    ref = Diff()
+    model = Diff()
     model.load_state_dict(ref.state_dict())
     ref(x).backward()
 
@@ -204,6 +210,6 @@ def test_an_op_whose_flops_cannot_be_counted_is_named_in_the_plan(monkeypatch):
             return False
 
     monkeypatch.setattr(estimate, "FlopCounterMode", Broken)
-    plan = autopar.plan(Cumsum(), MeshSpec((2,)), (torch.randn(6, 4),), profile=None, hand_plans=False)
+    plan = autopar.plan(Diff(), MeshSpec((2,)), (torch.randn(6, 4),), profile=None, hand_plans=False)
     flop_warnings = [w for w in plan.warnings if "cannot count the FLOPs" in w]
     assert any("aten.linear" in w and "no fake kernel" in w and "memory-bound" in w for w in flop_warnings), plan.warnings

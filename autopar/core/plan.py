@@ -177,6 +177,15 @@ class Plan:
             )
         if tuple(mesh.shape) != tuple(self.mesh.shape):
             raise PlanFileError(f"this plan is for mesh {self.mesh.shape}, not {mesh.shape}; re-plan for this mesh")
+        if tuple(mesh.axis_names) != tuple(self.mesh.axis_names):
+            raise PlanFileError(
+                f"this plan names the mesh axes {self.mesh.axis_names}, the mesh given {mesh.axis_names}: axes in "
+                "another order would get each other's placements. Build the mesh with the plan's mesh_dim_names, "
+                "or re-plan for this mesh")
+        if mesh.hardware != self.mesh.hardware:
+            raise PlanFileError(
+                f"this plan was costed for {self.mesh.hardware}, the mesh given runs on {mesh.hardware}; re-plan "
+                f"with MeshSpec(..., hardware={mesh.hardware!r}) (a plan's choices follow its hardware's speeds)")
 
     def report(self, top: int | None = 12) -> str:
         """The planning report; ``top=None`` lists every node's predicted compute, communication

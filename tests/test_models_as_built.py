@@ -96,3 +96,10 @@ def test_padded_batch_attention_mask_is_honoured():
     """A user's 2-D attention mask with padded positions, split with its batch: the padded
     positions change nothing, on 2x2 as on one device."""
     check_training(gpt2, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=_batches(_padded))
+
+
+def test_a_kv_cache_output_is_refused_with_what_to_pass():
+    """HF models return their key/value cache by default (use_cache=True); training needs none."""
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(CaptureError, match="use_cache=False"):
+        autopar.plan(gpt2(), MeshSpec((2,)), (), {"input_ids": ids, "labels": ids})

@@ -73,6 +73,19 @@ def _user_frame(exc: BaseException) -> str:
 
 
 
+def _capture_hint(message: str) -> str:
+    """What to do about export's error ``message`` (its first line)."""
+    unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
+    if unknown and "Cache" in unknown.group(1):
+        return ("The model returns a key/value cache for generation; training needs none: pass "
+                "use_cache=False with the inputs (or set model.config.use_cache = False).")
+    if unknown:
+        return (f"The model returns a {unknown.group(1)}, which autopar cannot carry: return tensors, "
+                "or tuples, lists and dicts of them (or register the type with torch.utils._pytree).")
+    return ("Data-dependent Python control flow on tensor values is the usual cause; "
+            "rewrite it with torch.cond/torch.where or make it depend on shapes only.")
+
+
 def _inline_grad_regions(program: ExportedProgram) -> None:
     """Inline the ``torch.no_grad()`` / ``torch.enable_grad()`` regions export records as
     ``wrap_with_set_grad_enabled`` higher-order ops on submodules (HF's rotary embeddings run
@@ -157,8 +170,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}{_user_frame(e)}: {type(e).__name__}: {first}. "
-            "Data-dependent Python control flow on tensor values is the usual cause; "
-            "rewrite it with torch.cond/torch.where or make it depend on shapes only."
+            + _capture_hint(first)
         ) from e
     _inline_grad_regions(program)
     _refuse_higher_order_ops(program, type(model).__name__)

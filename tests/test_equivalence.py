@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, EPS, LR, RTOL, build, check_training, gloo_runner, local_runner, make_batches,
+from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, make_batches,
                                tight_budget, train_reference)
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
@@ -81,55 +81,6 @@ def test_plan_made_on_meta_compiles_on_cpu():
     plan = autopar.plan(meta_model, MeshSpec((2, 2)), meta_args, kwargs, memory_budget=tight_budget(name, 6, 16, (2, 2)))
     saved = autopar.Plan.from_json(plan.to_json())
     check_training(name, 6, 16, (2, 2), local_runner, {"plan": saved})
-
-
-def _hf_tied(name: str) -> tuple[torch.nn.Module, dict]:
-    """A tiny HuggingFace model as ``from_config`` builds it (input and output embeddings tied,
-    default attention) and its training call's keyword arguments. The same seed builds the same
-    weights."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = {
-        "gpt2": transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32,
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    }[name]
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
-    return model, {"use_cache": False}
-
-
-@pytest.mark.parametrize("name", ["gpt2"])
-def test_tied_embeddings_train_as_one_parameter(name):
-    """A parameter two ops use (the embedding lookup and the LM head) gets both gradients: after
-    3 AdamW steps on 2x2 every parameter, the tied one included, equals one device's, and the
-    sharded module keeps the two names on one parameter."""
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 96, (4, 16), generator=gen) for _ in range(3)]
-    reference, extra = _hf_tied(name)
-    opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
-    for ids in batches:
-        reference(input_ids=ids, labels=ids, **extra).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model, _ = _hf_tied(name)
-
-    def body(mesh):
-        import autopar
-
-        pm = autopar.compile(model, mesh, (), {"input_ids": batches[0], "labels": batches[0], **extra}, time_limit=SOLVE_S)
-        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight   # pm's modules
-        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-        for ids in batches:
-            pm(input_ids=ids, labels=ids, **extra).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return {k: per_rank(v)[0].clone() for k, v in autopar.full_state_dict(pm).items()}
-
-    state = run_on_local_tensor_mesh(body, (2, 2))
-    assert state.keys() == reference.state_dict().keys()
-    for key, want in reference.state_dict().items():
-        torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
 
 
 def test_no_dtensor_hints_in_normal_use(caplog):

@@ -53,6 +53,30 @@ def gpt2() -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def opt() -> nn.Module:
+    """HF OPT as ``from_config`` builds it (tied embeddings, positions from the mask's cumsum)."""
+    import transformers
+
+    config = transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                    vocab_size=VOCAB, max_position_embeddings=32, word_embed_proj_dim=32,
+                                    dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def bert() -> nn.Module:
+    """HF BERT for masked LM as ``from_config`` builds it (tied embeddings, bidirectional attention)."""
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    return transformers.AutoModelForMaskedLM.from_config(config)
+
+
+def _causal(ids: torch.Tensor) -> dict:
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
 def _padded(ids: torch.Tensor) -> dict:
     """A left-padded batch: each row's first few positions are padding (mask 0, label -100), which
     the later, real positions would attend to if the mask were dropped."""
@@ -72,8 +96,18 @@ def test_no_grad_region_reading_a_parameter_trains_exactly():
 
 
 def test_hf_rotary_under_no_grad_trains_exactly():
-    batches = _batches(lambda ids: {"input_ids": ids, "labels": ids, "use_cache": False})
-    check_training(qwen2, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=batches)
+    check_training(qwen2, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=_batches(_causal))
+
+
+@pytest.mark.parametrize("build, kwargs_of", [(gpt2, _causal), (opt, _causal),
+                                               (bert, lambda ids: {"input_ids": ids, "labels": ids})],
+                         ids=["gpt2", "opt", "bert"])
+def test_tied_embeddings_train_as_one_parameter(build, kwargs_of):
+    """A parameter two ops use (the embedding lookup and the LM head) gets both gradients: after 3
+    AdamW steps on 2x2 every parameter, the tied one included, equals one device's."""
+    model = build()
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    check_training(build, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=_batches(kwargs_of))
 
 
 class Autocast(nn.Module):

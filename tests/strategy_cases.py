@@ -380,6 +380,21 @@ class MaskOps(nn.Module):
         return positions.to(x.device, torch.float32), causal, picked, keep, positions.detach() * x
 
 
+class ConvNorm(nn.Module):
+    """A vision stem: a strided conv2d (ViT's patch embedding), group norm, and a padded conv1d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 3, 8, 8)
+        self.patch = nn.Conv2d(3, 6, 2, stride=2)
+        self.norm = nn.GroupNorm(2, 6)
+        self.conv1d = nn.Conv1d(6, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.norm(self.patch(self.pre(x)))
+        return self.conv1d(y.flatten(2))
+
+
 # ---------------------------------------------------------------------------------------------
 # the cases
 # ---------------------------------------------------------------------------------------------
@@ -473,6 +488,10 @@ CASES: list[Case] = [
          {aten.cumsum.default: {"follow", "partial"}, aten.tril.default: {"follow", "partial"},
           aten.gather.default: {"follow", "partial"}, aten.__and__.Tensor: {"elementwise"},
           aten.to.device: {"follow", "partial"}, aten.detach.default: {"follow", "partial"}}),
+    Case("conv-norm", ConvNorm, lambda: (torch.randn(3, 3, 8, 8),),
+         (aten.conv2d.default, aten.group_norm.default, aten.conv1d.default),
+         {aten.conv2d.default: {"batch", "column"}, aten.group_norm.default: {"batch"},
+          aten.conv1d.default: {"batch", "column"}}),
     Case("reductions", Reductions, lambda: (torch.randn(3, 5, 6),), (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default),
          {aten.sum.dim_IntList: {"follow", "partial-sum"}, aten.mean.dim: {"follow"}, aten.sum.default: {"partial-sum"}}),
 ]

@@ -183,6 +183,27 @@ def gather(v: OpView, n: int) -> list[AxisRule]:
     return rules
 
 
+def conv(v: OpView, n: int) -> list[AxisRule]:
+    """conv1d/2d/3d(x, weight, bias, stride, padding, dilation, groups): split a batched input's
+    samples (weights replicated), or the output channels evenly (weight and bias split by their
+    rows, as a column-parallel linear; one group only; conv refuses an empty weight)."""
+    x, weight = v.in_shapes[0], v.in_shapes[1]
+    rules = [replicate(v)]
+    if len(x) == len(weight) and _fits(x[0], n, even=False):
+        rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
+    if v.arg(6, "groups", 1) == 1 and len(x) == len(weight) and _fits(weight[0], n, even=True):   # no empty weights
+        rules.append(AxisRule(Shard(1), (R,) + (Shard(0),) * (len(v.in_shapes) - 1), "column"))
+    return rules
+
+
+def group_norm(v: OpView, n: int) -> list[AxisRule]:
+    """group_norm(x, groups, weight, bias): statistics are per sample, so a batch split is exact."""
+    rules = [replicate(v)]
+    if _fits(v.in_shapes[0][0], n, even=False):
+        rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
+    return rules
+
+
 def cat(v: OpView, n: int) -> list[AxisRule]:
     nd = len(v.out_shape)
     dim = _norm(v.arg(1, "dim", 0), nd)
@@ -411,6 +432,8 @@ RULES: dict[object, RuleFn] = {
     aten.cross_entropy_loss.default: cross_entropy,
     aten.view.default: view, aten.reshape.default: view, aten._unsafe_view.default: view,
     aten.flatten.using_ints: view,
+    aten.conv1d.default: conv, aten.conv2d.default: conv, aten.conv3d.default: conv,
+    aten.group_norm.default: group_norm,
     aten.transpose.int: transpose, aten.t.default: transpose,
     aten.permute.default: permute,
     aten.unsqueeze.default: unsqueeze,

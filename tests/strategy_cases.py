@@ -364,8 +364,8 @@ class FlattenLoss(nn.Module):
 
 
 class MaskOps(nn.Module):
-    """What HF models build masks and positions with: cumsum, tril, gather, ``&`` of comparisons,
-    a move to the input's device, and detach (a ``torch.no_grad`` region's end)."""
+    """What HF models build masks and positions with: cumsum, diff, tril, gather, ``&`` of
+    comparisons, a move to the input's device, and detach (a ``torch.no_grad`` region's end)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -377,7 +377,8 @@ class MaskOps(nn.Module):
         causal = torch.tril(positions[..., :5])
         picked = torch.gather(x, 2, index)
         keep = (ids > 2) & (ids < 8)
-        return positions.to(x.device, torch.float32), causal, picked, keep, positions.detach() * x
+        steps = torch.diff(x, dim=1)
+        return positions.to(x.device, torch.float32), causal, picked, keep, positions.detach() * x, steps
 
 
 class ConvNorm(nn.Module):
@@ -484,10 +485,11 @@ CASES: list[Case] = [
     # whether numel <= 1, which LocalTensorMode cannot answer when ranks disagree (gloo ranks can)
     Case("mask-ops", MaskOps, lambda: (torch.randn(5, 5, 6), torch.randint(0, 6, (5, 5, 2)), _ids(10, 5, 5)),
          (aten.cumsum.default, aten.tril.default, aten.gather.default, aten.__and__.Tensor, aten.to.device,
-          aten.detach.default),
+          aten.detach.default, aten.diff.default),
          {aten.cumsum.default: {"follow", "partial"}, aten.tril.default: {"follow", "partial"},
           aten.gather.default: {"follow", "partial"}, aten.__and__.Tensor: {"elementwise"},
-          aten.to.device: {"follow", "partial"}, aten.detach.default: {"follow", "partial"}}),
+          aten.to.device: {"follow", "partial"}, aten.detach.default: {"follow", "partial"},
+          aten.diff.default: {"follow", "partial"}}),
     Case("conv-norm", ConvNorm, lambda: (torch.randn(3, 3, 8, 8),),
          (aten.conv2d.default, aten.group_norm.default, aten.conv1d.default),
          {aten.conv2d.default: {"batch", "column"}, aten.group_norm.default: {"batch"},

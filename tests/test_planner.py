@@ -120,21 +120,21 @@ def test_untraceable_model_names_the_line():
         autopar.plan(DataDependent(), MeshSpec((2,)), (torch.randn(2, 4),))
 
 
-class Diff(nn.Module):
-    """``torch.diff``: an op no rule covers yet."""
+class Flip(nn.Module):
+    """``torch.flip``: an op no rule covers yet."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.diff(self.lin(x), dim=1).sum()
+        return torch.flip(self.lin(x), dims=[1]).sum()
 
 
 def test_unknown_op_falls_back_to_replication_with_warning(caplog):
-    plan = autopar.plan(Diff(), MeshSpec((2,)), (torch.randn(6, 4),))
-    assert any("aten.diff" in w for w in plan.warnings), plan.warnings
-    node = next(n for n in plan.nodes if "diff" in n.op)
+    plan = autopar.plan(Flip(), MeshSpec((2,)), (torch.randn(6, 4),))
+    assert any("aten.flip" in w for w in plan.warnings), plan.warnings
+    node = next(n for n in plan.nodes if "flip" in n.op)
     assert node.out == (Replicate(),) and node.strategy == "replicate"
 
 
@@ -143,8 +143,8 @@ def test_unknown_op_still_trains_correctly():
 
     torch.manual_seed(0)
     x = torch.randn(6, 4)
-    ref = Diff()
-    model = Diff()
+    ref = Flip()
+    model = Flip()
     model.load_state_dict(ref.state_dict())
     ref(x).backward()
 
@@ -210,6 +210,6 @@ def test_an_op_whose_flops_cannot_be_counted_is_named_in_the_plan(monkeypatch):
             return False
 
     monkeypatch.setattr(estimate, "FlopCounterMode", Broken)
-    plan = autopar.plan(Diff(), MeshSpec((2,)), (torch.randn(6, 4),), profile=None, hand_plans=False)
+    plan = autopar.plan(Flip(), MeshSpec((2,)), (torch.randn(6, 4),), profile=None, hand_plans=False)
     flop_warnings = [w for w in plan.warnings if "cannot count the FLOPs" in w]
     assert any("aten.linear" in w and "no fake kernel" in w and "memory-bound" in w for w in flop_warnings), plan.warnings

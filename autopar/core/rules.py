@@ -183,6 +183,13 @@ def gather(v: OpView, n: int) -> list[AxisRule]:
     return rules
 
 
+def diff(v: OpView, n: int) -> list[AxisRule]:
+    """diff(x, n, dim): along its dim, linear; with prepend/append tensors only replicated."""
+    if len(v.in_shapes) > 1:
+        return [replicate(v)]
+    return along_dim(2, "dim", -1, partial=True)(v, n)
+
+
 def conv(v: OpView, n: int) -> list[AxisRule]:
     """conv1d/2d/3d(x, weight, bias, stride, padding, dilation, groups): split a batched input's
     samples (weights replicated), or the output channels evenly (weight and bias split by their
@@ -443,7 +450,7 @@ RULES: dict[object, RuleFn] = {
     aten.select.int: along_dim(1),
     aten.split.Tensor: along_dim(2), aten.split_with_sizes.default: along_dim(2), aten.chunk.default: along_dim(2),
     aten.softmax.int: along_dim(1), aten._softmax.default: along_dim(1),
-    aten.cumsum.default: along_dim(1, partial=True),
+    aten.cumsum.default: along_dim(1, partial=True), aten.diff.default: diff,
     aten.tril.default: leading_dims, aten.triu.default: leading_dims,
     aten.gather.default: gather,
     aten.__and__.Tensor: pointwise, aten.__or__.Tensor: pointwise, aten.__xor__.Tensor: pointwise,

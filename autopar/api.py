@@ -70,16 +70,16 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it. The profile
     is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone."""
+    options = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
     if one_process():
-        return plan_captured(captured, spec, replace(options, profile=resolve_profile(options.profile, spec)))
+        return plan_captured(captured, spec, options)
     if mesh.size() != dist.get_world_size():
         raise MeshError(
             f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
-    options = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
-    text = together("planning", lambda: plan_captured(captured, spec, options).to_json() if dist.get_rank() == 0 else None)
-    message = [text]
+    message = [together("planning",
+                        lambda: plan_captured(captured, spec, options).to_json() if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(message, src=0)
     return together("checking the shared plan", lambda: _checked(Plan.from_json(message[0]), captured, spec))
 

@@ -17,8 +17,8 @@ Torch's wrappers get each rank's part of the global batch (DDP and FSDP2 a quart
 dp group's half); autopar gets the global batch, as its API asks. Torch's wrappers return each
 rank's part of the outputs (its rows of the logits); autopar's plans do the same
 (``gather_outputs=False``: DTensor outputs, no communication), and its default, every output
-gathered whole on every rank, is timed once more on the 'ddp' plan ("ddp, outputs gathered"). Prints each variant's step and
-the ratios: autopar hand plan / the torch wrapper doing the same (target <= 1.10), auto / fastest
+gathered whole on every rank, is timed once more on the 'ddp' plan ("ddp, outputs gathered").
+Prints each variant's step and the ratios: autopar hand plan / the torch wrapper doing the same (target <= 1.10), auto / fastest
 torch variant (<= 1.05), one process autopar / eager (<= 1.05); saves
 benchmarks/results/peer_runtime.json.
 
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch

@@ -303,7 +303,7 @@ class _Emitter:
         self.plan = {n.name: n for n in plan.nodes}
         self.axes = plan.mesh.axis_names
         self.sizes = LocalSizes(plan.mesh.shape, self.axes)
-        self.keep = not plan.gather_outputs
+        self.gather_outputs = plan.gather_outputs
         self.strict = strict
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
@@ -501,10 +501,10 @@ class _Emitter:
             if have is None:
                 return self.arg(x)
             shape = list(tensor_val(x).shape)
-            return f"{'as_dtensor' if self.keep else 'full'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
+            return f"{'full' if self.gather_outputs else 'as_dtensor'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
 
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
-                  "outputs" + (" as DTensors" if self.keep else ": gathered to full tensors on every rank"))
+                  "outputs" + (": gathered to full tensors on every rank" if self.gather_outputs else " as DTensors"))
 
 
 aten = torch.ops.aten

@@ -196,9 +196,11 @@ def conv(v: OpView, n: int) -> list[AxisRule]:
     rows, as a column-parallel linear; one group only; conv refuses an empty weight)."""
     x, weight = v.in_shapes[0], v.in_shapes[1]
     rules = [replicate(v)]
-    if len(x) == len(weight) and _fits(x[0], n, even=False):
+    if len(x) != len(weight):   # an unbatched input: no sample dim, and its channels come first
+        return rules
+    if _fits(x[0], n, even=False):
         rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
-    if v.arg(6, "groups", 1) == 1 and len(x) == len(weight) and _fits(weight[0], n, even=True):   # no empty weights
+    if v.arg(6, "groups", 1) == 1 and _fits(weight[0], n, even=True):   # no empty weights
         rules.append(AxisRule(Shard(1), (R,) + (Shard(0),) * (len(v.in_shapes) - 1), "column"))
     return rules
 

@@ -17,6 +17,7 @@ from autopar.core.plan import Plan
 from autopar.core.together import one_process, together
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
+from autopar.profiling.missing_ops import measure_missing_ops
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
 from cost_models.profile import resolve_profile
@@ -69,17 +70,20 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
 def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: PlanOptions) -> Plan:
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it. The profile
-    is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone."""
-    options = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
-    if one_process():
-        return plan_captured(captured, spec, options)
-    if mesh.size() != dist.get_world_size():
+    is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone;
+    then every rank measures the model's ops it lacks (``measure_missing_ops``)."""
+    resolved = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
+    if not one_process() and mesh.size() != dist.get_world_size():
         raise MeshError(
             f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
+    if options.measure_missing_ops:
+        measure_missing_ops(captured, spec, resolved.profile, source=options.profile)
+    if one_process():
+        return plan_captured(captured, spec, resolved)
     message = [together("planning",
-                        lambda: plan_captured(captured, spec, options).to_json() if dist.get_rank() == 0 else None)]
+                        lambda: plan_captured(captured, spec, resolved).to_json() if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(message, src=0)
     return together("checking the shared plan", lambda: _checked(Plan.from_json(message[0]), captured, spec))
 

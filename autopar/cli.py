@@ -9,10 +9,10 @@
     built on the ``meta`` device, so a 175B model plans on a laptop. Prints the report and can
     save the plan as JSON.
 ``autopar profile --model NAME --mesh 2x2``
-    Measure this machine for a zoo model on a local mesh: the model's ops at every candidate
-    strategy's local shapes, the collectives per mesh axis and the runtime's overheads. The
-    profile is cached (keyed by a hardware fingerprint) and used by every later plan for a mesh
-    of that size on this host.
+    Measure this machine for a zoo model (or ``pkg.module:factory``) on a local mesh: the
+    model's ops at every candidate strategy's local shapes, the collectives per mesh axis and the
+    runtime's overheads. The profile is cached (keyed by a hardware fingerprint) and used by every
+    later plan for a mesh of that size on this host.
 ``autopar models``
     List the model zoo.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import re
 import sys
 import time
@@ -419,6 +420,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------- main
 
 
+def _importable_from_here() -> None:
+    """Let ``--model pkg.module:factory`` name a module of the current directory, as under
+    ``python -m autopar``: the ``autopar`` console script's ``sys.path`` lacks it. Appended, so an
+    installed package of the same name still wins; gloo ranks inherit it (spawn and forkserver
+    pass ``sys.path`` on)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar",
@@ -484,10 +494,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",
-                          description="Time a zoo model's ops at every candidate strategy's local shapes, the "
-                                      "collectives of each mesh axis and the runtime overheads, on a local gloo "
-                                      "mesh (all ranks at once, as in training); cache the profile for planning.")
-    prof.add_argument("--model", default="gpt-tiny", help="zoo model (default gpt-tiny)")
+                          description="Time a model's ops (zoo or pkg.module:factory) at every candidate "
+                                      "strategy's local shapes, the collectives of each mesh axis and the runtime "
+                                      "overheads, on a local gloo mesh (all ranks at once, as in training); cache "
+                                      "the profile for planning.")
+    prof.add_argument("--model", default="gpt-tiny", help="zoo model or pkg.module:factory (default gpt-tiny)")
     prof.add_argument("--mesh", default="2x2", help="local mesh shape (default 2x2)")
     prof.add_argument("--axis-names", default=None, help="mesh axis names")
     prof.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
@@ -508,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    _importable_from_here()
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -40,7 +40,13 @@ class PlanOptions:
     False returns them as DTensors placed as the plan leaves them (``.full_tensor()`` gathers
     one), the choice of a training loop that reads only the loss: a model returning its logits
     beside the loss would otherwise gather batch x sequence x vocabulary values every step, and
-    the planner would bend the plan to make that gather small.
+    the planner would bend the plan to make that gather small. ``measure_missing_ops``: when
+    ``compile`` plans on a live mesh with a profile of this host, first time the model's op calls
+    (at every candidate strategy's local shapes) that the profile lacks, on every rank at once,
+    and add them to it (saved to its file; a ``Profile`` object is only updated in memory), so a
+    model the profile was not taken for is planned on measured costs, not the roofline
+    (``autopar.profiling.missing_ops``); False plans on the profile as it is. ``autopar.plan``
+    measures nothing (its mesh need not exist).
     """
 
     memory_budget: float | None = None
@@ -51,6 +57,7 @@ class PlanOptions:
     hand_plans: bool = True
     min_gain: float = MIN_GAIN
     gather_outputs: bool = True
+    measure_missing_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:

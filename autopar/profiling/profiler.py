@@ -3,8 +3,9 @@ cost model on whole training steps (``cost_models.profile.find_profile`` looks t
 
 One local gloo run measures everything, with every rank busy at once as in training (CPU ranks
 share cores): each rank times the model's distinct local op calls (``profile_ops``; the slowest
-rank's time is kept), then the collectives per mesh axis and the runtime's overheads
-(``profile_comm``). Ops already in the cached profile are not measured again.
+rank's time is kept: ``missing_ops.time_on_every_rank``, which ``autopar.compile`` uses too for
+the ops of its model a profile lacks), then the collectives per mesh axis and the runtime's
+overheads (``profile_comm``). Ops already in the cached profile are not measured again.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from autopar.planning.problem import prepare
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
+from autopar.profiling.missing_ops import quiet, time_on_every_rank
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.placements import Placements
 from autopar.core.plan import Plan
@@ -41,7 +43,7 @@ from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
                                  default_profile_path, local_fingerprint)
 from autopar.profiling.profile_comm import measure_mesh, print_progress, time_overlap
-from cost_models.profile_ops import OpCall, op_calls, time_op_calls
+from cost_models.profile_ops import OpCall, op_calls
 
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)
@@ -78,8 +80,8 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
     if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
         need_comm = False
-    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint["device"],
-                                                      progress, axis_names=spec.axis_names, start_method="forkserver")[0]
+    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint, progress,
+                                                      axis_names=spec.axis_names, start_method="forkserver")[0]
     profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
@@ -186,14 +188,9 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
     several devices the calibration hand plans, each planned with the profile's uncalibrated
     numbers; all of them timed in one launch on this mesh, taking turns (``_calibration_worker``)."""
     plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
-    strategies_log = logging.getLogger("autopar.core.strategies")
-    level = strategies_log.level
-    strategies_log.setLevel(logging.ERROR)   # the calibration models' ops without rules are not the user's concern
-    try:
+    with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
         for name, sizes in workloads:
             plans.update(_calibration_plans(spec, path, name, sizes, replicated))
-    finally:
-        strategies_log.setLevel(level)
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []
@@ -289,19 +286,11 @@ def _op(name: str) -> Any:
     return op
 
 
-def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, device: str,
+def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, fingerprint: dict[str, Any],
             progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict]:
     say = progress if dist.get_rank() == 0 else None
     calls = [OpCall(_op(name), args, kwargs) for name, args, kwargs in portable]
-    if device == "cuda":   # each rank times on its own GPU
-        device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
-    step = max(1, len(calls) // 10)
-    shown = (lambda i, n, key: say(f"op {i + 1}/{n}: {key[:90]}") if say and i % step == 0 else None)
-    mine = time_op_calls(calls, device=device, progress=shown)
-    everyone: list[dict[str, OpTime]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine)
-    slowest = {k: OpTime(max(r[k].fwd_s for r in everyone if k in r), max(r[k].bwd_s for r in everyone if k in r))
-               for k in mine}
+    slowest = time_on_every_rank(calls, fingerprint, say)
     if not need_comm:
         return slowest, {}, {}, {}
     links, overheads = measure_mesh(mesh, progress=progress)

@@ -21,7 +21,8 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val
-from autopar.core.execution import IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, moves
+from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, moves, writes_in_place,
+                                    written_aliases)
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
@@ -319,6 +320,7 @@ class _Emitter:
         self.group_names = [tuple(node_of[f] for f in g.fqns) for g in self.groups]
         self.group_of = {name: k for k, names in enumerate(self.group_names) for name in names}   # param node -> group
         self.gathered: set[int] = set()
+        self.written = {n.name for n in written_aliases(captured.graph)}   # moved copies go stale on a write
 
     def grad_target(self, name: str, have: Placements) -> Placements:
         """Where the gradient of the value ``name`` (placed ``have``) is kept: ``grad_target``, partial
@@ -545,6 +547,8 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
             em.placeholder(node, np_)
         elif node.op == "call_function":
             em.call(node, np_)
+            if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
+                em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
             em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
         elif node.op == "output":
             em.output(node)

@@ -23,18 +23,23 @@ from codegen.zero3 import GatheredParams, gather_params
 _counter = [0]
 
 
+#: What generated code reads besides its arguments (capture keeps graph values from shadowing
+#: these: ``autopar.core.execution.GENERATED_NAMES``).
+GENERATED_GLOBALS = {
+    "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
+    "redistribute": runtime.redistribute, "move": runtime.move,
+    "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
+    "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
+    "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
+}
+
+
 def compile_forward(source: str) -> Any:
     """Compile generated source; register it with linecache so tracebacks show its lines."""
     _counter[0] += 1
     filename = f"<autopar generated forward {_counter[0]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {
-        "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
-        "redistribute": runtime.redistribute, "move": runtime.move,
-        "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
-        "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
-        "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
-    }
+    namespace = dict(GENERATED_GLOBALS)
     exec(compile(source, filename, "exec"), namespace)
     return namespace["forward"]
 

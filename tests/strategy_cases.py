@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers.integrations.moe  # noqa: F401 -- registers torch.ops.transformers.grouped_mm_fallback
 
 aten = torch.ops.aten
+GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default   # registered by the import above
 
 
 class Pre(nn.Module):
@@ -396,6 +398,93 @@ class ConvNorm(nn.Module):
         return self.conv1d(y.flatten(2))
 
 
+class HFMaskBuild(nn.Module):
+    """How HF builds its attention mask under torch.export: the padding mask indexed by batch and
+    key positions, comparisons, ``new_ones``, ``where`` with a scalar, a ``masked_fill``
+    with a constant tensor (``lift_fresh_copy``), and a float tensor indexed along a middle dim
+    by a constant (Falcon's query/key/value split)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(4, 6)
+        self.pre4 = Pre(4, 6, 3, 2)
+
+    def forward(self, x, mask, heads):
+        b = torch.arange(4)[:, None, None, None]
+        q = torch.arange(6)[None, None, :, None]
+        kv = torch.arange(6)[None, None, None, :]
+        allowed = (kv <= q) & mask.bool()[b, kv] & mask.new_ones(4, 1, 6, 6, dtype=torch.bool)
+        allowed = allowed & ((mask != 0) | (mask >= 1))[b, q] | (q == kv)
+        scores = self.pre(x)[b, q].expand(4, 1, 6, 6)
+        masked = torch.where(allowed, scores, -1e4)
+        filled = scores.masked_fill(~allowed, torch.tensor(0.5))
+        picked = self.pre4(heads)[:, :, torch.tensor([2, 0])]
+        return masked, filled, picked
+
+
+class AlibiOps(nn.Module):
+    """BLOOM's ops: ``baddbmm`` of a broadcast bias and scores, ``repeat``, ``stack``,
+    ``repeat_interleave`` and a weight's ``.T`` (numpy_T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 4, 6)
+        self.bias = nn.Parameter(torch.randn(3, 1, 4))
+        self.w = nn.Parameter(torch.randn(5, 6))
+
+    def forward(self, x):
+        x = self.pre(x)
+        scores = torch.baddbmm(self.bias, x, x.transpose(1, 2), beta=1.0, alpha=0.5)
+        return (scores, x.repeat(2, 1, 1), torch.stack([x, x * 2], dim=1), x.repeat_interleave(2, dim=1),
+                x @ self.w.T)
+
+
+class Routing(nn.Module):
+    """A mixture-of-experts router's ops: ``topk`` of the probabilities, ``sort`` of the chosen
+    experts, their ``histc`` counts over a fixed range, and ``floor_divide``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(6, 5)
+
+    def forward(self, logits):
+        top, idx = self.pre(logits).softmax(-1).topk(2, dim=-1)
+        order, _ = idx.sort(dim=-1)
+        counts = torch.histc(idx.float(), bins=5, min=0, max=4)
+        return top, order, counts, torch.floor_divide(idx, 2)
+
+
+class InPlaceWrites(nn.Module):
+    """T5's label shift: a ``new_zeros`` tensor written in place through a slice (``copy_``) and
+    by ``masked_fill_``, read before and after the writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(4, 5, 6)
+
+    def forward(self, x):
+        y = self.pre(x)
+        shifted = y.new_zeros(4, 5, 6)
+        early = shifted + y
+        shifted[:, 1:] = y[:, :-1]
+        shifted.masked_fill_(y > 1.0, 0.5)
+        return early, shifted * y
+
+
+class Experts(nn.Module):
+    """HF's mixture-of-experts matmul (transformers' grouped_mm_fallback): tokens sorted by
+    expert times each expert's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(7, 6)
+        self.w = nn.Parameter(torch.randn(3, 6, 5))
+
+    def forward(self, x):
+        offs = torch.tensor([2, 2, 7])   # expert 0 takes 2 tokens, expert 1 none, expert 2 five
+        return GROUPED_MM(self.pre(x), self.w, offs)
+
+
 # ---------------------------------------------------------------------------------------------
 # the cases
 # ---------------------------------------------------------------------------------------------
@@ -494,6 +583,28 @@ CASES: list[Case] = [
          (aten.conv2d.default, aten.group_norm.default, aten.conv1d.default),
          {aten.conv2d.default: {"batch", "column"}, aten.group_norm.default: {"batch"},
           aten.conv1d.default: {"batch", "column"}}),
+    Case("hf-mask-build", HFMaskBuild,
+         lambda: (torch.randn(4, 6), (torch.arange(6)[None, :] >= torch.tensor([[0], [2], [1], [4]])).long(),
+                  torch.randn(4, 6, 3, 2)),
+         (aten.index.Tensor, aten.new_ones.default, aten.where.ScalarOther, aten.masked_fill.Tensor, aten.le.Tensor,
+          aten.ne.Scalar, aten.ge.Scalar, aten.eq.Tensor),
+         {aten.index.Tensor: {"follow", "index"}, aten.new_ones.default: {"fresh"},
+          aten.where.ScalarOther: {"elementwise"}, aten.masked_fill.Tensor: {"elementwise"}}),
+    Case("alibi-ops", AlibiOps, lambda: (torch.randn(3, 4, 6),),
+         (aten.baddbmm.default, aten.repeat.default, aten.stack.default, aten.repeat_interleave.self_int,
+          aten.numpy_T.default),
+         {aten.baddbmm.default: {"batch", "rows", "columns", "reduction"}, aten.repeat.default: {"follow"},
+          aten.stack.default: {"follow"}, aten.repeat_interleave.self_int: {"follow"},
+          aten.numpy_T.default: {"follow"}}),
+    Case("routing", Routing, lambda: (torch.randn(6, 5),),
+         (aten.topk.default, aten.sort.default, aten.histc.default, aten.floor_divide.default),
+         {aten.topk.default: {"follow"}, aten.sort.default: {"follow"}, aten.histc.default: {"partial-count"},
+          aten.floor_divide.default: {"elementwise"}}),
+    Case("in-place-writes", InPlaceWrites, lambda: (torch.randn(4, 5, 6),),
+         (aten.copy_.default, aten.masked_fill_.Scalar, aten.new_zeros.default),
+         {aten.copy_.default: {"replicate"}, aten.masked_fill_.Scalar: {"replicate"}}),
+    Case("experts", Experts, lambda: (torch.randn(7, 6),), (GROUPED_MM,),
+         {GROUPED_MM: {"column", "row", "partial"}}),
     Case("reductions", Reductions, lambda: (torch.randn(3, 5, 6),), (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default),
          {aten.sum.dim_IntList: {"follow", "partial-sum"}, aten.mean.dim: {"follow"}, aten.sum.default: {"partial-sum"}}),
 ]

@@ -148,8 +148,9 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])
 def test_ddp_hand_plan_communicates_as_ddp_does(name):
     """Pure data parallelism: position ids and their embedding (no batch) are computed on every
-    rank, their gradient stays partial to the parameter, and the generated forward moves nothing:
-    the only collectives are the loss's single all-reduce and gradient sync's buckets."""
+    rank, their gradient stays partial to the parameter, and the generated forward communicates
+    nothing (its only moves cut a replicated attention mask to this rank's samples): the only
+    collectives are the loss's single all-reduce and gradient sync's buckets."""
     from autopar.core.capture import capture
     from codegen.generate import generate
 
@@ -157,6 +158,8 @@ def test_ddp_hand_plan_communicates_as_ddp_does(name):
     model = build(name)
     plan = candidates(model, MeshSpec((4,)), args, kwargs)["ddp"]
     code = generate(capture(model, args, kwargs), plan)
-    assert "move(" not in code.source and "param_shard(" not in code.source and "redistribute(" not in code.source
+    moves = [line for line in code.source.splitlines() if "move(" in line]
+    assert all("# local slice on x; backward: all-gather" in line for line in moves), moves
+    assert "param_shard(" not in code.source and "redistribute(" not in code.source
     assert code.source.count("summed_over=(0,)") == 1
     assert all(isinstance(g[0], type(Partial())) for g in code.direct.values())

@@ -110,6 +110,28 @@ def test_tied_embeddings_train_as_one_parameter(build, kwargs_of):
     check_training(build, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=_batches(kwargs_of))
 
 
+class MakesTensors(nn.Module):
+    """Ops named as the generated code's own helpers (``torch.full`` is a node named ``full``, the
+    runtime's gather of an output) and an input named as one of its arguments (``sizes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x) * sizes + torch.full((8,), 0.5)).sum()
+
+
+def test_graph_values_named_as_generated_code_names_do_not_shadow_them():
+    from autopar.core.execution import GENERATED_NAMES
+    from codegen.module import GENERATED_GLOBALS
+
+    assert GENERATED_GLOBALS.keys() <= GENERATED_NAMES
+    gen = torch.Generator().manual_seed(0)
+    batches = [((torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)), {}) for _ in range(3)]
+    check_training(MakesTensors, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=batches)
+
+
 class Autocast(nn.Module):
     def __init__(self) -> None:
         super().__init__()

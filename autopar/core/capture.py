@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from autopar.core.execution import IDENTITY_OPS
+from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.errors import CaptureError, InputMismatchError
 
 
@@ -153,6 +153,20 @@ def as_args(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
+def _free_generated_names(program: ExportedProgram) -> None:
+    """Rename graph values named as something generated code uses itself (a ``torch.full`` node
+    is ``full``, also the runtime's gather of an output), and the signature's references to them."""
+    sig = program.graph_signature
+    refs = [spec.arg for spec in (*sig.input_specs, *sig.output_specs) if hasattr(spec.arg, "name")]
+    for node in program.graph.nodes:
+        if node.name in GENERATED_NAMES:
+            old = node.name
+            node._rename(f"{old}_value")
+            for ref in refs:
+                if ref.name == old:
+                    ref.name = node.name
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             dynamic_shapes: Any = None) -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
@@ -174,6 +188,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         ) from e
     _inline_grad_regions(program)
     _refuse_higher_order_ops(program, type(model).__name__)
+    _free_generated_names(program)
     sig = program.graph_signature
     param_of, buffer_of, constant_of, user_inputs = {}, {}, {}, []
     for spec in sig.input_specs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -31,10 +32,38 @@ VIEW_OPS = {
 #: so they are left out of the fingerprint and plans are matched without them.
 IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default}
 
+#: Names generated code uses for itself: the forward's arguments and the runtime helpers and
+#: modules ``codegen.module.compile_forward`` binds. Capture renames graph values that would
+#: shadow one (a model's ``torch.full`` is a node named ``full``).
+GENERATED_NAMES = frozenset({
+    "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
+    "redistribute", "move", "param_shard", "shard_of", "expect", "uneven_reshape", "sharded_cross_entropy",
+    "sharded_embedding", "full", "as_dtensor", "gather_params",
+})
+
 #: Ops whose second argument is a shape, their output's: generated code passes this rank's local
 #: shape instead (every op runs on this rank's part, as the ATen op itself).
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Does ``node`` write its first argument in place (``copy_``, ``masked_fill_``, ``index_put_``...)?"""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def written_aliases(graph: fx.Graph) -> set[fx.Node]:
+    """Every value an in-place op writes, with all the values that alias it (its base, the
+    base's views, the in-place ops' own outputs). A write reaches the other aliases only where
+    they are one local tensor, so the planner keeps them replicated; generated code also forgets
+    the moved copies of them it made before a write."""
+    def base(node: fx.Node) -> fx.Node:
+        while node.op == "call_function" and (node.target in VIEW_OPS or writes_in_place(node)) and node.args:
+            node = node.args[0]
+        return node
+
+    written = {base(n.args[0]) for n in graph.nodes if n.op == "call_function" and writes_in_place(n)}
+    return {n for n in graph.nodes if base(n) in written}
+
 
 #: Bytes of gradients the runtime reduces in one collective (DDP's default bucket), and of ZeRO-3
 #: parameters it gathers in one: per-collective latency is paid once per this many bytes.

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.capture import tensor_val
+from autopar.core.execution import writes_in_place
 
 aten = torch.ops.aten
 R = Replicate()
@@ -210,6 +211,126 @@ def group_norm(v: OpView, n: int) -> list[AxisRule]:
     rules = [replicate(v)]
     if _fits(v.in_shapes[0][0], n, even=False):
         rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
+    return rules
+
+
+def constant(v: OpView, n: int) -> list[AxisRule]:
+    """Replicated by choice: a tensor the forward makes from a Python constant
+    (``torch.tensor(...)``: lift_fresh_copy), tiny and the same on every rank; an in-place write,
+    whose target and its aliases stay replicated (``execution.written_aliases``)."""
+    return [replicate(v)]
+
+
+def index(v: OpView, n: int) -> list[AxisRule]:
+    """``x[i0, i1, ...]`` with index tensors (None for a dim taken whole): a dim of x no index
+    reads is split as it is (indices replicated); a dim of the indices' broadcast shape is split
+    in every index tensor that has it (x replicated: each rank picks its indices' elements).
+    Linear in x. Boolean masks (data-dependent shapes) stay replicated."""
+    x, idx_shapes = v.in_shapes[0], v.in_shapes[1:]
+    indexed = [i for i, a in enumerate(v.arg(1, "indices")) if a is not None]
+    if not indexed or any(tensor_val(a).dtype == torch.bool for a in v.arg(1, "indices") if a is not None):
+        return [replicate(v)]
+    nb = max(len(s) for s in idx_shapes)
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    start = indexed[0] if adjacent else 0   # where the broadcast dims land in the output
+    kept = [d for d in range(len(x)) if d not in indexed]
+    rules = [replicate(v), AxisRule(P, (P,) + (R,) * len(idx_shapes), "partial")]
+    for d in kept:
+        od = (d if d < start else d - len(indexed) + nb) if adjacent else nb + kept.index(d)
+        if _fits(x[d], n, even=False):
+            rules.append(AxisRule(Shard(od), (Shard(d),) + (R,) * len(idx_shapes), "follow"))
+    for j in range(nb):
+        size = v.out_shape[start + j]
+        ins = [Shard(j - (nb - len(s))) if j >= nb - len(s) and s[j - (nb - len(s))] == size else R for s in idx_shapes]
+        if _fits(size, n, even=False) and any(isinstance(p, Shard) for p in ins):
+            rules.append(AxisRule(Shard(start + j), (R, *ins), "index"))
+    return rules
+
+
+def new_tensor(v: OpView, n: int) -> list[AxisRule]:
+    """``x.new_ones(size)`` and kin: x gives only dtype and device, so it is taken as it is
+    placed, and the output (made at this rank's local size) may be split on any dim."""
+    x = v.in_shapes[0]
+    given = [R] + [Shard(d) for d in range(len(x)) if _fits(x[d], n, even=False)]
+    if tensor_val(v.node.args[0]).dtype.is_floating_point:
+        given.append(P)
+    outs = [R] + [Shard(d) for d in range(len(v.out_shape)) if _fits(v.out_shape[d], n, even=False)]
+    return [AxisRule(o, (g,), "replicate" if o == R and g == R else "fresh") for o in outs for g in given]
+
+
+def baddbmm(v: OpView, n: int) -> list[AxisRule]:
+    """beta * bias + alpha * (a @ b) on [B, M, K] @ [B, K, N] (BLOOM's ALiBi scores): batch,
+    rows, columns (the bias split with the output where it has that dim), or the reduction (a
+    partial sum, the bias a partial too so that it is added once)."""
+    bias, a, b = v.in_shapes
+    off = 3 - len(bias)
+
+    def bias_on(d: int) -> Placement:
+        return Shard(d - off) if d >= off and bias[d - off] == v.out_shape[d] and bias[d - off] > 1 else R
+
+    rules = [replicate(v)]
+    for d, ins, name in ((0, (Shard(0), Shard(0)), "batch"), (1, (Shard(1), R), "rows"), (2, (R, Shard(2)), "columns")):
+        if _fits(v.out_shape[d], n, even=False):
+            rules.append(AxisRule(Shard(d), (bias_on(d), *ins), name))
+    if _fits(a[2], n, even=False):
+        rules.append(AxisRule(P, (P, Shard(2), Shard(1)), "reduction"))
+    return rules
+
+
+def repeat(v: OpView, n: int) -> list[AxisRule]:
+    """``x.repeat(sizes)``: a dim repeated once keeps its split."""
+    shape, sizes = v.in_shapes[0], list(v.arg(1, "repeats"))
+    off = len(sizes) - len(shape)
+    return identity_dims(v, n, lambda d: d + off if sizes[d + off] == 1 else None, partial=False)
+
+
+def repeat_interleave(v: OpView, n: int) -> list[AxisRule]:
+    """``repeat_interleave(x, k, dim)``: the other dims keep their split (no dim: x is flattened)."""
+    dim = v.arg(2, "dim")
+    if dim is None:
+        return [replicate(v)]
+    dim = _norm(dim, len(v.in_shapes[0]))
+    return identity_dims(v, n, lambda d: None if d == dim else d, partial=False)
+
+
+def stack(v: OpView, n: int) -> list[AxisRule]:
+    """``stack(xs, dim)``: every input split alike on a dim; the new dim is not split."""
+    nd = len(v.out_shape)
+    dim = _norm(v.arg(1, "dim", 0), nd)
+    rules = [replicate(v)]
+    for d in range(nd - 1):
+        if _fits(v.in_shapes[0][d], n, even=False):
+            rules.append(AxisRule(Shard(d if d < dim else d + 1), tuple(Shard(d) for _ in v.in_shapes), "follow"))
+    return rules
+
+
+def reverse_dims(v: OpView, n: int) -> list[AxisRule]:
+    """``x.T`` (numpy_T): dims reversed."""
+    nd = len(v.in_shapes[0])
+    return identity_dims(v, n, lambda d: nd - 1 - d)
+
+
+def histc(v: OpView, n: int) -> list[AxisRule]:
+    """A histogram of a split tensor is the sum of the parts' histograms (MoE routing counts),
+    given a fixed range (with none, each part's own min and max would set its bins)."""
+    shape = v.in_shapes[0]
+    if v.arg(2, "min", 0) >= v.arg(3, "max", 0):
+        return [replicate(v)]
+    return [replicate(v)] + [AxisRule(P, (Shard(d),), "partial-count") for d in range(len(shape))
+                             if _fits(shape[d], n, even=False)]
+
+
+def grouped_mm(v: OpView, n: int) -> list[AxisRule]:
+    """Mixture-of-experts matmul: tokens [S, K] sorted by expert, weights [E, K, N], offsets
+    [E]. Each expert's columns split (column-parallel experts), or the contracted dim (a partial
+    sum, row-parallel); linear in the tokens."""
+    x, w = v.in_shapes[0], v.in_shapes[1]
+    extra = (R,) * (len(v.in_shapes) - 2)
+    rules = [replicate(v), AxisRule(P, (P, R) + extra, "partial")]
+    if _fits(w[2], n, even=False):
+        rules.append(AxisRule(Shard(1), (R, Shard(2)) + extra, "column"))
+    if _fits(x[1], n, even=False):
+        rules.append(AxisRule(P, (Shard(1), Shard(1)) + extra, "row"))
     return rules
 
 
@@ -456,6 +577,21 @@ RULES: dict[object, RuleFn] = {
     aten.tril.default: leading_dims, aten.triu.default: leading_dims,
     aten.gather.default: gather,
     aten.__and__.Tensor: pointwise, aten.__or__.Tensor: pointwise, aten.__xor__.Tensor: pointwise,
+    aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
+    aten.masked_fill.Tensor: pointwise, aten.floor_divide.default: pointwise,
+    aten.index.Tensor: index,
+    aten.new_ones.default: new_tensor, aten.new_zeros.default: new_tensor, aten.new_full.default: new_tensor,
+    aten.new_empty.default: new_tensor,
+    aten.ones_like.default: same_dims, aten.zeros_like.default: same_dims, aten.full_like.default: same_dims,
+    aten.empty_like.default: same_dims,
+    aten.lift_fresh_copy.default: constant,
+    aten.baddbmm.default: baddbmm,
+    aten.repeat.default: repeat, aten.repeat_interleave.self_int: repeat_interleave,
+    aten.stack.default: stack, aten.numpy_T.default: reverse_dims,
+    aten.topk.default: along_dim(2, "dim", -1), aten.sort.default: along_dim(1, "dim", -1),
+    aten.sort.stable: along_dim(2, "dim", -1),
+    aten.histc.default: histc,
+    aten._grouped_mm.default: grouped_mm,
     aten.log_softmax.int: along_dim(1), aten._log_softmax.default: along_dim(1),
     aten.cat.default: cat,
     aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.sum.default: reduction,
@@ -466,10 +602,19 @@ RULES: dict[object, RuleFn] = {
     aten.detach.default: same_dims, aten.dropout.default: same_dims, aten.type_as.default: pointwise,
 }
 
+RULES_BY_NAME: dict[str, RuleFn] = {
+    "transformers.grouped_mm_fallback.default": grouped_mm,   # HF's experts in float32
+}
+
+
 def rule_for(node: fx.Node) -> RuleFn | None:
     """The rule family of a node, or None when only replication is known."""
     if node.target in RULES:
         return RULES[node.target]
+    if str(node.target) in RULES_BY_NAME:   # ops of libraries autopar does not import
+        return RULES_BY_NAME[str(node.target)]
+    if writes_in_place(node):
+        return constant
     if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
         return pointwise
     return None

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
+from autopar.core.execution import written_aliases
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, local_shape, placements_str
 from autopar.core.rules import AxisRule, axis_rules, rule_for
@@ -190,6 +191,7 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
     position: dict[fx.Node, int] = {}
     warnings: list[str] = []
     unknown: dict[str, int] = {}
+    written = written_aliases(captured.graph)
     for node in captured.graph.nodes:
         if node.op == "placeholder":
             val = tensor_val(node)
@@ -216,8 +218,11 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
                 continue
             if rule_for(node) is None and inputs and with_strategies:
                 unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
+            strategies = op_strategies(node, inputs, mesh) if with_strategies else []
+            if node in written:   # an in-place write and its aliases: one replicated local tensor
+                strategies = [s for s in strategies if _all_replicated(s)]
             position[node] = len(nodes)
-            nodes.append(NodeChoices(node, "op", inputs, op_strategies(node, inputs, mesh) if with_strategies else []))
+            nodes.append(NodeChoices(node, "op", inputs, strategies))
         elif node.op == "output":
             outs = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node) and tensor_val(a) is not None]
             rep = (R,) * mesh.ndim
@@ -228,6 +233,10 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
         warnings.append(msg)
         log.warning("autopar: %s", msg)
     return StrategySpace(mesh, nodes, warnings=warnings)
+
+
+def _all_replicated(s: Strategy) -> bool:
+    return all(isinstance(p, Replicate) for p in s.out) and all(isinstance(p, Replicate) for ps in s.ins for p in ps)
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,14 +24,23 @@ EPS = 1e-6
 
 
 def make_batches(name: str, batch: int, seq: int, steps: int = STEPS) -> list[tuple[tuple, dict]]:
+    """``steps`` batches shaped as the entry's example inputs, each with new values: integer
+    tensors (ids, labels) drawn below the example's largest value, float tensors (pixels) normal;
+    other arguments (``use_cache=False``) as they are."""
     entry = get_model(name)
     gen = torch.Generator().manual_seed(1234)
+
+    def fresh(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.dtype == torch.long:
+            return torch.randint(0, int(v.max()) + 1, v.shape, generator=gen)
+        return torch.randn(v.shape, generator=gen, dtype=v.dtype)
+
     out = []
     for _ in range(steps):
         args, kwargs = entry.example(batch, seq)
-        args = tuple(torch.randint_like(a, 0, 200, generator=gen) if a.dtype == torch.long else a for a in args)
-        kwargs = {k: torch.randint(0, 200, v.shape, generator=gen) for k, v in kwargs.items()}
-        out.append((args, kwargs))
+        out.append((tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}))
     return out
 
 

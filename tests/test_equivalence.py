@@ -47,17 +47,18 @@ def test_logits_without_labels(name, keep_sharded):
     from torch.distributed.tensor import DTensor
 
     args, _ = make_batches(name, 5, 16, steps=1)[0]
+    kwargs = {"use_cache": False}
     torch.manual_seed(0)
-    want = build(name)(*args)[0].detach()
+    want = build(name)(*args, **kwargs)[0].detach()
     model = build(name)
     budget = tight_budget(name, 5, 16, (2, 2))
 
     def body(mesh):
         import autopar
 
-        pm = autopar.compile(model, mesh, args, gather_outputs=not keep_sharded, memory_budget=budget,
+        pm = autopar.compile(model, mesh, args, kwargs, gather_outputs=not keep_sharded, memory_budget=budget,
                              time_limit=SOLVE_S)
-        out = pm(*args)[0]
+        out = pm(*args, **kwargs)[0]
         assert isinstance(out, DTensor) == keep_sharded
         full = out.full_tensor() if keep_sharded else out
         return [t.clone() for t in per_rank(full)]

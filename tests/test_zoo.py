@@ -21,9 +21,11 @@ HF_TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny"]
 
 EXPECTED_NAMES = [
     "gpt-tiny", "gpt-125m", "gpt-1.3b", "gpt-13b", "gpt-175b",
-    "gpt2-tiny", "gpt2-125m",
-    "llama-tiny", "llama-7b", "llama-70b",
-    "bert-tiny", "bert-base",
+    "gpt2-tiny", "gpt2-125m", "llama-tiny", "llama-7b", "llama-70b", "bert-tiny", "bert-base",
+    "opt-tiny", "opt-1.3b", "bloom-tiny", "bloom-560m", "falcon-tiny", "falcon-7b", "gptj-tiny", "gpt-j-6b",
+    "gpt-neox-tiny", "pythia-1.4b", "mistral-tiny", "mistral-7b", "qwen2-tiny", "qwen2-1.5b",
+    "gemma-tiny", "gemma-2b", "phi-tiny", "phi-2", "mixtral-tiny", "mixtral-8x7b",
+    "roberta-tiny", "roberta-base", "t5-tiny", "t5-base", "vit-tiny", "vit-base",
 ]
 
 
@@ -41,8 +43,8 @@ def _other_batch(entry: ZooEntry, batch: int, seq: int) -> tuple[tuple, dict]:
     g = torch.Generator().manual_seed(123)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
-    if entry.example_kwargs(batch, seq, torch.device("cpu")):
-        return (ids,), {"labels": labels}
+    if kwargs := entry.example_kwargs(batch, seq, torch.device("cpu")):
+        return (ids,), kwargs | {"labels": labels}
     return (ids, labels), {}
 
 
@@ -105,24 +107,23 @@ def test_hf_tiny_export_logits(name):
     entry = get_model(name)
     torch.manual_seed(0)
     model = entry.build()
-    args, _ = entry.example(batch=2, seq=16)
-    ep = torch.export.export(model, args, strict=False)
-    out = _logits(ep.module()(*args))
+    args, kwargs = entry.example(batch=2, seq=16)
+    kwargs.pop("labels")
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    out = _logits(ep.module()(*args, **kwargs))
     assert out.shape == (2, 16, 256)
-    torch.testing.assert_close(out, _logits(model(*args)))
-    # SDPA gets no materialised [B, 1, T, T] mask: HF's mask-building ops are absent.
-    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    assert not targets & {"aten.cumsum.default", "aten.diff.default", "aten.index.Tensor"}
-    for node in ep.graph.nodes:
-        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            assert len(node.args) < 4 or node.args[3] is None  # attn_mask
+    torch.testing.assert_close(out, _logits(model(*args, **kwargs)))
 
 
-def test_hf_models_untied_and_no_cache():
-    for name in HF_TINY:
-        model = get_model(name).build()
-        assert model.config.use_cache is False
-        assert model.get_input_embeddings().weight is not model.get_output_embeddings().weight
+@pytest.mark.parametrize("name", HF_TINY)
+def test_hf_models_are_what_from_config_builds(name):
+    """No zoo workaround: default attention, embeddings tied as the config says, cache on by default."""
+    model = get_model(name).build()
+    config = model.config
+    assert config._attn_implementation == "sdpa" and config.use_cache is True
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert tied == config.tie_word_embeddings == (name != "llama-tiny")   # Llama's config unties them
+    assert type(model).__module__.startswith("transformers.models.")
 
 
 def test_gpt_deterministic_init_and_names():

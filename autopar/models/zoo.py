@@ -15,25 +15,22 @@ Entries
 -------
 * ``gpt-tiny``, ``gpt-125m``, ``gpt-1.3b``, ``gpt-13b``, ``gpt-175b``: the hand-written GPT of
   :mod:`autopar.models.gpt` with the GPT-3 paper's shapes (``gpt-tiny`` is the demo model).
-* ``gpt2-tiny``, ``gpt2-125m``: ``transformers.GPT2LMHeadModel``.
-* ``llama-tiny``, ``llama-7b``, ``llama-70b``: ``transformers.LlamaForCausalLM`` (Llama-2 shapes; GQA).
-* ``bert-tiny``, ``bert-base``: ``transformers.BertForMaskedLM``.
+* Hugging Face architectures, each at a tiny size (``NAME-tiny``: tests and CPU runs) and at a
+  published size (planning on ``meta``): GPT-2 (``gpt2-125m``), Llama-2 (``llama-7b``,
+  ``llama-70b``), BERT (``bert-base``), OPT (``opt-1.3b``), BLOOM (``bloom-560m``), Falcon
+  (``falcon-7b``), GPT-J (``gpt-j-6b``), GPT-NeoX (``gpt-neox-tiny``, ``pythia-1.4b``), Mistral
+  (``mistral-7b``), Qwen2 (``qwen2-1.5b``), Gemma (``gemma-2b``), Phi (``phi-2``), Mixtral
+  (``mixtral-8x7b``), RoBERTa (``roberta-base``), T5 (``t5-base``), ViT (``vit-base``; its
+  ``seq`` is the image side).
 
 ``get_model`` also accepts ``"pkg.module:factory"`` for user models (see :func:`get_model`).
 
-Hugging Face models are made export-friendly (see :func:`_hf_build` and :func:`_prepare_hf_model`):
-
-* random weights only (nothing is ever downloaded), training mode, ``use_cache=False``;
-* dropout probabilities 0 (HF still emits ``aten.dropout(x, 0.0, True)`` nodes);
-* untied input/output embeddings (BERT's then-unused ``cls.predictions.bias`` is removed);
-* attention implementation ``autopar_sdpa``: SDPA with ``is_causal=True`` (BERT: ``False``) and
-  no ``attn_mask``, instead of a ``[B, 1, T, T]`` mask that HF materialises under ``torch.export``
-  (padding ``attention_mask`` arguments are therefore ignored; the zoo never passes one).
-
-The rotary embedding's ``torch.no_grad`` region is kept: capture inlines it.
-
-With ``labels`` the HF models return a ``ModelOutput``; an exported program's outputs are then
-``(loss, logits)``, without labels ``(logits,)``.
+Hugging Face models are exactly what a user's ``AutoModel....from_config(config)`` builds:
+default attention implementation, tied embeddings where the config ties them, key/value cache on
+by default (the example inputs pass ``use_cache=False``, as training does), random weights
+(nothing is ever downloaded). The configs set sizes and dropout 0 (the models still run
+``aten.dropout(x, 0.0, True)``), nothing else. With ``labels`` they return a ``ModelOutput``; an
+exported program's outputs are then ``(loss, logits)``.
 """
 
 from __future__ import annotations
@@ -160,7 +157,19 @@ def _gpt3(n_layer: int, n_embd: int, n_head: int) -> GPTConfig:
 # Hugging Face entries
 # ---------------------------------------------------------------------------------------------
 
-_HF_ATTN = "autopar_sdpa"
+
+@dataclass(frozen=True)
+class HFFamily:
+    """A Hugging Face architecture: the auto class ``from_config`` builds it with, its config
+    class, and the inputs its training forward takes (``causal``: token ids and labels;
+    ``masked``: masked-LM labels; ``seq2seq``: labels the decoder shifts itself; ``image``:
+    pixels and class labels). ``no_dropout``: the config's dropout fields, set to 0."""
+
+    arch: str
+    auto: str
+    config: str
+    inputs: str
+    no_dropout: tuple[str, ...] = ()
 
 
 def _import_transformers() -> types.ModuleType:
@@ -173,124 +182,84 @@ def _import_transformers() -> types.ModuleType:
     return transformers
 
 
-def _register_hf_attention() -> None:
-    """Register ``autopar_sdpa``: HF's SDPA attention, but with the mask left to SDPA.
+def _hf_build(family: HFFamily, config_kwargs: dict[str, Any]) -> Callable[[], nn.Module]:
+    """``AutoModel...from_config(Config(**config_kwargs))``: exactly what a user writes, with
+    random weights (nothing is downloaded) and dropout 0."""
 
-    With ``attn_implementation="sdpa"``, HF decides at run time whether a mask is needed; under
-    ``torch.export`` it always materialises a ``[B, 1, T, T]`` boolean mask from position ids
-    (``diff``/``cumsum``/``index`` ops) and passes it as ``attn_mask``. Because ``autopar_sdpa``
-    has no entry in HF's *mask* registry, HF builds no mask at all (``attention_mask`` becomes
-    None) and its SDPA function calls ``F.scaled_dot_product_attention(..., is_causal=True)``
-    for causal models (``is_causal=False`` for BERT) -- which is also what eager mode does.
-    Consequence: a 2-D padding ``attention_mask`` passed to these models is ignored; the zoo
-    never passes one.
-    """
-    _import_transformers()
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if _HF_ATTN not in AttentionInterface._global_mapping:
-        AttentionInterface.register(_HF_ATTN, sdpa_attention_forward)
-
-
-def _prepare_hf_model(model: nn.Module) -> nn.Module:
-    model.config.use_cache = False
-    if getattr(model, "loss_type", "") is None and type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
-        model.loss_type = "ForCausalLM"  # what HF falls back to anyway, minus its warning
-    model.train()
-    return model
-
-
-def _hf_build(
-    model_cls_name: str,
-    config_cls_name: str,
-    post_build: Callable[[nn.Module], None] | None = None,
-    **config_kwargs: Any,
-) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         transformers = _import_transformers()
-        _register_hf_attention()
-        config = getattr(transformers, config_cls_name)(
-            use_cache=False,
-            # Untied: one parameter used both by the embedding lookup and the output matmul
-            # would force both uses to agree on a single sharding.
-            tie_word_embeddings=False,
-            attn_implementation=_HF_ATTN,
-            **config_kwargs,
-        )
-        model = getattr(transformers, model_cls_name)(config)  # random init, no download
-        if post_build is not None:
-            post_build(model)
-        return _prepare_hf_model(model)
+        config = getattr(transformers, family.config)(**{k: 0.0 for k in family.no_dropout}, **config_kwargs)
+        return getattr(transformers, family.auto).from_config(config)
 
     return build
 
 
-def _hf_entry(
-    name: str,
-    description: str,
-    build: Callable[[], nn.Module],
-    vocab: int,
-    default_batch: int,
-    default_seq: int,
-    num_params: int,
-) -> ZooEntry:
+def _hf_example(family: HFFamily, vocab: int, image: tuple[int, int] | None) -> tuple[Callable, Callable]:
+    """(example_inputs, example_kwargs) of a family's training forward. Labels are separate
+    tensors: torch.export wires graph inputs that alias to the same placeholder."""
+    if family.inputs == "image":
+        side, classes = image
+
+        def pixels(batch: int, seq: int, device: torch.device) -> tuple:
+            if seq != side:
+                raise AutoparError(f"{family.arch} takes {side}x{side} images: pass seq={side} (the image side)")
+            if device.type == "meta":
+                return (torch.empty(batch, 3, side, side, device=device),)
+            return (torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(0)).to(device),)
+
+        def classes_of(batch: int, seq: int, device: torch.device) -> dict:
+            return {"labels": _random_tokens(1, batch, classes, device).view(batch)}
+
+        return pixels, classes_of
+
+    def tokens(batch: int, seq: int, device: torch.device) -> tuple:
+        return (_random_tokens(batch, seq, vocab, device),)
+
+    def labels(batch: int, seq: int, device: torch.device) -> dict:
+        # Causal LMs shift their labels themselves, so labels == input_ids (as a separate tensor);
+        # training wants no key/value cache, which from_config's models return by default.
+        kwargs = {"labels": _random_tokens(batch, seq, vocab, device, seed=int(family.inputs == "seq2seq")).clone()}
+        return kwargs | ({"use_cache": False} if family.inputs in ("causal", "seq2seq") else {})
+
+    return tokens, labels
+
+
+_CAUSAL_DROPOUT = ("attention_dropout", "hidden_dropout")
+GPT2 = HFFamily("GPT-2", "AutoModelForCausalLM", "GPT2Config", "causal", ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+OPT = HFFamily("OPT", "AutoModelForCausalLM", "OPTConfig", "causal", ("dropout", "attention_dropout", "layerdrop"))
+BLOOM = HFFamily("BLOOM", "AutoModelForCausalLM", "BloomConfig", "causal", _CAUSAL_DROPOUT)
+FALCON = HFFamily("Falcon", "AutoModelForCausalLM", "FalconConfig", "causal", _CAUSAL_DROPOUT)
+GPTJ = HFFamily("GPT-J", "AutoModelForCausalLM", "GPTJConfig", "causal", ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+GPT_NEOX = HFFamily("GPT-NeoX", "AutoModelForCausalLM", "GPTNeoXConfig", "causal", ("attention_dropout", "hidden_dropout"))
+LLAMA = HFFamily("Llama", "AutoModelForCausalLM", "LlamaConfig", "causal")
+MISTRAL = HFFamily("Mistral", "AutoModelForCausalLM", "MistralConfig", "causal")
+QWEN2 = HFFamily("Qwen2", "AutoModelForCausalLM", "Qwen2Config", "causal")
+GEMMA = HFFamily("Gemma", "AutoModelForCausalLM", "GemmaConfig", "causal")
+PHI = HFFamily("Phi", "AutoModelForCausalLM", "PhiConfig", "causal", ("resid_pdrop", "embd_pdrop", "attention_dropout"))
+MIXTRAL = HFFamily("Mixtral (MoE)", "AutoModelForCausalLM", "MixtralConfig", "causal")
+_BERT_DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+BERT = HFFamily("BERT", "AutoModelForMaskedLM", "BertConfig", "masked", _BERT_DROPOUT)
+ROBERTA = HFFamily("RoBERTa", "AutoModelForMaskedLM", "RobertaConfig", "masked", _BERT_DROPOUT)
+T5 = HFFamily("T5", "AutoModelForSeq2SeqLM", "T5Config", "seq2seq", ("dropout_rate",))
+VIT = HFFamily("ViT", "AutoModelForImageClassification", "ViTConfig", "image", _BERT_DROPOUT)
+
+
+def _hf_entry(name: str, title: str, family: HFFamily, default_batch: int, default_seq: int, num_params: int,
+              **config_kwargs: Any) -> ZooEntry:
+    vocab = config_kwargs.get("vocab_size", 0)
+    image = (config_kwargs["image_size"], config_kwargs["num_labels"]) if family.inputs == "image" else None
+    inputs, kwargs = _hf_example(family, vocab, image)
+    shape = ", ".join(f"{k}={v}" for k, v in config_kwargs.items() if not k.endswith("token_id"))
     return ZooEntry(
         name=name,
-        description=description,
-        build=build,
-        example_inputs=_hf_inputs(vocab),
-        example_kwargs=_hf_labels(vocab),
+        description=f"{title} (HF {family.arch}, {family.auto}.from_config: {shape})",
+        build=_hf_build(family, config_kwargs),
+        example_inputs=inputs,
+        example_kwargs=kwargs,
         default_batch=default_batch,
         default_seq=default_seq,
         num_params=num_params,
     )
-
-
-def _gpt2(name: str, title: str, n_layer: int, n_embd: int, n_head: int, vocab: int, n_positions: int,
-          default_seq: int, num_params: int) -> ZooEntry:
-    build = _hf_build(
-        "GPT2LMHeadModel", "GPT2Config",
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=n_positions,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        # GPT-2's default bos/eos id 50256 must lie inside the (tiny) vocabulary.
-        bos_token_id=min(50256, vocab - 1), eos_token_id=min(50256, vocab - 1),
-    )
-    desc = f"{title}: {n_layer} layers, d={n_embd}, {n_head} heads, vocab {vocab} (HF GPT2LMHeadModel, untied)"
-    return _hf_entry(name, desc, build, vocab, 8, default_seq, num_params)
-
-
-def _llama(name: str, title: str, n_layer: int, hidden: int, heads: int, kv_heads: int, inter: int,
-           vocab: int, max_pos: int, default_seq: int, num_params: int) -> ZooEntry:
-    build = _hf_build(
-        "LlamaForCausalLM", "LlamaConfig",
-        num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-        max_position_embeddings=max_pos,
-    )
-    desc = (f"{title}: {n_layer} layers, d={hidden}, {heads} heads ({kv_heads} kv), ffn {inter}, "
-            f"vocab {vocab} (HF LlamaForCausalLM)")
-    return _hf_entry(name, desc, build, vocab, 8, default_seq, num_params)
-
-
-def _drop_unused_mlm_bias(model: nn.Module) -> None:
-    # BertLMPredictionHead has a ``bias`` parameter that HF ties to ``decoder.bias`` only when
-    # the word embeddings are tied too. Untied, it would be a parameter that no op reads (and
-    # that never gets a gradient); the decoder keeps its own bias, so drop the unused one.
-    del model.cls.predictions.bias
-
-
-def _bert(name: str, title: str, n_layer: int, hidden: int, heads: int, inter: int, vocab: int,
-          max_pos: int, default_seq: int, num_params: int) -> ZooEntry:
-    build = _hf_build(
-        "BertForMaskedLM", "BertConfig", post_build=_drop_unused_mlm_bias,
-        num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=heads,
-        intermediate_size=inter, vocab_size=vocab, max_position_embeddings=max_pos,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    desc = (f"{title}: {n_layer} layers, d={hidden}, {heads} heads, ffn {inter}, vocab {vocab} "
-            f"(HF BertForMaskedLM, MLM loss on all tokens, untied)")
-    return _hf_entry(name, desc, build, vocab, 8, default_seq, num_params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,24 +281,90 @@ _register(_gpt_entry("gpt-1.3b", "GPT-3 XL 1.3B", _gpt3(24, 2048, 16), 8, 2048))
 _register(_gpt_entry("gpt-13b", "GPT-3 13B", _gpt3(40, 5120, 40), 8, 2048))
 _register(_gpt_entry("gpt-175b", "GPT-3 175B", _gpt3(96, 12288, 96), 8, 2048))
 
-# num_params of the HF entries were counted by building them on the meta device
-# (tests/test_zoo.py checks the tiny ones).
-_register(_gpt2("gpt2-tiny", "Tiny GPT-2", 2, 64, 4, vocab=256, n_positions=64, default_seq=32,
-                num_params=136_960))
-_register(_gpt2("gpt2-125m", "GPT-2 small 124M", 12, 768, 12, vocab=50257, n_positions=1024,
-                default_seq=1024, num_params=163_037_184))
-
-_register(_llama("llama-tiny", "Tiny Llama", 2, 64, 4, 2, 128, vocab=256, max_pos=64, default_seq=32,
-                 num_params=106_816))
-_register(_llama("llama-7b", "Llama-2 7B", 32, 4096, 32, 32, 11008, vocab=32000, max_pos=4096,
-                 default_seq=4096, num_params=6_738_415_616))
-_register(_llama("llama-70b", "Llama-2 70B", 80, 8192, 64, 8, 28672, vocab=32000, max_pos=4096,
-                 default_seq=4096, num_params=68_976_648_192))
-
-_register(_bert("bert-tiny", "Tiny BERT", 2, 64, 4, 128, vocab=256, max_pos=64, default_seq=32,
-                num_params=108_608))
-_register(_bert("bert-base", "BERT-base 110M", 12, 768, 12, 3072, vocab=30522, max_pos=512,
-                default_seq=512, num_params=132_955_194))
+# Hugging Face models: for each architecture a tiny size (tests, CPU runs) and a published size
+# (planning on the meta device; shapes from the authors' configs). num_params were counted by
+# building each entry on the meta device (tests/test_corpus.py checks them all).
+_TINY = dict(default_batch=8, default_seq=32)
+_reg = _register
+_reg(_hf_entry("gpt2-tiny", "Tiny GPT-2", GPT2, **_TINY, num_params=120_576, n_layer=2, n_embd=64, n_head=4,
+               vocab_size=256, n_positions=64, bos_token_id=255, eos_token_id=255))
+_reg(_hf_entry("gpt2-125m", "GPT-2 small 124M", GPT2, 8, 1024, 124_439_808, n_layer=12, n_embd=768, n_head=12,
+               vocab_size=50257, n_positions=1024))
+_reg(_hf_entry("llama-tiny", "Tiny Llama", LLAMA, **_TINY, num_params=106_816, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+               max_position_embeddings=64))
+_reg(_hf_entry("llama-7b", "Llama-2 7B", LLAMA, 8, 4096, 6_738_415_616, num_hidden_layers=32, hidden_size=4096,
+               num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+               max_position_embeddings=4096))
+_reg(_hf_entry("llama-70b", "Llama-2 70B", LLAMA, 8, 4096, 68_976_648_192, num_hidden_layers=80, hidden_size=8192,
+               num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000,
+               max_position_embeddings=4096))
+_reg(_hf_entry("bert-tiny", "Tiny BERT", BERT, **_TINY, num_params=92_224, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=64))
+_reg(_hf_entry("bert-base", "BERT-base 110M", BERT, 8, 512, 109_514_298, num_hidden_layers=12, hidden_size=768,
+               num_attention_heads=12, intermediate_size=3072, vocab_size=30522, max_position_embeddings=512))
+_reg(_hf_entry("opt-tiny", "Tiny OPT", OPT, **_TINY, num_params=87_680, num_hidden_layers=2, hidden_size=64, ffn_dim=128,
+               num_attention_heads=4, vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64))
+_reg(_hf_entry("opt-1.3b", "OPT 1.3B", OPT, 8, 2048, 1_315_758_080, num_hidden_layers=24, hidden_size=2048, ffn_dim=8192,
+               num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048))
+_reg(_hf_entry("bloom-tiny", "Tiny BLOOM", BLOOM, **_TINY, num_params=116_608, n_layer=2, hidden_size=64, n_head=4,
+               vocab_size=256))
+_reg(_hf_entry("bloom-560m", "BLOOM 560M", BLOOM, 8, 2048, 559_214_592, n_layer=24, hidden_size=1024, n_head=16,
+               vocab_size=250880))
+_reg(_hf_entry("falcon-tiny", "Tiny Falcon", FALCON, **_TINY, num_params=102_784, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, vocab_size=256))
+_reg(_hf_entry("falcon-7b", "Falcon 7B", FALCON, 8, 2048, 6_921_720_704, num_hidden_layers=32, hidden_size=4544,
+               num_attention_heads=71, vocab_size=65024))
+_reg(_hf_entry("gptj-tiny", "Tiny GPT-J", GPTJ, **_TINY, num_params=132_352, n_layer=2, n_embd=64, n_head=4, rotary_dim=8,
+               vocab_size=256, n_positions=64, bos_token_id=255, eos_token_id=255))
+_reg(_hf_entry("gpt-j-6b", "GPT-J 6B", GPTJ, 8, 2048, 6_050_882_784, n_layer=28, n_embd=4096, n_head=16, rotary_dim=64,
+               vocab_size=50400, n_positions=2048))
+_reg(_hf_entry("gpt-neox-tiny", "Tiny GPT-NeoX", GPT_NEOX, **_TINY, num_params=99_840, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=64))
+_reg(_hf_entry("pythia-1.4b", "Pythia 1.4B", GPT_NEOX, 8, 2048, 1_414_647_808, num_hidden_layers=24, hidden_size=2048,
+               num_attention_heads=16, intermediate_size=8192, vocab_size=50304, max_position_embeddings=2048))
+_reg(_hf_entry("mistral-tiny", "Tiny Mistral", MISTRAL, **_TINY, num_params=106_816, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+               max_position_embeddings=64))
+_reg(_hf_entry("mistral-7b", "Mistral 7B", MISTRAL, 8, 4096, 7_241_732_096, num_hidden_layers=32, hidden_size=4096,
+               num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+               max_position_embeddings=32768, sliding_window=4096))
+_reg(_hf_entry("qwen2-tiny", "Tiny Qwen2", QWEN2, **_TINY, num_params=107_072, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+               max_position_embeddings=64))
+_reg(_hf_entry("qwen2-1.5b", "Qwen2 1.5B", QWEN2, 8, 4096, 1_543_714_304, num_hidden_layers=28, hidden_size=1536,
+               num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+               max_position_embeddings=32768, tie_word_embeddings=True))
+_reg(_hf_entry("gemma-tiny", "Tiny Gemma", GEMMA, **_TINY, num_params=86_336, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128, vocab_size=256,
+               max_position_embeddings=64))
+_reg(_hf_entry("gemma-2b", "Gemma 2B", GEMMA, 8, 4096, 2_506_172_416, num_hidden_layers=18, hidden_size=2048,
+               num_attention_heads=8, num_key_value_heads=1, head_dim=256, intermediate_size=16384,
+               vocab_size=256000, max_position_embeddings=8192))
+_reg(_hf_entry("phi-tiny", "Tiny Phi", PHI, **_TINY, num_params=99_840, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=64))
+_reg(_hf_entry("phi-2", "Phi-2 2.7B", PHI, 8, 2048, 2_779_683_840, num_hidden_layers=32, hidden_size=2560,
+               num_attention_heads=32, intermediate_size=10240, vocab_size=51200, max_position_embeddings=2048,
+               partial_rotary_factor=0.4))
+_reg(_hf_entry("mixtral-tiny", "Tiny Mixtral", MIXTRAL, **_TINY, num_params=254_784, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+               max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2))
+_reg(_hf_entry("mixtral-8x7b", "Mixtral 8x7B", MIXTRAL, 8, 4096, 46_702_792_704, num_hidden_layers=32, hidden_size=4096,
+               num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+               max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2))
+_reg(_hf_entry("roberta-tiny", "Tiny RoBERTa", ROBERTA, **_TINY, num_params=92_352, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=66))
+_reg(_hf_entry("roberta-base", "RoBERTa-base 125M", ROBERTA, 8, 512, 124_697_433, num_hidden_layers=12, hidden_size=768,
+               num_attention_heads=12, intermediate_size=3072, vocab_size=50265, max_position_embeddings=514,
+               type_vocab_size=1))
+_reg(_hf_entry("t5-tiny", "Tiny T5", T5, **_TINY, num_params=181_248, num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16,
+               vocab_size=256, decoder_start_token_id=0))
+_reg(_hf_entry("t5-base", "T5-base 220M", T5, 8, 512, 222_903_552, num_layers=12, d_model=768, d_ff=3072, num_heads=12, d_kv=64,
+               vocab_size=32128, decoder_start_token_id=0))
+_reg(_hf_entry("vit-tiny", "Tiny ViT", VIT, 8, 32, 81_226, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+               intermediate_size=128, image_size=32, patch_size=8, num_labels=10))
+_reg(_hf_entry("vit-base", "ViT-base/16 86M", VIT, 8, 224, 86_567_656, num_hidden_layers=12, hidden_size=768,
+               num_attention_heads=12, intermediate_size=3072, image_size=224, patch_size=16, num_labels=1000))
 
 
 def list_models() -> list[str]:

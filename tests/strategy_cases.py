@@ -13,6 +13,7 @@ test fails when a rule silently disappears.
 """
 from __future__ import annotations
 
+import importlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import transformers.integrations.moe  # noqa: F401 -- registers torch.ops.transformers.grouped_mm_fallback
 
 aten = torch.ops.aten
-GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default   # registered by the import above
+importlib.import_module("transformers.integrations.moe")   # registers torch.ops.transformers.grouped_mm_fallback
+GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default
 
 
 class Pre(nn.Module):

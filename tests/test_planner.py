@@ -116,8 +116,19 @@ class DataDependent(nn.Module):
 
 
 def test_untraceable_model_names_the_line():
-    with pytest.raises(autopar.CaptureError, match=r"test_planner.py:\d+.*x.sum\(\) > 0"):
+    with pytest.raises(autopar.CaptureError, match=r"test_planner.py:\d+.*x.sum\(\) > 0.*control flow on tensor values"):
         autopar.plan(DataDependent(), MeshSpec((2,)), (torch.randn(2, 4),))
+
+
+class MissingAttribute(nn.Module):
+    def forward(self, x):
+        return x * self.scale   # never set: fails eagerly too
+
+
+def test_a_model_failing_eagerly_is_not_blamed_on_control_flow():
+    with pytest.raises(autopar.CaptureError, match=r"AttributeError.*runs eagerly") as info:
+        autopar.plan(MissingAttribute(), MeshSpec((2,)), (torch.randn(2, 4),))
+    assert "control flow" not in str(info.value)
 
 
 class Flip(nn.Module):

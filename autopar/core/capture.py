@@ -82,8 +82,11 @@ def _capture_hint(message: str) -> str:
     if unknown:
         return (f"The model returns a {unknown.group(1)}, which autopar cannot carry: return tensors, "
                 "or tuples, lists and dicts of them (or register the type with torch.utils._pytree).")
-    return ("Data-dependent Python control flow on tensor values is the usual cause; "
-            "rewrite it with torch.cond/torch.where or make it depend on shapes only.")
+    if "data-dependent" in message.lower() or "data dependent" in message.lower():
+        return ("Python control flow on tensor values is the cause: rewrite it with torch.cond/torch.where "
+                "or make it depend on shapes only.")
+    return ("Check that the model runs eagerly on these inputs (model(*args, **kwargs)); the line named "
+            "above is where tracing failed.")
 
 
 def _inline_grad_regions(program: ExportedProgram) -> None:

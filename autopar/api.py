@@ -20,6 +20,7 @@ from autopar.planning.planner import plan_captured
 from autopar.profiling.missing_ops import measure_missing_ops
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
+from codegen.runtime import share_generator
 from cost_models.profile import resolve_profile
 
 __all__ = ["plan", "compile", "full_state_dict"]
@@ -48,7 +49,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     ``gather_outputs=False`` (DTensor outputs, no gather of the logits every step).
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
-    this rank's shard, under the original names.
+    this rank's shard, under the original names. Every rank's random generator becomes rank 0's,
+    so that dropout draws alike everywhere: a split dropout draws the whole tensor's mask and keeps
+    its part, equal to one device's from the same seed (CPU; on GPU the mask is drawn by
+    ``bernoulli_``, not the fused kernel one GPU uses).
     """
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(
@@ -63,6 +67,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
             plan = _plan_shared_by_all_ranks(captured, spec, mesh, options)
         else:
             together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec))
+        if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
+            share_generator()
         return together("generating code and sharding the weights",
                         lambda: ShardedModule(model, mesh, plan, captured, bucket_bytes))
 

@@ -467,6 +467,12 @@ class _Emitter:
             over = ", ".join(self.axes[a] for a in summed)
             self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed})",
                       comment + (f"; one all-reduce over {over} sums the local losses" if summed else ""))
+        elif inputs and node.target is aten.dropout.default and _draws(node) and any(isinstance(p, Shard) for p in np_.out):
+            x = rename.get(node.args[0].name, node.args[0].name)
+            shape = list(tensor_val(node).shape)
+            mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {shape})", shape, np_.out)
+            self.emit(f"{node.name} = {x} * {mask}", comment + "; the whole tensor's mask, drawn as one device "
+                      "draws it (every rank's generator alike), cut to this rank's part")
         elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
             rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
             self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)
@@ -523,6 +529,11 @@ def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.__name__}" if target.namespace == "aten" else f"torch.ops.{target.namespace}.{target.__name__}"
     return f"{target.__module__}.{target.__name__}"
+
+
+def _draws(node: fx.Node) -> bool:
+    """Does this ``aten.dropout(x, p, train)`` draw a random mask (p > 0 in training)?"""
+    return bool(node.args[2]) and node.args[1] > 0
 
 
 def _tag(p: Placement) -> str:

@@ -31,6 +31,7 @@ GENERATED_GLOBALS = {
     "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
     "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
     "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
+    "dropout_mask": runtime.dropout_mask,
 }
 
 

@@ -248,6 +248,27 @@ def sharded_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int 
     return out
 
 
+def dropout_mask(like: torch.Tensor, p: float, shape: Sequence[int]) -> torch.Tensor:
+    """Dropout's keep-mask, scaled by 1/(1-p), for the WHOLE tensor of ``shape``: drawn from the
+    default generator as ``aten.dropout`` draws it on one CPU device (bernoulli over the full
+    shape). Every rank's generator is alike (``share_generator``), so every rank draws the same
+    mask and keeps its part: a split dropout equals one device's, at the cost of drawing the
+    whole mask on each rank."""
+    if p >= 1:
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p).div_(1 - p)
+
+
+def share_generator() -> None:
+    """Give every rank of the default process group rank 0's random generator state (CPU, and
+    this rank's GPU), so that random ops (dropout) draw alike on every rank."""
+    states = [(torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)]
+    dist.broadcast_object_list(states, src=0)
+    torch.set_rng_state(states[0][0])
+    if states[0][1] is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(states[0][1])
+
+
 def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
                           ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int]) -> torch.Tensor:
     """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:

@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.core.errors import CaptureError
 from autopar.core.mesh import MeshSpec
-from tests.equivalence import check_training, local_runner
+from autopar.profiling.launch import run_on_gloo_mesh
+from tests.equivalence import check_training, gloo_runner, local_runner
 
 SOLVE_S = 10.0
 VOCAB = 96
@@ -73,6 +75,15 @@ def bert() -> nn.Module:
     return transformers.AutoModelForMaskedLM.from_config(config)
 
 
+def gpt2_dropout() -> nn.Module:
+    """HF GPT-2 with its default embedding and residual dropout (0.1); attention dropout 0 (SDPA
+    draws that mask inside its kernel, per rank)."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, attn_pdrop=0.0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def _causal(ids: torch.Tensor) -> dict:
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
@@ -130,6 +141,29 @@ def test_graph_values_named_as_generated_code_names_do_not_shadow_them():
     gen = torch.Generator().manual_seed(0)
     batches = [((torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)), {}) for _ in range(3)]
     check_training(MakesTensors, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=batches)
+
+
+@pytest.mark.parametrize("runner", [local_runner, gloo_runner], ids=["local", "gloo"])
+def test_dropout_draws_as_one_device_under_the_shared_generator(runner):
+    """Dropout p=0.1 on split activations: every rank draws the whole tensor's mask from a
+    generator compile made alike on every rank, and keeps its part; the 3 steps equal one
+    device's from the same seed."""
+    plan = check_training(gpt2_dropout, 0, 0, (2, 2), runner, {"time_limit": SOLVE_S}, batches=_batches(_causal))
+    plan = autopar.Plan.from_json(plan) if isinstance(plan, str) else plan
+    split = [n for n in plan.nodes if n.op == "aten.dropout.default" and any(isinstance(p, Shard) for p in n.out)]
+    assert split, "the plan splits no dropout: the test would not exercise the mask path"
+
+
+def _draw_after_compile(mesh) -> torch.Tensor:
+    torch.manual_seed(1000 + torch.distributed.get_rank())   # ranks seeded apart, as some scripts do
+    model = nn.Linear(4, 4)
+    autopar.compile(model, mesh, (torch.ones(2, 4),), time_limit=SOLVE_S)
+    return torch.rand(3)
+
+
+def test_compile_gives_every_rank_rank_0s_generator():
+    draws = run_on_gloo_mesh(_draw_after_compile, (2,), start_method="forkserver")
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
 
 
 class Autocast(nn.Module):

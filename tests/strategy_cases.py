@@ -385,18 +385,20 @@ class MaskOps(nn.Module):
 
 
 class ConvNorm(nn.Module):
-    """A vision stem: a strided conv2d (ViT's patch embedding), group norm, and a padded conv1d."""
+    """A vision stem: a strided conv2d (ViT's patch embedding), group norm, batch norm, a padded
+    conv1d and an unflatten."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pre = Pre(3, 3, 8, 8)
         self.patch = nn.Conv2d(3, 6, 2, stride=2)
         self.norm = nn.GroupNorm(2, 6)
+        self.bn = nn.BatchNorm2d(6)
         self.conv1d = nn.Conv1d(6, 4, 3, padding=1)
 
     def forward(self, x):
-        y = self.norm(self.patch(self.pre(x)))
-        return self.conv1d(y.flatten(2))
+        y = self.bn(self.norm(self.patch(self.pre(x))))
+        return self.conv1d(y.flatten(2)).unflatten(2, (4, 4))
 
 
 class HFMaskBuild(nn.Module):
@@ -484,6 +486,20 @@ class Experts(nn.Module):
     def forward(self, x):
         offs = torch.tensor([2, 2, 7])   # expert 0 takes 2 tokens, expert 1 none, expert 2 five
         return GROUPED_MM(self.pre(x), self.w, offs)
+
+
+class Scatter(nn.Module):
+    """Writing along an index, out of place: ``scatter`` of a tensor and of a value, ``scatter_add``
+    (as one-hot targets and routing weights are built)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(5, 3, 6)
+        self.src = Pre(5, 3, 2)
+
+    def forward(self, x, index, src):
+        x, src = self.pre(x), self.src(src)
+        return x.scatter(2, index, src), x.scatter(2, index, 0.5), x.scatter_add(2, index, src)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,9 +597,11 @@ CASES: list[Case] = [
           aten.to.device: {"follow", "partial"}, aten.detach.default: {"follow", "partial"},
           aten.diff.default: {"follow", "partial"}}),
     Case("conv-norm", ConvNorm, lambda: (torch.randn(3, 3, 8, 8),),
-         (aten.conv2d.default, aten.group_norm.default, aten.conv1d.default),
+         (aten.conv2d.default, aten.group_norm.default, aten.batch_norm.default, aten.conv1d.default,
+          aten.unflatten.int),
          {aten.conv2d.default: {"batch", "column"}, aten.group_norm.default: {"batch"},
-          aten.conv1d.default: {"batch", "column"}}),
+          aten.batch_norm.default: {"channels"}, aten.conv1d.default: {"batch", "column"},
+          aten.unflatten.int: {"follow"}}),
     Case("hf-mask-build", HFMaskBuild,
          lambda: (torch.randn(4, 6), (torch.arange(6)[None, :] >= torch.tensor([[0], [2], [1], [4]])).long(),
                   torch.randn(4, 6, 3, 2)),
@@ -606,6 +624,10 @@ CASES: list[Case] = [
          {aten.copy_.default: {"replicate"}, aten.masked_fill_.Scalar: {"replicate"}}),
     Case("experts", Experts, lambda: (torch.randn(7, 6),), (GROUPED_MM,),
          {GROUPED_MM: {"column", "row", "partial"}}),
+    Case("scatter", Scatter, lambda: (torch.randn(5, 3, 6), torch.randint(0, 6, (5, 3, 2)), torch.randn(5, 3, 2)),
+         (aten.scatter.src, aten.scatter.value, aten.scatter_add.default),
+         {aten.scatter.src: {"follow", "partial"}, aten.scatter.value: {"follow"},
+          aten.scatter_add.default: {"follow", "partial"}}),
     Case("reductions", Reductions, lambda: (torch.randn(3, 5, 6),), (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default),
          {aten.sum.dim_IntList: {"follow", "partial-sum"}, aten.mean.dim: {"follow"}, aten.sum.default: {"partial-sum"}}),
 ]

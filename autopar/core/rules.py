@@ -172,15 +172,23 @@ def leading_dims(v: OpView, n: int) -> list[AxisRule]:
     return identity_dims(v, n, lambda d: d if d < nd - 2 else None)
 
 
-def gather(v: OpView, n: int) -> list[AxisRule]:
-    """``gather(x, dim, index)``: any other dim where x, index and the output agree is split in
-    all three; linear in x, so a partial x gives a partial output."""
-    shape, index = v.in_shapes[0], v.in_shapes[1]
+#: Ops along an index linear jointly in their float inputs (the index aside): partial sums pass.
+LINEAR_INDEXED = {aten.gather.default, aten.scatter.src, aten.scatter_add.default}
+
+
+def gather_scatter(v: OpView, n: int) -> list[AxisRule]:
+    """``gather(x, dim, index)``, ``scatter(x, dim, index, src | value)``, ``scatter_add``: any
+    other dim where every tensor input and the output agree is split in all of them; gather,
+    scatter of a tensor and scatter_add are linear in x (and src), so partial sums pass."""
+    shape = v.in_shapes[0]
     dim = _norm(v.arg(1, "dim"), len(shape))
-    rules = [replicate(v), AxisRule(P, (P, R), "partial")]
+    rules = [replicate(v)]
+    if v.node.target in LINEAR_INDEXED:
+        rules.append(AxisRule(P, tuple(R if i == 1 else P for i in range(len(v.in_shapes))), "partial"))
     for d in range(len(shape)):
-        if d != dim and shape[d] == index[d] == v.out_shape[d] and _fits(shape[d], n, even=False):
-            rules.append(AxisRule(Shard(d), (Shard(d), Shard(d)), "follow"))
+        agree = all(len(s) == len(shape) and s[d] == shape[d] for s in v.in_shapes) and v.out_shape[d] == shape[d]
+        if d != dim and agree and _fits(shape[d], n, even=False):
+            rules.append(AxisRule(Shard(d), (Shard(d),) * len(v.in_shapes), "follow"))
     return rules
 
 
@@ -332,6 +340,25 @@ def grouped_mm(v: OpView, n: int) -> list[AxisRule]:
     if _fits(x[1], n, even=False):
         rules.append(AxisRule(P, (Shard(1), Shard(1)) + extra, "row"))
     return rules
+
+
+def batch_norm(v: OpView, n: int) -> list[AxisRule]:
+    """batch_norm(x, weight, bias, running_mean, running_var, ...): statistics are per channel,
+    so splitting the channels (dim 1; the per-channel tensors by their one dim) is exact. A batch
+    split would need statistics over every rank's samples: not offered."""
+    x = v.in_shapes[0]
+    rules = [replicate(v)]
+    if len(x) > 1 and _fits(x[1], n, even=False):
+        rules.append(AxisRule(Shard(1), (Shard(1),) + (Shard(0),) * (len(v.in_shapes) - 1), "channels"))
+    return rules
+
+
+def unflatten(v: OpView, n: int) -> list[AxisRule]:
+    """``x.unflatten(dim, sizes)``: the other dims keep their split (the unflattened one is whole)."""
+    nd = len(v.in_shapes[0])
+    dim = _norm(v.arg(1, "dim"), nd)
+    grown = len(v.arg(2, "sizes")) - 1
+    return identity_dims(v, n, lambda d: None if d == dim else (d if d < dim else d + grown))
 
 
 def cat(v: OpView, n: int) -> list[AxisRule]:
@@ -563,7 +590,8 @@ RULES: dict[object, RuleFn] = {
     aten.view.default: view, aten.reshape.default: view, aten._unsafe_view.default: view,
     aten.flatten.using_ints: view,
     aten.conv1d.default: conv, aten.conv2d.default: conv, aten.conv3d.default: conv,
-    aten.group_norm.default: group_norm,
+    aten.group_norm.default: group_norm, aten.batch_norm.default: batch_norm,
+    aten.unflatten.int: unflatten,
     aten.transpose.int: transpose, aten.t.default: transpose,
     aten.permute.default: permute,
     aten.unsqueeze.default: unsqueeze,
@@ -575,7 +603,8 @@ RULES: dict[object, RuleFn] = {
     aten.softmax.int: along_dim(1), aten._softmax.default: along_dim(1),
     aten.cumsum.default: along_dim(1, partial=True), aten.diff.default: diff,
     aten.tril.default: leading_dims, aten.triu.default: leading_dims,
-    aten.gather.default: gather,
+    aten.gather.default: gather_scatter, aten.scatter.src: gather_scatter, aten.scatter.value: gather_scatter,
+    aten.scatter_add.default: gather_scatter,
     aten.__and__.Tensor: pointwise, aten.__or__.Tensor: pointwise, aten.__xor__.Tensor: pointwise,
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
     aten.masked_fill.Tensor: pointwise, aten.floor_divide.default: pointwise,

@@ -21,8 +21,8 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val
-from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, moves, writes_in_place,
-                                    written_aliases)
+from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
+                                    writes_in_place, written_aliases)
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
@@ -467,7 +467,7 @@ class _Emitter:
             over = ", ".join(self.axes[a] for a in summed)
             self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed})",
                       comment + (f"; one all-reduce over {over} sums the local losses" if summed else ""))
-        elif inputs and node.target is aten.dropout.default and _draws(node) and any(isinstance(p, Shard) for p in np_.out):
+        elif inputs and draws_whole_mask(node, np_.out):
             x = rename.get(node.args[0].name, node.args[0].name)
             shape = list(tensor_val(node).shape)
             mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {shape})", shape, np_.out)
@@ -529,11 +529,6 @@ def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.__name__}" if target.namespace == "aten" else f"torch.ops.{target.namespace}.{target.__name__}"
     return f"{target.__module__}.{target.__name__}"
-
-
-def _draws(node: fx.Node) -> bool:
-    """Does this ``aten.dropout(x, p, train)`` draw a random mask (p > 0 in training)?"""
-    return bool(node.args[2]) and node.args[1] > 0
 
 
 def _tag(p: Placement) -> str:

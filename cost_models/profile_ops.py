@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core.capture import tensor_val
-from autopar.core.execution import SHAPE_ARG_OPS
+from autopar.core.execution import SHAPE_ARG_OPS, draws_whole_mask
 from autopar.core.placements import local_shape
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import gradients
@@ -93,6 +93,10 @@ def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int], grad: Mappi
         args = (args[0], list(local_shape(tensor_val(node).shape, s.out, mesh_shape)), *args[2:])
     if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in s.ins[0]):
         return _sharded_cross_entropy(args)
+    if draws_whole_mask(node, s.out):   # every rank draws the whole tensor's mask: timed as a whole dropout
+        whole = tensor_val(node.args[0])
+        x = torch.empty(whole.shape, dtype=whole.dtype, device="meta", requires_grad=grad.get(node.args[0], False))
+        return OpCall(node.target, (x, *args[1:]), kwargs)
     return OpCall(node.target, args, kwargs)
 
 

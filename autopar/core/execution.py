@@ -46,6 +46,14 @@ GENERATED_NAMES = frozenset({
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
+def draws_whole_mask(node: fx.Node, out: Placements) -> bool:
+    """Does generated code run this node as a dropout drawing the whole tensor's mask on every
+    rank (``runtime.dropout_mask``)? A training dropout with p > 0 whose output is split: each
+    rank keeps its part of the mask one device would draw. The cost model prices the whole draw."""
+    return (node.target is aten.dropout.default and bool(node.args[2]) and node.args[1] > 0
+            and any(isinstance(p, Shard) for p in out))
+
+
 def writes_in_place(node: fx.Node) -> bool:
     """Does ``node`` write its first argument in place (``copy_``, ``masked_fill_``, ``index_put_``...)?"""
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable

@@ -177,7 +177,7 @@ def _import_transformers() -> types.ModuleType:
         import transformers
     except ImportError as e:  # pragma: no cover - transformers is a test dependency
         raise AutoparError(
-            "this zoo model needs Hugging Face transformers: pip install 'transformers>=4.50'"
+            "this zoo model needs Hugging Face transformers: pip install 'transformers>=5.23,<6'"
         ) from e
     return transformers
 

@@ -109,22 +109,6 @@ def _gpt_inputs(vocab: int) -> Callable[[int, int, torch.device], tuple]:
     return example_inputs
 
 
-def _hf_inputs(vocab: int) -> Callable[[int, int, torch.device], tuple]:
-    def example_inputs(batch: int, seq: int, device: torch.device) -> tuple:
-        return (_random_tokens(batch, seq, vocab, device),)
-
-    return example_inputs
-
-
-def _hf_labels(vocab: int) -> Callable[[int, int, torch.device], dict]:
-    # labels == input_ids (HF shifts causal-LM labels itself), but as a separate tensor: if
-    # labels aliased input_ids, torch.export would wire both graph inputs to the same one.
-    def example_kwargs(batch: int, seq: int, device: torch.device) -> dict:
-        return {"labels": _random_tokens(batch, seq, vocab, device).clone()}
-
-    return example_kwargs
-
-
 # ---------------------------------------------------------------------------------------------
 # Hand-written GPT entries
 # ---------------------------------------------------------------------------------------------

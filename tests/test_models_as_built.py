@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.core.errors import CaptureError
@@ -152,6 +152,27 @@ def test_dropout_draws_as_one_device_under_the_shared_generator(runner):
     plan = autopar.Plan.from_json(plan) if isinstance(plan, str) else plan
     split = [n for n in plan.nodes if n.op == "aten.dropout.default" and any(isinstance(p, Shard) for p in n.out)]
     assert split, "the plan splits no dropout: the test would not exercise the mask path"
+
+
+class ShiftedLabels(nn.Module):
+    """T5's label shift: labels moved right one position into a new tensor, in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1]
+        return self.emb(shifted).sum()
+
+
+def test_in_place_writes_are_replicated_and_said_so():
+    plan = autopar.plan(ShiftedLabels(), MeshSpec((2,)), (torch.randint(0, VOCAB, (4, 8)),))
+    note = next(w for w in plan.warnings if w.startswith("in-place writes (aten.copy_.default)"))
+    assert "run replicated" in note
+    written = [n for n in plan.nodes if n.op in ("aten.copy_.default", "aten.new_zeros.default")]
+    assert written and all(p == Replicate() for n in written for p in n.out)
 
 
 def _draw_after_compile(mesh) -> torch.Tensor:

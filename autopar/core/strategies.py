@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
-from autopar.core.execution import written_aliases
+from autopar.core.execution import writes_in_place, written_aliases
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, local_shape, placements_str
 from autopar.core.rules import AxisRule, axis_rules, rule_for
@@ -228,6 +228,12 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
             rep = (R,) * mesh.ndim
             out = [Strategy(rep, tuple(rep for _ in outs), ("replicate",) * mesh.ndim)] if with_strategies else []
             nodes.append(NodeChoices(node, "output", outs, out))
+    if written and with_strategies:
+        ops = sorted({str(n.target) for n in written if n.op == "call_function" and writes_in_place(n)})
+        msg = (f"in-place writes ({', '.join(ops)}): the {len(written)} values they write or alias run replicated "
+               "(a write reaches every alias only in one local tensor)")
+        warnings.append(msg)
+        log.info("autopar: %s", msg)
     for op, count in sorted(unknown.items()):
         msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
         warnings.append(msg)

@@ -220,7 +220,7 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
                 unknown[str(node.target)] = unknown.get(str(node.target), 0) + 1
             strategies = op_strategies(node, inputs, mesh) if with_strategies else []
             if node in written:   # an in-place write and its aliases: one replicated local tensor
-                strategies = [s for s in strategies if _all_replicated(s)]
+                strategies = [s for s in strategies if all_replicated(s)]
             position[node] = len(nodes)
             nodes.append(NodeChoices(node, "op", inputs, strategies))
         elif node.op == "output":
@@ -241,8 +241,9 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
     return StrategySpace(mesh, nodes, warnings=warnings)
 
 
-def _all_replicated(s: Strategy) -> bool:
-    return all(isinstance(p, Replicate) for p in s.out) and all(isinstance(p, Replicate) for ps in s.ins for p in ps)
+def all_replicated(s: Strategy) -> bool:
+    """Is every placement of ``s`` (output, inputs, a parameter's storage) replicated?"""
+    return all(isinstance(p, Replicate) for ps in (s.out, s.storage or (), *s.ins) for p in ps)
 
 
 @functools.lru_cache(maxsize=None)

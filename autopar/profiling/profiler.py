@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 
 from autopar.core.capture import as_args, capture
 from autopar.profiling.launch import run_on_gloo_mesh
@@ -34,9 +33,8 @@ from autopar.planning.problem import prepare
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.missing_ops import quiet, time_on_every_rank
 from autopar.core.mesh import MeshSpec, as_mesh_spec
-from autopar.core.placements import Placements
 from autopar.core.plan import Plan
-from autopar.core.strategies import Strategy, StrategySpace, build_space
+from autopar.core.strategies import Strategy, StrategySpace, all_replicated, build_space
 from codegen.module import ShardedModule
 from cost_models.estimate import CostModel
 from cost_models.comm import COLLECTIVE_KINDS
@@ -230,7 +228,7 @@ def _calibration_plans(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tu
         captured = capture(model, args, kwargs)
         space = build_space(captured, spec)
         if replicated:
-            chosen = [_replicated(nc.strategies) for nc in space.nodes]
+            chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
             forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
             plans[(name, batch, seq, "replicated")] = (
                 plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
@@ -243,14 +241,6 @@ def _calibration_plans(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tu
                               for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
                     plans[(name, batch, seq, hand)] = (plan, planning.model, planning.space, chosen)
     return plans
-
-
-def _replicated(strategies: list[Strategy]) -> Strategy:
-    """The strategy with every placement replicated (every node has one)."""
-    def whole(ps: Placements | None) -> bool:
-        return ps is None or all(isinstance(p, Replicate) for p in ps)
-
-    return next(s for s in strategies if whole(s.out) and whole(s.storage) and all(whole(i) for i in s.ins))
 
 
 def _calibration_worker(mesh: DeviceMesh, plans: list[tuple[tuple[str, int, int, str], str]]

@@ -269,22 +269,21 @@ _register(_gpt_entry("gpt-175b", "GPT-3 175B", _gpt3(96, 12288, 96), 8, 2048))
 # (planning on the meta device; shapes from the authors' configs). num_params were counted by
 # building each entry on the meta device (tests/test_corpus.py checks them all).
 _TINY = dict(default_batch=8, default_seq=32)
+_TINY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+                   max_position_embeddings=64)   # the tiny size of the families whose configs name it alike
 _reg = _register
 _reg(_hf_entry("gpt2-tiny", "Tiny GPT-2", GPT2, **_TINY, num_params=120_576, n_layer=2, n_embd=64, n_head=4,
                vocab_size=256, n_positions=64, bos_token_id=255, eos_token_id=255))
 _reg(_hf_entry("gpt2-125m", "GPT-2 small 124M", GPT2, 8, 1024, 124_439_808, n_layer=12, n_embd=768, n_head=12,
                vocab_size=50257, n_positions=1024))
-_reg(_hf_entry("llama-tiny", "Tiny Llama", LLAMA, **_TINY, num_params=106_816, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-               max_position_embeddings=64))
+_reg(_hf_entry("llama-tiny", "Tiny Llama", LLAMA, **_TINY, **_TINY_SHAPE, num_params=106_816, num_key_value_heads=2))
 _reg(_hf_entry("llama-7b", "Llama-2 7B", LLAMA, 8, 4096, 6_738_415_616, num_hidden_layers=32, hidden_size=4096,
                num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
                max_position_embeddings=4096))
 _reg(_hf_entry("llama-70b", "Llama-2 70B", LLAMA, 8, 4096, 68_976_648_192, num_hidden_layers=80, hidden_size=8192,
                num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000,
                max_position_embeddings=4096))
-_reg(_hf_entry("bert-tiny", "Tiny BERT", BERT, **_TINY, num_params=92_224, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=64))
+_reg(_hf_entry("bert-tiny", "Tiny BERT", BERT, **_TINY, **_TINY_SHAPE, num_params=92_224))
 _reg(_hf_entry("bert-base", "BERT-base 110M", BERT, 8, 512, 109_514_298, num_hidden_layers=12, hidden_size=768,
                num_attention_heads=12, intermediate_size=3072, vocab_size=30522, max_position_embeddings=512))
 _reg(_hf_entry("opt-tiny", "Tiny OPT", OPT, **_TINY, num_params=87_680, num_hidden_layers=2, hidden_size=64, ffn_dim=128,
@@ -303,36 +302,28 @@ _reg(_hf_entry("gptj-tiny", "Tiny GPT-J", GPTJ, **_TINY, num_params=132_352, n_l
                vocab_size=256, n_positions=64, bos_token_id=255, eos_token_id=255))
 _reg(_hf_entry("gpt-j-6b", "GPT-J 6B", GPTJ, 8, 2048, 6_050_882_784, n_layer=28, n_embd=4096, n_head=16, rotary_dim=64,
                vocab_size=50400, n_positions=2048))
-_reg(_hf_entry("gpt-neox-tiny", "Tiny GPT-NeoX", GPT_NEOX, **_TINY, num_params=99_840, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=64))
+_reg(_hf_entry("gpt-neox-tiny", "Tiny GPT-NeoX", GPT_NEOX, **_TINY, **_TINY_SHAPE, num_params=99_840))
 _reg(_hf_entry("pythia-1.4b", "Pythia 1.4B", GPT_NEOX, 8, 2048, 1_414_647_808, num_hidden_layers=24, hidden_size=2048,
                num_attention_heads=16, intermediate_size=8192, vocab_size=50304, max_position_embeddings=2048))
-_reg(_hf_entry("mistral-tiny", "Tiny Mistral", MISTRAL, **_TINY, num_params=106_816, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-               max_position_embeddings=64))
+_reg(_hf_entry("mistral-tiny", "Tiny Mistral", MISTRAL, **_TINY, **_TINY_SHAPE, num_params=106_816, num_key_value_heads=2))
 _reg(_hf_entry("mistral-7b", "Mistral 7B", MISTRAL, 8, 4096, 7_241_732_096, num_hidden_layers=32, hidden_size=4096,
                num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
                max_position_embeddings=32768, sliding_window=4096))
-_reg(_hf_entry("qwen2-tiny", "Tiny Qwen2", QWEN2, **_TINY, num_params=107_072, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-               max_position_embeddings=64))
+_reg(_hf_entry("qwen2-tiny", "Tiny Qwen2", QWEN2, **_TINY, **_TINY_SHAPE, num_params=107_072, num_key_value_heads=2))
 _reg(_hf_entry("qwen2-1.5b", "Qwen2 1.5B", QWEN2, 8, 4096, 1_543_714_304, num_hidden_layers=28, hidden_size=1536,
                num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                max_position_embeddings=32768, tie_word_embeddings=True))
-_reg(_hf_entry("gemma-tiny", "Tiny Gemma", GEMMA, **_TINY, num_params=86_336, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128, vocab_size=256,
-               max_position_embeddings=64))
+_reg(_hf_entry("gemma-tiny", "Tiny Gemma", GEMMA, **_TINY, **_TINY_SHAPE, num_params=86_336, num_key_value_heads=1,
+               head_dim=16))
 _reg(_hf_entry("gemma-2b", "Gemma 2B", GEMMA, 8, 4096, 2_506_172_416, num_hidden_layers=18, hidden_size=2048,
                num_attention_heads=8, num_key_value_heads=1, head_dim=256, intermediate_size=16384,
                vocab_size=256000, max_position_embeddings=8192))
-_reg(_hf_entry("phi-tiny", "Tiny Phi", PHI, **_TINY, num_params=99_840, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=64))
+_reg(_hf_entry("phi-tiny", "Tiny Phi", PHI, **_TINY, **_TINY_SHAPE, num_params=99_840))
 _reg(_hf_entry("phi-2", "Phi-2 2.7B", PHI, 8, 2048, 2_779_683_840, num_hidden_layers=32, hidden_size=2560,
                num_attention_heads=32, intermediate_size=10240, vocab_size=51200, max_position_embeddings=2048,
                partial_rotary_factor=0.4))
-_reg(_hf_entry("mixtral-tiny", "Tiny Mixtral", MIXTRAL, **_TINY, num_params=254_784, num_hidden_layers=2, hidden_size=64,
-               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-               max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2))
+_reg(_hf_entry("mixtral-tiny", "Tiny Mixtral", MIXTRAL, **_TINY, **_TINY_SHAPE, num_params=254_784, num_key_value_heads=2,
+               num_local_experts=4, num_experts_per_tok=2))
 _reg(_hf_entry("mixtral-8x7b", "Mixtral 8x7B", MIXTRAL, 8, 4096, 46_702_792_704, num_hidden_layers=32, hidden_size=4096,
                num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
                max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2))

@@ -88,6 +88,34 @@ def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch, caplog):
     assert lines[0].startswith("0 op calls to time") and again == profile
 
 
+def test_a_second_mesh_shape_keeps_the_overheads_its_calibration_was_fitted_on(monkeypatch, tmp_path):
+    """2x2 after 4 (as many processes, one profile) times the collectives it lacks, not the runtime
+    overheads and overlap again: the "overheads" factor was fitted against the first numbers, and on
+    shared cores a second measurement can differ by half."""
+    from autopar.profiling import profiler as profiling
+
+    square = MeshSpec((2, 2), hardware="cpu")
+    path = tmp_path / "p.json"
+    fitted = {"ops": 1.3, "overheads": 0.6, "overlap": 0.25, "comm@4": 1.4, "sync@4": 0.5}
+    Profile(local_fingerprint(square), collectives={f"{k}@4": Link(bandwidth=1e9, latency=1e-4) for k in
+                                                    ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")},
+            overheads={k: 1e-4 for k in OVERHEADS}, calibration=fitted).to_json(path)
+    asked = []
+
+    def fake_mesh_run(worker, shape, portable, need_comm, need_overheads, *rest, **kw):
+        asked.append((shape, need_comm, need_overheads))
+        links = {f"{k}@2": Link(bandwidth=2e9, latency=5e-5) for k in ("all_gather", "all_reduce")}
+        return [({}, links, {}, {})]
+
+    monkeypatch.setattr(profiling, "run_on_gloo_mesh", fake_mesh_run)
+    entry = get_model("gpt-tiny")
+    args, kwargs = entry.example(2, 8)
+    profile, _ = profile_model(entry.build(), square, args, kwargs, path=path, progress=None, calibrate=False)
+    assert asked == [((2, 2), True, False)]
+    assert profile.overheads == {k: 1e-4 for k in OVERHEADS} and profile.calibration == fitted
+    assert profile.link("all_reduce", 2).bandwidth == 2e9 and profile.link("all_reduce", 4).bandwidth == 1e9
+
+
 def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     """A second mesh shape of as many processes (2x2 after 4) fits its own collective factors and
     reuses the ops and overheads factors, timing no replicated plan again; a calibrated shape is

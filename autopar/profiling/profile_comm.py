@@ -432,14 +432,16 @@ def _timed_after_barrier(fn: Callable[[], Any]) -> float:
 
 
 def measure_mesh(mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-                 progress: Progress | None = None) -> tuple[dict[str, Link], dict[str, float]]:
+                 progress: Progress | None = None, overheads: bool = True) -> tuple[dict[str, Link], dict[str, float]]:
     """(collectives, overheads), run by every rank of a live mesh in lockstep; ``progress`` is
-    called on rank 0 only."""
+    called on rank 0 only. ``overheads=False`` times the collectives alone (overheads ``{}``)."""
     say = progress if dist.get_rank() == 0 else None
     links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say)
+    if not overheads:
+        return links, {}
     start = time.perf_counter()
-    overheads = time_overheads(mesh)
+    measured = time_overheads(mesh)
     if say is not None:
-        shown = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in overheads.items())
+        shown = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in measured.items())
         say(f"overheads: {shown} ({time.perf_counter() - start:.1f} s)")
-    return links, overheads
+    return links, measured

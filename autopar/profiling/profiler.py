@@ -70,16 +70,21 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
         raise ProfileError(f"{path} holds a profile of other hardware; pass another path")
     calls = [c for c in op_calls(space, spec.shape) if c.key not in profile.ops]
     sizes = {n for n in spec.shape if n > 1}
-    need_comm = not profile.overheads or any(collective_key(kind, n) not in profile.collectives
-                                             for kind in COLLECTIVE_KINDS if kind != "broadcast" for n in sizes)
+    # The runtime overheads and the overlap are measured once per profile: calibration fits its
+    # factors against those numbers, and on shared cores a second measurement can differ by half.
+    need_overheads = not profile.overheads
+    need_comm = need_overheads or any(collective_key(kind, n) not in profile.collectives
+                                      for kind in COLLECTIVE_KINDS if kind != "broadcast" for n in sizes)
     say(f"{len(calls)} op calls to time ({len(profile.ops)} cached), "
-        f"{'collectives and overheads' if need_comm else 'collectives cached'}; captured in {time.perf_counter() - t0:.1f} s")
+        f"{'collectives and overheads' if need_overheads else 'collectives' if need_comm else 'collectives cached'}"
+        f"; captured in {time.perf_counter() - t0:.1f} s")
     t1 = time.perf_counter()
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
     if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
         need_comm = False
-    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, fingerprint, progress,
-                                                      axis_names=spec.axis_names, start_method="forkserver")[0]
+    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, need_overheads,
+                                                      fingerprint, progress, axis_names=spec.axis_names,
+                                                      start_method="forkserver")[0]
     profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
@@ -276,15 +281,15 @@ def _op(name: str) -> Any:
     return op
 
 
-def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, fingerprint: dict[str, Any],
-            progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict]:
+def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, need_overheads: bool,
+            fingerprint: dict[str, Any], progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict]:
     say = progress if dist.get_rank() == 0 else None
     calls = [OpCall(_op(name), args, kwargs) for name, args, kwargs in portable]
     slowest = time_on_every_rank(calls, fingerprint, say)
     if not need_comm:
         return slowest, {}, {}, {}
-    links, overheads = measure_mesh(mesh, progress=progress)
-    overlap = {"overlap": time_overlap(mesh)} if any(n > 1 for n in mesh.shape) else {}
+    links, overheads = measure_mesh(mesh, progress=progress, overheads=need_overheads)
+    overlap = {"overlap": time_overlap(mesh)} if need_overheads and any(n > 1 for n in mesh.shape) else {}
     if say is not None and overlap:
         say(f"overlap: {100 * overlap['overlap']:.0f}% of an asynchronous all-reduce runs under compute")
     return slowest, links, overheads, overlap

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "AutoparError", "CaptureError",
+__all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "ComputeIn", "AutoparError", "CaptureError",
            "HardwareError", "InfeasibleError", "InputMismatchError", "MeshError", "PlanFileError"]
 
 
@@ -34,8 +34,8 @@ def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'autopar' has no attribute {name!r}")
     from autopar import api
-    from autopar.core import errors, mesh, plan as plan_data
+    from autopar.core import errors, mesh, plan as plan_data, precision
     from autopar.planning import options
-    for module in (api, errors, mesh, plan_data, options):
+    for module in (api, errors, mesh, plan_data, options, precision):
         globals().update({k: getattr(module, k) for k in __all__ if hasattr(module, k)})
     return globals()[name]

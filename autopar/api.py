@@ -34,7 +34,7 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
-    captured = capture(model, as_args(example_inputs), example_kwargs)
+    captured = capture(model, as_args(example_inputs), example_kwargs, precision=options.precision)
     return plan_captured(captured, spec, options, timings={"capture": time.perf_counter() - t0})
 
 
@@ -62,11 +62,13 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     with torch.set_grad_enabled(torch.is_grad_enabled()):   # grad mode as the caller left it, even on failure
         options = PlanOptions.of(options, **option_values)
         spec = as_mesh_spec(mesh)
-        captured = together("capturing the model", lambda: capture(model, as_args(example_inputs), example_kwargs))
+        precision = plan.precision if plan is not None else options.precision
+        captured = together("capturing the model", lambda: capture(model, as_args(example_inputs), example_kwargs,
+                                                                   precision=precision))
         if plan is None:
             plan = _plan_shared_by_all_ranks(captured, spec, mesh, options)
         else:
-            together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec))
+            together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         return together("generating code and sharding the weights",
@@ -95,5 +97,5 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
 
 
 def _checked(plan: Plan, captured: CapturedGraph, spec: MeshSpec) -> Plan:
-    plan.check_matches(captured.fingerprint, spec)
+    plan.check_matches(captured.fingerprint, spec, captured.precision)
     return plan

@@ -274,14 +274,18 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
     """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
     the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce (with the
     count of counted targets, for a mean). Axes where the batch is split but not summed leave
-    this rank's partial sum (reduction='sum' only)."""
-    log_probs = torch.log_softmax(logits, dim=-1)
+    this rank's partial sum (reduction='sum' only). Sums run in at least fp32 and the result is
+    rounded to the logits' dtype once, as one device's kernel does: a bf16 partial sum of a few
+    hundred losses would keep only its integer part."""
+    accumulate = torch.promote_types(logits.dtype, torch.float32)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=accumulate)
     local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
     if reduction == 2:
-        return _SumOverRanks.apply(local_sum, mesh, tuple(summed_over)) if summed_over else local_sum
+        total = _SumOverRanks.apply(local_sum, mesh, tuple(summed_over)) if summed_over else local_sum
+        return total.to(logits.dtype)
     count = (target != ignore_index).sum().to(local_sum.dtype)
     both = _SumOverRanks.apply(torch.stack([local_sum, count]), mesh, tuple(summed_over))
-    return both[0] / both[1]
+    return (both[0] / both[1]).to(logits.dtype)
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:

@@ -55,6 +55,7 @@ class ForwardPerShape:
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
         self._model = copy.deepcopy(model, memo)   # the structure only: parameters are shapes
         self._structure = _structure(captured)
+        self._precision = captured.precision
         self._make = make
         placeholders = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
         self.first = make(captured)
@@ -68,7 +69,7 @@ class ForwardPerShape:
 
     def _generate(self, args: tuple, kwargs: dict) -> Forward:
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self._mode.from_tensor, (args, kwargs))
-        captured = capture(self._model, fake_args, fake_kwargs)
+        captured = capture(self._model, fake_args, fake_kwargs, precision=self._precision)
         if _structure(captured) != self._structure:
             changed = next((a, b) for a, b in zip(_structure(captured) + [None], self._structure + [None]) if a != b)
             raise InputMismatchError(

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.errors import CaptureError, InputMismatchError
+from autopar.core.precision import ComputeIn, check_precision
 
 
 @dataclass
@@ -42,6 +43,7 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     model_name: str
     fingerprint: str                  # identifies model structure + input shapes, for plan files
+    precision: str = "fp32"           # policy the graph computes under (``autopar.core.precision``)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -156,39 +158,97 @@ def as_args(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
+def _rename(program: ExportedProgram, node: fx.Node, name: str) -> None:
+    """Rename a graph value and the signature's references to it."""
+    old = node.name
+    node._rename(name)
+    if node.op == "placeholder":
+        node.target = node.name
+    sig = program.graph_signature
+    for spec in (*sig.input_specs, *sig.output_specs):
+        if hasattr(spec.arg, "name") and spec.arg.name == old:
+            spec.arg.name = node.name
+
+
+def _inner_stack(stack: dict[str, tuple[str, Any]]) -> dict[str, tuple[str, Any]]:
+    """A module stack of ``ComputeIn(model)``'s capture as ``model``'s capture has it."""
+    inner = {}
+    for key, (path, kind) in stack.items():
+        if key.startswith("L__self__model"):
+            inner["L__self__" + key.removeprefix("L__self__model").removeprefix(".")] = (path.removeprefix("model").removeprefix("."), kind)
+    return inner
+
+
 def _free_generated_names(program: ExportedProgram) -> None:
     """Rename graph values named as something generated code uses itself (a ``torch.full`` node
-    is ``full``, also the runtime's gather of an output), and the signature's references to them."""
-    sig = program.graph_signature
-    refs = [spec.arg for spec in (*sig.input_specs, *sig.output_specs) if hasattr(spec.arg, "name")]
-    for node in program.graph.nodes:
+    is ``full``, also the runtime's gather of an output)."""
+    for node in list(program.graph.nodes):
         if node.name in GENERATED_NAMES:
-            old = node.name
-            node._rename(f"{old}_value")
-            for ref in refs:
-                if ref.name == old:
-                    ref.name = node.name
+            _rename(program, node, f"{node.name}_value")
+
+
+def _unwrap(program: ExportedProgram, model: torch.nn.Module) -> None:
+    """Make a capture of ``ComputeIn(model)`` read as one of ``model``: state names without the
+    wrapper's ``model.`` prefix, user inputs named as ``model.forward`` names them (not ``args_0``),
+    and each parameter's cast right before its first use (so the graph's order, which generated
+    code and the memory timeline follow, keeps one layer's copy alive, not every layer's)."""
+    graph = program.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}   # moving a cast up leaves the others' order
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    positional = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for spec in program.graph_signature.input_specs:
+        node = placeholders.get(getattr(spec.arg, "name", None))
+        if spec.target is not None and spec.target.startswith("model."):
+            spec.target = spec.target.removeprefix("model.")
+        if node is None:
+            continue
+        if spec.kind == InputKind.USER_INPUT:
+            index = re.fullmatch(r"args_(\d+)", node.name)
+            if index and int(index.group(1)) < len(positional) and positional[int(index.group(1))] not in placeholders:
+                _rename(program, node, positional[int(index.group(1))])
+        elif re.match(r"[pbc]_model_", node.name):
+            _rename(program, node, node.name[0] + node.name[len("p_model"):])
+        if spec.kind == InputKind.PARAMETER:
+            for cast in [u for u in node.users if u.target is torch.ops.aten.to.dtype]:
+                first = min(cast.users, key=order.__getitem__, default=None)
+                if first is not None:
+                    first.prepend(cast)
+    root = {"L__self__": ("", f"{type(model).__module__}.{type(model).__qualname__}")}
+    for node in graph.nodes:
+        if "nn_module_stack" in node.meta:
+            node.meta["nn_module_stack"] = _inner_stack(node.meta["nn_module_stack"]) or root
+    for node in graph.nodes:   # a parameter's cast belongs to the layer that uses it
+        if node.target is torch.ops.aten.to.dtype and node.args[0].op == "placeholder" and node.users:
+            node.meta["nn_module_stack"] = next(iter(node.users)).meta.get("nn_module_stack", root)
+    for state in (program.state_dict, program.constants):
+        for key in [k for k in state if k.startswith("model.")]:
+            state[key.removeprefix("model.")] = state.pop(key)
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-            dynamic_shapes: Any = None) -> CapturedGraph:
+            dynamic_shapes: Any = None, precision: str = "fp32") -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
-    makes dims symbolic (``autopar.planning.symbolic``)."""
+    makes dims symbolic (``autopar.planning.symbolic``); ``precision`` other than fp32 records the
+    policy's casts in the graph (``autopar.core.precision``)."""
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
     check_inputs(model, args, kwargs)
+    traced = model if check_precision(precision) == "fp32" else ComputeIn(model, precision)
     try:
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.
         with maybe_disable_local_tensor_mode():
-            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            program = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}{_user_frame(e)}: {type(e).__name__}: {first}. "
             + _capture_hint(first)
         ) from e
+    if traced is not model:
+        _unwrap(program, model)
     _inline_grad_regions(program)
     _refuse_higher_order_ops(program, type(model).__name__)
     _free_generated_names(program)
@@ -221,6 +281,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         out_spec=program.call_spec.out_spec,
         model_name=name,
         fingerprint=fingerprint(program, name),
+        precision=precision,
         warnings=warnings,
     )
 

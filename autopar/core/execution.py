@@ -27,6 +27,10 @@ VIEW_OPS = {
     aten.detach.default, operator.getitem,
 }
 
+#: Ops that convert a tensor's dtype (or device) and keep its shape: a weight cast to bf16 by the
+#: precision policy (``autopar.core.precision``) is still that weight to whoever asks what it is.
+CAST_OPS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+
 #: Ops that change no value. Export records them or not depending on the device's layouts (a
 #: transpose of CPU flash attention's output is already contiguous, of a meta tensor it is not),
 #: so they are left out of the fingerprint and plans are matched without them.

@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 4
+PLAN_FORMAT_VERSION = 5   # 5: precision
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class Plan:
     shortfall_bytes: float = 0.0          # how far the predicted peak is above the budget
     name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
     gather_outputs: bool = True           # outputs returned whole on every rank (else as DTensors)
+    precision: str = "fp32"               # the policy the model computes under (``autopar.core.precision``)
     version: int = PLAN_FORMAT_VERSION
 
     def node(self, name: str) -> NodePlan:
@@ -113,6 +114,7 @@ class Plan:
             "memory_budget": self.memory_budget,
             "name": self.name,
             "gather_outputs": self.gather_outputs,
+            "precision": self.precision,
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
@@ -163,13 +165,17 @@ class Plan:
                 shortfall_bytes=d["shortfall_bytes"],
                 name=d["name"],
                 gather_outputs=d["gather_outputs"],
+                precision=d["precision"],
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:
             raise PlanFileError(f"plan file is missing or has a malformed field: {e}") from None
 
-    def check_matches(self, fingerprint: str, mesh: MeshSpec) -> None:
-        """Refuse to apply a plan made for another model, input shape or mesh."""
+    def check_matches(self, fingerprint: str, mesh: MeshSpec, precision: str = "fp32") -> None:
+        """Refuse to apply a plan made for another model, input shape, precision or mesh."""
+        if precision != self.precision:
+            raise PlanFileError(f"this plan computes in {self.precision}, the model was captured in {precision}; "
+                                f"compile with precision={self.precision!r} (or pass the plan, whose precision is used)")
         if fingerprint != self.fingerprint:
             raise PlanFileError(
                 f"this plan was made for another model or input shapes ({self.model_name}, fingerprint "

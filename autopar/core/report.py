@@ -141,6 +141,8 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add(f"  hardware        {_hardware_line(mesh.hardware)}")
     add(f"  memory budget   {fmt(plan.memory_budget, 'B')} per device")
     add(f"  fingerprint     {plan.fingerprint} (model structure + input shapes)")
+    add("  precision       " + ("fp32" if plan.precision == "fp32" else
+                              f"{plan.precision} compute; fp32 parameters, gradients (reduced in fp32) and optimizer states"))
     add("  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
                                  else "returned as DTensors, placed as planned (gather_outputs=False)"))
     if not plan.feasible:

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.core.execution import VIEW_OPS
+from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.capture import as_args, capture
 from autopar.core.errors import InfeasibleError
 from autopar.core.mesh import MeshSpec, as_mesh_spec
@@ -55,7 +55,7 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
-    captured = capture(model, as_args(example_inputs), example_kwargs)
+    captured = capture(model, as_args(example_inputs), example_kwargs, precision=options.precision)
     planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0})
     deadline = time.perf_counter() + options.time_limit if options.time_limit is not None else None
     return {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
@@ -192,21 +192,21 @@ def _on_batch(space) -> set[int]:
 
 
 def _from_param(space, node) -> bool:
-    """``node`` is a parameter, or a view of one."""
-    while node.target in VIEW_OPS and node.args:
+    """``node`` is a parameter, or a view or cast of one."""
+    while (node.target in VIEW_OPS or node.target in CAST_OPS) and node.args:
         node = node.args[0]
     i = space.index.get(node)
     return i is not None and space.nodes[i].kind == "param"
 
 
 def _is_matmul_weight(nc: NodeChoices) -> bool:
-    """Used (through views) as an operand of a matrix multiplication."""
+    """Used (through views and casts) as an operand of a matrix multiplication."""
     todo = [nc.node]
     while todo:
         for user in todo.pop().users:
             if user.target in MATMULS:
                 return True
-            if user.target in VIEW_OPS:
+            if user.target in VIEW_OPS or user.target in CAST_OPS:
                 todo.append(user)
     return False
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.core.errors import AutoparError
+from autopar.core.precision import check_precision
 from cost_models.estimate import get_optimizer
 from cost_models.profile import Profile
 
@@ -46,7 +47,8 @@ class PlanOptions:
     and add them to it (saved to its file; a ``Profile`` object is only updated in memory), so a
     model the profile was not taken for is planned on measured costs, not the roofline
     (``autopar.profiling.missing_ops``); False plans on the profile as it is. ``autopar.plan``
-    measures nothing (its mesh need not exist).
+    measures nothing (its mesh need not exist). ``precision``: "fp32", or "bf16" to compute in
+    bf16 with fp32 parameters, gradients and optimizer states (``autopar.core.precision``).
     """
 
     memory_budget: float | None = None
@@ -58,6 +60,7 @@ class PlanOptions:
     min_gain: float = MIN_GAIN
     gather_outputs: bool = True
     measure_missing_ops: bool = True
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -67,6 +70,7 @@ class PlanOptions:
         if not 0 <= self.min_gain < 1:
             raise AutoparError(f"min_gain is a fraction of the best hand plan's step time in [0, 1), got {self.min_gain!r}")
         get_optimizer(self.optimizer)   # an unknown name raises, listing the known ones
+        check_precision(self.precision)
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **values: Any) -> PlanOptions:

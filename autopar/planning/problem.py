@@ -249,6 +249,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
     plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
                 predicted=predicted, memory_budget=planning.budget, solver=solver_info, timings=planning.timings,
                 warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
+                precision=captured.precision,
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim

@@ -49,16 +49,18 @@ log = logging.getLogger(__name__)
 
 def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_inputs: Any,
                   example_kwargs: dict | None = None, *, path: str | Path | None = None,
-                  progress: Progress | None = print_progress, calibrate: bool = True) -> tuple[Profile, Path]:
+                  progress: Progress | None = print_progress, calibrate: bool = True, precision: str = "fp32"
+                  ) -> tuple[Profile, Path]:
     """Measure the ops ``model`` runs on ``mesh`` (every candidate strategy's local shapes), the
     collectives of each mesh axis and the runtime overheads on a local gloo mesh; merge them into
     the cached profile for this host and mesh size and save it; the first time, calibrate how
     much slower ops run inside a step, and the first time on each mesh shape how much slower
-    collectives do (``_calibrate``). Returns (profile, file)."""
+    collectives do (``_calibrate``). ``precision``: the policy whose ops to time
+    (``autopar.core.precision``). Returns (profile, file)."""
     spec = as_mesh_spec(mesh) if not isinstance(mesh, tuple) else MeshSpec(mesh, hardware="cpu")
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
-    space = build_space(capture(model, as_args(example_inputs), example_kwargs), spec)
+    space = build_space(capture(model, as_args(example_inputs), example_kwargs, precision=precision), spec)
     fingerprint = local_fingerprint(spec)
     path = Path(path) if path is not None else default_profile_path(fingerprint)
     try:

@@ -32,6 +32,7 @@ import time
 from typing import Any, Sequence
 
 from autopar.core.errors import AutoparError, MeshError
+from autopar.core.precision import PRECISIONS
 from autopar.planning.options import PlanOptions
 from cost_models.estimate import OPTIMIZERS
 
@@ -141,7 +142,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     time_limit=args.time_limit)
     options = _plan_options(args)
     entry = get_model(args.model)
-    _progress(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for {spec.describe()}...")
+    _progress(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for {spec.describe()} in "
+              f"{options.precision}{'' if args.precision else ' (the default for ' + args.hardware + '; --precision to choose)'}...")
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = entry.build()
@@ -165,7 +167,14 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(memory_budget=args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None,
                        time_limit=args.time_limit, profile=None if args.profile == "none" else args.profile,
                        optimizer=args.optimizer, share_layers=args.share_layers, hand_plans=args.hand_plans,
-                       min_gain=args.min_gain, gather_outputs=args.gather_outputs)
+                       min_gain=args.min_gain, gather_outputs=args.gather_outputs,
+                       precision=args.precision or default_precision(args.hardware))
+
+
+def default_precision(hardware: str) -> str:
+    """What a training run on ``hardware`` computes in: bf16 on accelerators (as FSDP2 and
+    torchtitan train), fp32 on the CPU."""
+    return "fp32" if hardware == "cpu" else "bf16"
 
 
 # --------------------------------------------------------------------------------------- profile
@@ -181,7 +190,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model = entry.build()
     example_args, example_kwargs = entry.example(args.batch, args.seq)
     t0 = time.perf_counter()
-    profile, path = profile_model(model, spec, example_args, example_kwargs, path=args.out)
+    profile, path = profile_model(model, spec, example_args, example_kwargs, path=args.out, precision=args.precision)
     print(f"profile of {profile.fingerprint['device_name']} ({spec.size} processes x {profile.fingerprint['threads']} "
           f"thread): {len(profile.ops)} op calls, {len(profile.collectives)} collective fits, "
           f"{len(profile.overheads)} overheads; {time.perf_counter() - t0:.1f} s")
@@ -491,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sharded-outputs", dest="gather_outputs", action="store_false",
                       help="the compiled module returns outputs as DTensors, not gathered whole on every rank "
                            "(a training loop that reads only the loss: no gather of the logits)")
+    plan.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
+                      help="compute dtype; parameters, gradients and optimizer states stay fp32 "
+                           "(default: bf16 on GPU presets, fp32 on cpu)")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",
@@ -503,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--axis-names", default=None, help="mesh axis names")
     prof.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     prof.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    prof.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                      help="time the ops in this compute dtype (default fp32)")
     prof.add_argument("--out", default=None, help="profile file (default: the cache, ~/.cache/autopar/profiles)")
     prof.set_defaults(func=cmd_profile)
 

@@ -167,12 +167,18 @@ class _Data:
         extra = self.memory_rows[r - 1].get(i) if r else None
         return self.memory[i] if extra is None else self.memory[i] + extra
 
+    def least_at_worst_moment(self) -> list[float]:
+        """Each node's least bytes at the moment whose least total is largest: the moment that
+        sets ``min_memory``, and what each node holds then (activations kept for the backward
+        count at the backward's start, not only at their op)."""
+        moments = [[float(self.moment(r, i).min()) for i in range(len(self.memory))]
+                   for r in range(len(self.memory_rows) + 1)]
+        return max(moments, key=sum)
+
     def min_memory(self) -> float:
         """A lower bound of the peak over all assignments (exact without rows and transients)."""
-        moments = [sum(float(self.moment(r, i).min()) for i in range(len(self.memory)))
-                   for r in range(len(self.memory_rows) + 1)]
         work = max((float(t.min()) for t in self.transient), default=0.0) if self.transient else 0.0
-        return max(moments) + work
+        return sum(self.least_at_worst_moment()) + work
 
     def peak(self, choices: Sequence[int]) -> float:
         moments = [sum(float(self.moment(r, i)[c]) for i, c in enumerate(choices))
@@ -293,10 +299,12 @@ def _term(term: Term, shape: tuple[int, int], what: str) -> Term:
 
 
 def _infeasible(problem: Problem, data: _Data, why: str) -> InfeasibleProblem:
-    """Say how far off the budget is and which nodes are to blame."""
-    top = sorted(range(len(data.memory)), key=lambda i: (-data.memory[i].min(), i))[:3]
+    """Say how far off the budget is and which nodes are to blame: the largest holders at the
+    moment that sets the least peak."""
+    held = data.least_at_worst_moment()
+    top = sorted(range(len(held)), key=lambda i: (-held[i], i))[:3]
     return InfeasibleProblem(why, float(problem.memory_budget), float(data.min_memory()),
-                             [MemoryHog(_label(problem, i), float(data.memory[i].min())) for i in top])
+                             [MemoryHog(_label(problem, i), held[i]) for i in top])
 
 
 # --------------------------------------------------------------------------- reduction

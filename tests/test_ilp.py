@@ -123,6 +123,18 @@ def test_peak_and_exposed_semantics() -> None:
     assert evaluate(problem, (0, 0)) == (1.0 + 2.0 + 0.5 + 0.75, 30.0 + 6.0 + 4.0)
 
 
+def test_infeasible_blames_what_is_held_at_the_worst_moment() -> None:
+    """A weight always live (5 B, one choice) beside an activation that is small when made but kept
+    for the backward (1 B always, 100 B more at the backward's start): the activation sets the
+    least peak, so it is named first, with what it holds then."""
+    problem = Problem(costs=((0.0,), (0.0,)), memory=((5.0,), (1.0,)), edges=(), memory_budget=50.0,
+                      names=("weight", "activation"), memory_rows=(Row(nodes=((1, (100.0,)),)),))
+    with pytest.raises(InfeasibleProblem) as info:
+        solve(problem)
+    assert info.value.min_memory == pytest.approx(106.0)
+    assert "activation" in info.value.largest[0].label and info.value.largest[0].min_bytes == pytest.approx(101.0)
+
+
 def test_deterministic_and_warm_start() -> None:
     problem = random_problem(42, n=6, num_edges=10, budget_frac=0.4)
     first = solve(problem)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
+import torch.fx as fx
 
 from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError
@@ -204,7 +205,7 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
         # that each see one axis of the placements: the ILP pairs those few classes.
         terms = tuple(Term(t.rows[choice[i]], t.cols[choice[j]], t.core) for t in priced.edges[(i, j, k)].blocking_terms())
         edges.append(Edge(owner[i], owner[j], blocking[sub], terms))
-    names = tuple(space.nodes[r].node.name for r in grouping.representative)
+    names = tuple(_described(space.nodes[r].node) for r in grouping.representative)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)
     exposed_rows = timeline.exposed_rows(owner, node_costs, queued, cuts)
     problem = Problem(costs, state, tuple(edges), budget, names, memory_rows=memory_rows,
@@ -253,6 +254,12 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim
+
+
+def _described(node: fx.Node) -> str:
+    """A node as the solver's messages name it: its name and layer (``mul_20 in model.layers.0.mlp``)."""
+    layer = readable_name(node)
+    return f"{node.name} in {layer}" if layer else node.name
 
 
 def _source(c: Cost) -> str:

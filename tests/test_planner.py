@@ -44,6 +44,7 @@ def test_infeasible_budget_states_minimum():
     assert "budget is 1000 B per device" in message, message
     assert f"needs {fmt(info.value.min_memory_bytes, 'B')}" in message and "Largest contributors" in message, message
     assert "linear_2 in transformer.h.0.mlp.c_fc" in message, message   # activations kept for the backward, by layer
+    assert "precision='bf16'" in message, message
 
 
 def test_plan_is_deterministic_and_json_round_trips(tmp_path):

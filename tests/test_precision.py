@@ -91,5 +91,8 @@ def test_plans_carry_their_precision(tmp_path):
     assert "bf16" in plan.report()
     with pytest.raises(PlanFileError, match="computes in bf16.*precision='bf16'"):
         again.check_matches(plan.fingerprint, plan.mesh, "fp32")
+    with pytest.raises(autopar.InfeasibleError) as info:   # already in bf16: not told to use it
+        autopar.plan(model, MeshSpec((2,)), args, kwargs, precision="bf16", memory_budget=1000)
+    assert "precision=" not in str(info.value)
     with pytest.raises(AutoparError, match="precision must be one of fp32, bf16"):
         autopar.plan(model, MeshSpec((2,)), args, kwargs, precision="fp16")

@@ -109,7 +109,7 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
         with _stage(planning.timings, stage):   # the deadline covers every solve of the repair loop together
             left = max(deadline - time.perf_counter(), MIN_SOLVE_S) if deadline is not None else None
-            solution = _solve(restrict(problem, allowed), left)
+            solution = _solve(restrict(problem, allowed), left, planning.captured.precision)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
             plan, sim = _make_plan(planning, choices, solution, name)
         peak = plan.predicted.peak_memory_bytes
@@ -129,8 +129,9 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
     return plan, choices
 
 
-def _solve(problem: Problem, time_limit: float | None) -> Solution:
-    """The ILP, its errors told in autopar's terms: how much memory any plan needs and what to do."""
+def _solve(problem: Problem, time_limit: float | None, precision: str) -> Solution:
+    """The ILP, its errors told in autopar's terms: how much memory any plan needs and what to do
+    (an fp32 plan is told that bf16 compute halves activations)."""
     try:
         return solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
     except InfeasibleProblem as e:
@@ -138,7 +139,9 @@ def _solve(problem: Problem, time_limit: float | None) -> Solution:
         raise InfeasibleError(
             f"{e.why}: the memory budget is {fmt(e.budget, 'B')} per device, but even the lowest-memory choice "
             f"for every node needs {fmt(e.min_memory, 'B')}. Largest contributors to that minimum: {who}. Raise "
-            "the budget, use more devices, or shrink the model/batch.", min_memory_bytes=e.min_memory) from None
+            "the budget, use more devices, "
+            + ("compute in bf16 (precision='bf16': activations in half the bytes), " if precision == "fp32" else "")
+            + "or shrink the model/batch.", min_memory_bytes=e.min_memory) from None
     except SolverError as e:
         raise AutoparError(f"planning failed in the solver: {e}") from None
 

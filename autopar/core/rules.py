@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.capture import tensor_val
-from autopar.core.execution import writes_in_place
+from autopar.core.execution import CAST_OPS, writes_in_place
 
 aten = torch.ops.aten
 R = Replicate()
@@ -65,8 +65,7 @@ def _fits(size: int, n: int, even: bool) -> bool:
 # ---------------------------------------------------------------- elementwise and friends
 
 PARTIAL_UNARY = {
-    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.detach.default,
+    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default, *CAST_OPS,
 }
 PARTIAL_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
 PARTIAL_NUMERATOR = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
@@ -626,8 +625,7 @@ RULES: dict[object, RuleFn] = {
     aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.sum.default: reduction,
     aten.amax.default: reduction,
     aten.contiguous.default: same_dims, aten.clone.default: same_dims, aten.alias.default: same_dims,
-    aten._to_copy.default: same_dims, aten.to.dtype: same_dims, aten.to.dtype_layout: same_dims,
-    aten.to.device: same_dims,
+    **{cast: same_dims for cast in CAST_OPS},
     aten.detach.default: same_dims, aten.dropout.default: same_dims, aten.type_as.default: pointwise,
 }
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.models.zoo import get_model
 from autopar.profiling.profiler import profile_model
+from machine import machine_line
 
 RESULTS = Path(__file__).parent / "results" / "measured_quality.json"
 MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")
@@ -123,8 +123,7 @@ def main() -> None:
           f"worst ratio {worst:.3f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-                   f"threads, load {Path('/proc/loadavg').read_text().split()[:3]})",
+        "machine": machine_line(load=True),
         "command": f"python benchmarks/measured_quality.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds}",
         "results": results, "worst_ratio": worst, "target": TARGET,
     }, indent=1))

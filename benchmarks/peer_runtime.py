@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from dataclasses import replace
@@ -46,6 +45,7 @@ from autopar.profiling import peers
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.profiler import profile_model
+from machine import machine_line
 
 RESULTS = Path(__file__).parent / "results" / "peer_runtime.json"
 MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "gpt2-125m": (8, 128)}
@@ -147,8 +147,7 @@ def main() -> None:
     print(f"\n{'PASS' if met else 'FAIL'}: every ratio within its target")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-                   f"threads, load {Path('/proc/loadavg').read_text().split()[:3]})",
+        "machine": machine_line(load=True),
         "command": f"python benchmarks/peer_runtime.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds} "
                    f"--profile {a.profile}",
         "results": results, "targets": TARGETS, "all_met": met,

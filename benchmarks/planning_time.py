@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import platform
 import resource
 import time
 from pathlib import Path
 
-import torch
-
+from machine import machine_line
 from variants import build_meta
 
 RESULTS = Path(__file__).parent / "results" / "planning_time.json"
@@ -106,7 +104,7 @@ def main() -> None:
         print(f"{'PASS' if met else 'FAIL'}  {what}: {value:.2f} (target <= {limit:g})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "machine": machine_line(),
         "command": "python benchmarks/planning_time.py" + "".join(f" --only {o}" for o in a.only),
         "results": results,
         "targets": [{"target": w, "value": v, "limit": l, "met": m} for w, v, l, m in targets],

@@ -17,7 +17,6 @@ import argparse
 from collections import Counter
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import autopar
 from autopar.core.errors import InfeasibleError
 from autopar.core.hardware import get_hardware
 from autopar.core.units import fmt
+from machine import machine_line
 from variants import build_meta
 
 RESULTS = Path(__file__).parent / "results" / "realistic_plans.json"
@@ -94,7 +94,7 @@ def main() -> None:
         print(line(results[-1]), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "machine": machine_line(),
         "command": "python benchmarks/realistic_plans.py" + "".join(f" --only {o}" for o in a.only),
         "results": results,
     }, indent=1))

@@ -25,7 +25,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "ComputeIn", "AutoparError", "CaptureError",
-           "HardwareError", "InfeasibleError", "InputMismatchError", "MeshError", "PlanFileError"]
+           "HardwareError", "InfeasibleError", "InputMismatchError", "LossWeightError", "MeshError", "PlanFileError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import MeshError
 from autopar.core.mesh import MeshSpec, as_mesh_spec
+from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.together import one_process, together
 from autopar.planning.options import PlanOptions
@@ -34,8 +36,10 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
-    captured = capture(model, as_args(example_inputs), example_kwargs, precision=options.precision)
-    return plan_captured(captured, spec, options, timings={"capture": time.perf_counter() - t0})
+    args = as_args(example_inputs)
+    captured = capture(model, args, example_kwargs, precision=options.precision)
+    return plan_captured(captured, spec, options, timings={"capture": time.perf_counter() - t0},
+                         recapture=microbatch_capture(model, args, example_kwargs, options.precision))
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,
@@ -63,10 +67,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         options = PlanOptions.of(options, **option_values)
         spec = as_mesh_spec(mesh)
         precision = plan.precision if plan is not None else options.precision
-        captured = together("capturing the model", lambda: capture(model, as_args(example_inputs), example_kwargs,
-                                                                   precision=precision))
+        args = as_args(example_inputs)
+        captured = together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
         if plan is None:
-            plan = _plan_shared_by_all_ranks(captured, spec, mesh, options)
+            plan = _plan_shared_by_all_ranks(captured, spec, mesh, options,
+                                             microbatch_capture(model, args, example_kwargs, precision))
         else:
             together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
@@ -75,7 +80,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
                         lambda: ShardedModule(model, mesh, plan, captured, bucket_bytes))
 
 
-def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: PlanOptions) -> Plan:
+def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: DeviceMesh, options: PlanOptions,
+                              recapture: Callable[[int], CapturedGraph]) -> Plan:
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it. The profile
     is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone;
@@ -89,9 +95,9 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     if options.measure_missing_ops:
         measure_missing_ops(captured, spec, resolved.profile, source=options.profile)
     if one_process():
-        return plan_captured(captured, spec, resolved)
-    message = [together("planning",
-                        lambda: plan_captured(captured, spec, resolved).to_json() if dist.get_rank() == 0 else None)]
+        return plan_captured(captured, spec, resolved, recapture=recapture)
+    message = [together("planning", lambda: plan_captured(captured, spec, resolved, recapture=recapture).to_json()
+                        if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(message, src=0)
     return together("checking the shared plan", lambda: _checked(Plan.from_json(message[0]), captured, spec))
 

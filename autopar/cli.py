@@ -168,7 +168,17 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
                        time_limit=args.time_limit, profile=None if args.profile == "none" else args.profile,
                        optimizer=args.optimizer, share_layers=args.share_layers, hand_plans=args.hand_plans,
                        min_gain=args.min_gain, gather_outputs=args.gather_outputs,
-                       precision=args.precision or default_precision(args.hardware))
+                       precision=args.precision or default_precision(args.hardware),
+                       microbatches=args.microbatches if args.microbatches == "auto" else _count(args.microbatches),
+                       recompute=args.recompute)
+
+
+def _count(text: str) -> int:
+    """``--microbatches``: a count (the options refuse one below 1)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise AutoparError(f"--microbatches is 'auto' or a count, got {text!r}") from None
 
 
 def default_precision(hardware: str) -> str:
@@ -248,15 +258,14 @@ def _train(model: Any, batches: list[tuple[tuple, dict]]) -> tuple[list[float], 
     """AdamW steps on ``batches``: (loss per step, seconds per step)."""
     import torch
 
-    from autopar.profiling.measure import loss_of
+    from autopar.profiling.measure import forward_backward
 
     opt = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
     losses, seconds = [], []
     for args, kwargs in batches:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(*args, **kwargs))
-        loss.backward()
+        loss = forward_backward(model, (args, kwargs))
         opt.step()
         losses.append(_scalar(loss))
         seconds.append(time.perf_counter() - t0)
@@ -503,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
                       help="compute dtype; parameters, gradients and optimizer states stay fp32 "
                            "(default: bf16 on GPU presets, fp32 on cpu)")
+    plan.add_argument("--microbatches", default="auto",
+                      help="gradient accumulation: microbatches per step, a divisor of --batch, or auto (default: the "
+                           "whole batch if a plan fits it, else the fewest microbatches that fit)")
+    plan.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
+                      help="activation recomputation of the repeated blocks (default auto: only when no count of "
+                           "microbatches fits without it)")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",

@@ -10,6 +10,8 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
     python benchmarks/cost_accuracy.py --quick                # smallest size of each model only
     python benchmarks/cost_accuracy.py --models gpt-tiny --meshes 2x2 --plan-arg time_limit=10
     python benchmarks/cost_accuracy.py --device cuda          # one process per GPU (nccl); bigger meshes skipped
+    python benchmarks/cost_accuracy.py --knobs --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2,2x2 \
+        --launches 1 --out benchmarks/results/cost_accuracy_knobs.json   # microbatches and recomputation
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -59,6 +61,10 @@ MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", *CORPUS_MODELS)
 MESHES = ((1,), (2,), (4,), (2, 2))
 # Zoo default (8 x 32) up to 8x the tokens; every model here has 64 positions (BLOOM: none, ALiBi).
 SIZES = ((8, 32), (16, 64), (32, 64))
+# ``--knobs``: each config planned under each of these memory knobs (``autopar.PlanOptions``), on the
+# sizes with activations worth saving.
+KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")))
+KNOB_SIZES = SIZES[1:]
 SEED = 1234
 LR = 1e-3
 
@@ -79,10 +85,12 @@ class Config:
     mesh: tuple[int, ...]
     batch: int
     seq: int
+    knobs: tuple[tuple[str, Any], ...] = ()   # planning options of the config (``KNOBS``)
 
     @property
     def label(self) -> str:
-        return f"{self.model} {mesh_str(self.mesh)} {self.batch}x{self.seq}"
+        knobs = "".join(f" {k}={v}" for k, v in self.knobs)
+        return f"{self.model} {mesh_str(self.mesh)} {self.batch}x{self.seq}{knobs}"
 
 
 def mesh_str(mesh: Sequence[int]) -> str:
@@ -90,11 +98,13 @@ def mesh_str(mesh: Sequence[int]) -> str:
 
 
 def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[int, ...]] | None = None,
-                   quick: bool = False, max_devices: int | None = None) -> tuple[list[Config], list[str]]:
+                   quick: bool = False, max_devices: int | None = None, knobs: bool = False
+                   ) -> tuple[list[Config], list[str]]:
     """The configs to run (model-major) and a note for each mesh skipped for lack of devices.
 
     ``quick`` keeps the smallest size of each model; ``max_devices`` (the GPU count on CUDA) skips
-    meshes that need more devices than exist.
+    meshes that need more devices than exist; ``knobs`` runs each config under each of ``KNOBS``
+    (at ``KNOB_SIZES``) instead of plain.
     """
     models = list(models or MODELS)
     for m in models:
@@ -103,8 +113,9 @@ def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[i
     skipped = [f"mesh {mesh_str(m)} skipped: needs {math.prod(m)} devices, {max_devices} here"
                for m in meshes if max_devices is not None and math.prod(m) > max_devices]
     meshes = [m for m in meshes if max_devices is None or math.prod(m) <= max_devices]
-    sizes = SIZES[:1] if quick else SIZES
-    return [Config(model, mesh, b, s) for model in models for mesh in meshes for b, s in sizes], skipped
+    sizes = (KNOB_SIZES if knobs else SIZES)[:1 if quick else None]
+    variants = KNOBS if knobs else ((),)
+    return [Config(model, mesh, b, s, k) for model in models for mesh in meshes for b, s in sizes for k in variants], skipped
 
 
 def parse_plan_args(items: Sequence[str]) -> dict[str, Any]:
@@ -263,7 +274,7 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
         profile_model(model, spec, args, kwargs, progress=None)
         profile_s = time.perf_counter() - t0
-    plan = autopar.plan(model, spec, args, kwargs, **plan_kwargs)
+    plan = autopar.plan(model, spec, args, kwargs, **{**plan_kwargs, **dict(cfg.knobs)})
     return {**dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s,
             "plan_s": time.perf_counter() - t0 - profile_s, "predicted": dataclasses.asdict(plan.predicted),
             "plan": _plan_summary(plan), "plan_json": plan.to_json(), "launches": []}
@@ -397,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--meshes", default=",".join(mesh_str(m) for m in MESHES),
                     help="comma-separated mesh shapes (default 1,2,4,2x2)")
     ap.add_argument("--quick", action="store_true", help=f"only the smallest size ({SIZES[0][0]}x{SIZES[0][1]})")
+    ap.add_argument("--knobs", action="store_true",
+                    help="plan each config with microbatches and/or full recomputation (KNOBS) instead of plain")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo processes; cuda: one nccl process per GPU (default cpu)")
     ap.add_argument("--hardware", default=None, help="hardware preset or JSON file to plan for (default: this device's)")
@@ -427,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan_kwargs = parse_plan_args(a.plan_arg)
         configs, skipped = select_configs([m for m in a.models.split(",") if m],
-                                          [parse_mesh(m) for m in a.meshes.split(",") if m], a.quick, gpus)
+                                          [parse_mesh(m) for m in a.meshes.split(",") if m], a.quick, gpus,
+                                          knobs=a.knobs)
     except AutoparError as e:
         parser.error(str(e))  # exits with status 2, as for any bad argument
     for note in skipped:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import autopar
 from autopar.core.units import fmt
+from realistic_plans import CONFIGS as REALISTIC
 from variants import build_meta
 
 RESULTS = Path(__file__).parent / "results" / "plan_quality.json"
@@ -32,6 +33,10 @@ CASES = (
     ("llama-70b", (8, 8), None, 8), ("gpt-175b", (128, 8), None, 8),
     ("gpt-1.3b-256k-vocab", (8,), None, 8), ("gpt-1.3b-256k-vocab", (8, 8), None, 64),
     ("llama-7b", (8,), None, 8), ("llama-7b", (4, 2), 40, 8),
+    # the training configurations of benchmarks/realistic_plans.py: bf16, microbatches and
+    # recomputation as the planner chooses them (the hand plans get the same), logits left sharded
+    *((m, mesh, None, b, {"seq": s, "hardware": hw, "precision": "bf16", "gather_outputs": False})
+      for m, b, s, mesh, hw in REALISTIC),
 )
 BETTER = 0.10
 
@@ -40,12 +45,16 @@ def case_label(model: str, mesh: tuple[int, ...], budget: float | None, batch: i
     return f"{model} on {'x'.join(map(str, mesh))}, batch {batch}, budget {fmt(budget, 'B')}"
 
 
-def run_case(model_name: str, mesh: tuple[int, ...], budget_gib: float | None, batch: int, time_limit: float) -> dict:
-    model, args, kwargs = build_meta(model_name, batch)
+def run_case(model_name: str, mesh: tuple[int, ...], budget_gib: float | None, batch: int, time_limit: float,
+             extra: dict | None = None) -> dict:
+    """``extra``: the sequence length (``seq``), hardware and planning options of a training configuration."""
+    options = dict(extra or {})
+    hardware = options.pop("hardware", HARDWARE)
+    model, args, kwargs = build_meta(model_name, batch, options.pop("seq", None))
     t0 = time.perf_counter()
     try:
-        plan = autopar.plan(model, autopar.MeshSpec(mesh, hardware=HARDWARE), args, kwargs, time_limit=time_limit,
-                            memory_budget=budget_gib * GIB if budget_gib else None)
+        plan = autopar.plan(model, autopar.MeshSpec(mesh, hardware=hardware), args, kwargs, time_limit=time_limit,
+                            memory_budget=budget_gib * GIB if budget_gib else None, **options)
     except autopar.InfeasibleError as e:   # no plan at all fits: nothing to compare
         return {"model": model_name, "mesh": list(mesh), "batch": batch, "infeasible": str(e),
                 "min_memory_bytes": e.min_memory_bytes, "ratio_auto_over_best_hand": None}
@@ -58,6 +67,8 @@ def run_case(model_name: str, mesh: tuple[int, ...], budget_gib: float | None, b
         "plan_s": time.perf_counter() - t0, "auto_step_s": plan.predicted.step_time_s,
         "auto_peak_bytes": plan.predicted.peak_memory_bytes, "auto_kept_hand_plan": plan.solver.get("kept_hand_plan"),
         "best_hand_plan": best, "ratio_auto_over_best_hand": ratio, "hand_plans": hands,
+        "microbatches": plan.microbatches, "recompute": sorted(set(plan.recompute.values())) or ["none"],
+        "options": extra or {},
         "parameters": {n.fqn: n.strategy for n in plan.parameters.values()},
     }
 
@@ -66,7 +77,9 @@ def show(r: dict) -> None:
     if "infeasible" in r:
         print(f"\n{r['model']} on {'x'.join(map(str, r['mesh']))}: no plan fits ({r['infeasible']})")
         return
-    print(f"\n{case_label(r['model'], tuple(r['mesh']), r['memory_budget_bytes'], r['batch'])} "
+    knobs = f", {r['microbatches']} microbatch(es), recompute {'+'.join(r['recompute'])}, {r['options']}" \
+        if r["options"] else ""
+    print(f"\n{case_label(r['model'], tuple(r['mesh']), r['memory_budget_bytes'], r['batch'])}{knobs} "
           f"(planned in {fmt(r['plan_s'], 's')})")
     for name, h in sorted(r["hand_plans"].items(), key=lambda kv: kv[1]["step_time_s"]):
         fits = "fits" if h["feasible"] else f"short by {fmt(h['peak_memory_bytes'] - r['memory_budget_bytes'], 'B')}"
@@ -87,8 +100,8 @@ def main() -> None:
     wanted = {(m, s) for m, s in (o.split("@") for o in a.only)}
     cases = [c for c in CASES if not wanted or (c[0], "x".join(map(str, c[1]))) in wanted]
     results = []
-    for model, mesh, budget, batch in cases:
-        results.append(run_case(model, mesh, budget, batch, a.time_limit))
+    for model, mesh, budget, batch, *extra in cases:
+        results.append(run_case(model, mesh, budget, batch, a.time_limit, *extra))
         show(results[-1])
     ratios = [r["ratio_auto_over_best_hand"] for r in results if r["ratio_auto_over_best_hand"] is not None]
     worst, best = max(ratios), min(ratios)

@@ -2,11 +2,14 @@
 sequences on clusters that do not exist here, models built on ``meta``, in bf16 (fp32 master
 weights and optimizer states).
 
-For each config: planning time, whether a plan fits the memory budget (else the least memory any
-plan needs, from the planner's error), the predicted step time and peak memory, and the predicted
+For each config: planning time (capture included), whether a plan fits the memory budget (else
+the least memory any plan needs, from the planner's error), the microbatches and recomputation
+the planner chose, the predicted step time and peak memory, and the predicted
 MFU: model FLOPs (6 N per token for N parameters, plus 12 L d s per token for attention over a
 sequence of s tokens in L layers of width d, as PaLM counts them) over devices x the preset's bf16
-peak x the predicted step. Saves benchmarks/results/realistic_plans.json.
+peak x the predicted step. Planned as a training loop runs (``gather_outputs=False``: the loop
+reads the loss, the logits stay sharded; gathering them whole would take batch x sequence x
+vocabulary values per device). Saves benchmarks/results/realistic_plans.json.
 
     python benchmarks/realistic_plans.py                       # every config (a few minutes)
     python benchmarks/realistic_plans.py --only llama-7b@8x8   # one config
@@ -57,7 +60,8 @@ def run(name: str, batch: int, seq: int, mesh: tuple[int, ...], hardware: str, t
               "precision": PRECISION, "time_limit_s": time_limit}
     start = time.perf_counter()
     try:
-        plan = autopar.plan(model, spec, args, kwargs, precision=PRECISION, time_limit=time_limit)
+        plan = autopar.plan(model, spec, args, kwargs, precision=PRECISION, time_limit=time_limit,
+                            gather_outputs=False)
     except InfeasibleError as e:
         return {**record, "plan_s": time.perf_counter() - start, "fits": False,
                 "least_memory_bytes": e.min_memory_bytes, "error": str(e)}
@@ -67,6 +71,9 @@ def run(name: str, batch: int, seq: int, mesh: tuple[int, ...], hardware: str, t
     return {**record, "plan_s": time.perf_counter() - start, "fits": plan.feasible, "plan": plan.name,
             "predicted_step_s": step, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
             "memory_budget_bytes": plan.memory_budget, "predicted_mfu": mfu,
+            "microbatches": plan.microbatches, "recompute": sorted(set(plan.recompute.values())) or ["none"],
+            "memory_breakdown": plan.predicted.memory_breakdown, "peak_at": plan.predicted.peak_at,
+            "timings": plan.timings,
             "parameter_strategies": dict(Counter(n.strategy for n in plan.parameters.values()).most_common()),
             "solver": {k: v for k, v in plan.solver.items() if k != "hand_plans"}}
 
@@ -76,7 +83,8 @@ def line(r: dict) -> str:
     if not r["fits"] and "least_memory_bytes" in r:
         return f"{where}: no plan fits; the least any plan needs is {fmt(r['least_memory_bytes'], 'B')} per device " \
                f"({r['plan_s']:.1f} s)"
-    return (f"{where}: {r['plan']} plan in {r['plan_s']:.1f} s, step {fmt(r['predicted_step_s'], 's')}, "
+    return (f"{where}: {r['plan']} plan in {r['plan_s']:.1f} s, {r['microbatches']} microbatch(es), recompute "
+            f"{'+'.join(r['recompute'])}, step {fmt(r['predicted_step_s'], 's')}, "
             f"peak {fmt(r['predicted_peak_bytes'], 'B')}{'' if r['fits'] else ' (over the budget)'}, "
             f"predicted MFU {100 * r['predicted_mfu']:.0f}%")
 

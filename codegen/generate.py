@@ -23,7 +23,9 @@ from torch.export.graph_signature import OutputKind
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val
 from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
                                     writes_in_place, written_aliases)
+from autopar.core.blocks import repeated_blocks
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
+from codegen.recompute import checkpointed
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
 from autopar.core.placements import Placements, grad_placement, grad_target, placements_str
@@ -547,16 +549,26 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
     for node in captured.graph.nodes:
         for inp in node.all_input_nodes:
             last_use[inp] = node
+    lines_of: dict[str, tuple[int, int]] = {}   # op -> the range of lines it generated
     for node in captured.graph.nodes:
         np_ = em.plan.get(node.name)
         if node.op == "placeholder":
             em.placeholder(node, np_)
         elif node.op == "call_function":
+            start = len(em.lines)
             em.call(node, np_)
             if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
                 em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
             em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
+            lines_of[node.name] = (start, len(em.lines))
         elif node.op == "output":
             em.output(node)
+    arguments = {"self", "mesh", "device", "sizes", *captured.user_inputs}
+    signature, body = em.lines[0], em.lines[1:]
+    for block in reversed([b for b in repeated_blocks(captured.graph) if b.path in plan.recompute]):
+        body = checkpointed(body, lines_of[block.nodes[0]][0] - 1, lines_of[block.nodes[-1]][1] - 1, arguments,
+                            "block_" + block.path.replace(".", "_"),
+                            f"{block.path}: recomputed in the backward ({plan.recompute[block.path]} recomputation)")
+    em.lines = [signature, *body]
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
     return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups))

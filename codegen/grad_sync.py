@@ -16,6 +16,11 @@ ZeRO-3 parameters gathered in groups (``codegen.zero3``) hand their group's laun
 reduce-scatter here (``later``); it is waited for and handed over at the same moment. Parameters
 read otherwise (a ZeRO-3 parameter gathered alone, reads that disagree) keep a per-parameter hook
 (``runtime.sync_grad_to``).
+
+Gradient accumulation (``ShardedModule.train_step`` over microbatches) turns ``sync`` off for
+all backwards but the last: the partial gradients then stay summed in the local shards' ``grad``
+and the last backward all-reduces the microbatches' sum once, as DDP's ``no_sync`` does. ZeRO-3
+groups reduce-scatter every backward (their whole gradients would not fit), as FSDP2 does.
 """
 from __future__ import annotations
 
@@ -73,13 +78,14 @@ class GradSync:
             local.register_post_accumulate_grad_hook(self._ready)
         self._queued = False
         self._later: list[tuple[list[nn.Parameter], torch.Tensor]] = []
+        self.sync = True   # False: partial gradients accumulate locally, not reduced (``train_step``)
 
     def _ready(self, local: torch.Tensor) -> None:
         """A shard's gradient is accumulated: launch its bucket's all-reduce once it is full."""
         self._queue()
         bucket = self._bucket_of[id(local)]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and bucket.axes:
+        if bucket.ready == len(bucket.params) and bucket.axes and self.sync:
             self._launch(bucket)
 
     def later(self, params: list[nn.Parameter], reduced: torch.Tensor) -> None:
@@ -102,9 +108,12 @@ class GradSync:
         bucket short), wait, and add every summed gradient to its parameter's ``grad``."""
         self._queued = False
         for bucket in self.buckets:
-            if bucket.axes and bucket.reduced is None and bucket.ready:
-                self._launch(bucket)
+            if bucket.axes and not self.sync:   # accumulating: the local sums wait for the last backward
+                bucket.ready = 0
+                continue
             used = [p for p in bucket.params if p._local_tensor.grad is not None]
+            if bucket.axes and bucket.reduced is None and used:
+                self._launch(bucket)
             if bucket.reduced is not None:
                 _hand_over(used, funcol.wait_tensor(bucket.reduced))
             else:

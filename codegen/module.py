@@ -13,10 +13,13 @@ from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
 from autopar.core.capture import CapturedGraph
-from autopar.core.errors import InputMismatchError
+from autopar.core.errors import InputMismatchError, LossWeightError
+from autopar.core.loss_weights import loss_weighting
+from autopar.core.microbatch import batch_size, split
 from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params
 
@@ -31,7 +34,7 @@ GENERATED_GLOBALS = {
     "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
     "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
     "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
-    "dropout_mask": runtime.dropout_mask,
+    "dropout_mask": runtime.dropout_mask, "recompute": recompute,
 }
 
 
@@ -71,7 +74,8 @@ class ShardedModule(nn.Module):
     def _make_forward(self, captured: CapturedGraph) -> Forward:
         generated = generate(captured, self.plan, strict=runtime.STRICT,
                              group_bytes=self._bucket_bytes, spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)))
-        return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh))
+        return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh),
+                       loss_weighting(captured))
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
@@ -112,15 +116,48 @@ class ShardedModule(nn.Module):
         }
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
+        forward, flat = self._forward_of(args, kwargs)
+        outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
+        return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one training step over the global batch given, leaving the
+        gradients ready for ``optimizer.step()``; returns the batch's loss (detached).
+
+        The batch runs in microbatches of ``plan.microbatch_size`` rows (gradient accumulation;
+        a batch of another size makes as many as it needs, the last one smaller): gradients
+        are synchronised once, in the last backward, and each microbatch's loss counts by its
+        share of what the batch's loss averages (``autopar.core.loss_weights``), so loss and
+        gradients equal one device's on the whole batch."""
+        parts = split(args, kwargs, self.plan.microbatch_size)
+        forwards = [(*self._forward_of(a, k), batch_size(a, k)) for a, k in parts]
+        weighting = forwards[0][0].loss
+        if weighting.index is None:
+            raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")
+        weights = weighting.weights([(flat, rows) for _, flat, rows in forwards]) if len(parts) > 1 else [1.0]
+        total = torch.zeros(())
+        try:
+            for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights)):
+                self._grad_sync.sync = i == len(forwards) - 1
+                outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
+                loss = outs[weighting.index]
+                (loss * weight if weight != 1.0 else loss).backward()
+                loss = loss.detach()
+                total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss) * weight
+        finally:
+            self._grad_sync.sync = True
+        return total
+
+    def _forward_of(self, args: tuple, kwargs: dict) -> tuple[Forward, list[Any]]:
+        """The generated forward for these inputs' shapes, and the inputs flattened."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(
                 "inputs have another structure than the example inputs the module was compiled with "
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
-        forward = self._forwards.get(flat, args, kwargs)
-        outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
-        return pytree.tree_unflatten(list(outs), self._out_spec)
+        return self._forwards.get(flat, args, kwargs), flat
 
 
 def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:

@@ -22,16 +22,19 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.capture import CapturedGraph, capture
 from autopar.core.errors import InputMismatchError
+from autopar.core.loss_weights import LossWeighting
 from codegen.generate import GeneratedCode
 
 
 @dataclass(frozen=True)
 class Forward:
-    """A generated forward, compiled, with this rank's sizes of its uneven splits."""
+    """A generated forward, compiled, with this rank's sizes of its uneven splits and how its loss
+    weighs against other microbatches' (``autopar.core.loss_weights``)."""
 
     code: GeneratedCode
     run: Callable[..., Any]
     sizes: Any
+    loss: LossWeighting
 
 
 def signature(values: Sequence[Any]) -> tuple:

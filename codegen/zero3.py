@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.grad_sync import GradSync
+from codegen.recompute import recomputing
 from codegen.runtime import axes_group
 
 
@@ -57,7 +58,7 @@ class GatheredParams:
         flat = self._prefetched.pop(k, None)
         if flat is None:
             flat = self._launch(k)
-        if k + 1 < len(self.params):
+        if k + 1 < len(self.params) and not recomputing():   # a block run again for the backward: no forward follows
             self._prefetched[k + 1] = self._launch(k + 1)
         locals_ = [p._local_tensor for p in self.params[k]]
         return _Gather.apply(self, k, funcol.wait_tensor(flat), *locals_)

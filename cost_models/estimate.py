@@ -29,6 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
+from autopar.core.blocks import block_of, repeated_blocks
 from autopar.core.capture import tensor_val
 from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
@@ -90,6 +91,7 @@ class Cost:
     overlap_s: float = 0.0        # gradient synchronisation queued during the backward
     state_bytes: float = 0.0      # live all step: parameter shards, optimizer states, inputs
     saved_bytes: float = 0.0      # kept from the node's forward to its backward
+    recomputed_bytes: float = 0.0  # in a recomputed block: rebuilt for, and kept during, the block's backward
     grad_bytes: float = 0.0       # parameter gradients: from the backward to the optimizer step
     output_grad_bytes: float = 0.0  # the gradient of an op's output: from its last user's backward to its own
     transient_bytes: float = 0.0  # working memory while the node runs
@@ -111,7 +113,7 @@ class Cost:
     @property
     def memory_bytes(self) -> float:
         """Bytes this node holds at its heaviest (working memory aside)."""
-        return self.state_bytes + self.saved_bytes + self.grad_bytes
+        return self.state_bytes + self.saved_bytes + self.recomputed_bytes + self.grad_bytes
 
 
 #: The fields of ``Cost`` that add up (the planner sums millions of costs on large meshes).
@@ -124,13 +126,30 @@ class CostModel:
     measurement, else the hardware preset's roofline), each placement change's collectives (one
     per mesh axis, as ``autopar.core.execution`` says the runtime runs them) and the bytes each
     holds. Made once per planning request (``autopar.planning.problem.prepare``); its ``Cost``s
-    feed the ILP and the plan's predictions."""
+    feed the ILP and the plan's predictions.
+
+    With ``microbatches`` k > 1 the graph is one microbatch's and a ``Cost`` is per step: what
+    every microbatch runs (ops, their collectives, ZeRO-3 gathers, the runtime's per-call costs)
+    counts k times, what the step does once (optimizer updates, the gradient synchronisation of
+    the last backward) once; memory is one microbatch's (activations live one microbatch at a
+    time, gradients accumulate in place) and ``backward_s`` one backward's (the last one's hides
+    the queued synchronisation). ZeRO-3 groups reduce-scatter every backward: the k - 1 earlier
+    ones count as blocking, less the share backward compute hides (``overlap_efficiency``).
+
+    With ``recompute="full"`` the repeated blocks (``autopar.core.blocks``) run as checkpointed
+    functions: an op inside one keeps nothing to its backward but the block's inputs it is the
+    first to read (``saved_bytes``); what it would have kept is rebuilt by running the block's
+    forward again at the start of the block's backward (``recomputed_bytes``, live until the
+    block's backward is done; ``schedule.Timeline``), and that forward, with its placement changes
+    and ZeRO-3 gathers, costs its time a second time (in ``backward_s`` too)."""
 
     mesh: MeshSpec
     space: StrategySpace
     profile: Profile | None = None
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS["adamw"])
     gather_outputs: bool = True      # outputs returned whole on every rank (``PlanOptions.gather_outputs``)
+    microbatches: int = 1            # gradient accumulation: the graph is one microbatch's, run this many times a step
+    recompute: str = "none"          # "full": every repeated block recomputed in the backward
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +168,8 @@ class CostModel:
         self._flops: dict[tuple, float] = {}
         self._node_flops: dict[fx.Node, float] = {}
         self._moves: dict[tuple, Cost] = {}
+        self.block_of = recomputed_blocks(self.space, self.recompute)
+        self._block_inputs = self._first_block_readers()
 
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
@@ -217,14 +238,20 @@ class CostModel:
                 measured is not self.links[a])
 
     def _in_step(self, c: Cost, queued: bool) -> Cost:
-        """A redistribution inside a step, at its in-step factor: blocking, or a queued gradient
-        synchronisation (``overlap_s``, no staging buffers of its own)."""
+        """A redistribution inside a step, at its in-step factor: blocking (once per microbatch), or
+        a queued gradient synchronisation (``overlap_s``, once per step, no staging buffers of its own)."""
         if queued:
             return Cost(overlap_s=c.comm_s * self._in_step_scale(queued), comm_bytes=c.comm_bytes, measured=c.measured)
-        return replace(c, comm_s=c.comm_s * self._in_step_scale(queued))
+        return replace(c, comm_s=c.comm_s * self._in_step_scale(queued),
+                       comm_bytes=tuple(b * self.microbatches for b in c.comm_bytes))
 
     def _in_step_scale(self, queued: bool) -> float:
-        return self.sync_scale if queued else self.comm_scale
+        return self.sync_scale if queued else self.comm_scale * self.microbatches
+
+    def _earlier_reduce_scatters(self, queued_s):
+        """The ZeRO-3 reduce-scatters of the k - 1 microbatches before the last, blocking as far as
+        their backward does not hide them (a float, or an array of queued seconds)."""
+        return queued_s * (self.microbatches - 1) * (1.0 - self.overlap_efficiency)
 
     def _link(self, kind: str, axis: int) -> Link:
         """The profile's fitted link for this collective and group size, else the preset's."""
@@ -241,6 +268,11 @@ class CostModel:
         if nc.kind in ("output", "alias") or val is None:
             return Cost()
         compute = self._compute(nc, s, val) + self._inside(nc, s)
+        recomputed = nc.node in self.block_of
+        if recomputed:   # its forward runs again in the backward
+            again = compute.compute_s / self.microbatches - compute.backward_s
+            compute = replace(compute, compute_s=compute.compute_s + again * self.microbatches,
+                              backward_s=compute.backward_s + again)
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         if self._grad(nc.node):
             compute = compute + Cost(output_grad_bytes=out_bytes)
@@ -249,6 +281,9 @@ class CostModel:
         kept, internal = self._kept(nc, s, val)
         # Working memory: the output (its gradient, in the backward) and the op's internal tensors
         # (their gradients); input gradients are tracked by the schedule.
+        if recomputed:
+            inputs = sum(b for k, b in enumerate(self.input_bytes(nc, s)) if k in self._block_inputs.get(nc.node, ()))
+            return compute + Cost(saved_bytes=inputs, recomputed_bytes=kept, transient_bytes=out_bytes + internal)
         return compute + Cost(saved_bytes=kept, transient_bytes=out_bytes + internal)
 
     def node_signature(self, nc: NodeChoices) -> tuple:
@@ -277,14 +312,17 @@ class CostModel:
                     transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
             gather = self.redistribute(val.shape, val.dtype, s.storage, s.out, batched=True)
-            cost = cost + gather + Cost(saved_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
+            whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
+            if nc.node in self.block_of:   # gathered inside a recomputed block: again for its backward
+                return cost + gather + gather + Cost(recomputed_bytes=whole)
+            cost = cost + gather + Cost(saved_bytes=whole)
         return cost
 
     def _compute(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
         timed = self.measured_time(nc, s)
         if timed is not None:
             scale = self.profile.calibration.get("ops", 1.0)
-            return Cost(compute_s=timed.total_s * scale, backward_s=timed.bwd_s * scale,
+            return Cost(compute_s=timed.total_s * scale * self.microbatches, backward_s=timed.bwd_s * scale,
                         measured=frozenset({"compute"}))
         if nc.node.target in VIEW_OPS:
             return Cost()
@@ -299,7 +337,7 @@ class CostModel:
         bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
         if not self._grad(nc.node):
             bwd = 0.0
-        return Cost(compute_s=fwd + bwd, backward_s=bwd)
+        return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
     def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
         """Collectives a strategy runs inside its op: a loss over a split batch made whole sums the
@@ -333,8 +371,8 @@ class CostModel:
     def _wrapping(self, src: NodeChoices, out: Placements, storage: Placements | None, inp: Placements,
                   grad: Placements) -> float:
         if src.kind == "param":
-            return self._runtime_cost({"param_read": 1}) if inp != (storage or out) else 0.0
-        return self._runtime_cost({"move": 1}) if moves(out, inp, grad, self._grad_flows(src)) else 0.0
+            return self._runtime_cost({"param_read": self.microbatches}) if inp != (storage or out) else 0.0
+        return self._runtime_cost({"move": self.microbatches}) if moves(out, inp, grad, self._grad_flows(src)) else 0.0
 
     def param_overhead(self) -> float:
         """The runtime's cost per parameter tensor beyond its bytes: its gradient hook and its
@@ -342,8 +380,8 @@ class CostModel:
         return self._runtime_cost({"optimizer_per_param": 1, "grad_hook": 1})
 
     def step_overhead(self) -> float:
-        """The runtime's fixed cost of one training step."""
-        return self._runtime_cost({"step": 1})
+        """The runtime's fixed cost of one training step (a forward and backward per microbatch)."""
+        return self._runtime_cost({"step": self.microbatches})
 
     def _runtime_cost(self, counts: dict[str, float]) -> float:
         """Seconds of ``counts[key]`` occurrences of each of the runtime's per-call costs (the
@@ -386,6 +424,26 @@ class CostModel:
             counted[nc.node] = frozenset(mine)
         return counted
 
+    def _first_block_readers(self) -> dict[fx.Node, frozenset[int]]:
+        """For each op in a recomputed block, the inputs from outside the block (activations, not
+        parameters or buffers) it is the first of its block to read: the checkpoint keeps those."""
+        own = {nc.node for nc in self.space.nodes if nc.kind in ("param", "buffer")}
+        claimed: set[tuple[int, fx.Node]] = set()
+        readers: dict[fx.Node, frozenset[int]] = {}
+        for nc in self.space.nodes:
+            block = self.block_of.get(nc.node)
+            if block is None or nc.kind != "op":
+                continue
+            mine = set()
+            for k, inp in enumerate(nc.inputs):
+                root = _storage_root(inp)
+                outside = self.block_of.get(root) != block and root not in own
+                if outside and (block, root) not in claimed and tensor_val(root) is not None:
+                    claimed.add((block, root))
+                    mine.add(k)
+            readers[nc.node] = frozenset(mine)
+        return readers
+
     def flops(self, node: fx.Node) -> float:
         """Forward FLOPs of the whole (unsharded) op, counted by PyTorch's FlopCounterMode (once per
         node, and once per signature: identical layers share the count)."""
@@ -419,10 +477,15 @@ class CostModel:
         if dst.kind == "output":
             return self._returned(val, s.out)
         fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i]) + Cost(compute_s=self.move_overhead(src, s, dst, d, i))
+        if dst.node in self.block_of:   # moved inside a recomputed block: again for its backward
+            fwd = fwd + fwd
         if not self._grad_flows(src):
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
-        return fwd + self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=src.kind == "param")
+        back = self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=src.kind == "param")
+        if src.kind == "param" and s.storage not in (None, s.out):
+            back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s))
+        return fwd + back
 
     def _returned(self, val: torch.Tensor, out: Placements) -> Cost:
         """An output returned to the caller, held until the step ends (a language model's logits
@@ -448,17 +511,27 @@ class CostModel:
                                                     [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
             return EdgeGrid(rows, cols, replace(grid, state_bytes=_bytes(val)), tuple(blocking))
         grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [inp for inp, _ in dst_reps])
+        again = 2.0 if dst.node in self.block_of else 1.0   # as in ``edge``: moved again for the backward
+        if again != 1.0:
+            grid = replace(grid, comm_s=grid.comm_s * again, comm_bytes=tuple(b * again for b in grid.comm_bytes))
+            blocking = [Term(t.rows, t.cols, t.core * again) for t in blocking]
         if self._grad_flows(src):
             queued = src.kind == "param"
             back, terms = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
                                                    [grad_target(out, storage) for out, storage in src_reps],
                                                    queued=queued)
-            grid = grid + _transposed(back)
+            back = _transposed(back)
+            if queued and self.microbatches > 1:   # as in ``edge``: ZeRO-3 rows reduce-scatter every microbatch
+                zero3 = np.array([storage not in (None, out) for out, storage in src_reps])[:, None]
+                earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
+                back = replace(back, comm_s=back.comm_s + earlier)
+                blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
+            grid = grid + back
             if not queued:
                 blocking += [t.transposed() for t in terms]
         if self._runtime_cost({"move": 1, "param_read": 1}) and dst.kind != "output":
-            wrapping = np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
-                                 for out, storage in src_reps])
+            wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
+                                         for out, storage in src_reps])
             grid = replace(grid, compute_s=grid.compute_s + wrapping)
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
@@ -467,6 +540,20 @@ class CostModel:
         """Does a gradient flow back into ``src``'s output? Not into integers, inputs, buffers and
         what derives from them only."""
         return self.saved is None or self.saved.grad.get(src.node, False)
+
+
+RECOMPUTE = ("none", "full")
+
+
+def recomputed_blocks(space: StrategySpace, recompute: str) -> dict[fx.Node, int]:
+    """Under ``recompute="full"``, the block number of every node in a repeated block (and of every
+    parameter first read in one); nothing under "none"."""
+    if recompute not in RECOMPUTE:
+        raise AutoparError(f"recompute is one of {', '.join(RECOMPUTE)} (or 'auto' when planning), got {recompute!r}")
+    if recompute == "none" or not space.nodes:
+        return {}
+    graph = space.nodes[0].node.graph
+    return block_of(graph, repeated_blocks(graph))
 
 
 def _classes(keys: Sequence) -> tuple[np.ndarray, list]:

@@ -42,10 +42,13 @@ class StepPrediction:
 class Timeline:
     """Where each node of a strategy space sits in the step."""
 
-    def __init__(self, space: StrategySpace, overlap_efficiency: float = 1.0) -> None:
+    def __init__(self, space: StrategySpace, overlap_efficiency: float = 1.0,
+                 block_of: dict[fx.Node, int] | None = None) -> None:
         """``overlap_efficiency``: the share of backward compute time that really hides queued
         communication (1: separate engines, as on GPUs; near 0: collectives that need the same
-        CPU cores as compute). Measured by ``autopar profile``."""
+        CPU cores as compute). Measured by ``autopar profile``. ``block_of``: the recomputed block
+        of each node in one (``CostModel.block_of``): its ``recomputed_bytes`` live from the start
+        of that block's backward (when the block's forward runs again) to the node's own backward."""
         self.space = space
         self.overlap = overlap_efficiency
         n = len(space.nodes)
@@ -56,6 +59,7 @@ class Timeline:
             if nc.kind == "param":
                 self.position[i] = self._first_user(nc.node, n)
         self.names = [nc.node.name for nc in space.nodes]
+        self.block = [(block_of or {}).get(nc.node) for nc in space.nodes]
         self.last_user = [max((space.index[u] for u in nc.node.users if u in space.index), default=i)
                           for i, nc in enumerate(space.nodes)]
 
@@ -79,15 +83,16 @@ class Timeline:
         kinds = [nc.kind for nc in self.space.nodes]
         state = sum(c.state_bytes for c in nodes)
         order = sorted(range(len(nodes)), key=lambda i: (self.position[i], i))
-        saved = grads = frontier = 0.0
-        peak = (state, "forward (start)", {"state": state, "activations": 0.0, "gradients": 0.0, "working": 0.0}, 0)
+        saved = grads = frontier = recomputed = 0.0
+        peak = (state, "forward (start)", {"state": state, "activations": 0.0, "recomputed": 0.0, "gradients": 0.0,
+                                           "working": 0.0}, 0)
 
         def check(work: float, where: str, position: int) -> None:
             nonlocal peak
-            total = state + saved + grads + work
+            total = state + saved + recomputed + grads + work
             if total > peak[0]:
-                peak = (total, where, {"state": state, "activations": saved, "gradients": grads, "working": work},
-                        position)
+                peak = (total, where, {"state": state, "activations": saved, "recomputed": recomputed,
+                                       "gradients": grads, "working": work}, position)
 
         for i in order:
             saved += nodes[i].saved_bytes
@@ -99,8 +104,16 @@ class Timeline:
         born: dict[int, float] = {}   # backward position -> activation gradients it creates
         for i, c in enumerate(nodes):
             born[self.last_user[i]] = born.get(self.last_user[i], 0.0) + c.output_grad_bytes
+        rebuilt: dict[int, float] = {}   # per recomputed block: what running its forward again rebuilds
+        for i, c in enumerate(nodes):
+            if self.block[i] is not None:
+                rebuilt[self.block[i]] = rebuilt.get(self.block[i], 0.0) + c.recomputed_bytes
         t = chan = 0.0
+        current = None
         for i in reversed(order):
+            if self.block[i] is not None and self.block[i] != current:   # a recomputed block's backward begins
+                current = self.block[i]
+                recomputed = rebuilt[current]
             if kinds[i] == "param":
                 grads += nodes[i].grad_bytes
             elif kinds[i] == "op":
@@ -108,6 +121,7 @@ class Timeline:
                 check(frontier + nodes[i].transient_bytes, f"backward: {self.names[i]}", self.position[i])
                 frontier -= nodes[i].output_grad_bytes
             saved -= nodes[i].saved_bytes
+            recomputed -= nodes[i].recomputed_bytes
             t += nodes[i].backward_s * self.overlap
             for seconds in at.get(i, ()):
                 chan = max(t, chan) + seconds
@@ -127,17 +141,21 @@ class Timeline:
         return sorted({round(n * k / count) for k in range(count + 1)})
 
     def memory_rows(self, owner: Sequence[int], node_costs: dict[int, list[Cost]], cuts: Sequence[int]) -> tuple[Row, ...]:
-        """Per cut c (the backward of the node at position c): activations kept by nodes up to c,
-        gradients of activations made before c and used at or after c, and gradients of
-        parameters whose first user is at or after c, on top of the state. Any forward moment
-        at c holds no more than this."""
+        """Per cut c (the backward of the node at position c): activations kept by nodes up to c
+        (and, inside a recomputed block, what its nodes up to c rebuilt), gradients of
+        activations made before c and used at or after c, and gradients of parameters whose
+        first user is at or after c, on top of the state. Any forward moment at c holds no more
+        than this."""
         rows = []
         for c in cuts:
+            block = self.block[c] if c < len(self.block) else None
             terms = []
             for i, costs in node_costs.items():
                 param = self.space.nodes[i].kind == "param"
                 live_grad = self.position[i] < c <= self.last_user[i]
+                rebuilt = block is not None and self.block[i] == block and self.position[i] <= c
                 values = [(x.saved_bytes if self.position[i] <= c else 0.0)
+                          + (x.recomputed_bytes if rebuilt else 0.0)
                           + (x.grad_bytes if param and self.position[i] >= c else 0.0)
                           + (x.output_grad_bytes if live_grad else 0.0) for x in costs]
                 if any(values):

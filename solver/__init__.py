@@ -2,7 +2,7 @@
 the lowest layer, which every other package may use and which uses none of them."""
 
 from solver.errors import InfeasibleProblem, MemoryHog, SolverError
-from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, Term, evaluate, restrict, solve
+from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, Term, evaluate, memory_bounds, restrict, solve
 
-__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS",
+__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "memory_bounds", "restrict", "SOLVERS",
            "SolverError", "InfeasibleProblem", "MemoryHog"]

@@ -192,6 +192,16 @@ class _Data:
                            for nodes, constant in self.exposed)])
 
 
+def memory_bounds(problem: Problem) -> tuple[float, float]:
+    """Lower bounds, over all assignments, of the peak (``solve`` refuses a budget below it) and
+    of the quietest moment of the memory rows (the state, and what every moment of the step holds
+    on top of it; the state alone without rows)."""
+    data = _validate(problem)
+    quietest = min(sum(float(data.moment(r, i).min()) for i in range(len(data.memory)))
+                   for r in range(min(1, len(data.memory_rows)), len(data.memory_rows) + 1))
+    return data.min_memory(), quietest
+
+
 def _label(problem: Problem, i: int) -> str:
     return f"node {i} ({problem.names[i]!r})" if problem.names is not None else f"node {i}"
 

@@ -77,11 +77,23 @@ def train_reference(name: str, batches, precision: str = "fp32") -> tuple[list[f
     return [l.item() for l in losses], {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def train_steps(pmodel, batches) -> list[torch.Tensor]:
+    """``train`` of a compiled module, through its ``train_step`` (microbatches as planned)."""
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for args, kwargs in batches:
+        losses.append(pmodel.train_step(*args, **kwargs))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def train_sharded(mesh, model: torch.nn.Module, batches, plan_options: dict) -> tuple[list, dict, autopar.Plan]:
-    """Runs on every rank (or once under LocalTensorMode, with ``model`` built outside it)."""
+    """Runs on every rank (or once under LocalTensorMode, with ``model`` built outside it);
+    compiled for the first batch, trained through ``train_step``."""
     args, kwargs = batches[0]
     pmodel = autopar.compile(model, mesh, args, kwargs, **plan_options)
-    losses = train(pmodel, batches)
+    losses = train_steps(pmodel, batches)
     return losses, autopar.full_state_dict(pmodel), pmodel.plan
 
 

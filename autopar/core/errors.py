@@ -36,6 +36,10 @@ class HardwareError(AutoparError):
     """Unknown hardware preset or malformed hardware description."""
 
 
+class LossWeightError(AutoparError):
+    """``train_step`` cannot find the model's loss, or cannot weigh it exactly over microbatches."""
+
+
 class RankFailedError(AutoparError):
     """Another rank failed during ``compile``: carries that rank's number and message."""
 

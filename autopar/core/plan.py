@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 5   # 5: precision
+PLAN_FORMAT_VERSION = 6   # 5: precision; 6: microbatches, recompute
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,15 @@ class Plan:
     name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
     gather_outputs: bool = True           # outputs returned whole on every rank (else as DTensors)
     precision: str = "fp32"               # the policy the model computes under (``autopar.core.precision``)
+    batch_size: int = 1                   # rows of the global batch planned for (dim 0 of the inputs)
+    microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
+    recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full": recomputed in the backward
     version: int = PLAN_FORMAT_VERSION
+
+    @property
+    def microbatch_size(self) -> int:
+        """Rows of one microbatch: what the nodes' shapes and predicted memory are for."""
+        return max(1, self.batch_size // self.microbatches)
 
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:
@@ -115,6 +123,9 @@ class Plan:
             "name": self.name,
             "gather_outputs": self.gather_outputs,
             "precision": self.precision,
+            "batch_size": self.batch_size,
+            "microbatches": self.microbatches,
+            "recompute": self.recompute,
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
@@ -166,6 +177,9 @@ class Plan:
                 name=d["name"],
                 gather_outputs=d["gather_outputs"],
                 precision=d["precision"],
+                batch_size=d["batch_size"],
+                microbatches=d["microbatches"],
+                recompute=d["recompute"],
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:

@@ -127,6 +127,18 @@ def _hardware_line(name: str) -> str:
             f"{hw.devices_per_node} devices per node)")
 
 
+def _recompute_line(recompute: dict[str, str]) -> str:
+    """Each recomputation mode with the blocks it applies to (first and last of a run)."""
+    if not recompute:
+        return "none (every activation the backward needs is kept)"
+    by_mode: dict[str, list[str]] = {}
+    for path, mode in recompute.items():
+        by_mode.setdefault(mode, []).append(path)
+    return "; ".join(f"{mode} for {len(paths)} block(s) ({paths[0]}" + (f" ... {paths[-1]})" if len(paths) > 1 else ")")
+                     + ": each keeps its input and runs its forward again in the backward"
+                     for mode, paths in by_mode.items())
+
+
 def format_report(plan: Plan, top: int | None = 12) -> str:
     """A readable planning report: what was chosen, what it is predicted to cost, and why it is
     slow. ``top``: nodes listed with their costs (``None``: every node)."""
@@ -143,6 +155,11 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add(f"  fingerprint     {plan.fingerprint} (model structure + input shapes)")
     add("  precision       " + ("fp32" if plan.precision == "fp32" else
                               f"{plan.precision} compute; fp32 parameters, gradients (reduced in fp32) and optimizer states"))
+    add("  batch           " + (f"{plan.batch_size} rows per step" if plan.microbatches == 1 else
+                              f"{plan.batch_size} rows per step in {plan.microbatches} microbatches of "
+                              f"{plan.microbatch_size} (gradient accumulation: train_step; node costs per step, "
+                              f"memory per microbatch)"))
+    add("  recompute       " + _recompute_line(plan.recompute))
     add("  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
                                  else "returned as DTensors, placed as planned (gather_outputs=False)"))
     if not plan.feasible:

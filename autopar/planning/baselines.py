@@ -33,6 +33,7 @@ from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.capture import as_args, capture
 from autopar.core.errors import InfeasibleError
 from autopar.core.mesh import MeshSpec, as_mesh_spec
+from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.problem import Planning, prepare, solve_planning
@@ -51,12 +52,17 @@ HAND_PLAN_TIME_SHARE = 0.4
 def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: dict | None = None, *,
                options: PlanOptions | None = None, **option_values: Any) -> dict[str, Plan]:
     """Every standard strategy for ``mesh`` as a ``Plan``, costed like the auto plan (the same
-    ``PlanOptions`` as ``autopar.plan``); each can be compiled and run (``autopar.compile(plan=...)``)."""
+    ``PlanOptions`` as ``autopar.plan``; ``microbatches`` and ``recompute`` "auto" plan the whole
+    batch without recomputation, a count that many microbatches, "full" recomputes every block); each can be compiled and run (``autopar.compile(plan=...)``)."""
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
-    captured = capture(model, as_args(example_inputs), example_kwargs, precision=options.precision)
-    planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0})
+    args = as_args(example_inputs)
+    k = 1 if options.microbatches == "auto" else options.microbatches
+    whole = capture(model, args, example_kwargs, precision=options.precision)
+    captured = whole if k == 1 else microbatch_capture(model, args, example_kwargs, options.precision)(k)
+    planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0}, microbatches=k,
+                       whole=whole, recompute="none" if options.recompute == "auto" else options.recompute)
     deadline = time.perf_counter() + options.time_limit if options.time_limit is not None else None
     return {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.core.errors import AutoparError
+from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import check_precision
-from cost_models.estimate import get_optimizer
+from cost_models.estimate import RECOMPUTE, get_optimizer
 from cost_models.profile import Profile
 
 #: Seconds the solver may take (all hand plans and the auto plan together) by default.
@@ -49,6 +50,12 @@ class PlanOptions:
     (``autopar.profiling.missing_ops``); False plans on the profile as it is. ``autopar.plan``
     measures nothing (its mesh need not exist). ``precision``: "fp32", or "bf16" to compute in
     bf16 with fp32 parameters, gradients and optimizer states (``autopar.core.precision``).
+    ``microbatches``: gradient accumulation, the global batch (the example inputs' rows) run as
+    this many equal microbatches a step (``ShardedModule.train_step``; a count that divides the
+    batch), or "auto": the whole batch if a plan fits it, else the fewest microbatches that fit.
+    ``recompute``: activation recomputation of the repeated blocks (transformer layers): "none",
+    "full" (each block keeps only its input and runs its forward again in the backward), or
+    "auto": "full" only where no count of microbatches fits without it.
     """
 
     memory_budget: float | None = None
@@ -61,6 +68,8 @@ class PlanOptions:
     gather_outputs: bool = True
     measure_missing_ops: bool = True
     precision: str = "fp32"
+    microbatches: int | str = "auto"
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -71,6 +80,9 @@ class PlanOptions:
             raise AutoparError(f"min_gain is a fraction of the best hand plan's step time in [0, 1), got {self.min_gain!r}")
         get_optimizer(self.optimizer)   # an unknown name raises, listing the known ones
         check_precision(self.precision)
+        check_microbatches(self.microbatches)
+        if self.recompute not in ("auto", *RECOMPUTE):
+            raise AutoparError(f"recompute is 'auto', {' or '.join(map(repr, RECOMPUTE))}, got {self.recompute!r}")
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **values: Any) -> PlanOptions:

@@ -7,24 +7,155 @@ predicted faster by ``PlanOptions.min_gain``.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from autopar.core.capture import CapturedGraph
+from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.mesh import MeshSpec
+from autopar.core.microbatch import candidates, captured_rows, microbatch_rows
 from autopar.core.plan import Plan
 from autopar.core.strategies import Strategy
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.options import PlanOptions
-from autopar.planning.problem import prepare, solve_planning
+from autopar.planning.problem import Planning, prepare, solve_planning
+from solver import memory_bounds
 
 
 def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
-                  timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None) -> Plan:
+                  timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
+                  recapture: Callable[[int], CapturedGraph] | None = None) -> Plan:
     """Choose one strategy per node (``options``: see ``PlanOptions``). ``forced`` pins named nodes
-    to a strategy and skips the hand plans (tests, calibration)."""
+    to a strategy and skips the hand plans (tests, calibration). ``recapture(k)``: the model
+    captured at one of ``k`` microbatches of the batch, for gradient accumulation (None: the
+    batch is planned whole, ``microbatches`` must be 1 or "auto").
+
+    Memory knobs, cheapest first: ``microbatches="auto"`` plans the whole batch when some plan can
+    fit it, else the fewest microbatches (a divisor of the batch) that fit: the least memory a
+    plan needs on the whole batch, less what does not shrink with the batch (state, parameter
+    gradients), says how many at least. ``recompute="auto"`` adds full recomputation of the
+    repeated blocks (a third more compute) only when no count of microbatches fits without it."""
     deadline = time.perf_counter() + options.time_limit if options.time_limit is not None else None
-    planning = prepare(captured, mesh, options, timings=timings, forced=forced)
+    timings = dict(timings or {})
+    rows = captured_rows(captured)
+    if options.microbatches != "auto":
+        microbatch_rows(rows, options.microbatches)   # refuses a count that does not divide the batch
+        if options.microbatches > 1 and recapture is None:
+            raise AutoparError("microbatches > 1 needs the model to capture one microbatch: plan with autopar.plan "
+                               "or autopar.compile")
+    search = _Search(captured, mesh, options, timings, forced, recapture, rows, deadline)
+    modes = ("none", "full") if options.recompute == "auto" else (options.recompute,)
+    best: Plan | None = None            # the least bad plan, marked not feasible
+    errors: list[tuple[str, InfeasibleError]] = []
+    for mode in modes:
+        if (best or errors) and deadline is not None and time.perf_counter() >= deadline:
+            break
+        try:
+            plan = search.fit(mode)
+        except InfeasibleError as e:
+            errors.append((mode, e))
+            continue
+        if plan.feasible:
+            return plan
+        best = best or plan
+    if best is not None:
+        return best
+    first = errors[0][1]
+    also = "".join(f" With {mode} recomputation of the repeated blocks too, a plan needs {fmt(e.min_memory_bytes, 'B')}."
+                   for mode, e in errors[1:])
+    raise InfeasibleError(f"{first}{also}", min_memory_bytes=min(e.min_memory_bytes for _, e in errors)) from None
+
+
+@dataclass
+class _Search:
+    """The plans of one capture under each memory knob: ``fit(mode)`` for one recomputation mode."""
+
+    captured: CapturedGraph
+    mesh: MeshSpec
+    options: PlanOptions
+    timings: dict[str, float]
+    forced: dict[str, Strategy] | None
+    recapture: Callable[[int], CapturedGraph] | None
+    rows: int
+    deadline: float | None
+
+    def fit(self, recompute: str) -> Plan:
+        """The auto plan under ``recompute``, in the fewest microbatches that fit (or as many as
+        the options say); raises ``InfeasibleError`` when no count does."""
+        if self.options.microbatches != "auto":
+            return self._plan(self._prepare(self.options.microbatches, recompute))
+        whole = self._prepare(1, recompute)
+        least, floor = memory_bounds(whole.problem)
+        if least <= whole.budget or self.recapture is None or self.rows == 1:
+            return self._plan(whole)
+        if floor >= whole.budget:
+            try:
+                return self._plan(whole)
+            except InfeasibleError as e:
+                raise InfeasibleError(f"{e} Microbatches would not help: what does not shrink with the batch "
+                                      f"(parameters, their gradients and optimizer states) needs at least "
+                                      f"{fmt(floor, 'B')}.", min_memory_bytes=e.min_memory_bytes) from None
+        # What shrinks with the microbatch (activations, their gradients, working memory) must fit
+        # beside what does not. The least-memory bound gives each node its leanest choice at once,
+        # which no plan affords: aim it at half the room; a count whose plan does not fit says by
+        # how much it missed, and the next count is scaled by that.
+        k = _at_least(self.rows, max(2.0, 2 * _shrink_needed(least, floor, whole.budget)))
+        last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
+        while True:
+            try:
+                last = self._plan(self._prepare(k, recompute))
+            except InfeasibleError as e:
+                last = e
+                more = _shrink_needed(e.min_memory_bytes, floor, whole.budget) * 2
+            else:
+                if last.feasible:
+                    last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
+                                                   f"{k} microbatches of {self.rows // k} rows fit")
+                    return last
+                at_peak = last.predicted.memory_breakdown
+                more = _shrink_needed(last.predicted.peak_memory_bytes,
+                                      at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0), whole.budget)
+            out_of_time = self.deadline is not None and time.perf_counter() >= self.deadline
+            if k == self.rows or out_of_time:
+                break
+            k = _at_least(self.rows, k * max(more, 1.5))
+        if isinstance(last, Plan):
+            return last
+        raise InfeasibleError(f"{last} Microbatches were tried up to {k} (of {self.rows // k} rows each).",
+                              min_memory_bytes=last.min_memory_bytes) from None
+
+    def _prepare(self, k: int, recompute: str) -> Planning:
+        """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1)."""
+        if k == 1:
+            return prepare(self.captured, self.mesh, self.options, timings=self.timings, forced=self.forced,
+                           recompute=recompute)
+        t0 = time.perf_counter()
+        micro = self.recapture(k)
+        self.timings["capture"] = self.timings.get("capture", 0.0) + time.perf_counter() - t0
+        return prepare(micro, self.mesh, self.options, timings=self.timings, forced=self.forced, microbatches=k,
+                       whole=self.captured, recompute=recompute)
+
+    def _plan(self, planning: Planning) -> Plan:
+        plan = _plan(planning, self.options, self.forced, self.deadline)
+        self.timings.update(planning.timings)
+        return plan
+
+
+def _shrink_needed(needed: float, fixed: float, budget: float) -> float:
+    """By how much what shrinks with the microbatch must shrink for ``needed`` bytes to fit in 90%
+    of ``budget`` beside ``fixed`` bytes that do not shrink."""
+    return (needed - fixed) / max(0.9 * budget - fixed, 1.0)
+
+
+def _at_least(rows: int, count: float) -> int:
+    """The fewest microbatches, a divisor of ``rows``, that is at least ``count`` (at most ``rows``)."""
+    return (candidates(rows, at_least=count) or [rows])[0]
+
+
+def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] | None,
+          deadline: float | None) -> Plan:
+    """The auto plan of one planning problem: the solver's, or the best hand plan it does not beat."""
     hands = standard_plans(planning, deadline=deadline) if options.hand_plans and not forced else {}
     fitting = [h for h in hands.values() if h[0].feasible]
     best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)

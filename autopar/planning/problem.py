@@ -9,15 +9,17 @@ import logging
 import time
 from contextlib import contextmanager
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
 import torch.fx as fx
 
+from autopar.core.blocks import repeated_blocks
 from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.mesh import MeshSpec
+from autopar.core.microbatch import captured_rows
 from autopar.core.plan import NodePlan, Plan, Prediction
 from autopar.planning.shrink import Grouping, group
 from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
@@ -68,12 +70,18 @@ class Planning:
     node_costs: dict[int, list[Cost]]   # per node, its costs per choice of its decision
     priced: PricedSpace                 # every strategy's costs, to price any plan of the space
     timings: dict[str, float]
+    microbatches: int = 1               # the graph is one of this many microbatches of the step's batch
+    fingerprint: str = ""               # what plans carry: the whole batch's capture's (``Plan.check_matches``)
+    recompute: dict[str, str] = field(default_factory=dict)   # recomputed block path -> mode (``Plan.recompute``)
 
 
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
-            timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None) -> Planning:
+            timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
+            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str = "none") -> Planning:
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
-    nodes to a strategy)."""
+    nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
+    step (see ``CostModel``) of the batch ``whole`` was captured at; ``recompute``: "full"
+    recomputes every repeated block in the backward)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
         space = build_space(captured, mesh)
@@ -81,14 +89,17 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
             _force(space, forced)
     with _stage(timings, "costs"):
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
-                          optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs)
-        timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency)
+                          optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
+                          microbatches=microbatches, recompute=recompute)
+        timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of)
         budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
     with _stage(timings, "ilp"):
         problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, options.share_layers)
         log.info("autopar: %s", grouping.describe(len(space.nodes)))
-    return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings)
+    return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings,
+                    microbatches, (whole or captured).fingerprint,
+                    {b.path: recompute for b in repeated_blocks(captured.graph)} if model.block_of else {})
 
 
 def solve_planning(planning: Planning, *, deadline: float | None = None, allowed: Sequence[Sequence[int] | None] | None = None,
@@ -250,10 +261,12 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
     solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
                    "constraints": solution.num_constraints, "objective_s": solution.objective,
                    "problem": planning.grouping.describe(len(space.nodes))}
-    plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=captured.fingerprint, nodes=nodes,
+    plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=planning.fingerprint, nodes=nodes,
                 predicted=predicted, memory_budget=planning.budget, solver=solver_info, timings=planning.timings,
                 warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
                 precision=captured.precision,
+                batch_size=captured_rows(captured) * planning.microbatches, microbatches=planning.microbatches,
+                recompute=dict(planning.recompute),
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim

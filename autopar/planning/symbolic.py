@@ -494,6 +494,9 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     if type(model).__name__ != plan.model_name:
         raise GraphMismatchError(f"plan {plan.model_name!r} was made for another model than {type(model).__name__}; "
                                  "re-plan this model")
+    if plan.microbatches > 1:
+        raise AutoparError(f"plan {plan.model_name!r} runs its batch in {plan.microbatches} microbatches; symbolic "
+                           "costs cover plans of one microbatch (plan with microbatches=1 to see them)")
     t0 = time.perf_counter()
     cap = _capture_dynamic(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
@@ -502,7 +505,8 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     chosen, names, warnings = align_plan(plan, space)
     for nc, s in zip(space.nodes, chosen):
         nc.strategies = [s]
-    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs)
+    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
+                           recompute="full" if plan.recompute else "none")
     costs, queued = step_costs(space, cost_model, chosen)
     swap = dict(cap.symbols)
 
@@ -521,7 +525,7 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
                 size = sub(_dim(val.shape[d]))
                 if any(axes) and isinstance(size, sympy.Basic) and size.free_symbols:
                     sharded.add((size, axes))
-    timeline = Timeline(space)
+    timeline = Timeline(space, block_of=cost_model.block_of)
     timeline.names = names
     # the exposed synchronisation's closed form: the first, the last and the one that binds at the planned size
     at_plan = exposed_terms(*_evaluate(costs, queued, {B: cap.planned[0], S: cap.planned[1]}), timeline)

@@ -69,11 +69,20 @@ def training_step(module: nn.Module, batch: Batch, optimizer: torch.optim.Optimi
     optimizer states and buffers are live (the baseline), as the cost model assumes.
     The model's output is not kept: only the loss outlives the forward.
     """
-    args, kwargs = batch
-    loss = loss_fn(module(*args, **kwargs))
-    loss.backward()
+    forward_backward(module, batch, loss_fn)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def forward_backward(module: nn.Module, batch: Batch, loss_fn: Callable[[Any], torch.Tensor] = loss_of) -> torch.Tensor:
+    """A step's forward and backward: a compiled module's ``train_step`` (its microbatches as
+    planned), else the forward and ``loss.backward()``. Returns the loss."""
+    args, kwargs = batch
+    if hasattr(module, "train_step"):
+        return module.train_step(*args, **kwargs)
+    loss = loss_fn(module(*args, **kwargs))
+    loss.backward()
+    return loss
 
 
 def live_bytes(tensors: Iterable[Any]) -> int:

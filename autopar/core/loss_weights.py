@@ -1,0 +1,133 @@
+"""How a model's loss averages, so that microbatch losses add up to the whole batch's exactly.
+
+A loss that is a mean over a batch is not the mean of its microbatches' means when they average
+different counts: a language model's cross-entropy averages the targets that are not
+``ignore_index`` (padding), and microbatches hold different numbers of them. ``loss_weighting``
+reads the captured graph once: which output is the loss (the first floating scalar) and what it
+averages:
+
+* ``cross_entropy``/``nll_loss`` with ``reduction="mean"``: the targets that are not
+  ``ignore_index``, counted from the microbatch's inputs by the graph's own ops that compute the
+  target (labels shifted, flattened; they read no parameter), run on plain tensors;
+* ``mean`` of a tensor: its elements, in proportion to the microbatch's rows;
+* ``sum`` (or a ``reduction="sum"`` loss): nothing (microbatch losses add).
+
+``train_step`` backpropagates each microbatch's loss times its count over the batch's total.
+A loss of another form (a mean of means, a loss scaled by a learned parameter) is refused for
+more than one microbatch rather than weighted wrongly.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import OutputKind
+
+from autopar.core.capture import CapturedGraph
+from autopar.core.errors import LossWeightError
+
+aten = torch.ops.aten
+_CROSS_ENTROPY = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
+_MEAN_OVER_ALL = {aten.mean.default}
+_SUM_OVER_ALL = {aten.sum.default}
+# Ops a loss passes through unchanged in what it averages (a dtype cast, an alias).
+_PASS = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.detach.default}
+_MEAN, _SUM = 1, 2   # torch's reduction enum (``torch.nn._reduction``)
+
+
+@dataclass(frozen=True)
+class LossWeighting:
+    """The loss's place among the flattened outputs (None: there is none) and what its value
+    averages over a microbatch (``count``: from the microbatch's flattened user inputs and rows;
+    None: a sum, nothing to weigh); ``how`` says which, or why it cannot be weighed (``exact``)."""
+
+    index: int | None
+    count: Callable[[Sequence[Any], int], float] | None
+    how: str
+    exact: bool = True
+
+    def weights(self, microbatches: Sequence[tuple[Sequence[Any], int]]) -> list[float]:
+        """Each microbatch's share of the batch's loss; ``microbatches``: (flat inputs, rows)."""
+        if not self.exact:
+            raise LossWeightError(f"the batch cannot run as {len(microbatches)} microbatches exactly: {self.how}. "
+                                  "Plan with microbatches=1")
+        if self.count is None:
+            return [1.0] * len(microbatches)
+        counts = [self.count(flat, rows) for flat, rows in microbatches]
+        total = sum(counts)
+        if total == 0:   # every target ignored: the whole batch's mean is nan as each microbatch's
+            return [1.0 / len(counts)] * len(counts)
+        return [c / total for c in counts]
+
+
+def loss_weighting(captured: CapturedGraph) -> LossWeighting:
+    """The weighting of the captured graph's loss (not ``exact``: no scalar output, or a loss of
+    an unrecognised form, saying so)."""
+    specs = captured.program.graph_signature.output_specs
+    output = next(n for n in captured.graph.nodes if n.op == "output")
+    user_outputs = [o for o, s in zip(output.args[0], specs) if s.kind == OutputKind.USER_OUTPUT]
+    constants = {name: captured.program.constants[target] for name, target in captured.constant_of.items()
+                 if isinstance(captured.program.constants.get(target), torch.Tensor)}
+    user_inputs = captured.user_inputs
+    index = next((i for i, o in enumerate(user_outputs) if isinstance(o, fx.Node) and _is_scalar_loss(o)), None)
+    if index is None:
+        return LossWeighting(None, None, "the model returns no loss (a floating-point scalar tensor)", exact=False)
+    node = user_outputs[index]
+    while node.target in _PASS:
+        node = node.args[0]
+    if node.target in _SUM_OVER_ALL:
+        return LossWeighting(index, None, "a sum: microbatch losses add")
+    if node.target in _MEAN_OVER_ALL:
+        return LossWeighting(index, lambda _flat, rows: float(rows), "a mean: weighted by rows")
+    if node.target in _CROSS_ENTROPY:
+        args = list(node.args) + [None] * 6
+        weight, reduction, ignore = args[2], args[3] if args[3] is not None else _MEAN, args[4]
+        ignore = -100 if ignore is None else ignore
+        if reduction == _SUM:
+            return LossWeighting(index, None, "a summed cross-entropy: microbatch losses add")
+        if reduction == _MEAN and weight is None:
+            count = _target_counter(node.args[1], user_inputs, constants, ignore)
+            if isinstance(count, str):
+                return LossWeighting(index, None, count, exact=False)
+            return LossWeighting(index, count, f"a mean cross-entropy: weighted by targets other than {ignore}")
+    return LossWeighting(index, None, f"its loss ({node.name}: {node.target}) is not a mean or sum autopar can "
+                         "weigh per microbatch", exact=False)
+
+
+def _is_scalar_loss(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point
+
+
+def _target_counter(target: fx.Node, user_inputs: Sequence[str], constants: dict[str, torch.Tensor],
+                    ignore: int) -> Callable[[Sequence[Any], int], float] | str:
+    """Counts the targets other than ``ignore``: the ops that compute ``target`` from the user
+    inputs, copied into a graph of their own and run on a microbatch's inputs."""
+    seen: set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name not in user_inputs and n.name not in constants:
+            return f"its loss's target depends on a parameter or buffer ({n.name})"
+        todo.extend(n.all_input_nodes)
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in (n for n in target.graph.nodes if n in seen):   # graph order is topological
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(env[target])
+    module = fx.GraphModule(torch.nn.Module(), sub)
+    inputs = [n.name for n in sub.nodes if n.op == "placeholder"]
+    position = {name: i for i, name in enumerate(user_inputs)}
+
+    def count(flat: Sequence[Any], _rows: int) -> float:
+        values = [constants[name] if name in constants else flat[position[name]] for name in inputs]
+        with torch.no_grad():
+            return float((module(*values) != ignore).sum())
+
+    return count

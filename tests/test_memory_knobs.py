@@ -1,0 +1,242 @@
+"""The memory knobs of a training step, each exact and priced:
+
+* gradient accumulation (``plan.microbatches``, ``ShardedModule.train_step``): the global batch
+  runs as microbatches whose weighted losses and summed gradients equal one device's on the
+  whole batch (padding targets and a smaller last microbatch included), gradients are
+  synchronised once a step, and the planner takes microbatches when the whole batch does not fit;
+* activation recomputation (``plan.recompute``): repeated blocks run as checkpointed functions,
+  alone and with ZeRO-3, tensor parallelism and microbatches, and the planner takes it when no
+  count of microbatches fits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+import codegen.grad_sync as grad_sync
+from autopar import MeshSpec
+from autopar.core.errors import AutoparError, InfeasibleError, LossWeightError
+from autopar.planning.baselines import candidates
+from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
+from tests.equivalence import (build, check_training, gloo_runner, local_runner, make_batches, meta_model,
+                               train_reference, train_steps, TOLERANCES)
+
+MODELS = ["gpt-tiny", "llama-tiny", "gpt2-tiny"]
+
+
+@pytest.mark.parametrize("name, microbatches", [("gpt-tiny", 4), ("llama-tiny", 2), ("gpt2-tiny", 4)])
+def test_microbatches_train_like_one_device(name, microbatches):
+    plan = check_training(name, 8, 16, (2, 2), local_runner, {"microbatches": microbatches})
+    assert (plan.microbatches, plan.batch_size, plan.microbatch_size) == (microbatches, 8, 8 // microbatches)
+
+
+def _labels_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return kwargs["labels"] if "labels" in kwargs else args[1]
+
+
+def _padded(name: str) -> list:
+    """Batches whose first rows are mostly padding (ignore_index): microbatches average different
+    numbers of targets, so weighing them equally would be wrong."""
+    batches = make_batches(name, 8, 16)
+    for args, kwargs in batches:
+        _labels_of(args, kwargs)[:3, 4:] = -100
+    return batches
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])
+def test_padding_targets_weigh_microbatches_by_their_targets(name):
+    batches = _padded(name)
+    check_training(name, 8, 16, (2, 2), local_runner, {"microbatches": 4}, batches=batches)
+
+
+def test_padded_batch_on_gloo_processes_with_a_data_parallel_plan():
+    """Real processes: the DDP buckets skip their all-reduce until the last microbatch."""
+    name = "gpt2-tiny"
+    batches = _padded(name)
+    plan = candidates(build(name), MeshSpec((2,)), *batches[0], microbatches=2)["ddp"]
+    assert plan.microbatches == 2
+    check_training(name, 8, 16, (2,), gloo_runner, {"plan": plan}, batches=batches)
+
+
+def test_a_smaller_batch_makes_a_smaller_last_microbatch():
+    """Planned for 8 rows in microbatches of 4, fed 6 rows: microbatches of 4 and 2, still exact."""
+    name = "llama-tiny"
+    planned, fed = make_batches(name, 8, 16, steps=1), make_batches(name, 6, 16)
+    ref_losses, ref_state = train_reference(name, fed)
+    model = build(name)
+
+    def body(mesh):
+        pmodel = autopar.compile(model, mesh, *planned[0], microbatches=2)
+        losses = train_steps(pmodel, fed)
+        return [float(per_rank(l)[0]) for l in losses], {k: per_rank(v)[0].clone() for k, v in
+                                                          autopar.full_state_dict(pmodel).items()}
+
+    losses, state = run_on_local_tensor_mesh(body, (2, 2))
+    rtol, loss_atol, atol = TOLERANCES["fp32"]
+    assert losses == pytest.approx(ref_losses, rel=rtol, abs=loss_atol)
+    for key, want in ref_state.items():
+        torch.testing.assert_close(state[key], want, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+def test_gradients_are_reduced_once_per_step(monkeypatch):
+    """Four microbatches launch as many bucket all-reduces as one: the last backward's."""
+    name = "gpt-tiny"
+    batch = make_batches(name, 8, 16, steps=1)[0]
+    launched = []
+    all_reduce = grad_sync.all_reduce
+    monkeypatch.setattr(grad_sync, "all_reduce", lambda *a, **k: launched.append(1) or all_reduce(*a, **k))
+    counts = {}
+    for k in (1, 4):
+        plan = candidates(build(name), MeshSpec((4,)), *batch, microbatches=k)["ddp"]
+        model = build(name)
+
+        def body(mesh):
+            autopar.compile(model, mesh, *batch, plan=plan).train_step(*batch[0], **batch[1])
+        launched.clear()
+        run_on_local_tensor_mesh(body, (4,))
+        counts[k] = len(launched)
+    assert counts[4] == counts[1] > 0
+
+
+class _ScaledLoss(torch.nn.Module):
+    """A loss the microbatches cannot be weighed for: a mean scaled by a learned parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.proj(x).pow(2).mean() * self.scale
+
+
+class _NoLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("module, microbatches, match", [
+    (_ScaledLoss, 2, "not a mean or sum"), (_NoLoss, 1, "returns no loss")])
+def test_train_step_refuses_a_loss_it_cannot_weigh(module, microbatches, match):
+    x = torch.randn(8, 8)
+
+    def body(mesh):
+        pmodel = autopar.compile(module(), mesh, (x,), microbatches=microbatches)
+        with pytest.raises(LossWeightError, match=match):
+            pmodel.train_step(x)
+        return pmodel.train_step(x[:4]) if microbatches > 1 else None   # one microbatch: nothing to weigh
+
+    run_on_local_tensor_mesh(body, (2,))
+
+
+def test_microbatches_must_divide_the_batch():
+    model, args, kwargs = meta_model("gpt-tiny", 8, 16)
+    with pytest.raises(AutoparError, match=r"microbatches=3 does not divide the batch of 8 rows.*\[1, 2, 4, 8\]"):
+        autopar.plan(model, MeshSpec((2,)), args, kwargs, microbatches=3)
+    with pytest.raises(AutoparError, match="'auto'"):
+        autopar.PlanOptions(microbatches=0)
+
+
+def test_costs_of_microbatches():
+    """The same plan in 2 microbatches: the same compute and gradient synchronisation per step
+    (ops are priced per microbatch, run twice; gradients reduced once), less activation memory,
+    twice the activation traffic of tensor parallelism."""
+    model, args, kwargs = meta_model("gpt-tiny", 16, 64)
+    whole = candidates(model, MeshSpec((2, 2)), args, kwargs, profile=None)
+    halves = candidates(model, MeshSpec((2, 2)), args, kwargs, profile=None, microbatches=2)
+    ddp, ddp2 = whole["ddp"].predicted, halves["ddp"].predicted
+    assert ddp2.overlapped_comm_s == pytest.approx(ddp.overlapped_comm_s, rel=1e-9)
+    assert ddp2.compute_s == pytest.approx(ddp.compute_s, rel=0.15)
+    assert ddp2.memory_breakdown["activations"] < 0.6 * ddp.memory_breakdown["activations"]
+    tp, tp2 = whole["dp(dp) x tp(tp)"].predicted, halves["dp(dp) x tp(tp)"].predicted
+    assert tp2.comm_bytes["tp"] == pytest.approx(tp.comm_bytes["tp"], rel=1e-3)   # bytes per step: about the same
+    assert tp2.comm_s > tp.comm_s                                                   # twice the latencies
+
+
+def test_planner_takes_microbatches_when_the_whole_batch_does_not_fit():
+    model, args, kwargs = meta_model("gpt-tiny", 16, 64)
+    mesh = MeshSpec((2,))
+    least = {}
+    for k in (1, 16):
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, microbatches=k, recompute="none", memory_budget=1.0, profile=None)
+        least[k] = info.value.min_memory_bytes
+    assert least[16] < 0.5 * least[1]
+    budget = least[1] * 0.9
+    plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    assert plan.microbatches > 1 and plan.feasible and plan.predicted.peak_memory_bytes <= budget
+    assert "microbatches" in plan.report()
+    assert autopar.Plan.from_json(plan.to_json()).microbatches == plan.microbatches
+    roomy = autopar.plan(model, mesh, args, kwargs, profile=None)
+    assert roomy.microbatches == 1
+    with pytest.raises(InfeasibleError, match=r"Microbatches were tried up to 16 \(of 1 rows each\)"):
+        autopar.plan(model, mesh, args, kwargs, memory_budget=0.95 * least[16], recompute="none", profile=None)
+    with pytest.raises(InfeasibleError, match="Microbatches would not help: what does not shrink"):
+        autopar.plan(model, mesh, args, kwargs, memory_budget=0.2 * least[16], profile=None)
+
+
+# ---------------------------------------------------------------- activation recomputation
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_recomputation_trains_like_one_device(name):
+    plan = check_training(name, 8, 16, (2, 2), local_runner, {"recompute": "full"})
+    assert plan.recompute and set(plan.recompute.values()) == {"full"}
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_recomputation_with_zero3_tensor_parallelism_and_microbatches(name):
+    """Recomputed blocks gather their ZeRO-3 parameters and run their TP collectives again in the
+    backward; with microbatches on top."""
+    batches = make_batches(name, 8, 16)
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], recompute="full",
+                      microbatches=2)["fsdp(dp) x tp+sp(tp)"]
+    assert plan.microbatches == 2 and plan.recompute
+    check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
+    assert "recompute(block_" in autopar_code(name, plan, batches)
+
+
+def autopar_code(name, plan, batches) -> str:
+    model = build(name)
+
+    def body(mesh):
+        return autopar.compile(model, mesh, *batches[0], plan=plan).code
+    return run_on_local_tensor_mesh(body, plan.mesh.shape)
+
+
+def test_recomputation_costs():
+    """Full recomputation: activations of one block at a time instead of all, about a third more
+    compute (the forward again), the same communication bytes of data parallelism."""
+    model, args, kwargs = meta_model("gpt-tiny", 16, 64)
+    plain = candidates(model, MeshSpec((2,)), args, kwargs, profile=None)["ddp"]
+    again = candidates(model, MeshSpec((2,)), args, kwargs, profile=None, recompute="full")["ddp"]
+    assert again.recompute == {"transformer.h.0": "full", "transformer.h.1": "full"}
+    p, q = plain.predicted, again.predicted
+    assert q.peak_memory_bytes < p.peak_memory_bytes
+    assert q.memory_breakdown["activations"] + q.memory_breakdown["recomputed"] < 0.6 * p.memory_breakdown["activations"]
+    assert 1.1 * p.compute_s < q.compute_s < 1.5 * p.compute_s
+    assert q.overlapped_comm_s == pytest.approx(p.overlapped_comm_s)
+    assert "full for 2 block(s) (transformer.h.0 ... transformer.h.1)" in again.report()
+    assert autopar.Plan.from_json(again.to_json()).recompute == again.recompute
+
+
+def test_planner_recomputes_when_no_microbatch_count_fits():
+    """A batch of one sequence cannot be cut into microbatches: only recomputation makes it fit."""
+    model, args, kwargs = meta_model("gpt2-tiny", 1, 256)
+    mesh = MeshSpec((2,))
+    least = {}
+    for mode in ("none", "full"):
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=1.0, profile=None)
+        least[mode] = info.value.min_memory_bytes
+    budget = 1.2 * least["full"]   # room for what the least-memory bound leaves out (collective buffers)
+    assert budget < least["none"]
+    plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    assert plan.recompute and plan.feasible and plan.predicted.peak_memory_bytes <= budget
+    with pytest.raises(InfeasibleError, match="With full recomputation of the repeated blocks too, a plan needs"):
+        autopar.plan(model, mesh, args, kwargs, memory_budget=0.9 * least["full"], profile=None)
+    with pytest.raises(AutoparError, match="recompute is 'auto', 'none' or 'full'"):
+        autopar.PlanOptions(recompute="selective")

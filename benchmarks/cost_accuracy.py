@@ -52,6 +52,7 @@ from autopar.core.mesh import hardware_for_device
 from autopar.core.units import fmt
 from autopar.profiling.profiler import CALIBRATION, profile_model
 from autopar.models.zoo import get_model
+from autopar.planning.baselines import candidates
 
 RESULTS = Path(__file__).parent / "results" / "cost_accuracy.json"
 #: Corpus architectures (tests/test_corpus.py) no calibration runs, reported apart: learned
@@ -61,9 +62,10 @@ MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", *CORPUS_MODELS)
 MESHES = ((1,), (2,), (4,), (2, 2))
 # Zoo default (8 x 32) up to 8x the tokens; every model here has 64 positions (BLOOM: none, ALiBi).
 SIZES = ((8, 32), (16, 64), (32, 64))
-# ``--knobs``: each config planned under each of these memory knobs (``autopar.PlanOptions``), on the
-# sizes with activations worth saving.
-KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")))
+# ``--knobs``: each config planned under each of these memory knobs (``autopar.PlanOptions``; and
+# ``hand_plan``: that standard plan, here ZeRO-2), on the sizes with activations worth saving.
+KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
+         (("hand_plan", "zero2"), ("microbatches", 2)))
 KNOB_SIZES = SIZES[1:]
 SEED = 1234
 LR = 1e-3
@@ -274,7 +276,10 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
         profile_model(model, spec, args, kwargs, progress=None)
         profile_s = time.perf_counter() - t0
-    plan = autopar.plan(model, spec, args, kwargs, **{**plan_kwargs, **dict(cfg.knobs)})
+    options = {**plan_kwargs, **dict(cfg.knobs)}
+    hand = options.pop("hand_plan", None)
+    plan = (candidates(model, spec, args, kwargs, **options)[hand] if hand else
+            autopar.plan(model, spec, args, kwargs, **options))
     return {**dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s,
             "plan_s": time.perf_counter() - t0 - profile_s, "predicted": dataclasses.asdict(plan.predicted),
             "plan": _plan_summary(plan), "plan_json": plan.to_json(), "launches": []}
@@ -320,12 +325,13 @@ def _spread_pct(values: Sequence[float]) -> float:
 
 # --------------------------------------------------------------------------------------- output
 
-HEADERS = ("model", "mesh", "batch x seq", "pred step ms", "meas step ms", "err %", "launch spread %",
+HEADERS = ("model", "mesh", "batch x seq [knobs]", "pred step ms", "meas step ms", "err %", "launch spread %",
            "pred peak MiB", "meas peak MiB", "err %")
 
 
 def table_row(r: dict[str, Any]) -> tuple[str, ...]:
-    head = (r["model"], mesh_str(r["mesh"]), f"{r['batch']}x{r['seq']}")
+    knobs = " ".join(f"{k}={v}" for k, v in r.get("knobs") or ())
+    head = (r["model"], mesh_str(r["mesh"]), f"{r['batch']}x{r['seq']}" + (f" {knobs}" if knobs else ""))
     if r["status"] != "ok":
         return head + ("failed",) + ("",) * 6
     p = r["predicted"]

@@ -118,8 +118,8 @@ def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Place
 
 def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
                   group_bytes: int, spans_job: bool) -> list[GatherSpec]:
-    """ZeRO-3 parameters gathered in groups (``codegen.zero3``), in the order the forward first
-    uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
+    """ZeRO-3 (and ZeRO-2: ``kept``, never in one group with ZeRO-3) parameters gathered in groups
+    (``codegen.zero3``), in the order the forward first uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
     split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
     whole job) and used whole there, read as used by every op, its gradient partial on those axes
     (reduce-scattered back) and as stored elsewhere.
@@ -141,9 +141,10 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
         names.append(name)
         nbytes += _bytes_of(captured.graph, name)
         last = k + 1 == len(order)
-        if last or nbytes >= group_bytes or order[k + 1][1] != axes or _dtype(captured, order[k + 1][0]) != _dtype(captured, name):
+        if (last or nbytes >= group_bytes or order[k + 1][1] != axes or plan[order[k + 1][0]].kept != plan[name].kept
+                or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
             groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
-                                     tuple(d for n, _, d in order if n in names)))
+                                     tuple(d for n, _, d in order if n in names), plan[name].kept))
             names, nbytes = [], 0
     return groups
 
@@ -404,8 +405,10 @@ class _Emitter:
         self.gathered.add(k)
         names = self.group_names[k]
         axis = ", ".join(self.axes[a] for a in self.groups[k].axes)
-        self.lines.append(f"    # ZeRO-3, group {k}: {len(names)} parameter(s) stored split over {axis}, all-gathered in one "
-                          "collective (the next group's gather runs meanwhile); their gradients are reduce-scattered in one")
+        when = ("once a step (the first forward after the optimizer changed them), the copy kept" if self.groups[k].kept
+                else "in one collective (the next group's gather runs meanwhile)")
+        self.lines.append(f"    # ZeRO-{2 if self.groups[k].kept else 3}, group {k}: {len(names)} parameter(s) stored split "
+                          f"over {axis}, all-gathered {when}; their gradients are reduce-scattered in one collective")
         rows = [", ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
         self.lines.append("    (" + ",\n     ".join(rows) + ",) = gather_params(self, " + str(k) + ")")
         self.defined.update(names)

@@ -142,6 +142,7 @@ class ShardedModule(nn.Module):
                 self._grad_sync.sync = i == len(forwards) - 1
                 outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
                 loss = outs[weighting.index]
+                del outs   # the other outputs (logits) are not kept into the next microbatch
                 (loss * weight if weight != 1.0 else loss).backward()
                 loss = loss.detach()
                 total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss) * weight

@@ -9,6 +9,13 @@ same way and reduce-scattered in one collective, launched when the group's last 
 ready and waited for when the backward ends (``GradSync.later``), which hands each shard its
 gradient. Gathered copies are freed when the backward no longer needs them, as autograd frees
 any saved tensor.
+
+A ZeRO-2 group (``GatherSpec.kept``) is gathered the same way but once a step: its gathered copy
+is kept and reused while no optimizer has stepped (a global ``torch.optim`` step hook counts the
+steps) and its shards' version counters have not moved (an in-place write; simulated ranks do not
+count those): microbatches and evaluation forwards reuse it, the first forward after
+``optimizer.step()`` gathers again. Its gradients are reduce-scattered as ZeRO-3's: gradients and optimizer states
+stay sharded, as in DeepSpeed's ZeRO stage 2.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from codegen.grad_sync import GradSync
 from codegen.recompute import recomputing
@@ -36,6 +44,17 @@ class GatherSpec:
     fqns: tuple[str, ...]
     axes: tuple[int, ...]
     dims: tuple[int, ...]
+    kept: bool = False   # ZeRO-2: gathered once a step, the copy kept until the shards change
+
+
+_STEPS = [0]   # optimizer steps taken in this process (any optimizer): kept copies older than one are stale
+
+
+def _count_step(*_: Any) -> None:
+    _STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 class GatheredParams:
@@ -50,18 +69,35 @@ class GatheredParams:
             for p in group:
                 p._local_tensor.requires_grad_(p.requires_grad)
         self._prefetched: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}   # ZeRO-2 group -> (shard versions, copy)
 
     def gather(self, k: int) -> tuple[torch.Tensor, ...]:
         """Group ``k``'s parameters, whole on the gathered axis; launches group ``k + 1``'s gather."""
         if k == 0:   # a new forward: parameters may have changed since the last prefetch
             self._prefetched.clear()
-        flat = self._prefetched.pop(k, None)
+        flat = self._kept_copy(k)
         if flat is None:
-            flat = self._launch(k)
-        if k + 1 < len(self.params) and not recomputing():   # a block run again for the backward: no forward follows
+            flat = self._prefetched.pop(k, None)
+            flat = funcol.wait_tensor(flat if flat is not None else self._launch(k))
+            if self.specs[k].kept:
+                self._kept[k] = (self._versions(k), flat)
+        # a block run again for the backward: no forward follows
+        if k + 1 < len(self.params) and not recomputing() and self._kept_copy(k + 1) is None:
             self._prefetched[k + 1] = self._launch(k + 1)
         locals_ = [p._local_tensor for p in self.params[k]]
-        return _Gather.apply(self, k, funcol.wait_tensor(flat), *locals_)
+        return _Gather.apply(self, k, flat, *locals_)
+
+    def _versions(self, k: int) -> tuple[int, ...]:
+        return (_STEPS[0], *(p._local_tensor._version for p in self.params[k]))
+
+    def _kept_copy(self, k: int) -> torch.Tensor | None:
+        """ZeRO-2 group ``k``'s gathered copy, if its shards have not changed since it was made (a
+        stale one is dropped now, before its replacement is gathered)."""
+        kept = self._kept.get(k)
+        if kept is not None and kept[0] != self._versions(k):
+            del self._kept[k]
+            return None
+        return kept[1] if kept is not None else None
 
     def _launch(self, k: int) -> torch.Tensor:
         flat = torch.cat([p._local_tensor.detach().reshape(-1) for p in self.params[k]])

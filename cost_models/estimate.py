@@ -173,14 +173,15 @@ class CostModel:
 
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
-                     queued: bool = False, batched: bool = False) -> Cost:
+                     queued: bool = False, batched: bool = False, once: bool = False) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
         blocking (``comm_s``), or a gradient synchronisation queued during the backward
         (``queued``: ``overlap_s``, no staging buffers of its own), each at its in-step factor.
         Queued and ``batched`` ones (a ZeRO-3 gather) share one collective with others, a bucket
-        of ``BUCKET_BYTES``: each pays its share of the collective's latency."""
+        of ``BUCKET_BYTES``: each pays its share of the collective's latency. A blocking one runs
+        once per microbatch, or ``once`` a step (a ZeRO-2 gather)."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
-        key = (shape, dtype, src, dst, queued, batched)
+        key = (shape, dtype, src, dst, queued, batched, once)
         if key not in self._moves:
             full = _numel(shape) * _itemsize(dtype)
             time, sent, measured = 0.0, [], False
@@ -191,7 +192,8 @@ class CostModel:
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
             buffers = _collective_buffers(full, largest) if time else 0.0
             self._moves[key] = self._in_step(Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers,
-                                                  measured=frozenset({"comm"}) if measured else frozenset()), queued)
+                                                  measured=frozenset({"comm"}) if measured else frozenset()), queued,
+                                             1 if once else self.microbatches)
         return self._moves[key]
 
     def redistribute_grid(self, shape: Sequence[int], dtype: torch.dtype, srcs: Sequence[Placements],
@@ -237,13 +239,14 @@ class CostModel:
         return (collective_time(kind, nbytes, n, link), nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1),
                 measured is not self.links[a])
 
-    def _in_step(self, c: Cost, queued: bool) -> Cost:
-        """A redistribution inside a step, at its in-step factor: blocking (once per microbatch), or
-        a queued gradient synchronisation (``overlap_s``, once per step, no staging buffers of its own)."""
+    def _in_step(self, c: Cost, queued: bool, times: int | None = None) -> Cost:
+        """A redistribution inside a step, at its in-step factor: blocking (``times`` a step: once
+        per microbatch by default), or a queued gradient synchronisation (``overlap_s``, once per
+        step, no staging buffers of its own)."""
         if queued:
             return Cost(overlap_s=c.comm_s * self._in_step_scale(queued), comm_bytes=c.comm_bytes, measured=c.measured)
-        return replace(c, comm_s=c.comm_s * self._in_step_scale(queued),
-                       comm_bytes=tuple(b * self.microbatches for b in c.comm_bytes))
+        times = self.microbatches if times is None else times
+        return replace(c, comm_s=c.comm_s * self.comm_scale * times, comm_bytes=tuple(b * times for b in c.comm_bytes))
 
     def _in_step_scale(self, queued: bool) -> float:
         return self.sync_scale if queued else self.comm_scale * self.microbatches
@@ -310,6 +313,12 @@ class CostModel:
         update += self.param_overhead()
         cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                     transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
+        if s.storage != s.out and s.kept:
+            # ZeRO-2: gathered once a step (the first forward after the optimizer changed the
+            # shard) and kept whole; each forward unpacks it into the copies its ops keep
+            gather = self.redistribute(val.shape, val.dtype, s.storage, s.out, batched=True, once=True)
+            whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
+            return cost + gather + Cost(state_bytes=whole, saved_bytes=whole)
         if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
             gather = self.redistribute(val.shape, val.dtype, s.storage, s.out, batched=True)
             whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
@@ -484,16 +493,24 @@ class CostModel:
         grad = grad_placement(d.ins[i], d.ins, d.out)
         back = self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=src.kind == "param")
         if src.kind == "param" and s.storage not in (None, s.out):
-            back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s))
+            back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s),
+                               transient_bytes=self._packed_gradient(val, s.out))
         return fwd + back
 
+    def _packed_gradient(self, val: torch.Tensor, out: Placements) -> float:
+        """A ZeRO parameter's whole gradient, packed with its group's for their reduce-scatter
+        (``codegen.zero3``): held while the collective runs."""
+        return _bytes(val) * shard_fraction(out, self.mesh.shape)
+
     def _returned(self, val: torch.Tensor, out: Placements) -> Cost:
-        """An output returned to the caller, held until the step ends (a language model's logits
-        beside its loss): gathered whole on every rank (``gather_outputs``), or this rank's part."""
+        """An output returned to the caller at the end of the forward (a language model's logits
+        beside its loss): gathered whole on every rank (``gather_outputs``), or this rank's part.
+        ``train_step`` keeps only the loss from there on: the rest is working memory of the
+        forward's end, not held through the backward."""
         if not self.gather_outputs:
-            return Cost(state_bytes=_bytes(val) * shard_fraction(out, self.mesh.shape))
+            return Cost(transient_bytes=_bytes(val) * shard_fraction(out, self.mesh.shape))
         replicated = (Replicate(),) * self.mesh.ndim
-        return self.redistribute(val.shape, val.dtype, out, replicated) + Cost(state_bytes=_bytes(val))
+        return self.redistribute(val.shape, val.dtype, out, replicated) + Cost(transient_bytes=_bytes(val))
 
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
         """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
@@ -505,11 +522,11 @@ class CostModel:
         outs = [s for s, _ in src_reps]
         if dst.kind == "output":   # as in ``edge``
             if not self.gather_outputs:
-                held = [self._returned(val, out).state_bytes for out in outs]
-                return EdgeGrid(rows, cols, Cost(state_bytes=np.repeat(np.array(held)[:, None], len(dst_reps), 1)), ())
+                held = [self._returned(val, out).transient_bytes for out in outs]
+                return EdgeGrid(rows, cols, Cost(transient_bytes=np.repeat(np.array(held)[:, None], len(dst_reps), 1)), ())
             grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs,
                                                     [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
-            return EdgeGrid(rows, cols, replace(grid, state_bytes=_bytes(val)), tuple(blocking))
+            return EdgeGrid(rows, cols, replace(grid, transient_bytes=grid.transient_bytes + _bytes(val)), tuple(blocking))
         grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [inp for inp, _ in dst_reps])
         again = 2.0 if dst.node in self.block_of else 1.0   # as in ``edge``: moved again for the backward
         if again != 1.0:
@@ -526,6 +543,10 @@ class CostModel:
                 earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
                 back = replace(back, comm_s=back.comm_s + earlier)
                 blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
+            if queued:
+                packed = np.array([self._packed_gradient(val, out) if storage not in (None, out) else 0.0
+                                   for out, storage in src_reps])[:, None]
+                back = replace(back, transient_bytes=back.transient_bytes + packed)
             grid = grid + back
             if not queued:
                 blocking += [t.transposed() for t in terms]

@@ -43,12 +43,14 @@ class Timeline:
     """Where each node of a strategy space sits in the step."""
 
     def __init__(self, space: StrategySpace, overlap_efficiency: float = 1.0,
-                 block_of: dict[fx.Node, int] | None = None) -> None:
+                 block_of: dict[fx.Node, int] | None = None, accumulating: bool = False) -> None:
         """``overlap_efficiency``: the share of backward compute time that really hides queued
         communication (1: separate engines, as on GPUs; near 0: collectives that need the same
         CPU cores as compute). Measured by ``autopar profile``. ``block_of``: the recomputed block
         of each node in one (``CostModel.block_of``): its ``recomputed_bytes`` live from the start
-        of that block's backward (when the block's forward runs again) to the node's own backward."""
+        of that block's backward (when the block's forward runs again) to the node's own backward.
+        ``accumulating``: the step runs several microbatches, so every parameter's gradient is
+        live all along (the earlier microbatches' sum), not only from its backward on."""
         self.space = space
         self.overlap = overlap_efficiency
         n = len(space.nodes)
@@ -60,6 +62,7 @@ class Timeline:
                 self.position[i] = self._first_user(nc.node, n)
         self.names = [nc.node.name for nc in space.nodes]
         self.block = [(block_of or {}).get(nc.node) for nc in space.nodes]
+        self.accumulating = accumulating
         self.last_user = [max((space.index[u] for u in nc.node.users if u in space.index), default=i)
                           for i, nc in enumerate(space.nodes)]
 
@@ -83,7 +86,8 @@ class Timeline:
         kinds = [nc.kind for nc in self.space.nodes]
         state = sum(c.state_bytes for c in nodes)
         order = sorted(range(len(nodes)), key=lambda i: (self.position[i], i))
-        saved = grads = frontier = recomputed = 0.0
+        saved = frontier = recomputed = 0.0
+        grads = sum(c.grad_bytes for c in nodes) if self.accumulating else 0.0
         peak = (state, "forward (start)", {"state": state, "activations": 0.0, "recomputed": 0.0, "gradients": 0.0,
                                            "working": 0.0}, 0)
 
@@ -114,7 +118,7 @@ class Timeline:
             if self.block[i] is not None and self.block[i] != current:   # a recomputed block's backward begins
                 current = self.block[i]
                 recomputed = rebuilt[current]
-            if kinds[i] == "param":
+            if kinds[i] == "param" and not self.accumulating:
                 grads += nodes[i].grad_bytes
             elif kinds[i] == "op":
                 frontier += born.get(i, 0.0)
@@ -156,7 +160,7 @@ class Timeline:
                 rebuilt = block is not None and self.block[i] == block and self.position[i] <= c
                 values = [(x.saved_bytes if self.position[i] <= c else 0.0)
                           + (x.recomputed_bytes if rebuilt else 0.0)
-                          + (x.grad_bytes if param and self.position[i] >= c else 0.0)
+                          + (x.grad_bytes if param and (self.accumulating or self.position[i] >= c) else 0.0)
                           + (x.output_grad_bytes if live_grad else 0.0) for x in costs]
                 if any(values):
                     terms.append((owner[i], tuple(values)))

@@ -332,16 +332,30 @@ class _Pair:
     core: np.ndarray  # [row class, column class]
 
     @classmethod
-    def of(cls, u: int, v: int, term: Term) -> "_Pair":
+    def of(cls, u: int, v: int, term: Term, classes: dict[int, tuple] | None = None) -> "_Pair":
         """Classes of the term's own classes whose rows (columns) are equal to within the
         folding tolerance (rounding noise of one placement's cost is one placement), unused
-        ones dropped."""
-        key = np.round(term.core / (np.abs(term.core).max() * _SEPARABLE_RTOL * 10), 0)
-        _, first_rows, row_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
-        _, first_cols, col_of = np.unique(key, axis=1, return_index=True, return_inverse=True)
+        ones dropped. ``classes``: those of each core already seen (identical layers' edges
+        share their cores), by the core's id, with the core kept so that the id stays its."""
+        whole_key = (id(term.core), term.rows.tobytes(), term.cols.tobytes())
+        if classes is not None and whole_key in classes:
+            _, rows, cols, core = classes[whole_key]
+            return cls(u, v, rows, cols, core)
+        cached = classes.get(id(term.core)) if classes is not None else None
+        if cached is None:
+            key = np.round(term.core / (np.abs(term.core).max() * _SEPARABLE_RTOL * 10), 0)
+            _, first_rows, row_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
+            _, first_cols, col_of = np.unique(key, axis=1, return_index=True, return_inverse=True)
+            cached = (term.core, first_rows, row_of, first_cols, col_of)
+            if classes is not None:
+                classes[id(term.core)] = cached
+        _, first_rows, row_of, first_cols, col_of = cached
         used_rows, rows = np.unique(row_of.ravel()[term.rows], return_inverse=True)
         used_cols, cols = np.unique(col_of.ravel()[term.cols], return_inverse=True)
-        return cls(u, v, rows.ravel(), cols.ravel(), term.core[np.ix_(first_rows[used_rows], first_cols[used_cols])])
+        pair = cls(u, v, rows.ravel(), cols.ravel(), term.core[np.ix_(first_rows[used_rows], first_cols[used_cols])])
+        if classes is not None:
+            classes[whole_key] = (term.core, pair.rows, pair.cols, pair.core)
+        return pair
 
     def column(self, d: int) -> np.ndarray:
         """Cost per u choice with v at choice ``d``."""
@@ -378,28 +392,34 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
             same[key] = Term(t.rows, t.cols, same[key].core + t.core) if key in same else t
 
     pairs: list[_Pair] = []
+    classes: dict[int, tuple] = {}   # per residual core: its row and column classes (``_Pair.of``)
+    split: dict[tuple[int, int, int], tuple] = {}   # per (core, anchor): its split, the core kept (its id stays its)
     for (u, v), terms in sorted(merged.items()):
         residuals = []
         for t in terms.values():
             # core = a[p] + b[q] + r[p, q], anchored at the first choices' classes; when r
-            # vanishes the term is purely linear.
-            r0, c0 = t.rows[0], t.cols[0]
-            a = t.core[:, c0]
-            b = t.core[r0, :] - t.core[r0, c0]
-            r = t.core - a[:, None] - b[None, :]
+            # vanishes the term is purely linear. Identical layers' edges share cores and anchors.
+            r0, c0 = int(t.rows[0]), int(t.cols[0])
+            key = (id(t.core), r0, c0)
+            if key not in split:
+                a = t.core[:, c0]
+                b = t.core[r0, :] - t.core[r0, c0]
+                r = t.core - a[:, None] - b[None, :]
+                split[key] = (t.core, a, b, r, np.abs(r).max() > _SEPARABLE_RTOL * np.abs(t.core).max())
+            _, a, b, r, pairwise = split[key]
             linear[u] = linear[u] + a[t.rows]
             linear[v] = linear[v] + b[t.cols]
-            if k[u] > 1 and k[v] > 1 and np.abs(r).max() > _SEPARABLE_RTOL * np.abs(t.core).max():
+            if k[u] > 1 and k[v] > 1 and pairwise:
                 residuals.append(Term(t.rows, t.cols, r))
-        pairs.extend(_pairs(u, v, residuals))
+        pairs.extend(_pairs(u, v, residuals, classes))
     offset = sum(float(linear[i][0]) for i in range(len(k)) if k[i] == 1)
     return _Reduced(linear, offset, pairs)
 
 
-def _pairs(u: int, v: int, residuals: list[Term]) -> list[_Pair]:
+def _pairs(u: int, v: int, residuals: list[Term], classes: dict[int, tuple]) -> list[_Pair]:
     """Pair variables for an edge's non-separable terms: per term, unless pairing their sum
     needs at most ``_TERMS_MIN_SAVING`` times as many variables (its LP relaxation is tighter)."""
-    split = [_Pair.of(u, v, t) for t in residuals]
+    split = [_Pair.of(u, v, t, classes) for t in residuals]
     if len(split) < 2:
         return split
     whole = sum(t.core[np.ix_(t.rows, t.cols)] for t in residuals)

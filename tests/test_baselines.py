@@ -21,8 +21,9 @@ def test_standard_strategies_are_what_they_say():
     assert {"ddp", "fsdp", "dp(dp) x tp(tp)", "dp(dp) x tp+sp(tp)", "fsdp(dp) x tp(tp)", "dp(dp) x fsdp(tp)"} <= set(plans)
     params = {name: plan.parameters for name, plan in plans.items()}
     assert all(p.storage == (R, R) and p.out == (R, R) for p in params["ddp"].values())
-    assert all(p.out == (R, R) and all(isinstance(s, Shard) for s in p.storage)
-               for p in params["fsdp"].values() if p.storage != (R, R))   # tiny 1-D params may not split 4 ways
+    for kind, kept in (("fsdp", False), ("zero2", True)):   # ZeRO-3 gathers on use, ZeRO-2 keeps the gathered copy
+        assert all(p.out == (R, R) and all(isinstance(s, Shard) for s in p.storage) and p.kept == kept
+                   for p in params[kind].values() if p.storage != (R, R))   # tiny 1-D params may not split 4 ways
     megatron = params["dp(dp) x tp(tp)"]
     for fqn in ("transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight"):
         assert megatron[fqn].out[0] == R and isinstance(megatron[fqn].out[1], Shard), (fqn, megatron[fqn])
@@ -59,7 +60,7 @@ def test_every_hand_plan_trains_exactly(mesh):
     batch, seq = 6, 16
     args, kwargs = make_batches("gpt-tiny", batch, seq, steps=1)[0]
     plans = candidates(build("gpt-tiny"), MeshSpec(mesh), args, kwargs)
-    assert len(plans) == (4 if len(mesh) == 1 else 8)
+    assert len(plans) == (5 if len(mesh) == 1 else 9)
     for name, plan in plans.items():
         got = check_training("gpt-tiny", batch, seq, mesh, local_runner, {"plan": plan})
         assert got.name == name
@@ -140,9 +141,9 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     monkeypatch.setattr(baselines, "solve_planning", fake_solve)
     monkeypatch.setattr(baselines, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     plans = baselines.hand_plans(planning, deadline=100.0, share=0.4)
-    assert len(plans) == len(given) == 16
+    assert len(plans) == len(given) == 17
     assert clock.now == pytest.approx(40.0)                    # all within 40% of the 100 s left
-    assert given == pytest.approx([40.0 / 16] * 16)            # an even part each
+    assert given == pytest.approx([40.0 / 17] * 17)            # an even part each
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])

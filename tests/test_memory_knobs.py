@@ -6,7 +6,9 @@
   synchronised once a step, and the planner takes microbatches when the whole batch does not fit;
 * activation recomputation (``plan.recompute``): repeated blocks run as checkpointed functions,
   alone and with ZeRO-3, tensor parallelism and microbatches, and the planner takes it when no
-  count of microbatches fits."""
+  count of microbatches fits;
+* ZeRO-2 (``NodePlan.kept``): parameters gathered once a step and kept, gradients and optimizer
+  states sharded."""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +18,10 @@ import autopar
 import codegen.grad_sync as grad_sync
 from autopar import MeshSpec
 from autopar.core.errors import AutoparError, InfeasibleError, LossWeightError
+from autopar.core.microbatch import batch_size, split
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
+from codegen.recompute import checkpointed
 from tests.equivalence import (build, check_training, gloo_runner, local_runner, make_batches, meta_model,
                                train_reference, train_steps, TOLERANCES)
 
@@ -240,3 +244,50 @@ def test_planner_recomputes_when_no_microbatch_count_fits():
         autopar.plan(model, mesh, args, kwargs, memory_budget=0.9 * least["full"], profile=None)
     with pytest.raises(AutoparError, match="recompute is 'auto', 'none' or 'full'"):
         autopar.PlanOptions(recompute="selective")
+
+
+# ---------------------------------------------------------------- ZeRO-2
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_zero2_with_microbatches_trains_like_one_device(name):
+    """The kept copy serves every microbatch of a step and is gathered again after each
+    optimizer step (a stale copy would train on old weights)."""
+    batches = make_batches(name, 8, 16)
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], microbatches=2)["zero2"]
+    assert any(p.kept for p in plan.parameters.values())
+    check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
+
+
+def test_zero2_costs():
+    """ZeRO-2 beside ZeRO-3 and DDP: optimizer states and gradients sharded as ZeRO-3's, the whole
+    parameters held as DDP's; one gather a step, not one per microbatch."""
+    model, args, kwargs = meta_model("gpt-tiny", 16, 64)
+    plans = candidates(model, MeshSpec((4,)), args, kwargs, profile=None, microbatches=4)
+    ddp, fsdp, zero2 = (plans[k].predicted for k in ("ddp", "fsdp", "zero2"))
+    assert fsdp.memory_breakdown["state"] < zero2.memory_breakdown["state"] < ddp.memory_breakdown["state"]
+    assert zero2.comm_bytes["x"] < fsdp.comm_bytes["x"]
+    assert "gathered once a step and kept" in plans["zero2"].report(top=None)
+
+
+# ---------------------------------------------------------------- pieces
+
+def test_split_cuts_the_rows_of_batch_tensors_only():
+    ids, labels, positions = torch.arange(16).view(8, 2), torch.arange(16).view(8, 2) + 100, torch.arange(2).view(1, 2)
+    parts = split((ids, positions), {"labels": labels, "use_cache": False}, 3)
+    assert [a[0].shape[0] for a, _ in parts] == [3, 3, 2]
+    assert all(a[1] is positions and k["use_cache"] is False for a, k in parts)
+    assert torch.equal(torch.cat([k["labels"] for _, k in parts]), labels)
+    assert batch_size((ids, positions), {}) == 8
+
+
+def test_checkpointed_block_takes_what_it_reads_and_returns_what_later_lines_read():
+    lines = ["    a = f(x)", "    b = g(a, w)", "    del a, x", "    c = h(b)", "    del b", "    return (c,)"]
+    out = checkpointed(lines, 1, 5, {"x", "w"}, "block_0", "recomputed")
+    assert out[1].splitlines()[0] == "    def block_0(a, w):  # recomputed"
+    assert "        del a" in out[1].splitlines() and out[2:] == ["    (c,) = recompute(block_0, a, w)", "    del a, x",
+                                                                   "    return (c,)"]
+    calls = []
+    namespace = {"f": lambda x: x + 1, "g": lambda a, w: a * w, "h": lambda b: b - 1,
+                 "recompute": lambda fn, *args: calls.append(fn.__name__) or fn(*args)}
+    exec("def forward(x, w):\n" + "\n".join(out) + "\n", namespace)
+    assert namespace["forward"](2, 3) == ((2 + 1) * 3 - 1,) and calls == ["block_0"]

@@ -34,6 +34,7 @@ class NodePlan:
     comm_s: float                     # communication time charged to this node (incoming resharding, gradient sync)
     memory_bytes: float               # bytes this node holds per device (state + kept activations + gradients)
     saved_bytes: float = 0.0          # of which activations kept for the backward
+    kept: bool = False                # parameters: ZeRO-2, the gathered copy kept from step to step
     source: str = "roofline"          # where compute/comm figures came from: "measured", "roofline" or both
 
     def to_dict(self) -> dict[str, Any]:

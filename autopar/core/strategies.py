@@ -3,7 +3,9 @@
 The contract handed to the cost model and the solver is ``StrategySpace``: for each graph node
 that takes part in the plan, its flat tensor inputs and a list of ``Strategy`` (one placement per
 mesh axis for the output and for each input). Parameters also choose a *storage* placement:
-stored sharded but used replicated is ZeRO-3/FSDP (all-gather on use, reduce-scatter of grads).
+stored sharded but used replicated is ZeRO-3/FSDP (all-gather on use, reduce-scatter of grads),
+or ZeRO-2 (``Strategy.kept``: all-gathered once a step and the copy kept until the optimizer
+changes the shard; gradients and optimizer states stay sharded).
 """
 from __future__ import annotations
 
@@ -41,11 +43,17 @@ class Strategy:
     names: tuple[str, ...]              # rule name per mesh axis, e.g. ("batch", "column")
     storage: Placements | None = None   # parameters only: how the parameter is stored
 
+    @property
+    def kept(self) -> bool:
+        """ZeRO-2: a parameter stored split whose gathered copy is kept from step to step."""
+        return "zero2" in self.names
+
     def label(self) -> str:
         uniq = [n for n in self.names if n != "replicate"]
         text = " x ".join(uniq) if uniq else "replicate"
         if self.storage is not None and self.storage != self.out:
-            text += f" (stored {placements_str(self.storage)}, gathered on use)"
+            text += (f" (stored {placements_str(self.storage)}, " +
+                     ("gathered once a step and kept)" if self.kept else "gathered on use)"))
         return text
 
 
@@ -112,7 +120,8 @@ def _no_tiny_shards(shape, combo, mesh) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def param_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
-    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3), or replicated.
+    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3, or ZeRO-2: kept
+    gathered), or replicated; ZeRO-2 and ZeRO-3 are not mixed in one parameter.
 
     Cached (and so shared by parameters of equal shape): callers must not mutate the list."""
     per_axis: list[list[tuple[Placement, Placement, str]]] = []
@@ -121,14 +130,15 @@ def param_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
         if n > 1:
             fits = [d for d in range(len(shape)) if shape[d] >= n]
             opts += [(Shard(d), Shard(d), f"shard-dim{d}") for d in fits]
-            if fits:  # one ZeRO-3 layout is enough: sharding dim 0 or 1 costs the same
-                opts.append((Shard(fits[0]), R, "zero3"))
+            if fits:  # one ZeRO layout is enough: sharding dim 0 or 1 costs the same
+                opts += [(Shard(fits[0]), R, "zero3"), (Shard(fits[0]), R, "zero2")]
         per_axis.append(opts)
     out = []
     for combo in itertools.product(*per_axis):
         storage = tuple(c[0] for c in combo)
         use = tuple(c[1] for c in combo)
-        if _no_tiny_shards(shape, storage, mesh):
+        names = {c[2] for c in combo}
+        if _no_tiny_shards(shape, storage, mesh) and not {"zero2", "zero3"} <= names:
             out.append(Strategy(use, (), tuple(c[2] for c in combo), storage))
     return out
 

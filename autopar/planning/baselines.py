@@ -5,6 +5,8 @@ A hand plan gives each mesh axis a role:
 * ``dp``: data parallel: parameters replicated, the batch split, no op on the batch computed twice
   (DDP; what does not depend on the inputs, such as position ids, is computed on every rank);
 * ``fsdp``: the same, with parameters stored sharded and gathered on use (ZeRO-3/FSDP);
+* ``zero2``: the same, with parameters gathered once a step and kept (ZeRO-2: gradients and
+  optimizer states sharded), on every axis at once, as DeepSpeed runs it;
 * ``tp``: Megatron tensor parallel: every matmul weight sharded (the solver picks column or row
   per matrix, which recovers Megatron's column -> row pairs), inputs replicated;
 * ``tp+sp``: ``tp`` with sequence parallelism: the residual stream (adds of two activations) is
@@ -42,6 +44,7 @@ from autopar.core.strategies import NodeChoices, Strategy
 __all__ = ["candidates", "hand_plans", "ROLES"]
 
 ROLES = ("dp", "fsdp", "tp", "tp+sp")
+DATA_ROLES = ("dp", "fsdp", "zero2")   # the batch split, every weight used whole
 R = Replicate()
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
@@ -78,6 +81,8 @@ def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
             for a, r in zip(live, combo):
                 roles[a] = r
             out.append(tuple(roles))
+    if live:
+        out.append(tuple("zero2" if n > 1 else "dp" for n in mesh.shape))
     return out
 
 
@@ -86,8 +91,8 @@ def plan_name(mesh: MeshSpec, roles: Sequence[str]) -> str:
     kinds = {r for _, r in live}
     if kinds <= {"dp"}:
         return "ddp"
-    if kinds == {"fsdp"}:
-        return "fsdp"
+    if kinds in ({"fsdp"}, {"zero2"}):
+        return kinds.pop()
     if len(live) == 1:
         return live[0][1]
     return " x ".join(f"{r}({a})" for a, r in live)
@@ -166,19 +171,19 @@ def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequen
             use, stored = s.out[a], s.storage[a]
             if role == "dp" and not (use == R and stored == R):
                 return False
-            if role == "fsdp" and not (use == R and isinstance(stored, Shard)):
+            if role in ("fsdp", "zero2") and not (use == R and isinstance(stored, Shard) and s.kept == (role == "zero2")):
                 return False
             if role.startswith("tp") and (stored != use or (matmul_weight and not isinstance(use, Shard))):
                 return False
         elif kind == "input":
-            want = Shard(0) if role in ("dp", "fsdp") else R
+            want = Shard(0) if role in DATA_ROLES else R
             if s.out[a] != want:
                 return False
         elif kind == "op":
             replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
-            if role in ("dp", "fsdp") and on_batch == replicated:
+            if role in DATA_ROLES and on_batch == replicated:
                 return False   # an op on the batch computed on every rank, or one without it split
-            if role in ("dp", "fsdp") and any(s.ins[k][a] != R for k in weights):
+            if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights):
                 return False   # data parallelism uses every weight whole
             if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
                 return False   # Megatron splits the matmul itself: its weight is used sharded

@@ -87,9 +87,16 @@ class _Search:
             return self._plan(self._prepare(self.options.microbatches, recompute))
         whole = self._prepare(1, recompute)
         least, floor = memory_bounds(whole.problem)
-        if least <= whole.budget or self.recapture is None or self.rows == 1:
+        if self.recapture is None or self.rows == 1:
             return self._plan(whole)
-        if floor >= whole.budget:
+        if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
+            try:
+                plan = self._plan(whole)
+                if plan.feasible:
+                    return plan
+            except InfeasibleError:
+                pass
+        elif floor >= whole.budget:
             try:
                 return self._plan(whole)
             except InfeasibleError as e:

@@ -91,7 +91,8 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
                           microbatches=microbatches, recompute=recompute)
-        timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of)
+        timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of,
+                            accumulating=microbatches > 1)
         budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
         cuts = timeline.cuts(CUTS)
     with _stage(timings, "ilp"):
@@ -245,6 +246,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
             out=s.out,
             ins=s.ins,
             storage=s.storage,
+            kept=s.kept and s.storage != s.out,
             fqn=nc.fqn,
             compute_s=c.compute_s,
             comm_s=c.comm_s + c.overlap_s,

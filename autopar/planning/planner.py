@@ -86,9 +86,9 @@ class _Search:
         if self.options.microbatches != "auto":
             return self._plan(self._prepare(self.options.microbatches, recompute))
         whole = self._prepare(1, recompute)
-        least, floor = memory_bounds(whole.problem)
         if self.recapture is None or self.rows == 1:
             return self._plan(whole)
+        least, floor = memory_bounds(whole.problem)
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
             try:
                 plan = self._plan(whole)

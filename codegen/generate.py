@@ -24,6 +24,7 @@ from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, 
 from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
                                     writes_in_place, written_aliases)
 from autopar.core.blocks import repeated_blocks
+from autopar.core.loss_weights import loss_weighting
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.recompute import checkpointed
 from codegen.runtime import rank_value, shard_range
@@ -309,6 +310,7 @@ class _Emitter:
         self.sizes = LocalSizes(plan.mesh.shape, self.axes)
         self.gather_outputs = plan.gather_outputs
         self.strict = strict
+        self.counted_loss = loss_weighting(captured).counted   # its target count comes as ``loss_count``
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
@@ -470,8 +472,12 @@ class _Emitter:
         if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
             summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
             over = ", ".join(self.axes[a] for a in summed)
-            self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed})",
-                      comment + (f"; one all-reduce over {over} sums the local losses" if summed else ""))
+            counted = node.name == self.counted_loss and summed
+            self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed}"
+                      f"{', count=loss_count' if counted else ''})",
+                      comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
+                      + (", divided by the batch's target count (launched: the gradient does not wait for it)"
+                         if counted else ""))
         elif inputs and draws_whole_mask(node, np_.out):
             x = rename.get(node.args[0].name, node.args[0].name)
             shape = list(tensor_val(node).shape)
@@ -547,7 +553,7 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
     mesh holds every rank of the job (a collective over all its axes is one process group)."""
     em = _Emitter(captured, plan, strict, group_bytes, spans_job)
     inputs = ", ".join(captured.user_inputs)
-    em.lines.append(f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}):")
+    em.lines.append(f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):")
     last_use: dict[fx.Node, fx.Node] = {}
     for node in captured.graph.nodes:
         for inp in node.all_input_nodes:
@@ -566,7 +572,7 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
             lines_of[node.name] = (start, len(em.lines))
         elif node.op == "output":
             em.output(node)
-    arguments = {"self", "mesh", "device", "sizes", *captured.user_inputs}
+    arguments = {"self", "mesh", "device", "sizes", "loss_count", *captured.user_inputs}
     signature, body = em.lines[0], em.lines[1:]
     for block in reversed([b for b in repeated_blocks(captured.graph) if b.path in plan.recompute]):
         body = checkpointed(body, lines_of[block.nodes[0]][0] - 1, lines_of[block.nodes[-1]][1] - 1, arguments,

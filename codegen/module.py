@@ -118,8 +118,14 @@ class ShardedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
         forward, flat = self._forward_of(args, kwargs)
-        outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
-        return pytree.tree_unflatten(list(outs), self._out_spec)
+        counts = forward.loss.counts([(flat, batch_size(args, kwargs))])
+        return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
+
+    def _run(self, forward: Forward, flat: list[Any], loss_count: float | None) -> tuple:
+        """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
+        targets its mean cross-entropy averages (``autopar.core.loss_weights``), known to every rank."""
+        return forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat),
+                           loss_count=loss_count if forward.loss.counted else None)
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one training step over the global batch given, leaving the
@@ -129,26 +135,26 @@ class ShardedModule(nn.Module):
         a batch of another size makes as many as it needs, the last one smaller): gradients
         are synchronised once, in the last backward, and each microbatch's loss counts by its
         share of what the batch's loss averages (``autopar.core.loss_weights``), so loss and
-        gradients equal one device's on the whole batch."""
+        gradients equal one device's on the whole batch. The loss's value is read after the
+        last backward: the collective that sums it over ranks runs meanwhile."""
         parts = split(args, kwargs, self.plan.microbatch_size)
         forwards = [(*self._forward_of(a, k), batch_size(a, k)) for a, k in parts]
         weighting = forwards[0][0].loss
         if weighting.index is None:
             raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")
-        weights = weighting.weights([(flat, rows) for _, flat, rows in forwards]) if len(parts) > 1 else [1.0]
-        total = torch.zeros(())
+        counts = weighting.counts([(flat, rows) for _, flat, rows in forwards])
+        weights = weighting.weights(counts, len(parts)) if len(parts) > 1 else [1.0]
+        losses = []
         try:
             for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights)):
                 self._grad_sync.sync = i == len(forwards) - 1
-                outs = forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat))
-                loss = outs[weighting.index]
-                del outs   # the other outputs (logits) are not kept into the next microbatch
-                (loss * weight if weight != 1.0 else loss).backward()
-                loss = loss.detach()
-                total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss) * weight
+                loss = self._run(forward, flat, counts[i] if counts else None)[weighting.index]   # logits dropped
+                torch.autograd.backward(loss, _filled_like(loss, weight))   # the seed reads no value
+                losses.append(loss.detach())
         finally:
             self._grad_sync.sync = True
-        return total
+        return sum((loss.full_tensor() if isinstance(loss, DTensor) else loss) * weight
+                   for loss, weight in zip(losses, weights))
 
     def _forward_of(self, args: tuple, kwargs: dict) -> tuple[Forward, list[Any]]:
         """The generated forward for these inputs' shapes, and the inputs flattened."""
@@ -159,6 +165,15 @@ class ShardedModule(nn.Module):
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
         return self._forwards.get(flat, args, kwargs), flat
+
+
+def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:
+    """A tensor of ``t``'s shape, dtype and placement filled with ``value``, made from its
+    metadata only: ``t`` may be a collective's result still on its way."""
+    if isinstance(t, DTensor):
+        local = torch.full(t._local_tensor.shape, value, dtype=t.dtype, device=t.device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return torch.full(t.shape, value, dtype=t.dtype, device=t.device)
 
 
 def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:

@@ -270,21 +270,28 @@ def share_generator() -> None:
 
 
 def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
-                          ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int]) -> torch.Tensor:
+                          ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int],
+                          count: float | None = None) -> torch.Tensor:
     """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
-    the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce (with the
-    count of counted targets, for a mean). Axes where the batch is split but not summed leave
-    this rank's partial sum (reduction='sum' only). Sums run in at least fp32 and the result is
-    rounded to the logits' dtype once, as one device's kernel does: a bf16 partial sum of a few
-    hundred losses would keep only its integer part."""
+    the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce. For a
+    mean, ``count`` is the whole batch's number of counted targets when the caller knows it
+    (``ShardedModule`` counts them on the inputs every rank holds whole): the sum is then only
+    launched, and waited for where the loss's value is first read (``train_step``: after the
+    backward), as the gradient does not need it. Without it the count is summed with the loss.
+    Axes where the batch is split but not summed leave this rank's partial sum (reduction='sum'
+    only). Sums run in at least fp32 and the result is rounded to the logits' dtype once, as one
+    device's kernel does: a bf16 partial sum of a few hundred losses would keep only its integer
+    part."""
     accumulate = torch.promote_types(logits.dtype, torch.float32)
     log_probs = torch.log_softmax(logits, dim=-1, dtype=accumulate)
     local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
     if reduction == 2:
         total = _SumOverRanks.apply(local_sum, mesh, tuple(summed_over)) if summed_over else local_sum
         return total.to(logits.dtype)
-    count = (target != ignore_index).sum().to(local_sum.dtype)
-    both = _SumOverRanks.apply(torch.stack([local_sum, count]), mesh, tuple(summed_over))
+    if count is not None:
+        return _SumOverRanks.apply(local_sum / count, mesh, tuple(summed_over)).to(logits.dtype)
+    counted = (target != ignore_index).sum().to(local_sum.dtype)
+    both = _SumOverRanks.apply(torch.stack([local_sum, counted]), mesh, tuple(summed_over))
     return (both[0] / both[1]).to(logits.dtype)
 
 
@@ -314,12 +321,13 @@ def axes_group(mesh: DeviceMesh, axes: Sequence[int]) -> Any:
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """The sum over mesh axes of every rank's summand, replicated. Backward: each summand's
-    gradient is the replicated sum's (Megatron's reduce from the model-parallel region)."""
+    """The sum over mesh axes of every rank's summand, replicated: launched, waited for when the
+    value is first read. Backward: each summand's gradient is the replicated sum's (Megatron's
+    reduce from the model-parallel region)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, axes: tuple[int, ...]) -> torch.Tensor:
-        return funcol.wait_tensor(all_reduce(x, mesh, axes))
+        return all_reduce(x, mesh, axes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:

@@ -45,6 +45,16 @@ def make_batches(name: str, batch: int, seq: int, steps: int = STEPS) -> list[tu
     return out
 
 
+def padded_batches(name: str) -> list[tuple[tuple, dict]]:
+    """Batches of 8 x 16 whose first rows are mostly padding (ignore_index): microbatches, and
+    ranks holding rows of the batch, average different numbers of targets, so weighing them
+    equally would be wrong."""
+    batches = make_batches(name, 8, 16)
+    for args, kwargs in batches:
+        (kwargs["labels"] if "labels" in kwargs else args[1])[:3, 4:] = -100
+    return batches
+
+
 def build(name: str | Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """Zoo model ``name``, or a model a (module-level, picklable) function builds; same seed, same weights."""
     torch.manual_seed(0)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import autopar
+from autopar import MeshSpec
+from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, make_batches,
-                               tight_budget, train_reference)
+from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, loss_of, make_batches,
+                               padded_batches, tight_budget, train_reference)
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
 MESHES = [(1,), (2,), (3,), (4,), (2, 2)]
@@ -38,6 +41,29 @@ def test_local_memory_constrained_plan(name, mesh_shape):
 def test_gloo_processes(name, mesh_shape):
     budget = tight_budget(name, 6, 16, mesh_shape)
     check_training(name, 6, 16, mesh_shape, gloo_runner, {"memory_budget": budget, "time_limit": SOLVE_S})
+
+
+def _loss_of_one_forward(mesh, name, batch, plan_json):
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    pmodel = autopar.compile(build(name), mesh, *batch, plan=autopar.Plan.from_json(plan_json))
+    loss = loss_of(pmodel(*batch[0], **batch[1]))
+    pending = isinstance(loss, AsyncCollectiveTensor) and not loss.completed
+    return pending, "count=loss_count" in pmodel.code, float(loss)
+
+
+def test_the_loss_sum_over_ranks_does_not_block_the_forward():
+    """Ranks hold different numbers of counted targets (padding). Each divides its summed
+    cross-entropy by the batch's count, taken from the inputs every rank holds, so the forward
+    only launches the all-reduce of the loss (a blocking one would make every rank wait for the
+    slowest in the middle of the step); training stays exact."""
+    name = "gpt2-tiny"
+    batches = padded_batches(name)
+    plan = candidates(build(name), MeshSpec((2,)), *batches[0])["ddp"]
+    results = run_on_gloo_mesh(_loss_of_one_forward, (2,), name, batches[0], plan.to_json(), start_method="forkserver")
+    assert [r[:2] for r in results] == [(True, True)] * 2
+    assert results[0][2] == pytest.approx(train_reference(name, batches[:1])[0][0], rel=RTOL, abs=ATOL)
+    check_training(name, 8, 16, (2,), gloo_runner, {"plan": plan}, batches=batches)
 
 
 @pytest.mark.parametrize("keep_sharded", [False, True])

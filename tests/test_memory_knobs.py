@@ -23,7 +23,7 @@ from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.recompute import checkpointed
 from tests.equivalence import (build, check_training, gloo_runner, local_runner, make_batches, meta_model,
-                               train_reference, train_steps, TOLERANCES)
+                               padded_batches, train_reference, train_steps, TOLERANCES)
 
 MODELS = ["gpt-tiny", "llama-tiny", "gpt2-tiny"]
 
@@ -34,29 +34,16 @@ def test_microbatches_train_like_one_device(name, microbatches):
     assert (plan.microbatches, plan.batch_size, plan.microbatch_size) == (microbatches, 8, 8 // microbatches)
 
 
-def _labels_of(args: tuple, kwargs: dict) -> torch.Tensor:
-    return kwargs["labels"] if "labels" in kwargs else args[1]
-
-
-def _padded(name: str) -> list:
-    """Batches whose first rows are mostly padding (ignore_index): microbatches average different
-    numbers of targets, so weighing them equally would be wrong."""
-    batches = make_batches(name, 8, 16)
-    for args, kwargs in batches:
-        _labels_of(args, kwargs)[:3, 4:] = -100
-    return batches
-
-
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])
 def test_padding_targets_weigh_microbatches_by_their_targets(name):
-    batches = _padded(name)
+    batches = padded_batches(name)
     check_training(name, 8, 16, (2, 2), local_runner, {"microbatches": 4}, batches=batches)
 
 
 def test_padded_batch_on_gloo_processes_with_a_data_parallel_plan():
     """Real processes: the DDP buckets skip their all-reduce until the last microbatch."""
     name = "gpt2-tiny"
-    batches = _padded(name)
+    batches = padded_batches(name)
     plan = candidates(build(name), MeshSpec((2,)), *batches[0], microbatches=2)["ddp"]
     assert plan.microbatches == 2
     check_training(name, 8, 16, (2,), gloo_runner, {"plan": plan}, batches=batches)

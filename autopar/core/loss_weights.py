@@ -13,6 +13,10 @@ averages:
 * ``sum`` (or a ``reduction="sum"`` loss): nothing (microbatch losses add).
 
 ``train_step`` backpropagates each microbatch's loss times its count over the batch's total.
+The same count spares a batch split over ranks a collective in its forward: generated code
+divides each rank's summed cross-entropy by the count the module passes (``loss_count``), taken
+from the inputs every rank holds whole, instead of summing every rank's count first (a blocking
+all-reduce in the middle of the step, where every rank waits for the slowest).
 A loss of another form (a mean of means, a loss scaled by a learned parameter) is refused for
 more than one microbatch rather than weighted wrongly.
 """
@@ -42,21 +46,27 @@ _MEAN, _SUM = 1, 2   # torch's reduction enum (``torch.nn._reduction``)
 class LossWeighting:
     """The loss's place among the flattened outputs (None: there is none) and what its value
     averages over a microbatch (``count``: from the microbatch's flattened user inputs and rows;
-    None: a sum, nothing to weigh); ``how`` says which, or why it cannot be weighed (``exact``)."""
+    None: a sum, nothing to weigh); ``how`` says which, or why it cannot be weighed (``exact``).
+    ``counted``: the cross-entropy node whose targets ``count`` counts (None: the loss is no
+    mean cross-entropy)."""
 
     index: int | None
     count: Callable[[Sequence[Any], int], float] | None
     how: str
     exact: bool = True
+    counted: str | None = None
 
-    def weights(self, microbatches: Sequence[tuple[Sequence[Any], int]]) -> list[float]:
-        """Each microbatch's share of the batch's loss; ``microbatches``: (flat inputs, rows)."""
+    def counts(self, microbatches: Sequence[tuple[Sequence[Any], int]]) -> list[float] | None:
+        """What each microbatch's loss averages; ``microbatches``: (flat inputs, rows). None: a sum."""
+        return None if self.count is None else [self.count(flat, rows) for flat, rows in microbatches]
+
+    def weights(self, counts: Sequence[float] | None, parts: int) -> list[float]:
+        """Each of ``parts`` microbatches' share of the batch's loss, from their ``counts``."""
         if not self.exact:
-            raise LossWeightError(f"the batch cannot run as {len(microbatches)} microbatches exactly: {self.how}. "
+            raise LossWeightError(f"the batch cannot run as {parts} microbatches exactly: {self.how}. "
                                   "Plan with microbatches=1")
-        if self.count is None:
-            return [1.0] * len(microbatches)
-        counts = [self.count(flat, rows) for flat, rows in microbatches]
+        if counts is None:
+            return [1.0] * parts
         total = sum(counts)
         if total == 0:   # every target ignored: the whole batch's mean is nan as each microbatch's
             return [1.0 / len(counts)] * len(counts)
@@ -92,7 +102,8 @@ def loss_weighting(captured: CapturedGraph) -> LossWeighting:
             count = _target_counter(node.args[1], user_inputs, constants, ignore)
             if isinstance(count, str):
                 return LossWeighting(index, None, count, exact=False)
-            return LossWeighting(index, count, f"a mean cross-entropy: weighted by targets other than {ignore}")
+            return LossWeighting(index, count, f"a mean cross-entropy: weighted by targets other than {ignore}",
+                                 counted=node.name)
     return LossWeighting(index, None, f"its loss ({node.name}: {node.target}) is not a mean or sum autopar can "
                          "weigh per microbatch", exact=False)
 

@@ -293,12 +293,14 @@ def _pick(start_stop: tuple[int, int], which: int) -> int:
 class GeneratedCode:
     """The forward's source and the per-rank sizes it reads (``sizes``), for ``ShardedModule``;
     ``direct``: the parameters the forward reads as their local shard, by FQN in the order it
-    reads them, with the placement their gradient accumulates in (``grad_sync`` finishes it)."""
+    reads them, with the placement their gradient accumulates in (``grad_sync`` finishes it);
+    ``counts_loss``: its loss divides by the batch's target count, passed as ``loss_count``."""
 
     source: str
     sizes: LocalSizes
     direct: dict[str, Placements]
     gathered: tuple[GatherSpec, ...] = ()
+    counts_loss: bool = False
 
 
 class _Emitter:
@@ -311,6 +313,7 @@ class _Emitter:
         self.gather_outputs = plan.gather_outputs
         self.strict = strict
         self.counted_loss = loss_weighting(captured).counted   # its target count comes as ``loss_count``
+        self.counts_loss = False                                # ... and the code reads it
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
@@ -472,7 +475,8 @@ class _Emitter:
         if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
             summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
             over = ", ".join(self.axes[a] for a in summed)
-            counted = node.name == self.counted_loss and summed
+            counted = node.name == self.counted_loss and bool(summed)
+            self.counts_loss |= counted
             self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed}"
                       f"{', count=loss_count' if counted else ''})",
                       comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
@@ -580,4 +584,4 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
                             f"{block.path}: recomputed in the backward ({plan.recompute[block.path]} recomputation)")
     em.lines = [signature, *body]
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
-    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups))
+    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups), em.counts_loss)

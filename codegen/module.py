@@ -118,14 +118,14 @@ class ShardedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
         forward, flat = self._forward_of(args, kwargs)
-        counts = forward.loss.counts([(flat, batch_size(args, kwargs))])
+        counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
         return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
 
     def _run(self, forward: Forward, flat: list[Any], loss_count: float | None) -> tuple:
         """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
         targets its mean cross-entropy averages (``autopar.core.loss_weights``), known to every rank."""
         return forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat),
-                           loss_count=loss_count if forward.loss.counted else None)
+                           loss_count=loss_count if forward.code.counts_loss else None)
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one training step over the global batch given, leaving the
@@ -142,7 +142,8 @@ class ShardedModule(nn.Module):
         weighting = forwards[0][0].loss
         if weighting.index is None:
             raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")
-        counts = weighting.counts([(flat, rows) for _, flat, rows in forwards])
+        counts = (weighting.counts([(flat, rows) for _, flat, rows in forwards])
+                  if len(parts) > 1 or forwards[0][0].code.counts_loss else None)
         weights = weighting.weights(counts, len(parts)) if len(parts) > 1 else [1.0]
         losses = []
         try:

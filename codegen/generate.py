@@ -550,12 +550,15 @@ def _tag(p: Placement) -> str:
     return "r" if isinstance(p, Replicate) else f"s{p.dim}" if isinstance(p, Shard) else "p"
 
 
-def generate(captured: CapturedGraph, plan: Plan, strict: bool = False,
-             group_bytes: int = DEFAULT_BUCKET_BYTES, spans_job: bool = True) -> GeneratedCode:
+def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_bytes: int = DEFAULT_BUCKET_BYTES,
+             spans_job: bool = True, gather_outputs: bool | None = None) -> GeneratedCode:
     """The sharded forward's source; ``strict`` adds a check of every op's local shape;
     ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
-    mesh holds every rank of the job (a collective over all its axes is one process group)."""
+    mesh holds every rank of the job (a collective over all its axes is one process group);
+    ``gather_outputs``: return outputs whole (None: as the plan says)."""
     em = _Emitter(captured, plan, strict, group_bytes, spans_job)
+    if gather_outputs is not None:
+        em.gather_outputs = gather_outputs
     inputs = ", ".join(captured.user_inputs)
     em.lines.append(f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):")
     last_use: dict[fx.Node, fx.Node] = {}

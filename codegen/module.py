@@ -64,16 +64,16 @@ class ShardedModule(nn.Module):
         self.plan = plan
         self._bucket_bytes = bucket_bytes
         # before the parameters are sharded: the forwards of other input shapes capture a copy
-        self._forwards = ForwardPerShape(model, captured, self._make_forward)
+        self._forwards = ForwardPerShape(model, captured, self._make_forward, plan.gather_outputs)
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
-    def _make_forward(self, captured: CapturedGraph) -> Forward:
-        generated = generate(captured, self.plan, strict=runtime.STRICT,
-                             group_bytes=self._bucket_bytes, spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)))
+    def _make_forward(self, captured: CapturedGraph, gather_outputs: bool) -> Forward:
+        generated = generate(captured, self.plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
+                             spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), gather_outputs=gather_outputs)
         return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh),
                        loss_weighting(captured))
 
@@ -117,7 +117,7 @@ class ShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
-        forward, flat = self._forward_of(args, kwargs)
+        forward, flat = self._forward_of(args, kwargs, self.plan.gather_outputs)
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
         return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
 
@@ -136,9 +136,10 @@ class ShardedModule(nn.Module):
         are synchronised once, in the last backward, and each microbatch's loss counts by its
         share of what the batch's loss averages (``autopar.core.loss_weights``), so loss and
         gradients equal one device's on the whole batch. The loss's value is read after the
-        last backward: the collective that sums it over ranks runs meanwhile."""
+        last backward: the collective that sums it over ranks runs meanwhile. The other outputs
+        are not gathered (whatever ``gather_outputs``): nothing reads them."""
         parts = split(args, kwargs, self.plan.microbatch_size)
-        forwards = [(*self._forward_of(a, k), batch_size(a, k)) for a, k in parts]
+        forwards = [(*self._forward_of(a, k, gather_outputs=False), batch_size(a, k)) for a, k in parts]
         weighting = forwards[0][0].loss
         if weighting.index is None:
             raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")
@@ -157,15 +158,16 @@ class ShardedModule(nn.Module):
         return sum((loss.full_tensor() if isinstance(loss, DTensor) else loss) * weight
                    for loss, weight in zip(losses, weights))
 
-    def _forward_of(self, args: tuple, kwargs: dict) -> tuple[Forward, list[Any]]:
-        """The generated forward for these inputs' shapes, and the inputs flattened."""
+    def _forward_of(self, args: tuple, kwargs: dict, gather_outputs: bool) -> tuple[Forward, list[Any]]:
+        """The generated forward for these inputs' shapes (its outputs gathered whole or not), and
+        the inputs flattened."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(
                 "inputs have another structure than the example inputs the module was compiled with "
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
-        return self._forwards.get(flat, args, kwargs), flat
+        return self._forwards.get(flat, args, kwargs, gather_outputs), flat
 
 
 def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:

@@ -5,7 +5,9 @@ At compile time the module keeps a copy of the model whose parameters are fake t
 only, no memory). A call with inputs of a new shape captures that copy at those shapes, checks
 that the graph is the one planned (same nodes in the same order; only shapes differ) and
 generates code for it with the plan's placements, which hold at any size (an uneven split is
-exact; a rank may hold an empty part). The forward is cached by the inputs' shapes.
+exact; a rank may hold an empty part). The forward is cached by the inputs' shapes, and by
+whether it gathers its outputs whole: ``train_step`` reads only the loss, so its forward leaves the
+other outputs (the logits) as they lie, where ``forward`` gathers them if the plan says so.
 """
 from __future__ import annotations
 
@@ -47,10 +49,11 @@ def _structure(captured: CapturedGraph) -> list[tuple[str, str, str]]:
 
 
 class ForwardPerShape:
-    """The generated forwards of one plan, one per input signature, generated on first use by
-    ``make`` (which holds the plan)."""
+    """The generated forwards of one plan, one per input signature and output gathering,
+    generated on first use by ``make`` (which holds the plan; ``make(captured, gather_outputs)``)."""
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, make: Callable[[CapturedGraph], Forward]) -> None:
+    def __init__(self, model: nn.Module, captured: CapturedGraph, make: Callable[[CapturedGraph, bool], Forward],
+                 gather_outputs: bool) -> None:
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         memo: dict[int, Any] = {}
         for t in itertools.chain(model.parameters(), model.buffers()):
@@ -61,16 +64,23 @@ class ForwardPerShape:
         self._precision = captured.precision
         self._make = make
         placeholders = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
-        self.first = make(captured)
-        self._forwards = {signature([placeholders[name].meta.get("val") for name in captured.user_inputs]): self.first}
+        key = signature([placeholders[name].meta.get("val") for name in captured.user_inputs])
+        self._captured = {key: captured}
+        self.first = make(captured, gather_outputs)
+        self._forwards = {(key, gather_outputs): self.first}
 
-    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> Forward:
+    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict, gather_outputs: bool) -> Forward:
         key = signature(flat)
-        if key not in self._forwards:
-            self._forwards[key] = self._generate(args, kwargs)
-        return self._forwards[key]
+        if (key, gather_outputs) not in self._forwards:
+            if key not in self._captured:
+                self._captured[key] = self._capture(args, kwargs)
+            forward = self._make(self._captured[key], gather_outputs)
+            if forward.code.direct != self.first.code.direct or forward.code.gathered != self.first.code.gathered:
+                raise InputMismatchError("inputs of a new shape change how the plan reads its parameters; compile again")
+            self._forwards[key, gather_outputs] = forward
+        return self._forwards[key, gather_outputs]
 
-    def _generate(self, args: tuple, kwargs: dict) -> Forward:
+    def _capture(self, args: tuple, kwargs: dict) -> CapturedGraph:
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self._mode.from_tensor, (args, kwargs))
         captured = capture(self._model, fake_args, fake_kwargs, precision=self._precision)
         if _structure(captured) != self._structure:
@@ -79,7 +89,4 @@ class ForwardPerShape:
                 f"inputs of shapes {[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]} "
                 f"change the model's graph (first difference: {changed[0]} where the plan has {changed[1]}): its "
                 "control flow depends on the shapes. Compile the model again for these inputs (autopar.compile).")
-        forward = self._make(captured)
-        if forward.code.direct != self.first.code.direct or forward.code.gathered != self.first.code.gathered:
-            raise InputMismatchError("inputs of a new shape change how the plan reads its parameters; compile again")
-        return forward
+        return captured

@@ -26,7 +26,8 @@ from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_
 from autopar.core.blocks import repeated_blocks
 from autopar.core.loss_weights import loss_weighting
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
-from codegen.recompute import checkpointed
+from codegen.fold import attention_masks, foldable
+from codegen.recompute import checkpointed, statement_names
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
 from autopar.core.placements import Placements, grad_placement, grad_target, placements_str
@@ -314,6 +315,7 @@ class _Emitter:
         self.strict = strict
         self.counted_loss = loss_weighting(captured).counted   # its target count comes as ``loss_count``
         self.counts_loss = False                                # ... and the code reads it
+        self.masked_attention: set[str] = set()                 # SDPA nodes reading a folded mask
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
@@ -403,6 +405,31 @@ class _Emitter:
             self.placed[key] = var
         return self.placed[key]
 
+    def reads(self, node: fx.Node, np_: NodePlan, only: set[str] | None = None) -> dict[str, str]:
+        """The variable each tensor input of ``node`` (those in ``only``) is read from, placed as
+        the op needs: moves are emitted here, once per placement (``operand``)."""
+        return {inp.name: self.operand(inp, want, given_grad(want, np_, self.passes.get(node.name, ())),
+                                       f"{node.name} ({np_.strategy}) needs {placements_str(want)}")
+                for inp, want in zip(flat_tensor_inputs(node), np_.ins) if only is None or inp.name in only}
+
+    def mask_variable(self, sdpa: fx.Node, mask: fx.Node) -> str:
+        """The variable SDPA node ``sdpa`` reads its folded attention mask ``mask`` from."""
+        np_ = self.plan[sdpa.name]
+        want = np_.ins[flat_tensor_inputs(sdpa).index(mask)]
+        key = (mask.name, placements_str(want), placements_str(given_grad(want, np_, self.passes.get(sdpa.name, ()))))
+        return self.placed.get(key, mask.name)
+
+    def tell_attention(self, graph: fx.Graph, folded: set[str]) -> None:
+        """Folded attention masks (``codegen.fold.attention_masks``) become what SDPA should run
+        with on this rank, and their SDPA nodes read them so (``runtime.attention``)."""
+        for name in attention_masks(graph, folded):
+            mask = next(n for n in graph.nodes if n.name == name)
+            sdpas = [u for u in mask.users if u.name not in folded]
+            self.masked_attention.update(u.name for u in sdpas)
+            for var in dict.fromkeys(self.mask_variable(u, mask) for u in sdpas):
+                self.emit(f"{var} = attention_mask({var})", "exactly causal or all-pass on this rank: SDPA is told "
+                          "so instead of reading it")
+
     def gather(self, k: int) -> None:
         """Emit group ``k``'s all-gather, where the forward first uses one of its parameters."""
         if k in self.gathered:
@@ -464,9 +491,7 @@ class _Emitter:
                 self.emit(f"{node.name} = {self._call_text(node, {})}")
             return
         inputs = flat_tensor_inputs(node)
-        rename = {inp.name: self.operand(inp, want, given_grad(want, np_, self.passes.get(node.name, ())),
-                                         f"{node.name} ({np_.strategy}) needs {placements_str(want)}")
-                  for inp, want in zip(inputs, np_.ins)}
+        rename = self.reads(node, np_)
         comment = f"{np_.strategy} -> {placements_str(np_.out)}"
         if node.name in self.passes:
             comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
@@ -488,6 +513,11 @@ class _Emitter:
             mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {shape})", shape, np_.out)
             self.emit(f"{node.name} = {x} * {mask}", comment + "; the whole tensor's mask, drawn as one device "
                       "draws it (every rank's generator alike), cut to this rank's part")
+        elif node.name in self.masked_attention:
+            text = self._call_text(node, rename)
+            self.emit(f"{node.name} = attention{text[text.index('('):]}",
+                      comment + "; its mask, made once, may be causal or let everything through: then SDPA runs "
+                      "is_causal or unmasked, as eager Hugging Face calls it")
         elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
             rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
             self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)
@@ -560,31 +590,55 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     if gather_outputs is not None:
         em.gather_outputs = gather_outputs
     inputs = ", ".join(captured.user_inputs)
-    em.lines.append(f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):")
+    nodes = list(captured.graph.nodes)
+    folded = foldable(captured, em.plan, em.written)
+    order = [n for n in nodes if n.name in folded] + [n for n in nodes if n.name not in folded]
     last_use: dict[fx.Node, fx.Node] = {}
-    for node in captured.graph.nodes:
+    for node in order:
         for inp in node.all_input_nodes:
             last_use[inp] = node
+
+    def emit_call(node: fx.Node) -> None:
+        em.call(node, em.plan.get(node.name))
+        if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
+            em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
+        em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
+
+    for node in order[:len(folded)]:   # values computed once (``codegen.fold``), their moves, their masks
+        emit_call(node)
+    for node in order[len(folded):]:
+        if node.op == "call_function" and node.name in em.plan:
+            em.reads(node, em.plan[node.name], only=folded)
+    em.tell_attention(captured.graph, folded)
+    defined_once, em.defined = em.defined, set()   # the cache holds folded values: the forward never deletes them
+    once_lines, em.lines = em.lines, [f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):"]
     lines_of: dict[str, tuple[int, int]] = {}   # op -> the range of lines it generated
-    for node in captured.graph.nodes:
+    for node in order[len(folded):]:
         np_ = em.plan.get(node.name)
         if node.op == "placeholder":
             em.placeholder(node, np_)
         elif node.op == "call_function":
             start = len(em.lines)
-            em.call(node, np_)
-            if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
-                em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
-            em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
-            lines_of[node.name] = (start, len(em.lines))
+            emit_call(node)
+            lines_of[node.name] = (start - 1, len(em.lines) - 1)   # in the body
         elif node.op == "output":
             em.output(node)
+    signature, *body = em.lines
+    read = {name for line in body for name in statement_names(line)[0]}
+    kept = list(dict.fromkeys(name for line in once_lines for name in sorted(statement_names(line)[1])
+                              if name in read and name in defined_once))
+    constants = ""
+    if kept:
+        body.insert(0, f"    {', '.join(kept)}, = once(self, constants, mesh, device, sizes)  # computed at the first "
+                       "call (they depend on no input, parameter or buffer), then reused")
+        lines_of = {name: (start + 1, end + 1) for name, (start, end) in lines_of.items()}
+        constants = ("def constants(self, mesh, device, sizes):\n    # values computed from shapes alone, once: "
+                     "codegen.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
     arguments = {"self", "mesh", "device", "sizes", "loss_count", *captured.user_inputs}
-    signature, body = em.lines[0], em.lines[1:]
     for block in reversed([b for b in repeated_blocks(captured.graph) if b.path in plan.recompute]):
-        body = checkpointed(body, lines_of[block.nodes[0]][0] - 1, lines_of[block.nodes[-1]][1] - 1, arguments,
+        body = checkpointed(body, lines_of[block.nodes[0]][0], lines_of[block.nodes[-1]][1], arguments,
                             "block_" + block.path.replace(".", "_"),
                             f"{block.path}: recomputed in the backward ({plan.recompute[block.path]} recomputation)")
     em.lines = [signature, *body]
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
-    return GeneratedCode(header + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups), em.counts_loss)
+    return GeneratedCode(header + constants + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups), em.counts_loss)

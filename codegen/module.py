@@ -35,6 +35,7 @@ GENERATED_GLOBALS = {
     "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
     "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
     "dropout_mask": runtime.dropout_mask, "recompute": recompute,
+    "once": runtime.once, "attention_mask": runtime.attention_mask, "attention": runtime.attention,
 }
 
 

@@ -55,18 +55,18 @@ def checkpointed(lines: Sequence[str], start: int, end: int, defined_before: set
     region, after = list(lines[start:end]), list(lines[end:])
     before = set(defined_before)
     for line in lines[:start]:
-        before |= _names(line)[1]
+        before |= statement_names(line)[1]
     inputs: list[str] = []
     assigned: list[str] = []
     deleted: set[str] = set()
     for line in region:
-        loads, stores, dels = _names(line)
+        loads, stores, dels = statement_names(line)
         inputs += [n for n in loads if n in before and n not in assigned and n not in inputs]
         assigned += [n for n in stores if n not in assigned]
         deleted |= dels
     read_later: set[str] = set()
     for line in after:
-        read_later.update(_names(line)[0])
+        read_later.update(statement_names(line)[0])
     outputs = [n for n in assigned if n in read_later and n not in deleted]
     region, outer = _local_deletes(region, set(inputs) | set(assigned))
     args = ", ".join(inputs)
@@ -99,7 +99,7 @@ def _local_deletes(region: list[str], local: set[str]) -> tuple[list[str], list[
     return kept, outer
 
 
-def _names(line: str) -> tuple[list[str], set[str], set[str]]:
+def statement_names(line: str) -> tuple[list[str], set[str], set[str]]:
     """Names one statement reads (in order, before its assignments), assigns and deletes."""
     tree = ast.parse(textwrap.dedent(line))
     loads: list[str] = []

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import LocalIntNode, LocalTensor, local_tensor_mode, rank_map
+from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, local_tensor_mode,
+                                            maybe_disable_local_tensor_mode, rank_map)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
@@ -293,6 +294,52 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
     counted = (target != ignore_index).sum().to(local_sum.dtype)
     both = _SumOverRanks.apply(torch.stack([local_sum, counted]), mesh, tuple(summed_over))
     return (both[0] / both[1]).to(logits.dtype)
+
+
+def once(module: torch.nn.Module, constants: Any, mesh: DeviceMesh, device: torch.device, sizes: Any) -> tuple:
+    """The values a generated ``constants`` function computes from shapes alone (``codegen.fold``):
+    computed at its first call, kept on the module, then reused."""
+    cache = module.__dict__.setdefault("_autopar_folded", {})
+    if constants not in cache:
+        with torch.no_grad():
+            cache[constants] = constants(module, mesh, device, sizes)
+    return cache[constants]
+
+
+#: ``attention_mask``'s answer for a mask that is exactly causal: SDPA's ``is_causal=True``.
+CAUSAL = "causal"
+
+
+def attention_mask(mask: torch.Tensor) -> torch.Tensor | str | None:
+    """A folded attention mask as SDPA needs it on this rank: None where it lets every query see
+    every key, ``CAUSAL`` where it is exactly the causal mask of square attention, else the mask.
+    Eager Hugging Face makes the same call on the batch (no padding: SDPA's is_causal); an
+    exported graph builds the mask instead."""
+    values = list(mask._local_tensors.values()) if isinstance(mask, LocalTensor) else [mask]
+    with maybe_disable_local_tensor_mode():
+        kinds = {_mask_kind(v) for v in values}
+    return {"none": None, "causal": CAUSAL}.get(kinds.pop(), mask) if len(kinds) == 1 else mask
+
+
+def _mask_kind(mask: torch.Tensor) -> str:
+    if mask.dtype == torch.bool:
+        if bool(mask.all()):
+            return "none"
+        if mask.dim() >= 2 and mask.shape[-1] == mask.shape[-2]:
+            causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+            if torch.equal(mask, causal.expand_as(mask)):
+                return "causal"
+    elif mask.is_floating_point() and not bool(mask.any()):
+        return "none"   # an additive mask of zeros
+    return "mask"
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+              dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` with a mask ``attention_mask`` has looked at."""
+    if isinstance(attn_mask, str):   # CAUSAL
+        return aten.scaled_dot_product_attention.default(query, key, value, None, dropout_p, True, **kwargs)
+    return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:

@@ -43,6 +43,7 @@ GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
     "redistribute", "move", "param_shard", "shard_of", "expect", "uneven_reshape", "sharded_cross_entropy",
     "sharded_embedding", "full", "as_dtensor", "gather_params", "dropout_mask", "recompute", "loss_count",
+    "once", "attention_mask", "attention", "constants",
 })
 
 #: Ops whose second argument is a shape, their output's: generated code passes this rank's local

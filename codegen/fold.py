@@ -1,0 +1,84 @@
+"""Values that depend on no input, parameter or buffer, computed once per generated forward.
+
+An exported model computes some tensors from shapes alone: position ids from ``arange``, and
+Hugging Face's attention masks (about 40 small ops per model: positions compared, indexed,
+combined), which eager Hugging Face skips when the batch has no padding. Generated code puts
+these ops in a function of their own, ``constants``, run at the first call of the forward and
+cached (``runtime.once``); the forward starts by reading its results.
+
+A mask computed this way that every rank finds exactly causal (or letting everything through)
+is handed to SDPA as ``is_causal=True`` (or no mask), as eager Hugging Face calls it: the mask's
+memory and the masked kernel are saved (``runtime.attention_mask``, ``runtime.attention``).
+
+Not folded: random ops, values written in place or aliasing one, values the model returns, and
+values over ``FOLD_BYTES`` that the forward would keep alive between calls (masks excepted: one
+that is not causal is the tensor the forward would build each call anyway).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+from autopar.core.capture import CapturedGraph, tensor_val
+from autopar.core.plan import NodePlan
+
+aten = torch.ops.aten
+FOLD_BYTES = 16 * 2**20
+_RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+_SDPA = aten.scaled_dot_product_attention.default
+
+
+def foldable(captured: CapturedGraph, plan: dict[str, NodePlan], written: set[str],
+             limit: int = FOLD_BYTES) -> set[str]:
+    """The nodes computed once: every input folded too (none is an input, parameter or buffer)."""
+    graph = captured.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    folded: set[str] = set()
+    for node in graph.nodes:
+        if (node.op == "call_function" and node.name in plan and node.name not in written
+                and output not in node.users and not _random(node)
+                and isinstance(node.meta.get("val"), torch.Tensor)
+                and all(inp.name in folded for inp in node.all_input_nodes)):
+            folded.add(node.name)
+    while True:   # values kept between calls stay small
+        large = {n for n in kept(graph, folded) - set(attention_masks(graph, folded)) if _bytes(graph, n) > limit}
+        if not large:
+            return folded
+        folded -= _descendants(graph, large)
+
+
+def kept(graph: fx.Graph, folded: set[str]) -> set[str]:
+    """The folded values the rest of the forward reads."""
+    return {inp.name for n in graph.nodes if n.name not in folded
+            for inp in n.all_input_nodes if inp.name in folded}
+
+
+def attention_masks(graph: fx.Graph, folded: set[str]) -> list[str]:
+    """Folded values read by the rest of the forward only as SDPA's attention mask."""
+    masks = []
+    for node in graph.nodes:
+        if node.name in folded:
+            users = [u for u in node.users if u.name not in folded]
+            if users and all(u.target is _SDPA and len(u.args) > 3 and u.args[3] is node
+                             and node not in u.args[:3] for u in users):
+                masks.append(node.name)
+    return masks
+
+
+def _random(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM)
+
+
+def _bytes(graph: fx.Graph, name: str) -> int:
+    val = tensor_val(next(n for n in graph.nodes if n.name == name))
+    return val.numel() * val.element_size()
+
+
+def _descendants(graph: fx.Graph, names: Iterable[str]) -> set[str]:
+    found = set(names)
+    for node in graph.nodes:
+        if any(inp.name in found for inp in node.all_input_nodes):
+            found.add(node.name)
+    return found

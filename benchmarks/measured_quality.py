@@ -17,7 +17,6 @@ and to the best torch variant, and saves benchmarks/results/measured_quality.jso
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.models.zoo import get_model
 from autopar.profiling.profiler import profile_model
-from machine import machine_line
+from machine import machine_line, save_results
 
 RESULTS = Path(__file__).parent / "results" / "measured_quality.json"
 MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny")
@@ -121,13 +120,8 @@ def main() -> None:
     worst = max(r["ratio_auto_over_best_hand"] for r in results)
     print(f"\n{'PASS' if worst <= TARGET else 'FAIL'}  auto within {TARGET:.2f}x the best measured hand plan: "
           f"worst ratio {worst:.3f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": machine_line(load=True),
-        "command": f"python benchmarks/measured_quality.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds}",
-        "results": results, "worst_ratio": worst, "target": TARGET,
-    }, indent=1))
-    print(f"saved {RESULTS}")
+    save_results(RESULTS, f"python benchmarks/measured_quality.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds}",
+                 {"results": results, "worst_ratio": worst, "target": TARGET}, machine=machine_line(load=True))
 
 
 if __name__ == "__main__":

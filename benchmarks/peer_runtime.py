@@ -28,7 +28,6 @@ benchmarks/results/peer_runtime.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -45,7 +44,7 @@ from autopar.profiling import peers
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.profiler import profile_model
-from machine import machine_line
+from machine import machine_line, save_results
 
 RESULTS = Path(__file__).parent / "results" / "peer_runtime.json"
 MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "gpt2-125m": (8, 128)}
@@ -145,14 +144,9 @@ def main() -> None:
                 print(f"  {k:48s} {v['ratio']:.2f}  ({'PASS' if v['met'] else 'FAIL'}: <= {v['limit']:.2f})", flush=True)
     met = all(v["met"] for r in results for v in r["ratios"].values())
     print(f"\n{'PASS' if met else 'FAIL'}: every ratio within its target")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": machine_line(load=True),
-        "command": f"python benchmarks/peer_runtime.py --models {a.models} --meshes {a.meshes} --rounds {a.rounds} "
-                   f"--profile {a.profile}",
-        "results": results, "targets": TARGETS, "all_met": met,
-    }, indent=1))
-    print(f"saved {RESULTS}")
+    save_results(RESULTS, f"python benchmarks/peer_runtime.py --models {a.models} --meshes {a.meshes} "
+                          f"--rounds {a.rounds} --profile {a.profile}",
+                 {"results": results, "targets": TARGETS, "all_met": met}, machine=machine_line(load=True))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ least one realistic case is >= 10% better. Saves benchmarks/results/plan_quality
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
 
 import autopar
 from autopar.core.units import fmt
+from machine import save_results
 from realistic_plans import CONFIGS as REALISTIC
 from variants import build_meta
 
@@ -109,14 +109,10 @@ def main() -> None:
     better = best <= 1.0 - BETTER
     print(f"\n{'PASS' if never_worse else 'FAIL'}  auto never worse than the best hand plan: worst ratio {worst:.3f}")
     print(f"{'PASS' if better else 'FAIL'}  auto >= {BETTER:.0%} better somewhere: best ratio {best:.3f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), planning only",
-        "hardware": HARDWARE, "command": "python benchmarks/plan_quality.py" + "".join(f" --only {o}" for o in a.only),
-        "cases": results, "worst_ratio": worst, "best_ratio": best,
-        "targets": {"never_worse": never_worse, "better_by_10pct_somewhere": better},
-    }, indent=1))
-    print(f"saved {RESULTS}")
+    save_results(RESULTS, "python benchmarks/plan_quality.py" + "".join(f" --only {o}" for o in a.only),
+                 {"hardware": HARDWARE, "cases": results, "worst_ratio": worst, "best_ratio": best,
+                  "targets": {"never_worse": never_worse, "better_by_10pct_somewhere": better}},
+                 machine=f"{platform.node()} ({platform.processor() or platform.machine()}), planning only")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ time, time per stage, ILP size and status, peak RSS and the predicted step; chec
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import resource
 import time
 from pathlib import Path
 
-from machine import machine_line
+from machine import save_results
 from variants import build_meta
 
 RESULTS = Path(__file__).parent / "results" / "planning_time.json"
@@ -102,14 +101,9 @@ def main() -> None:
     targets = check(results)
     for what, value, limit, met in targets:
         print(f"{'PASS' if met else 'FAIL'}  {what}: {value:.2f} (target <= {limit:g})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": machine_line(),
-        "command": "python benchmarks/planning_time.py" + "".join(f" --only {o}" for o in a.only),
-        "results": results,
-        "targets": [{"target": w, "value": v, "limit": l, "met": m} for w, v, l, m in targets],
-    }, indent=1))
-    print(f"saved {RESULTS}")
+    save_results(RESULTS, "python benchmarks/planning_time.py" + "".join(f" --only {o}" for o in a.only),
+                 {"results": results,
+                  "targets": [{"target": w, "value": v, "limit": l, "met": m} for w, v, l, m in targets]})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-import json
 import math
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import autopar
 from autopar.core.errors import InfeasibleError
 from autopar.core.hardware import get_hardware
 from autopar.core.units import fmt
-from machine import machine_line
+from machine import save_results
 from variants import build_meta
 
 RESULTS = Path(__file__).parent / "results" / "realistic_plans.json"
@@ -100,13 +99,8 @@ def main() -> None:
     for config in configs:
         results.append(run(*config, a.time_limit))
         print(line(results[-1]), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": machine_line(),
-        "command": "python benchmarks/realistic_plans.py" + "".join(f" --only {o}" for o in a.only),
-        "results": results,
-    }, indent=1))
-    print(f"saved {RESULTS}")
+    save_results(RESULTS, "python benchmarks/realistic_plans.py" + "".join(f" --only {o}" for o in a.only),
+                 {"results": results})
 
 
 if __name__ == "__main__":

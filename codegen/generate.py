@@ -124,7 +124,8 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
     (``codegen.zero3``), in the order the forward first uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
     split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
     whole job) and used whole there, read as used by every op, its gradient partial on those axes
-    (reduce-scattered back) and as stored elsewhere.
+    (reduce-scattered back) and as stored elsewhere. The same dimension may also be split on
+    another axis where the ops read it split so (tensor parallel inside ZeRO-3: ``zero3.stored_as``).
     The others are gathered one by one (``runtime.redistribute``)."""
     order: list[tuple[str, tuple[int, ...], int]] = []   # (param node name, axes, dim)
     seen: set[str] = set()
@@ -165,9 +166,10 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
             len(axes) > 1 and not (spans_job and len(axes) == len(mesh_shape))):
         return None
     shape = tensor_val(param).shape
-    for b, p in enumerate(np_.storage):   # every split even, the gathered dim split on these axes only
+    for b, p in enumerate(np_.storage):   # every split even; the gathered dim split elsewhere only as read
         if isinstance(p, Shard) and (shape[p.dim] % math.prod(mesh_shape[c] for c, q in enumerate(np_.storage)
-                                                              if q == p) or (b not in axes and p.dim == dim)):
+                                                              if q == p) or (b not in axes and p.dim == dim
+                                                                             and np_.out[b] != p)):
             return None
     for user in param.users:
         up = plan.get(user.name)

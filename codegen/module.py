@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
@@ -21,7 +21,7 @@ from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
-from codegen.zero3 import GatheredParams, gather_params
+from codegen.zero3 import GatheredParams, gather_params, stored_as
 
 _counter = [0]
 
@@ -86,7 +86,7 @@ class ShardedModule(nn.Module):
         (``code.direct``: FQN -> where the gradient accumulates) or gathers in groups
         (``code.gathered``) get their gradients from ``GradSync``, the others from a hook."""
         direct_grads = code.direct
-        gathered = {f for g in code.gathered for f in g.fqns}
+        gathered = {f: g for g in code.gathered for f in g.fqns}
         replicate = [Replicate()] * mesh.ndim
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
         sharded: dict[int, nn.Parameter] = {}
@@ -96,7 +96,9 @@ class ShardedModule(nn.Module):
             mod = self.get_submodule(owner)
             p = getattr(mod, leaf)
             if id(p) not in sharded:
-                shard = runtime.own_storage(distribute_tensor(p.detach(), mesh, list(node.storage)))
+                storage = (stored_as(node.storage, gathered[fqn], mesh.shape) if fqn in gathered
+                           else list(node.storage))
+                shard = runtime.distribute(p.detach(), mesh, storage)
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
                 if fqn in direct_grads and p.requires_grad:
                     direct[fqn] = sharded[id(p)]
@@ -110,9 +112,9 @@ class ShardedModule(nn.Module):
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
-            setattr(mod, leaf, runtime.own_storage(distribute_tensor(getattr(mod, leaf), mesh, replicate)))
+            setattr(mod, leaf, runtime.distribute(getattr(mod, leaf), mesh, replicate))
         self._autopar_constants = {
-            name: runtime.own_storage(distribute_tensor(t, mesh, replicate)).to_local() if isinstance(t, torch.Tensor)
+            name: runtime.distribute(t, mesh, replicate).to_local() if isinstance(t, torch.Tensor)
             else t for name, t in captured.program.constants.items()
         }
 

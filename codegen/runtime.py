@@ -24,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, local_tensor_mode,
                                             maybe_disable_local_tensor_mode, rank_map)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
@@ -63,15 +63,16 @@ _PLANNED = _PlannedRedistributions()
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PLANNED)
 
 
-def own_storage(t: DTensor) -> DTensor:
-    """Give every rank its own copy of a shard. Under LocalTensorMode (all ranks in one process) a
-    replica is one plain tensor shared by all ranks: in-place updates would hit it once per rank,
-    and collectives over it would not see per-rank values. A no-op on real processes."""
-    local = t.to_local()
-    if local_tensor_mode() is None or isinstance(local, LocalTensor):
-        return t
-    copies = rank_map(lambda _rank: local.clone())
-    return DTensor.from_local(copies, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+def distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """``t`` stored as ``placements``, each rank's part in storage of its own. Under LocalTensorMode
+    (all ranks in one process) a plain tensor stands for every rank at once: each rank takes its
+    own copy first, so that in-place updates hit every rank's part once, collectives see per-rank
+    values, and DTensor cuts each rank's part at that rank's coordinates (a split of a plain
+    tensor ordered as FSDP2 with TP orders it, ``_StridedShard``, is cut at rank 0's). A plain
+    ``distribute_tensor`` on real processes."""
+    if local_tensor_mode() is not None and not isinstance(t, LocalTensor):
+        t = rank_map(lambda _rank: t.clone())
+    return distribute_tensor(t, mesh, list(placements))
 
 
 def rank_inputs(values: Sequence[Any]) -> list[Any]:

@@ -16,6 +16,11 @@ steps) and its shards' version counters have not moved (an in-place write; simul
 count those): microbatches and evaluation forwards reuse it, the first forward after
 ``optimizer.step()`` gathers again. Its gradients are reduce-scattered as ZeRO-3's: gradients and optimizer states
 stay sharded, as in DeepSpeed's ZeRO stage 2.
+
+A parameter split on the same dimension over two axes, gathered over one and read split over the
+other (a tensor-parallel weight under ZeRO-3 on the data-parallel axis), is stored as FSDP2 with
+tensor parallelism stores it (``stored_as``): each tensor-parallel shard split over the gathered
+axis, so that the group's all-gather yields the shard the ops read.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from codegen.grad_sync import GradSync
@@ -45,6 +52,21 @@ class GatherSpec:
     axes: tuple[int, ...]
     dims: tuple[int, ...]
     kept: bool = False   # ZeRO-2: gathered once a step, the copy kept until the shards change
+
+
+def stored_as(storage: Sequence[Placement], spec: GatherSpec, mesh_shape: Sequence[int]) -> list[Placement]:
+    """The placements a parameter of group ``spec`` is stored with: as planned, except that a
+    dimension also split on a later mesh axis is split on the gathered axis inside each of those
+    shards (DTensor's ``_StridedShard``: split right to left, as FSDP2 with TP stores it). Split in
+    DTensor's own order (left to right), a gather over the first axis would not give the shard
+    the second axis reads."""
+    placements = list(storage)
+    for a in spec.axes:
+        p = storage[a]
+        later = [b for b in range(a + 1, len(storage)) if b not in spec.axes and storage[b] == p]
+        if isinstance(p, Shard) and later:
+            placements[a] = _StridedShard(p.dim, split_factor=math.prod(mesh_shape[b] for b in later))
+    return placements
 
 
 _STEPS = [0]   # optimizer steps taken in this process (any optimizer): kept copies older than one are stale

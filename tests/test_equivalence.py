@@ -202,3 +202,21 @@ def test_zero3_parameters_gathered_in_prefetched_groups(mesh_shape):
     assert len(code.gathered) >= 4 and grouped >= 0.9 * len(plan.parameters)
     check_training("gpt2-tiny", 8, 16, mesh_shape, gloo_runner, {"plan": plan, "bucket_bytes": group_bytes},
                    batches=batches)
+
+
+def test_tensor_parallel_weights_under_zero3_are_gathered_in_groups():
+    """FSDP(dp) x TP(tp) as FSDP2 with tensor parallelism stores it: a weight split on one
+    dimension over tp (the shard the ops read) and over dp (ZeRO-3) is split over dp inside each
+    tp shard (``zero3.stored_as``), so its dp all-gather yields that tp shard and it joins the
+    prefetched groups instead of a DTensor gather of its own; exact on gloo processes."""
+    from autopar.core.capture import capture
+    from codegen.generate import generate
+
+    name = "llama-tiny"
+    batches = make_batches(name, 8, 16)
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0])["fsdp(dp) x tp(tp)"]
+    code = generate(capture(build(name), *batches[0]), plan)
+    grouped = {f for g in code.gathered for f in g.fqns}
+    projections = [f for f in plan.parameters if f.endswith("proj.weight") or f == "lm_head.weight"]
+    assert len(projections) == 15 and set(projections) <= grouped
+    check_training(name, 8, 16, (2, 2), gloo_runner, {"plan": plan}, batches=batches)

@@ -171,6 +171,9 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
                                                               if q == p) or (b not in axes and p.dim == dim
                                                                              and np_.out[b] != p)):
             return None
+    others = [b for b, p in enumerate(np_.storage) if b not in axes and isinstance(p, Shard) and p.dim == dim]
+    if others and not (all(b > max(axes) for b in others) or all(b < min(axes) for b in others)):
+        return None   # split on both sides of the gathered axis: no single order of the shards serves
     for user in param.users:
         up = plan.get(user.name)
         if up is None:

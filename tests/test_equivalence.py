@@ -220,3 +220,19 @@ def test_tensor_parallel_weights_under_zero3_are_gathered_in_groups():
     projections = [f for f in plan.parameters if f.endswith("proj.weight") or f == "lm_head.weight"]
     assert len(projections) == 15 and set(projections) <= grouped
     check_training(name, 8, 16, (2, 2), gloo_runner, {"plan": plan}, batches=batches)
+
+
+def test_stored_as_splits_inside_the_shards_of_later_axes():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from codegen.zero3 import GatherSpec, stored_as
+
+    def spec(axis: int) -> GatherSpec:
+        return GatherSpec(("w",), (axis,), (0,))
+
+    assert stored_as([Shard(0), Shard(0)], spec(0), (2, 2)) == [_StridedShard(0, split_factor=2), Shard(0)]
+    assert stored_as([Shard(0), Shard(0)], spec(1), (2, 2)) == [Shard(0), Shard(0)]   # DTensor's own order
+    assert stored_as([Shard(0), Replicate(), Shard(0)], spec(0), (2, 3, 4)) == [
+        _StridedShard(0, split_factor=4), Replicate(), Shard(0)]
+    assert stored_as([Shard(1), Shard(0)], spec(0), (2, 2)) == [Shard(1), Shard(0)]   # other dims: as planned

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from autopar.core.capture import CapturedGraph, tensor_val
+from autopar.core.capture import CapturedGraph, value_bytes
 from autopar.core.plan import NodePlan
 
 aten = torch.ops.aten
@@ -43,7 +43,7 @@ def foldable(captured: CapturedGraph, plan: dict[str, NodePlan], written: set[st
                 and all(inp.name in folded for inp in node.all_input_nodes)):
             folded.add(node.name)
     while True:   # values kept between calls stay small
-        large = {n for n in kept(graph, folded) - set(attention_masks(graph, folded)) if _bytes(graph, n) > limit}
+        large = {n for n in kept(graph, folded) - set(attention_masks(graph, folded)) if value_bytes(graph, n) > limit}
         if not large:
             return folded
         folded -= _descendants(graph, large)
@@ -69,11 +69,6 @@ def attention_masks(graph: fx.Graph, folded: set[str]) -> list[str]:
 
 def _random(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM)
-
-
-def _bytes(graph: fx.Graph, name: str) -> int:
-    val = tensor_val(next(n for n in graph.nodes if n.name == name))
-    return val.numel() * val.element_size()
 
 
 def _descendants(graph: fx.Graph, names: Iterable[str]) -> set[str]:

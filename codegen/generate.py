@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
-from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val
+from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val, value_bytes
 from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
                                     writes_in_place, written_aliases)
 from autopar.core.blocks import repeated_blocks
@@ -142,7 +142,7 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
     nbytes = 0
     for k, (name, axes, dim) in enumerate(order):
         names.append(name)
-        nbytes += _bytes_of(captured.graph, name)
+        nbytes += value_bytes(captured.graph, name)
         last = k + 1 == len(order)
         if (last or nbytes >= group_bytes or order[k + 1][1] != axes or plan[order[k + 1][0]].kept != plan[name].kept
                 or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
@@ -185,11 +185,6 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
                                           for a in range(len(grad))):
                     return None
     return axes, dim
-
-
-def _bytes_of(graph: fx.Graph, name: str) -> int:
-    val = tensor_val(next(n for n in graph.nodes if n.name == name))
-    return val.numel() * val.element_size()
 
 
 def _dtype(captured: CapturedGraph, name: str) -> torch.dtype:

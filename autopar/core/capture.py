@@ -328,6 +328,12 @@ def tensor_val(node: fx.Node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def value_bytes(graph: fx.Graph, name: str) -> int:
+    """The bytes of node ``name``'s (first) tensor output, whole (global shape)."""
+    val = tensor_val(next(n for n in graph.nodes if n.name == name))
+    return val.numel() * val.element_size()
+
+
 def output_shape(node: fx.Node) -> tuple[int, ...] | None:
     """Global shape of a node's (first) tensor output."""
     val = tensor_val(node)

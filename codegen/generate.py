@@ -12,7 +12,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -24,7 +24,7 @@ from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, 
 from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
                                     writes_in_place, written_aliases)
 from autopar.core.blocks import repeated_blocks
-from autopar.core.loss_weights import loss_weighting
+from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.fold import attention_masks, foldable
 from codegen.recompute import checkpointed, statement_names
@@ -295,13 +295,16 @@ class GeneratedCode:
     """The forward's source and the per-rank sizes it reads (``sizes``), for ``ShardedModule``;
     ``direct``: the parameters the forward reads as their local shard, by FQN in the order it
     reads them, with the placement their gradient accumulates in (``grad_sync`` finishes it);
-    ``counts_loss``: its loss divides by the batch's target count, passed as ``loss_count``."""
+    ``counts_loss``: its loss divides by the batch's target count, passed as ``loss_count``;
+    ``loss_summed_over``: the mesh axes the loss it returns is this rank's summand over (outputs
+    "loss": ``train_step`` sums it with the gradients, ``GradSync.carry``)."""
 
     source: str
     sizes: LocalSizes
     direct: dict[str, Placements]
     gathered: tuple[GatherSpec, ...] = ()
     counts_loss: bool = False
+    loss_summed_over: tuple[int, ...] = ()
 
 
 class _Emitter:
@@ -311,10 +314,11 @@ class _Emitter:
         self.plan = {n.name: n for n in plan.nodes}
         self.axes = plan.mesh.axis_names
         self.sizes = LocalSizes(plan.mesh.shape, self.axes)
-        self.gather_outputs = plan.gather_outputs
+        self.outputs: OutputMode = "full" if plan.gather_outputs else "sharded"
         self.strict = strict
         self.counted_loss = loss_weighting(captured).counted   # its target count comes as ``loss_count``
         self.counts_loss = False                                # ... and the code reads it
+        self.loss_summed_over: tuple[int, ...] = ()             # the loss returned is a summand over these axes
         self.masked_attention: set[str] = set()                 # SDPA nodes reading a folded mask
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
@@ -502,11 +506,17 @@ class _Emitter:
             over = ", ".join(self.axes[a] for a in summed)
             counted = node.name == self.counted_loss and bool(summed)
             self.counts_loss |= counted
-            self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed}"
-                      f"{', count=loss_count' if counted else ''})",
-                      comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
-                      + (", divided by the batch's target count (launched: the gradient does not wait for it)"
-                         if counted else ""))
+            if counted and self.outputs == "loss" and reaches_output_alone(node):
+                self.loss_summed_over = summed
+                self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over=(), count=loss_count)",
+                          f"{np_.strategy} -> this rank's summand, divided by the "
+                          f"batch's target count: train_step sums it over {over} in a gradient bucket's all-reduce")
+            else:
+                self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed}"
+                          f"{', count=loss_count' if counted else ''})",
+                          comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
+                          + (", divided by the batch's target count (launched: the gradient does not wait for it)"
+                             if counted else ""))
         elif inputs and draws_whole_mask(node, np_.out):
             x = rename.get(node.args[0].name, node.args[0].name)
             shape = list(tensor_val(node).shape)
@@ -551,13 +561,22 @@ class _Emitter:
 
         def wrap(x: Any) -> str:
             have = self.out_of.get(x.name) if isinstance(x, fx.Node) else None
-            if have is None:
+            if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)
             shape = list(tensor_val(x).shape)
-            return f"{'full' if self.gather_outputs else 'as_dtensor'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
+            return f"{'full' if self.outputs == 'full' else 'as_dtensor'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
 
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
-                  "outputs" + (": gathered to full tensors on every rank" if self.gather_outputs else " as DTensors"))
+                  "outputs" + _OUTPUT_COMMENTS[self.outputs])
+
+
+#: How a generated forward returns its outputs: gathered whole on every rank ("full"), as
+#: DTensors of this rank's part ("sharded"), or, for ``train_step``, which reads only the loss,
+#: replicated ones as the plain tensor every rank holds and the others as DTensors ("loss"):
+#: a DTensor around a replicated loss costs its forward and backward ~0.1 ms a step for nothing.
+OutputMode = Literal["full", "sharded", "loss"]
+_OUTPUT_COMMENTS = {"full": ": gathered to full tensors on every rank", "sharded": " as DTensors",
+                    "loss": ": replicated ones as they are, the others as DTensors (train_step)"}
 
 
 aten = torch.ops.aten
@@ -581,14 +600,14 @@ def _tag(p: Placement) -> str:
 
 
 def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_bytes: int = DEFAULT_BUCKET_BYTES,
-             spans_job: bool = True, gather_outputs: bool | None = None) -> GeneratedCode:
+             spans_job: bool = True, outputs: OutputMode | None = None) -> GeneratedCode:
     """The sharded forward's source; ``strict`` adds a check of every op's local shape;
     ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
     mesh holds every rank of the job (a collective over all its axes is one process group);
-    ``gather_outputs``: return outputs whole (None: as the plan says)."""
+    ``outputs``: how outputs are returned (``OutputMode``; None: as the plan says)."""
     em = _Emitter(captured, plan, strict, group_bytes, spans_job)
-    if gather_outputs is not None:
-        em.gather_outputs = gather_outputs
+    if outputs is not None:
+        em.outputs = outputs
     inputs = ", ".join(captured.user_inputs)
     nodes = list(captured.graph.nodes)
     folded = foldable(captured, em.plan, em.written)
@@ -641,4 +660,5 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
                             f"{block.path}: recomputed in the backward ({plan.recompute[block.path]} recomputation)")
     em.lines = [signature, *body]
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
-    return GeneratedCode(header + constants + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups), em.counts_loss)
+    return GeneratedCode(header + constants + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups),
+                         em.counts_loss, em.loss_summed_over)

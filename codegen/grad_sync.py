@@ -17,6 +17,10 @@ reduce-scatter here (``later``); it is waited for and handed over at the same mo
 read otherwise (a ZeRO-3 parameter gathered alone, reads that disagree) keep a per-parameter hook
 (``runtime.sync_grad_to``).
 
+``train_step``'s loss rides along (``carry``): each rank's summand of it joins the first bucket
+reduced over the same axes, so that summing the loss over ranks costs no collective of its own
+(the loss alone would be one more all-reduce a step, as long to launch as the gradients' own).
+
 Gradient accumulation (``ShardedModule.train_step`` over microbatches) turns ``sync`` off for
 all backwards but the last: the partial gradients then stay summed in the local shards' ``grad``
 and the last backward all-reduces the microbatches' sum once, as DDP's ``no_sync`` does. ZeRO-3
@@ -42,12 +46,27 @@ DEFAULT_BUCKET_BYTES = BUCKET_BYTES
 
 
 @dataclass
+class Carried:
+    """A rank's summand of a value summed over mesh ``axes`` with the gradients (``GradSync.carry``)."""
+
+    summand: torch.Tensor
+    axes: tuple[int, ...]
+    reduced: torch.Tensor | None = None   # the sum, flattened (launched; a functional collective's result)
+
+    def value(self) -> torch.Tensor:
+        """The sum over ranks, shaped as the summand (waits for it)."""
+        return funcol.wait_tensor(self.reduced).reshape(self.summand.shape)
+
+
+@dataclass
 class _Bucket:
     axes: tuple[int, ...]                 # mesh axes the gradients are summed over (none: only handed over)
+    dtype: torch.dtype
     params: list[nn.Parameter] = field(default_factory=list)
     nbytes: int = 0
     ready: int = 0                        # gradients accumulated in this backward
     reduced: torch.Tensor | None = None   # the launched all-reduce of the flattened gradients
+    carried: list[Carried] = field(default_factory=list)   # summands reduced at the end of ``reduced``
 
 
 class GradSync:
@@ -68,7 +87,7 @@ class GradSync:
             key = (axes, p.dtype)
             bucket = open_.get(key)
             if bucket is None or bucket.nbytes >= bucket_bytes:
-                bucket = open_[key] = _Bucket(axes)
+                bucket = open_[key] = _Bucket(axes, p.dtype)
                 self.buckets.append(bucket)
             local = p._local_tensor
             local.requires_grad_(True)   # the forward reads the shard: its gradient accumulates there
@@ -78,6 +97,7 @@ class GradSync:
             local.register_post_accumulate_grad_hook(self._ready)
         self._queued = False
         self._later: list[tuple[list[nn.Parameter], torch.Tensor]] = []
+        self._carried: list[Carried] = []   # waiting for a bucket to launch
         self.sync = True   # False: partial gradients accumulate locally, not reduced (``train_step``)
 
     def _ready(self, local: torch.Tensor) -> None:
@@ -87,6 +107,17 @@ class GradSync:
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.axes and self.sync:
             self._launch(bucket)
+
+    def carry(self, summand: torch.Tensor, axes: Sequence[int]) -> Carried:
+        """Sum this rank's ``summand`` (the loss) over mesh ``axes`` in the all-reduce of the next
+        bucket of gradients summed over them (at the latest in the backward that synchronises);
+        alone, launched now, when no bucket is. Call before the backward."""
+        carried = Carried(summand.detach(), tuple(axes))
+        if any(b.axes == carried.axes and b.dtype == summand.dtype for b in self.buckets):
+            self._carried.append(carried)
+        else:
+            carried.reduced = all_reduce(carried.summand.reshape(-1), self.mesh, carried.axes)
+        return carried
 
     def later(self, params: list[nn.Parameter], reduced: torch.Tensor) -> None:
         """``reduced``: the launched collective that yields ``params``' local gradients, flattened
@@ -101,7 +132,10 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p._local_tensor.grad for p in bucket.params if p._local_tensor.grad is not None]
-        bucket.reduced = all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.mesh, bucket.axes)
+        bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.dtype]
+        self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [c.summand.reshape(-1) for c in bucket.carried])
+        bucket.reduced = all_reduce(flat, self.mesh, bucket.axes)
 
     def _finish(self) -> None:
         """End of the backward: launch what is left (parameters this step did not use leave a
@@ -115,13 +149,21 @@ class GradSync:
             if bucket.axes and bucket.reduced is None and used:
                 self._launch(bucket)
             if bucket.reduced is not None:
-                _hand_over(used, funcol.wait_tensor(bucket.reduced))
+                flat = funcol.wait_tensor(bucket.reduced)
+                _hand_over(used, flat)
+                tail = flat[flat.numel() - sum(c.summand.numel() for c in bucket.carried):]
+                for c, part in zip(bucket.carried, tail.split([c.summand.numel() for c in bucket.carried])):
+                    c.reduced = part.clone()   # not a view: the gradients' storage goes to the optimizer
             else:
                 for p in used:
                     _add_grad(p, p._local_tensor.grad)
             for p in used:
                 p._local_tensor.grad = None
-            bucket.ready, bucket.reduced = 0, None
+            bucket.ready, bucket.reduced, bucket.carried = 0, None, []
+        if self.sync:   # summands no bucket took (its parameters unused in this step): alone
+            for c in self._carried:
+                c.reduced = all_reduce(c.summand.reshape(-1), self.mesh, c.axes)
+            self._carried = []
         later, self._later = self._later, []
         for params, reduced in later:
             _hand_over(params, funcol.wait_tensor(reduced))

@@ -17,8 +17,8 @@ from autopar.core.errors import InputMismatchError, LossWeightError
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
 from autopar.core.plan import Plan
-from codegen.generate import GeneratedCode, generate
-from codegen.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from codegen.generate import GeneratedCode, OutputMode, generate
+from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params, stored_as
@@ -65,16 +65,21 @@ class ShardedModule(nn.Module):
         self.plan = plan
         self._bucket_bytes = bucket_bytes
         # before the parameters are sharded: the forwards of other input shapes capture a copy
-        self._forwards = ForwardPerShape(model, captured, self._make_forward, plan.gather_outputs)
+        self._forwards = ForwardPerShape(model, captured, self._make_forward, self._outputs)
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
-    def _make_forward(self, captured: CapturedGraph, gather_outputs: bool) -> Forward:
+    @property
+    def _outputs(self) -> OutputMode:
+        """How ``forward`` returns outputs: as the plan says (``gather_outputs``)."""
+        return "full" if self.plan.gather_outputs else "sharded"
+
+    def _make_forward(self, captured: CapturedGraph, outputs: OutputMode) -> Forward:
         generated = generate(captured, self.plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
-                             spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), gather_outputs=gather_outputs)
+                             spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
         return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh),
                        loss_weighting(captured))
 
@@ -120,7 +125,7 @@ class ShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
-        forward, flat = self._forward_of(args, kwargs, self.plan.gather_outputs)
+        forward, flat = self._forward_of(args, kwargs, self._outputs)
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
         return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
 
@@ -138,39 +143,47 @@ class ShardedModule(nn.Module):
         a batch of another size makes as many as it needs, the last one smaller): gradients
         are synchronised once, in the last backward, and each microbatch's loss counts by its
         share of what the batch's loss averages (``autopar.core.loss_weights``), so loss and
-        gradients equal one device's on the whole batch. The loss's value is read after the
-        last backward: the collective that sums it over ranks runs meanwhile. The other outputs
-        are not gathered (whatever ``gather_outputs``): nothing reads them."""
+        gradients equal one device's on the whole batch. Each rank's summand of the loss is summed
+        over ranks in a gradient bucket's all-reduce (``GradSync.carry``) and read after the last
+        backward. The other outputs are not gathered (whatever ``gather_outputs``): nothing reads
+        them (``OutputMode`` "loss")."""
         parts = split(args, kwargs, self.plan.microbatch_size)
-        forwards = [(*self._forward_of(a, k, gather_outputs=False), batch_size(a, k)) for a, k in parts]
+        forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
         weighting = forwards[0][0].loss
         if weighting.index is None:
             raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")
         counts = (weighting.counts([(flat, rows) for _, flat, rows in forwards])
                   if len(parts) > 1 or forwards[0][0].code.counts_loss else None)
         weights = weighting.weights(counts, len(parts)) if len(parts) > 1 else [1.0]
-        losses = []
+        losses: list[torch.Tensor | Carried] = []
         try:
             for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights)):
                 self._grad_sync.sync = i == len(forwards) - 1
                 loss = self._run(forward, flat, counts[i] if counts else None)[weighting.index]   # logits dropped
+                summed = forward.code.loss_summed_over   # a summand: summed with the gradients
+                losses.append(self._grad_sync.carry(loss, summed) if summed else loss.detach())
                 torch.autograd.backward(loss, _filled_like(loss, weight))   # the seed reads no value
-                losses.append(loss.detach())
         finally:
             self._grad_sync.sync = True
-        return sum((loss.full_tensor() if isinstance(loss, DTensor) else loss) * weight
-                   for loss, weight in zip(losses, weights))
+        return sum(_value(loss) * weight for loss, weight in zip(losses, weights))
 
-    def _forward_of(self, args: tuple, kwargs: dict, gather_outputs: bool) -> tuple[Forward, list[Any]]:
-        """The generated forward for these inputs' shapes (its outputs gathered whole or not), and
-        the inputs flattened."""
+    def _forward_of(self, args: tuple, kwargs: dict, outputs: OutputMode) -> tuple[Forward, list[Any]]:
+        """The generated forward for these inputs' shapes returning ``outputs`` so, and the inputs
+        flattened."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(
                 "inputs have another structure than the example inputs the module was compiled with "
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
-        return self._forwards.get(flat, args, kwargs, gather_outputs), flat
+        return self._forwards.get(flat, args, kwargs, outputs), flat
+
+
+def _value(loss: torch.Tensor | Carried) -> torch.Tensor:
+    """A loss's value, whole on every rank."""
+    if isinstance(loss, Carried):
+        return loss.value()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:

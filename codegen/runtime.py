@@ -278,8 +278,9 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
     the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce. For a
     mean, ``count`` is the whole batch's number of counted targets when the caller knows it
     (``ShardedModule`` counts them on the inputs every rank holds whole): the sum is then only
-    launched, and waited for where the loss's value is first read (``train_step``: after the
-    backward), as the gradient does not need it. Without it the count is summed with the loss.
+    launched, and waited for where the loss's value is first read, as the gradient does not need
+    it; with no axes to sum over, this rank's summand is returned (``train_step`` sums it with the
+    gradients). Without ``count`` the count is summed with the loss.
     Axes where the batch is split but not summed leave this rank's partial sum (reduction='sum'
     only). Sums run in at least fp32 and the result is rounded to the logits' dtype once, as one
     device's kernel does: a bf16 partial sum of a few hundred losses would keep only its integer
@@ -287,11 +288,9 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
     accumulate = torch.promote_types(logits.dtype, torch.float32)
     log_probs = torch.log_softmax(logits, dim=-1, dtype=accumulate)
     local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
-    if reduction == 2:
-        total = _SumOverRanks.apply(local_sum, mesh, tuple(summed_over)) if summed_over else local_sum
-        return total.to(logits.dtype)
-    if count is not None:
-        return _SumOverRanks.apply(local_sum / count, mesh, tuple(summed_over)).to(logits.dtype)
+    if reduction == 2 or count is not None:
+        summand = local_sum if reduction == 2 else local_sum / count
+        return (_SumOverRanks.apply(summand, mesh, tuple(summed_over)) if summed_over else summand).to(logits.dtype)
     counted = (target != ignore_index).sum().to(local_sum.dtype)
     both = _SumOverRanks.apply(torch.stack([local_sum, counted]), mesh, tuple(summed_over))
     return (both[0] / both[1]).to(logits.dtype)

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.capture import CapturedGraph, capture
 from autopar.core.errors import InputMismatchError
 from autopar.core.loss_weights import LossWeighting
-from codegen.generate import GeneratedCode
+from codegen.generate import GeneratedCode, OutputMode
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,12 @@ def _structure(captured: CapturedGraph) -> list[tuple[str, str, str]]:
 
 
 class ForwardPerShape:
-    """The generated forwards of one plan, one per input signature and output gathering,
-    generated on first use by ``make`` (which holds the plan; ``make(captured, gather_outputs)``)."""
+    """The generated forwards of one plan, one per input signature and way of returning outputs
+    (``codegen.generate.OutputMode``), generated on first use by ``make`` (which holds the plan;
+    ``make(captured, outputs)``)."""
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, make: Callable[[CapturedGraph, bool], Forward],
-                 gather_outputs: bool) -> None:
+    def __init__(self, model: nn.Module, captured: CapturedGraph, make: Callable[[CapturedGraph, OutputMode], Forward],
+                 outputs: OutputMode) -> None:
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         memo: dict[int, Any] = {}
         for t in itertools.chain(model.parameters(), model.buffers()):
@@ -66,19 +67,19 @@ class ForwardPerShape:
         placeholders = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
         key = signature([placeholders[name].meta.get("val") for name in captured.user_inputs])
         self._captured = {key: captured}
-        self.first = make(captured, gather_outputs)
-        self._forwards = {(key, gather_outputs): self.first}
+        self.first = make(captured, outputs)
+        self._forwards = {(key, outputs): self.first}
 
-    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict, gather_outputs: bool) -> Forward:
+    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict, outputs: OutputMode) -> Forward:
         key = signature(flat)
-        if (key, gather_outputs) not in self._forwards:
+        if (key, outputs) not in self._forwards:
             if key not in self._captured:
                 self._captured[key] = self._capture(args, kwargs)
-            forward = self._make(self._captured[key], gather_outputs)
+            forward = self._make(self._captured[key], outputs)
             if forward.code.direct != self.first.code.direct or forward.code.gathered != self.first.code.gathered:
                 raise InputMismatchError("inputs of a new shape change how the plan reads its parameters; compile again")
-            self._forwards[key, gather_outputs] = forward
-        return self._forwards[key, gather_outputs]
+            self._forwards[key, outputs] = forward
+        return self._forwards[key, outputs]
 
     def _capture(self, args: tuple, kwargs: dict) -> CapturedGraph:
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self._mode.from_tensor, (args, kwargs))

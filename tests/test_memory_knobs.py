@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import autopar
-import codegen.grad_sync as grad_sync
 from autopar import MeshSpec
 from autopar.core.errors import AutoparError, InfeasibleError, LossWeightError
 from autopar.core.microbatch import batch_size, split
@@ -70,23 +69,29 @@ def test_a_smaller_batch_makes_a_smaller_last_microbatch():
 
 
 def test_gradients_are_reduced_once_per_step(monkeypatch):
-    """Four microbatches launch as many bucket all-reduces as one: the last backward's."""
+    """Four microbatches launch as many all-reduces as one: the last backward's bucket (gpt-tiny's
+    gradients fill one), the loss of every microbatch summed over ranks in it; the loss is exact."""
+    import torch.distributed._functional_collectives as funcol
+
     name = "gpt-tiny"
-    batch = make_batches(name, 8, 16, steps=1)[0]
+    batch = padded_batches(name)[0]
+    want = train_reference(name, [batch])[0][0]
     launched = []
-    all_reduce = grad_sync.all_reduce
-    monkeypatch.setattr(grad_sync, "all_reduce", lambda *a, **k: launched.append(1) or all_reduce(*a, **k))
+    all_reduce = funcol.all_reduce
+    monkeypatch.setattr(funcol, "all_reduce", lambda *a, **k: launched.append(1) or all_reduce(*a, **k))
     counts = {}
     for k in (1, 4):
-        plan = candidates(build(name), MeshSpec((4,)), *batch, microbatches=k)["ddp"]
+        plan = candidates(build(name), MeshSpec((2,)), *batch, microbatches=k)["ddp"]
         model = build(name)
 
         def body(mesh):
-            autopar.compile(model, mesh, *batch, plan=plan).train_step(*batch[0], **batch[1])
-        launched.clear()
-        run_on_local_tensor_mesh(body, (4,))
+            pmodel = autopar.compile(model, mesh, *batch, plan=plan)
+            launched.clear()
+            return [float(v) for v in per_rank(pmodel.train_step(*batch[0], **batch[1]))]
+        losses = run_on_local_tensor_mesh(body, (2,))
         counts[k] = len(launched)
-    assert counts[4] == counts[1] > 0
+        assert losses == pytest.approx([want] * 2, rel=TOLERANCES["fp32"][0], abs=TOLERANCES["fp32"][1])
+    assert counts == {1: 1, 4: 1}
 
 
 class _ScaledLoss(torch.nn.Module):

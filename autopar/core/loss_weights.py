@@ -108,6 +108,19 @@ def loss_weighting(captured: CapturedGraph) -> LossWeighting:
                          "weigh per microbatch", exact=False)
 
 
+def reaches_output_alone(node: fx.Node) -> bool:
+    """Does ``node``'s value reach the graph's output only through ops that leave it what it was
+    (``_PASS``), used nowhere else? Then a rank's summand of it stays a summand up to the output."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op == "output":
+            return list(user.args[0]).count(node) == 1
+        if user.target not in _PASS:
+            return False
+        node = user
+    return False
+
+
 def _is_scalar_loss(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point

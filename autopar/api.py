@@ -53,7 +53,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     ``gather_outputs=False`` (DTensor outputs, no gather of the logits every step).
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
-    this rank's shard, under the original names. Every rank's random generator becomes rank 0's,
+    this rank's shard, under the original names (plain tensors, as under DDP, when the plan
+    replicates every one). Every rank's random generator becomes rank 0's,
     so that dropout draws alike everywhere: a split dropout draws the whole tensor's mask and keeps
     its part, equal to one device's from the same seed (CPU; on GPU the mask is drawn by
     ``bernoulli_``, not the fused kernel one GPU uses).

@@ -10,7 +10,10 @@ default, as DDP's), filled in the order the backward produces their gradients (t
 their first use in the forward). When a bucket's last gradient is accumulated its all-reduce is
 launched (functional collectives: asynchronous until waited for); when the backward ends every
 bucket is waited for, and each summed gradient is added to its parameter's ``grad``, a DTensor
-placed as the parameter is stored (a second backward before the optimizer step adds to it).
+placed as the parameter is stored (a plain parameter's is plain, ``runtime.replicated``; a second
+backward before the optimizer step adds to it). A plain parameter whose gradient no axis sums (one
+device, or a dp axis the batch does not split) is left alone: its gradient accumulates in its own
+``grad``, as on one device.
 
 ZeRO-3 parameters gathered in groups (``codegen.zero3``) hand their group's launched
 reduce-scatter here (``later``); it is waited for and handed over at the same moment. Parameters
@@ -40,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from autopar.core.execution import BUCKET_BYTES
 from autopar.core.placements import Placements
-from codegen.runtime import all_reduce
+from codegen.runtime import all_reduce, gradient_leaf, shard_of
 
 DEFAULT_BUCKET_BYTES = BUCKET_BYTES
 
@@ -63,6 +66,7 @@ class _Bucket:
     axes: tuple[int, ...]                 # mesh axes the gradients are summed over (none: only handed over)
     dtype: torch.dtype
     params: list[nn.Parameter] = field(default_factory=list)
+    leaves: list[torch.Tensor] = field(default_factory=list)   # where each one's gradient accumulates
     nbytes: int = 0
     ready: int = 0                        # gradients accumulated in this backward
     reduced: torch.Tensor | None = None   # the launched all-reduce of the flattened gradients
@@ -84,14 +88,17 @@ class GradSync:
         self._bucket_of: dict[int, _Bucket] = {}
         for p, grad in params:
             axes = tuple(a for a, g in enumerate(grad) if isinstance(g, Partial))
+            if not axes and not isinstance(p, DTensor):   # nothing to do: it accumulates in p.grad
+                continue
             key = (axes, p.dtype)
             bucket = open_.get(key)
             if bucket is None or bucket.nbytes >= bucket_bytes:
                 bucket = open_[key] = _Bucket(axes, p.dtype)
                 self.buckets.append(bucket)
-            local = p._local_tensor
+            local = gradient_leaf(p)
             local.requires_grad_(True)   # the forward reads the shard: its gradient accumulates there
             bucket.params.append(p)
+            bucket.leaves.append(local)
             bucket.nbytes += local.numel() * local.element_size()
             self._bucket_of[id(local)] = bucket
             local.register_post_accumulate_grad_hook(self._ready)
@@ -131,7 +138,7 @@ class GradSync:
             self._queued = True
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p._local_tensor.grad for p in bucket.params if p._local_tensor.grad is not None]
+        grads = [leaf.grad for leaf in bucket.leaves if leaf.grad is not None]
         bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.dtype]
         self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
         flat = torch.cat([g.reshape(-1) for g in grads] + [c.summand.reshape(-1) for c in bucket.carried])
@@ -145,7 +152,7 @@ class GradSync:
             if bucket.axes and not self.sync:   # accumulating: the local sums wait for the last backward
                 bucket.ready = 0
                 continue
-            used = [p for p in bucket.params if p._local_tensor.grad is not None]
+            used = [p for p in bucket.params if shard_of(p).grad is not None]
             if bucket.axes and bucket.reduced is None and used:
                 self._launch(bucket)
             if bucket.reduced is not None:
@@ -156,9 +163,9 @@ class GradSync:
                     c.reduced = part.clone()   # not a view: the gradients' storage goes to the optimizer
             else:
                 for p in used:
-                    _add_grad(p, p._local_tensor.grad)
+                    _add_grad(p, shard_of(p).grad)
             for p in used:
-                p._local_tensor.grad = None
+                shard_of(p).grad = None
             bucket.ready, bucket.reduced, bucket.carried = 0, None, []
         if self.sync:   # summands no bucket took (its parameters unused in this step): alone
             for c in self._carried:
@@ -173,11 +180,12 @@ def _hand_over(params: list[nn.Parameter], flat: torch.Tensor) -> None:
     """Split ``flat`` into the parameters' local gradients, in order, and add each to its ``grad``."""
     offset = 0
     for p in params:
-        local = p._local_tensor
+        local = shard_of(p)
         _add_grad(p, flat[offset:offset + local.numel()].view_as(local))
         offset += local.numel()
 
 
 def _add_grad(p: nn.Parameter, local_grad: torch.Tensor) -> None:
-    grad = DTensor(local_grad, p._spec, requires_grad=False)   # placed, shaped as the parameter
+    # a DTensor's gradient is placed and shaped as the parameter
+    grad = DTensor(local_grad, p._spec, requires_grad=False) if isinstance(p, DTensor) else local_grad
     p.grad = grad if p.grad is None else p.grad + grad

@@ -50,7 +50,8 @@ def compile_forward(source: str) -> Any:
 
 
 class ShardedModule(nn.Module):
-    """Holds the original submodules (so parameter names are unchanged) with DTensor parameters."""
+    """Holds the original submodules (so parameter names are unchanged) with DTensor parameters
+    (plain ones, as DDP's, when the plan replicates every parameter)."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, captured: CapturedGraph,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -85,7 +86,9 @@ class ShardedModule(nn.Module):
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
-        """Parameters become DTensors of their planned storage. A parameter reached under several
+        """Parameters become DTensors of their planned storage (plain tensors when every one is
+        replicated and read as it is: the optimizer then skips DTensor's dispatch, as under DDP).
+        A parameter reached under several
         names (tied embeddings: export reads it through one of them) stays one parameter, stored
         as planned for the name the graph uses. Those the forward reads as their shard
         (``code.direct``: FQN -> where the gradient accumulates) or gathers in groups
@@ -94,6 +97,9 @@ class ShardedModule(nn.Module):
         gathered = {f: g for g in code.gathered for f in g.fqns}
         replicate = [Replicate()] * mesh.ndim
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
+        # data parallelism (every parameter replicated, read as it is): plain parameters, as DDP's
+        plain = (all(isinstance(x, Replicate) for node in plan.parameters.values() for x in node.storage)
+                 and used <= set(direct_grads))
         sharded: dict[int, nn.Parameter] = {}
         direct: dict[str, nn.Parameter] = {}
         for fqn, node in sorted(plan.parameters.items(), key=lambda kv: kv[0] not in used):
@@ -103,11 +109,12 @@ class ShardedModule(nn.Module):
             if id(p) not in sharded:
                 storage = (stored_as(node.storage, gathered[fqn], mesh.shape) if fqn in gathered
                            else list(node.storage))
-                shard = runtime.distribute(p.detach(), mesh, storage)
+                shard = (runtime.replicated(p.detach(), mesh) if plain
+                         else runtime.distribute(p.detach(), mesh, storage))
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
                 if fqn in direct_grads and p.requires_grad:
                     direct[fqn] = sharded[id(p)]
-                elif fqn not in gathered:
+                elif fqn not in gathered and not plain:   # plain: read directly, or not at all
                     runtime.sync_grad_to(sharded[id(p)])
             setattr(mod, leaf, sharded[id(p)])
         # the backward produces gradients in about the reverse order the forward first reads them

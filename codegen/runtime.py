@@ -7,7 +7,8 @@ sum) of the planned placement. Ops are the ATen ops themselves, with shape argum
 when the code is generated (``LocalSizes``: this rank's share of an uneven split, fixed when the
 module is built). DTensor appears only where the placement changes (``move``: one redistribution
 whose backward brings the gradient where the producer needs it) and at the boundary: parameters
-stay DTensors (state_dict, optimizers, checkpoints) and the forward reads their local shards.
+stay DTensors (state_dict, optimizers, checkpoints) and the forward reads their local shards. A
+plan that replicates every parameter (data parallelism) keeps them plain tensors, as DDP does.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,10 +98,41 @@ def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Seq
     return _LocalShard.apply(redistribute(as_dtensor(x, mesh, have, shape), want), tuple(grad))
 
 
-def shard_of(p: DTensor) -> torch.Tensor:
+def replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``t`` as a plain tensor every rank holds alike (rank 0's values, as DDP broadcasts them), for
+    a plan that replicates every parameter: the optimizer then steps plain tensors, without
+    DTensor's dispatch of each of its ops (0.6 ms a step for gpt-tiny's 29 parameters)."""
+    return distribute(t, mesh, [Replicate()] * mesh.ndim).to_local()
+
+
+# id of a plain parameter whose gradient is synchronised -> (a weak reference to it, the leaf its
+# gradient accumulates in first, ``gradient_leaf``). Ids, not the tensors, as keys: a lookup costs
+# a dict's, once per parameter and step; the entry goes with the parameter.
+_LEAVES: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def shard_of(p: torch.Tensor) -> torch.Tensor:
     """This rank's shard of parameter ``p``, read without autograd wrapping: its gradient
-    accumulates on the shard, and gradient sync (``codegen.grad_sync``) hands it to ``p.grad``."""
-    return p._local_tensor
+    accumulates in ``gradient_leaf(p)`` if one was made (gradient sync, ``codegen.grad_sync``,
+    hands it to ``p.grad``), else in ``p.grad`` itself (a plain parameter nothing synchronises)."""
+    if isinstance(p, DTensor):
+        return p._local_tensor
+    entry = _LEAVES.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else p
+
+
+def gradient_leaf(p: torch.Tensor) -> torch.Tensor:
+    """Where ``p``'s local gradient accumulates before it is synchronised: a DTensor's local
+    tensor; for a plain parameter a leaf sharing its storage, made once (accumulated in ``p.grad``
+    itself, a rank's summand would mix with the sums handed over before)."""
+    if isinstance(p, DTensor):
+        return p._local_tensor
+    key = id(p)
+    entry = _LEAVES.get(key)
+    if entry is None or entry[0]() is not p:
+        entry = _LEAVES[key] = (weakref.ref(p, lambda _: _LEAVES.pop(key, None)),
+                                p.detach().requires_grad_(p.requires_grad))
+    return entry[1]
 
 
 def param_shard(p: DTensor, want: Sequence[Placement], grad: Sequence[Placement]) -> torch.Tensor:

@@ -236,3 +236,31 @@ def test_stored_as_splits_inside_the_shards_of_later_axes():
     assert stored_as([Shard(0), Replicate(), Shard(0)], spec(0), (2, 3, 4)) == [
         _StridedShard(0, split_factor=4), Replicate(), Shard(0)]
     assert stored_as([Shard(1), Shard(0)], spec(0), (2, 2)) == [Shard(1), Shard(0)]   # other dims: as planned
+
+
+def test_a_data_parallel_plan_keeps_parameters_plain():
+    """Every parameter replicated: plain tensors and gradients, as under DDP (the optimizer then
+    skips DTensor's dispatch); the state dict loads back; a plan that shards any keeps DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    name = "gpt2-tiny"
+    batch = make_batches(name, 4, 16, steps=1)[0]
+    plans = candidates(build(name), MeshSpec((2,)), *batch)
+    models = {key: build(name) for key in ("ddp", "fsdp")}
+
+    def body(mesh):
+        kinds = {}
+        for key, model in models.items():
+            pmodel = autopar.compile(model, mesh, *batch, plan=plans[key])
+            pmodel.train_step(*batch[0], **batch[1])
+            kinds[key] = {isinstance(t, DTensor) for p in pmodel.parameters() for t in (p, p.grad)}
+            if key == "ddp":
+                state = {k: v.clone() for k, v in pmodel.state_dict().items()}
+                torch.optim.SGD(pmodel.parameters(), lr=0.1).step()
+                pmodel.load_state_dict(state)
+                assert all(torch.equal(v, state[k]) for k, v in pmodel.state_dict().items())
+                assert autopar.full_state_dict(pmodel).keys() == build(name).state_dict().keys()
+        return kinds
+
+    assert run_on_local_tensor_mesh(body, (2,)) == {"ddp": {False}, "fsdp": {True}}
+    check_training(name, 4, 16, (2,), local_runner, {"plan": plans["ddp"]})

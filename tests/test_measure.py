@@ -203,7 +203,8 @@ def test_runs_are_timed_in_turns_round_by_round():
         module = _Logged(name, log)
         runs[name] = (module, torch.optim.SGD(module.parameters(), lr=0.1), ((torch.ones(3, 2),), {}))
     times = time_in_turns(runs, rounds=3, warmup=1, steps=2)
-    assert log == list("aaabbb" * 3)   # each turn: one warm-up and two timed steps of one run
+    # each turn: one warm-up and two timed steps of one run; each round starts one run later
+    assert log == list("aaabbb" + "bbbaaa" + "aaabbb")
     assert {k: [len(r) for r in v] for k, v in times.items()} == {"a": [2, 2, 2], "b": [2, 2, 2]}
     assert all(s > 0 for v in times.values() for r in v for s in r)
 

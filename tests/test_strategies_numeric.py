@@ -82,6 +82,10 @@ def _run_sharded(model, captured, plan, mesh_shape, inputs, weights):
         for name, p in pmodel.named_parameters():
             if p.grad is None:
                 continue
+            if not isinstance(p, DTensor):   # a plan replicating every parameter keeps them plain
+                assert not isinstance(p.grad, DTensor), f"{name}: a plain parameter's gradient is a DTensor"
+                grads[name] = p.grad
+                continue
             assert isinstance(p.grad, DTensor), f"{name}: gradient is not a DTensor"
             assert tuple(p.grad.placements) == tuple(p.placements), (
                 f"{name}: gradient placed {placements_str(p.grad.placements)}, "

@@ -182,13 +182,17 @@ def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch
                   steps: int) -> dict[K, list[list[float]]]:
     """``time_training`` of every run (module, optimizer, batch) in turn, ``rounds`` times: each
     run's timed steps, round by round. Turns spread each run's steps over the whole timing, so
-    that the host's slow and fast spells (they last seconds) fall on all runs alike.
+    that the host's slow and fast spells (they last seconds) fall on all runs alike; each round
+    starts one run later than the one before, so that no run always follows the same one (the
+    first steps after another run's find the caches and the allocator as that one left them).
 
     Every rank of distributed modules must call this together, with the runs in the same order.
     """
     times: dict[K, list[list[float]]] = {key: [] for key in runs}
-    for _ in range(rounds):
-        for key, (module, optimizer, batch) in runs.items():
+    keys = list(runs)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            module, optimizer, batch = runs[key]
             times[key].append(time_training(module, [batch], optimizer, warmup=warmup, steps=steps))
     return times
 

@@ -88,11 +88,11 @@ class ShardedModule(nn.Module):
                      bucket_bytes: int) -> None:
         """Parameters become DTensors of their planned storage (plain tensors when every one is
         replicated and read as it is: the optimizer then skips DTensor's dispatch, as under DDP).
-        A parameter reached under several
-        names (tied embeddings: export reads it through one of them) stays one parameter, stored
-        as planned for the name the graph uses. Those the forward reads as their shard
-        (``code.direct``: FQN -> where the gradient accumulates) or gathers in groups
-        (``code.gathered``) get their gradients from ``GradSync``, the others from a hook."""
+        A parameter reached under several names (tied embeddings: export reads it through one of
+        them) stays one parameter, stored as planned for the name the graph uses. Those the
+        forward reads as their shard (``code.direct``: FQN -> where the gradient accumulates) or
+        gathers in groups (``code.gathered``) get their gradients from ``GradSync``, the others
+        from a hook."""
         direct_grads = code.direct
         gathered = {f: g for g in code.gathered for f in g.fqns}
         replicate = [Replicate()] * mesh.ndim

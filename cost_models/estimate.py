@@ -310,7 +310,7 @@ class CostModel:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
         opt = self.optimizer
         update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
-        update += self.param_overhead()
+        update += self.param_overhead(s.storage)
         cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                     transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         if s.storage != s.out and s.kept:
@@ -350,8 +350,10 @@ class CostModel:
 
     def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
         """Collectives a strategy runs inside its op: a loss over a split batch made whole sums the
-        local loss and target count over the split axes (``runtime.sharded_cross_entropy``)."""
-        if nc.node.target is not torch.ops.aten.cross_entropy_loss.default:
+        local loss and target count over the split axes (``runtime.sharded_cross_entropy``), but
+        for the mean that ``train_step`` sums in a gradient bucket's all-reduce."""
+        if (nc.node.target is not torch.ops.aten.cross_entropy_loss.default
+                or nc.node.name == self.space.loss_with_gradients):
             return Cost()
         summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
         return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
@@ -383,10 +385,14 @@ class CostModel:
             return self._runtime_cost({"param_read": self.microbatches}) if inp != (storage or out) else 0.0
         return self._runtime_cost({"move": self.microbatches}) if moves(out, inp, grad, self._grad_flows(src)) else 0.0
 
-    def param_overhead(self) -> float:
-        """The runtime's cost per parameter tensor beyond its bytes: its gradient hook and its
-        optimizer update."""
-        return self._runtime_cost({"optimizer_per_param": 1, "grad_hook": 1})
+    def param_overhead(self, storage: Placements) -> float:
+        """The runtime's cost per parameter tensor stored ``storage``, beyond its bytes: its
+        gradient hook and its optimizer update, over a plain tensor where it is replicated (a
+        plan replicating every parameter keeps them plain; one that splits some keeps every one
+        a DTensor, so this prices its replicated ones a little low)."""
+        replicated = all(isinstance(p, Replicate) for p in storage)
+        return self._runtime_cost({"optimizer_per_plain_param" if replicated else "optimizer_per_param": 1,
+                                   "grad_hook": 1})
 
     def step_overhead(self) -> float:
         """The runtime's fixed cost of one training step (a forward and backward per microbatch)."""

@@ -27,12 +27,14 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 8   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 9   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
                       # and parameter reads its only wrappers); 8: gradient sync and ZeRO-3 gathers priced
-                      # per bucket (calibration refitted), views timed with their local shape
+                      # per bucket (calibration refitted), views timed with their local shape; 9: replicated
+                      # parameters stepped as plain tensors (optimizer_per_plain_param), the loss summed with
+                      # the gradients
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
@@ -44,7 +46,9 @@ OVERHEADS = {
             "with a gradient node), beyond its collectives",
     "param_read": "one op's read of a parameter's shard (codegen.runtime.param_shard)",
     "grad_hook": "one parameter's gradient-sync hook when no collective is needed",
-    "optimizer_per_param": "one parameter tensor's optimizer update, beyond its bytes",
+    "optimizer_per_param": "one DTensor parameter's optimizer update, beyond its bytes",
+    "optimizer_per_plain_param": "one plain parameter's optimizer update, beyond its bytes (a plan replicating "
+                                 "every parameter keeps them plain, as DDP does: codegen.runtime.replicated)",
     "step": "fixed cost of one training step (zero_grad, loss.backward entry, optimizer loop)",
 }
 

@@ -302,7 +302,7 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     scale the per-parameter (gradient hook, optimizer) and per-step costs as it scales the
     per-op ones, or a host where the micro-benchmarks run slow pushes that factor onto the ops."""
     space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
-    overheads = {"param_read": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_param": 2.0 ** -3, "step": 2.0 ** -4}
+    overheads = {"param_read": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_plain_param": 2.0 ** -3, "step": 2.0 ** -4}
     fingerprint = {"device": "cpu"}
     plain = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads))
     scaled = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads,
@@ -315,6 +315,43 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     i = linear.inputs.index(weight.node)
     wants_partial = Strategy((R,), tuple((P,) if k == i else (R,) for k in range(len(linear.inputs))), ("x",))
     assert scaled.move_overhead(weight, s, linear, wants_partial, i) == pytest.approx(3.0)
+
+
+def test_replicated_parameters_are_priced_as_the_plain_tensors_the_optimizer_steps():
+    """A plan replicating every parameter keeps them plain (DDP's), a split one keeps DTensors,
+    whose optimizer update costs more per tensor: each storage gets its own per-tensor cost."""
+    space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((2,), hardware="cpu"))
+    overheads = {"grad_hook": 0.0, "optimizer_per_param": 2.0 ** -3, "optimizer_per_plain_param": 2.0 ** -5}
+    model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads=overheads))
+    weight = _node(space, "p_lin_weight")
+    overhead = {s.storage: model.param_overhead(s.storage) for s in weight.strategies}
+    assert overhead[(R,)] == 2.0 ** -5
+    assert {v for k, v in overhead.items() if k != (R,)} == {2.0 ** -3}
+
+
+def test_the_loss_summed_with_the_gradients_runs_no_collective_of_its_own():
+    """``train_step`` sums a mean cross-entropy over ranks in a gradient bucket's all-reduce; a
+    loss the model goes on computing with is summed by a collective of its own."""
+    def loss_comm(model: nn.Module) -> tuple[float, str | None]:
+        args = (torch.randint(0, 16, (8, 4)), torch.randint(0, 16, (8, 4)))
+        space = build_space(capture(model, args), MeshSpec((2,), hardware="cpu"))
+        ce = next(nc for nc in space.nodes if nc.node.target is torch.ops.aten.cross_entropy_loss.default)
+        split = next(s for s in ce.strategies if s.ins[0] == (S0,) and s.out == (R,))
+        return sum(CostModel(space.mesh, space).node(ce, split).comm_bytes), space.loss_with_gradients
+
+    assert loss_comm(_Classifier()) == (0.0, "cross_entropy_loss")
+    comm, rides = loss_comm(_Classifier(scale=2.0))
+    assert comm > 0 and rides is None
+
+
+class _Classifier(nn.Module):
+    def __init__(self, scale: float | None = None) -> None:
+        super().__init__()
+        self.emb, self.scale = nn.Embedding(16, 16), scale
+
+    def forward(self, x, y):
+        loss = nn.functional.cross_entropy(self.emb(x).flatten(0, 1), y.flatten())
+        return loss if self.scale is None else loss * self.scale
 
 
 def test_attention_flops_counted_for_cpu_models():

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
 from autopar.core.execution import writes_in_place, written_aliases
+from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, local_shape, placements_str
 from autopar.core.rules import AxisRule, axis_rules, rule_for
@@ -80,6 +81,9 @@ class StrategySpace:
     nodes: list[NodeChoices]
     index: dict[fx.Node, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # the mean cross-entropy whose sum over ranks ``train_step`` adds to a gradient bucket's
+    # all-reduce (``codegen.grad_sync.GradSync.carry``): no collective of its own
+    loss_with_gradients: str | None = None
 
     def __post_init__(self) -> None:
         self.index = {c.node: i for i, c in enumerate(self.nodes)}
@@ -248,7 +252,10 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
         msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
         warnings.append(msg)
         log.warning("autopar: %s", msg)
-    return StrategySpace(mesh, nodes, warnings=warnings)
+    counted = loss_weighting(captured).counted
+    with_gradients = counted if counted and reaches_output_alone(next(n for n in captured.graph.nodes
+                                                                        if n.name == counted)) else None
+    return StrategySpace(mesh, nodes, warnings=warnings, loss_with_gradients=with_gradients)
 
 
 def all_replicated(s: Strategy) -> bool:

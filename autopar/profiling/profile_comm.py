@@ -268,8 +268,9 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
       with ``codegen.runtime.sync_grad_to`` hooks whose gradient already has the parameter's
       placement, minus the same without hooks, per parameter: added once per parameter, on top
       of the collective a hook may run.
-    * ``optimizer_per_param``: slope of ``torch.optim.AdamW.step()`` time over ``PARAM_COUNTS``
-      parameters: added once per parameter tensor, on top of the time its bytes take.
+    * ``optimizer_per_param``, ``optimizer_per_plain_param``: slope of ``torch.optim.AdamW.step()``
+      time over ``PARAM_COUNTS`` DTensor (plain) parameters: added once per parameter tensor
+      stored split (replicated), on top of the time its bytes take.
     * ``step``: intercept at 0 parameters of a whole step (``zero_grad(set_to_none=True)``, a
       forward summing each parameter's ``to_local()`` into a replicated scalar DTensor loss,
       ``loss.backward()``, ``AdamW.step()``) over ``PARAM_COUNTS`` parameters: added once per
@@ -277,7 +278,7 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
 
     Noise can push a difference below zero; it is reported as 0.
     """
-    step, per_param = _optimizer_overheads(device_mesh, repeats)
+    step, per_param, per_plain_param = _optimizer_overheads(device_mesh, repeats)
     rep = _replicated(device_mesh)
     x = torch.ones(_TINY, requires_grad=True)
     param = _tiny(device_mesh)
@@ -294,6 +295,7 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
         "param_read": (read - plain_read) / OVERHEAD_CALLS,
         "grad_hook": _grad_hook_overhead(device_mesh, repeats),
         "optimizer_per_param": per_param,
+        "optimizer_per_plain_param": per_plain_param,
         "step": step,
     }
     return dict(zip(OVERHEADS, _slowest([max(0.0, mine[key]) for key in OVERHEADS])))
@@ -342,19 +344,26 @@ def _backward_into(params: list[DTensor]) -> Callable[[], None]:
     return run
 
 
-def _optimizer_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
-    """(fixed seconds of a training step, seconds of ``AdamW.step`` per parameter)."""
-    steps, updates = [], []
+def _optimizer_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float, float]:
+    """(fixed seconds of a training step, seconds of ``AdamW.step`` per DTensor parameter, per
+    plain parameter)."""
+    steps, updates, plain_updates = [], [], []
     for k in PARAM_COUNTS:
         params = [_tiny(mesh) for _ in range(k)]
         opt = torch.optim.AdamW(params)
         steps.append(_train_step(mesh, params, opt))
         updates.append(opt.step)  # on the gradients the steps leave
-    medians = _mean_seconds(steps + updates, repeats)
-    ones = [1.0] * len(PARAM_COUNTS)
-    step, _ = _lstsq2(ones, PARAM_COUNTS, medians[:len(steps)])      # (intercept, slope)
-    _, per_param = _lstsq2(ones, PARAM_COUNTS, medians[len(steps):])
-    return step, per_param
+        plain = [p.to_local().detach().clone().requires_grad_() for p in params]
+        for p in plain:
+            p.grad = torch.ones_like(p)
+        plain_updates.append(torch.optim.AdamW(plain).step)
+    medians = _mean_seconds(steps + updates + plain_updates, repeats)
+    n = len(PARAM_COUNTS)
+    ones = [1.0] * n
+    step, _ = _lstsq2(ones, PARAM_COUNTS, medians[:n])      # (intercept, slope)
+    _, per_param = _lstsq2(ones, PARAM_COUNTS, medians[n:2 * n])
+    _, per_plain_param = _lstsq2(ones, PARAM_COUNTS, medians[2 * n:])
+    return step, per_param, per_plain_param
 
 
 def _train_step(mesh: DeviceMesh, params: list[DTensor], opt: torch.optim.Optimizer) -> Callable[[], None]:

@@ -203,8 +203,8 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         name, batch, seq, hand = key
         ops = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op"]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in ops) if t is not None)
-        params = sum(nc.kind == "param" for nc in plan_space.nodes)
-        overhead = _moves_overhead(cost, plan_space, chosen) + params * cost.param_overhead() + cost.step_overhead()
+        params = sum(cost.param_overhead(s.storage) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "param")
+        overhead = _moves_overhead(cost, plan_space, chosen) + params + cost.step_overhead()
         p = plan.predicted
         typical = statistics.median(slowest_rank_steps([m[key] for m in measured]))
         rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, p.exposed_comm_s,

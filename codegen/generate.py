@@ -26,7 +26,7 @@ from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_
 from autopar.core.blocks import repeated_blocks
 from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
-from codegen.fold import attention_masks, foldable
+from autopar.core.fold import attention_masks, foldable
 from codegen.recompute import checkpointed, statement_names
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
@@ -424,7 +424,7 @@ class _Emitter:
         return self.placed.get(key, mask.name)
 
     def tell_attention(self, graph: fx.Graph, folded: set[str]) -> None:
-        """Folded attention masks (``codegen.fold.attention_masks``) become what SDPA should run
+        """Folded attention masks (``autopar.core.fold.attention_masks``) become what SDPA should run
         with on this rank, and their SDPA nodes read them so (``runtime.attention``)."""
         for name in attention_masks(graph, folded):
             mask = next(n for n in graph.nodes if n.name == name)
@@ -623,7 +623,7 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
             em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
         em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
 
-    for node in order[:len(folded)]:   # values computed once (``codegen.fold``), their moves, their masks
+    for node in order[:len(folded)]:   # values computed once (``autopar.core.fold``), their moves, their masks
         emit_call(node)
     for node in order[len(folded):]:
         if node.op == "call_function" and node.name in em.plan:
@@ -652,7 +652,7 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
                        "call (they depend on no input, parameter or buffer), then reused")
         lines_of = {name: (start + 1, end + 1) for name, (start, end) in lines_of.items()}
         constants = ("def constants(self, mesh, device, sizes):\n    # values computed from shapes alone, once: "
-                     "codegen.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
+                     "autopar.core.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
     arguments = {"self", "mesh", "device", "sizes", "loss_count", *captured.user_inputs}
     for block in reversed([b for b in repeated_blocks(captured.graph) if b.path in plan.recompute]):
         body = checkpointed(body, lines_of[block.nodes[0]][0], lines_of[block.nodes[-1]][1], arguments,

@@ -330,7 +330,7 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
 
 
 def once(module: torch.nn.Module, constants: Any, mesh: DeviceMesh, device: torch.device, sizes: Any) -> tuple:
-    """The values a generated ``constants`` function computes from shapes alone (``codegen.fold``):
+    """The values a generated ``constants`` function computes from shapes alone (``autopar.core.fold``):
     computed at its first call, kept on the module, then reused."""
     cache = module.__dict__.setdefault("_autopar_folded", {})
     if constants not in cache:

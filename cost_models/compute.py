@@ -9,7 +9,7 @@ import torch
 
 from autopar.core.hardware import Hardware
 
-__all__ = ["as_amount", "compute_time", "is_amount", "maximum"]
+__all__ = ["as_amount", "compute_time", "is_amount", "maximum", "minimum"]
 
 
 def as_amount(x):
@@ -35,6 +35,13 @@ def maximum(a, b):
     if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
         return sympy.Max(a, b)
     return max(a, b)
+
+
+def minimum(a, b):
+    """``min`` of two numbers; ``sympy.Min`` when either is a sympy expression."""
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.Min(a, b)
+    return min(a, b)
 
 
 def compute_time(

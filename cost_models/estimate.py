@@ -38,7 +38,7 @@ from autopar.core.placements import Placements, grad_placement, grad_target, is_
 from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
-from cost_models.compute import as_amount, compute_time
+from cost_models.compute import as_amount, compute_time, minimum
 from autopar.core.hardware import Hardware, get_hardware
 from cost_models.profile import OpTime, Profile, calibration_key
 from solver import Term
@@ -170,6 +170,7 @@ class CostModel:
         self._moves: dict[tuple, Cost] = {}
         self.block_of = recomputed_blocks(self.space, self.recompute)
         self._block_inputs = self._first_block_readers()
+        self._from_params = self._computed_from_parameters()
 
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
@@ -233,11 +234,12 @@ class CostModel:
         kind = axis_collective(s, d)
         if kind is None or n == 1:
             return 0.0, 0.0, False
-        link = measured = self._link(kind, a)
-        if batched:
-            link = Link(link.bandwidth, link.latency * min(1.0, nbytes / BUCKET_BYTES))
-        return (collective_time(kind, nbytes, n, link), nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1),
-                measured is not self.links[a])
+        link = self._link(kind, a)
+        time = collective_time(kind, nbytes, n, link)
+        if batched:   # its share of the bucket's latency (sizes may be symbolic)
+            latency = time - collective_time(kind, nbytes, n, Link(link.bandwidth, 0.0))
+            time = time - latency + latency * minimum(1.0, nbytes / BUCKET_BYTES)
+        return (time, nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
 
     def _in_step(self, c: Cost, queued: bool, times: int | None = None) -> Cost:
         """A redistribution inside a step, at its in-step factor: blocking (``times`` a step: once
@@ -268,8 +270,8 @@ class CostModel:
             return self._param(nc, s, val)
         if nc.kind in ("input", "buffer"):
             return Cost(state_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
-        if nc.kind in ("output", "alias") or val is None:
-            return Cost()
+        if nc.kind in ("output", "alias") or val is None or nc.node.name in self.space.folded:
+            return Cost()   # a folded op runs once, at the first step: nothing a step (its result is small)
         compute = self._compute(nc, s, val) + self._inside(nc, s)
         recomputed = nc.node in self.block_of
         if recomputed:   # its forward runs again in the backward
@@ -487,8 +489,8 @@ class CostModel:
         redistribution of that input's gradient into ``src``'s gradient placement. A parameter's
         gradient redistribution is its synchronisation, queued asynchronously (``overlap_s``)."""
         val = tensor_val(src.node)
-        if val is None:
-            return Cost()
+        if val is None or (src.node.name in self.space.folded and dst.kind != "output"):
+            return Cost()   # a folded value is moved once, with it
         if dst.kind == "output":
             return self._returned(val, s.out)
         fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i]) + Cost(compute_s=self.move_overhead(src, s, dst, d, i))
@@ -497,7 +499,7 @@ class CostModel:
         if not self._grad_flows(src):
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
-        back = self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=src.kind == "param")
+        back = self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=self._queued(src))
         if src.kind == "param" and s.storage not in (None, s.out):
             back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s),
                                transient_bytes=self._packed_gradient(val, s.out))
@@ -523,7 +525,7 @@ class CostModel:
         val = tensor_val(src.node)
         rows, src_reps = _classes([(s.out, s.storage) for s in src.strategies])
         cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
-        if val is None:
+        if val is None or (src.node.name in self.space.folded and dst.kind != "output"):   # as in ``edge``
             return EdgeGrid(rows, cols, Cost(), ())
         outs = [s for s, _ in src_reps]
         if dst.kind == "output":   # as in ``edge``
@@ -539,7 +541,7 @@ class CostModel:
             grid = replace(grid, comm_s=grid.comm_s * again, comm_bytes=tuple(b * again for b in grid.comm_bytes))
             blocking = [Term(t.rows, t.cols, t.core * again) for t in blocking]
         if self._grad_flows(src):
-            queued = src.kind == "param"
+            queued = self._queued(src)
             back, terms = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
                                                    [grad_target(out, storage) for out, storage in src_reps],
                                                    queued=queued)
@@ -562,6 +564,25 @@ class CostModel:
             grid = replace(grid, compute_s=grid.compute_s + wrapping)
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
+
+    def _computed_from_parameters(self) -> frozenset[fx.Node]:
+        """Ops with a gradient computed from parameters alone (and values with none: positions,
+        folded masks), as position embeddings are. Run replicated, their gradient can stay
+        partial down to the parameters and be summed with theirs, in gradient sync's buckets
+        (``codegen.generate.partial_passes``): the edge out of such an op into one that splits
+        the batch is priced as that queued sync, not as a blocking all-reduce in the backward."""
+        found: set[fx.Node] = set()
+        kind = {nc.node: nc.kind for nc in self.space.nodes}
+        for nc in self.space.nodes:
+            if nc.kind == "op" and self._grad(nc.node) and all(
+                    kind.get(i) == "param" or i in found or not self._grad(i) for i in nc.node.all_input_nodes):
+                found.add(nc.node)
+        return frozenset(found)
+
+    def _queued(self, src: NodeChoices) -> bool:
+        """Is the gradient redistribution out of ``src`` a queued gradient synchronisation? A
+        parameter's, and that of an op computed from parameters alone (``_computed_from_parameters``)."""
+        return src.kind == "param" or src.node in self._from_params
 
     def _grad_flows(self, src: NodeChoices) -> bool:
         """Does a gradient flow back into ``src``'s output? Not into integers, inputs, buffers and

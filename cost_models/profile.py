@@ -27,14 +27,15 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 9   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 10   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
                       # and parameter reads its only wrappers); 8: gradient sync and ZeRO-3 gathers priced
                       # per bucket (calibration refitted), views timed with their local shape; 9: replicated
                       # parameters stepped as plain tensors (optimizer_per_plain_param), the loss summed with
-                      # the gradients
+                      # the gradients; 10: folded ops not timed, gradients of ops computed from parameters
+                      # alone summed in the buckets (calibration refitted)
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)

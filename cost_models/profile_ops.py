@@ -114,11 +114,12 @@ def _sharded_cross_entropy(args: tuple) -> OpCall:
 
 
 def op_calls(space: StrategySpace, mesh_shape: Sequence[int]) -> list[OpCall]:
-    """The distinct calls (by key) of every op node under every candidate strategy, in graph order."""
+    """The distinct calls (by key) of every op node under every candidate strategy, in graph order
+    (not the folded ones: they run once, ``autopar.core.fold``)."""
     calls: dict[str, OpCall] = {}
     grad = gradients(space)
     for nc in space.nodes:
-        if nc.kind != "op":
+        if nc.kind != "op" or nc.node.name in space.folded:
             continue
         for s in nc.strategies:
             call = op_call(nc, s, mesh_shape, grad)

@@ -161,7 +161,10 @@ def test_no_backward_collective_for_a_tensor_without_gradient():
     relu, down = _node(space, "relu"), _node(space, "linear_2")
     hidden = next(s for s in relu.strategies if s.out == (R,))
     row = next(s for s in down.strategies if s.ins[0] == (R,) and s.ins[1] == (S0,))
-    assert model.edge(relu, hidden, down, row, 0).comm_s > 0   # needs its gradient: all-reduced back
+    # relu's output needs its gradient: summed back, with the parameters' gradients (it is
+    # computed from them and from the input, which has none: ``_computed_from_parameters``)
+    back = model.edge(relu, hidden, down, row, 0)
+    assert back.comm_s == 0 and back.overlap_s > 0
 
 
 def test_sharded_parameter_memory_is_its_shard():

@@ -1,7 +1,9 @@
 """Values that depend on no input, parameter or buffer are computed once per generated forward
-(``codegen.fold``), and an attention mask so computed that is exactly causal (or all-pass) runs
+(``autopar.core.fold``), and an attention mask so computed that is exactly causal (or all-pass) runs
 SDPA as ``is_causal`` (or unmasked), as eager Hugging Face calls it."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from autopar.core.execution import written_aliases
 from autopar.core.mesh import MeshSpec
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_local_tensor_mesh
-from codegen.fold import foldable
+from autopar.core.fold import foldable
 from tests.equivalence import build, check_training, local_runner, make_batches
 
 
@@ -89,3 +91,25 @@ def test_what_is_folded():
     assert sorted(str(n.target) for n in folded) == ["aten.arange.default", "aten.arange.default",
                                                       "aten.mean.default", "aten.ones.default"]
     assert {tuple(n.meta["val"].shape) for n in folded} == {(6,), (), (1024, 1024)}
+
+
+def test_folded_ops_cost_nothing_a_step():
+    """The cost model prices what runs each step: the ops folded into ``constants`` and the moves
+    of their results cost nothing, and profiling does not time them; the other ops keep their cost."""
+    from autopar.core.strategies import build_space
+    from cost_models.estimate import Cost, CostModel
+    from cost_models.profile_ops import op_calls
+
+    name = "llama-tiny"
+    batch = make_batches(name, 4, 16, steps=1)[0]
+    space = build_space(capture(build(name), *batch), MeshSpec((2,), hardware="cpu"))
+    model = CostModel(space.mesh, space)
+    folded = [nc for nc in space.nodes if nc.node.name in space.folded]
+    assert len(folded) > 10   # Hugging Face's causal mask, from positions
+    assert all(model.node(nc, s) == Cost() for nc in folded for s in nc.strategies)
+    assert all(model.edge(space.nodes[i], s, space.nodes[j], d, k) == Cost()
+               for i, j, k in space.edges() if space.nodes[i].node.name in space.folded
+               for s in space.nodes[i].strategies for d in space.nodes[j].strategies)
+    unfolded = dataclasses.replace(space, folded=frozenset())
+    assert len(op_calls(space, space.mesh.shape)) < len(op_calls(unfolded, space.mesh.shape))
+    assert any(model.node(nc, s).compute_s > 0 for nc in space.nodes if nc.kind == "op" for s in nc.strategies)

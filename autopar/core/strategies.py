@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
 from autopar.core.execution import writes_in_place, written_aliases
+from autopar.core.fold import foldable
 from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, local_shape, placements_str
@@ -84,6 +85,8 @@ class StrategySpace:
     # the mean cross-entropy whose sum over ranks ``train_step`` adds to a gradient bucket's
     # all-reduce (``codegen.grad_sync.GradSync.carry``): no collective of its own
     loss_with_gradients: str | None = None
+    # the ops computed once, from shapes alone, and cached (``autopar.core.fold``): nothing a step
+    folded: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.index = {c.node: i for i, c in enumerate(self.nodes)}
@@ -255,7 +258,8 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
     counted = loss_weighting(captured).counted
     with_gradients = counted if counted and reaches_output_alone(next(n for n in captured.graph.nodes
                                                                         if n.name == counted)) else None
-    return StrategySpace(mesh, nodes, warnings=warnings, loss_with_gradients=with_gradients)
+    folded = foldable(captured, {nc.node.name for nc in nodes}, {n.name for n in written})
+    return StrategySpace(mesh, nodes, warnings=warnings, loss_with_gradients=with_gradients, folded=frozenset(folded))
 
 
 def all_replicated(s: Strategy) -> bool:

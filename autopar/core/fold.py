@@ -4,11 +4,12 @@ An exported model computes some tensors from shapes alone: position ids from ``a
 Hugging Face's attention masks (about 40 small ops per model: positions compared, indexed,
 combined), which eager Hugging Face skips when the batch has no padding. Generated code puts
 these ops in a function of their own, ``constants``, run at the first call of the forward and
-cached (``runtime.once``); the forward starts by reading its results.
+cached (``codegen.runtime.once``); the forward starts by reading its results. The cost model
+prices them (and the moves of their results) at nothing a step (``StrategySpace.folded``).
 
 A mask computed this way that every rank finds exactly causal (or letting everything through)
 is handed to SDPA as ``is_causal=True`` (or no mask), as eager Hugging Face calls it: the mask's
-memory and the masked kernel are saved (``runtime.attention_mask``, ``runtime.attention``).
+memory and the masked kernel are saved (``codegen.runtime.attention_mask``, ``attention``).
 
 Not folded: random ops, values written in place or aliasing one, values the model returns, and
 values over ``FOLD_BYTES`` that the forward would keep alive between calls (masks excepted: one
@@ -16,13 +17,12 @@ that is not causal is the tensor the forward would build each call anyway).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 import torch.fx as fx
 
 from autopar.core.capture import CapturedGraph, value_bytes
-from autopar.core.plan import NodePlan
 
 aten = torch.ops.aten
 FOLD_BYTES = 16 * 2**20
@@ -30,17 +30,18 @@ _RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise
 _SDPA = aten.scaled_dot_product_attention.default
 
 
-def foldable(captured: CapturedGraph, plan: dict[str, NodePlan], written: set[str],
+def foldable(captured: CapturedGraph, planned: Container[str], written: Container[str],
              limit: int = FOLD_BYTES) -> set[str]:
-    """The nodes computed once: every input folded too (none is an input, parameter or buffer)."""
+    """The nodes computed once: every input folded too (none is an input, parameter or buffer).
+    ``planned``: the nodes the plan places; ``written``: values written in place or aliasing one."""
     graph = captured.graph
     output = next(n for n in graph.nodes if n.op == "output")
     folded: set[str] = set()
     for node in graph.nodes:
-        if (node.op == "call_function" and node.name in plan and node.name not in written
+        if (node.op == "call_function" and node.name in planned and node.name not in written
                 and output not in node.users and not _random(node)
                 and isinstance(node.meta.get("val"), torch.Tensor)
-                and all(inp.name in folded for inp in node.all_input_nodes)):
+                and all(inp.name in folded or _size(inp) for inp in node.all_input_nodes)):
             folded.add(node.name)
     while True:   # values kept between calls stay small
         large = {n for n in kept(graph, folded) - set(attention_masks(graph, folded)) if value_bytes(graph, n) > limit}
@@ -65,6 +66,12 @@ def attention_masks(graph: fx.Graph, folded: set[str]) -> list[str]:
                              and node not in u.args[:3] for u in users):
                 masks.append(node.name)
     return masks
+
+
+def _size(node: fx.Node) -> bool:
+    """A size read off a tensor's shape (a capture with symbolic sizes, ``autopar.planning.symbolic``):
+    fixed for a generated forward, which is specialised on its inputs' shapes."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt))
 
 
 def _random(node: fx.Node) -> bool:

@@ -566,16 +566,21 @@ class CostModel:
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
     def _computed_from_parameters(self) -> frozenset[fx.Node]:
-        """Ops with a gradient computed from parameters alone (and values with none: positions,
-        folded masks), as position embeddings are. Run replicated, their gradient can stay
-        partial down to the parameters and be summed with theirs, in gradient sync's buckets
-        (``codegen.generate.partial_passes``): the edge out of such an op into one that splits
-        the batch is priced as that queued sync, not as a blocking all-reduce in the backward."""
-        found: set[fx.Node] = set()
+        """Ops with a gradient computed from parameters alone (and from values that have none and
+        do not depend on the batch: positions, folded masks), as position embeddings are. Run
+        replicated, their gradient can stay partial down to the parameters and be summed with
+        theirs, in gradient sync's buckets (``codegen.generate.partial_passes``): the edge out of
+        such an op into one that splits the batch is priced as that queued sync, not as a
+        blocking all-reduce in the backward."""
         kind = {nc.node: nc.kind for nc in self.space.nodes}
+        found: set[fx.Node] = set()
+        data: set[fx.Node] = set()   # what depends on the batch
         for nc in self.space.nodes:
+            inputs = nc.node.all_input_nodes
+            if nc.kind == "input" or any(i in data for i in inputs):
+                data.add(nc.node)
             if nc.kind == "op" and self._grad(nc.node) and all(
-                    kind.get(i) == "param" or i in found or not self._grad(i) for i in nc.node.all_input_nodes):
+                    kind.get(i) == "param" or i in found or not (self._grad(i) or i in data) for i in inputs):
                 found.add(nc.node)
         return frozenset(found)
 

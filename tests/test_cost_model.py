@@ -161,10 +161,26 @@ def test_no_backward_collective_for_a_tensor_without_gradient():
     relu, down = _node(space, "relu"), _node(space, "linear_2")
     hidden = next(s for s in relu.strategies if s.out == (R,))
     row = next(s for s in down.strategies if s.ins[0] == (R,) and s.ins[1] == (S0,))
-    # relu's output needs its gradient: summed back, with the parameters' gradients (it is
-    # computed from them and from the input, which has none: ``_computed_from_parameters``)
-    back = model.edge(relu, hidden, down, row, 0)
+    assert model.edge(relu, hidden, down, row, 0).comm_s > 0   # needs its gradient: all-reduced back
+
+
+def test_the_gradient_of_position_embeddings_is_summed_with_the_parameters():
+    """Position embeddings (computed from a parameter and positions alone) run whole on every
+    rank and are added to the batch split: their partial gradient is summed in gradient sync's
+    buckets with the parameters' (``codegen.generate.partial_passes``), not all-reduced blocking in
+    the backward; the token embeddings, computed from the batch, are not."""
+    entry = get_model("gpt-tiny")
+    args, kwargs = entry.example(4, 16)
+    space = build_space(capture(entry.build(), args, kwargs), MeshSpec((2,), hardware="cpu"))
+    model = CostModel(space.mesh, space)
+    positions, tokens, add = (_node(space, n) for n in ("embedding_1", "embedding", "add"))
+    split = next(s for s in add.strategies if s.out == (S0,) and s.ins[0] == (S0,) and s.ins[1] == (R,))
+    whole = _strategy(positions, (R,), ((R,), (R,)))
+    back = model.edge(positions, whole, add, split, 1)
     assert back.comm_s == 0 and back.overlap_s > 0
+    replicated_tokens = _strategy(tokens, (R,), ((R,), (R,)))
+    back = model.edge(tokens, replicated_tokens, add, split, 0)   # its gradient gathered, blocking
+    assert back.comm_s > 0 and back.overlap_s == 0
 
 
 def test_sharded_parameter_memory_is_its_shard():

@@ -263,12 +263,17 @@ class LocalSizes:
         return any(len({stop - start for start, stop in self._ranges(int(n), _split_axes(placements, d))}) > 1
                    for d, n in enumerate(shape))
 
-    def shape(self, shape: Sequence[int], placements: Placements, infer: bool = False) -> str:
+    def shape(self, shape: Sequence[int], placements: Placements, infer: bool = False,
+              from_uneven: bool = False) -> str:
         """Text of this rank's local shape of a tensor of global ``shape`` placed ``placements``.
         ``infer``: a view's target, where one dimension that differs between ranks is written -1
-        (the op infers it; per-rank sizes in a view's arguments defeat its backward's checks)."""
+        (the op infers it; per-rank sizes in a view's arguments defeat its backward's checks).
+        ``from_uneven``: the view's input is split unevenly, so its split dimension is -1 even
+        where the output's looks even (5 rows of 16 split 3 and 2, flattened: 48 and 32, not 40)."""
         dims = [self.dim(int(n), _split_axes(placements, d)) for d, n in enumerate(shape)]
         uneven = [d for d, text in enumerate(dims) if text.startswith("sizes.")]
+        if infer and from_uneven and not uneven:
+            uneven = [d for d in range(len(shape)) if _split_axes(placements, d)]
         if infer and len(uneven) == 1:
             dims[uneven[0]] = "-1"
         return f"[{', '.join(dims)}]"
@@ -501,6 +506,7 @@ class _Emitter:
             comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
                         " (summed once, later)")
         args = ", ".join(self.arg(a, rename) for a in node.args)
+        from_uneven = False
         if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
             summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
             over = ", ".join(self.axes[a] for a in summed)
@@ -532,17 +538,19 @@ class _Emitter:
             rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
             self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)
         else:
-            shape = (self.sizes.shape(tensor_val(node).shape, np_.out, infer=node.target in VIEW_OPS)
+            from_uneven = node.target in _AS_RESHAPE | {aten.reshape.default} and self.sizes.uneven(
+                tensor_val(node.args[0]).shape, np_.ins[0])
+            shape = (self.sizes.shape(tensor_val(node).shape, np_.out, infer=node.target in VIEW_OPS,
+                                      from_uneven=from_uneven)
                      if node.target in SHAPE_ARG_OPS else None)
-            if node.target in _AS_RESHAPE | {aten.reshape.default} and self.sizes.uneven(
-                    tensor_val(node.args[0]).shape, np_.ins[0]):
+            if from_uneven:
                 self.emit(f"{node.name} = uneven_reshape({rename.get(node.args[0].name, node.args[0].name)}, {shape})",
                           comment + "; ranks hold different sizes")
             else:
                 self.emit(f"{node.name} = {self._call_text(node, rename, shape)}",
                           comment + ("" if inputs else "; the same on every rank"))
         val = node.meta.get("val")
-        if self.strict and isinstance(val, torch.Tensor):
+        if self.strict and isinstance(val, torch.Tensor) and not from_uneven:   # its split is not DTensor's
             self.emit(f"{node.name} = expect({node.name}, {self.sizes.shape(val.shape, np_.out)}, {node.name!r})")
         self.out_of[node.name] = np_.out
 

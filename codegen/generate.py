@@ -325,6 +325,7 @@ class _Emitter:
         self.counts_loss = False                                # ... and the code reads it
         self.loss_summed_over: tuple[int, ...] = ()             # the loss returned is a summand over these axes
         self.masked_attention: set[str] = set()                 # SDPA nodes reading a folded mask
+        self.unlike_dtensor: set[str] = set()   # values split as an uneven view splits them, not as DTensor would
         self.lines: list[str] = []
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
@@ -550,7 +551,9 @@ class _Emitter:
                 self.emit(f"{node.name} = {self._call_text(node, rename, shape)}",
                           comment + ("" if inputs else "; the same on every rank"))
         val = node.meta.get("val")
-        if self.strict and isinstance(val, torch.Tensor) and not from_uneven:   # its split is not DTensor's
+        if from_uneven or any(i.name in self.unlike_dtensor for i in node.all_input_nodes):
+            self.unlike_dtensor.add(node.name)
+        elif self.strict and isinstance(val, torch.Tensor):   # (their sizes are not the placement's)
             self.emit(f"{node.name} = expect({node.name}, {self.sizes.shape(val.shape, np_.out)}, {node.name!r})")
         self.out_of[node.name] = np_.out
 

@@ -38,6 +38,16 @@ def test_inner_layers_share_decisions_first_and_last_do_not():
     assert weights["transformer.h.0.mlp.c_fc.weight"] != weights["transformer.h.2.mlp.c_fc.weight"]
 
 
+def test_parallel_residual_layers_are_repeated_blocks():
+    """GPT-NeoX (as GPT-J and Phi) adds attention, MLP and the layer's input in one residual: the
+    add reads the previous layer's output exactly one layer back, and the layers still share."""
+    model, args, kwargs = meta_model("pythia-1.4b", 2, 128)
+    p = prepare(capture(model, args, kwargs), MeshSpec((4,), hardware="h100-80gb"), PlanOptions())
+    blocks = p.grouping.blocks
+    assert blocks is not None and blocks[2] >= model.config.num_hidden_layers - 1, \
+        p.grouping.describe(len(p.space.nodes))
+
+
 def test_followers_take_no_decision_of_their_own():
     p = _planning("gpt-tiny", (2, 2), share_layers=False)
     g, space = p.grouping, p.space

@@ -148,9 +148,10 @@ def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int]
 def _longest_run(space: StrategySpace, order: list[int]) -> tuple[int, int, int] | None:
     """(start, period, count) of the longest stretch of ``order`` made of ``count`` >= 3 copies of
     one block of ``period`` nodes. Nodes compare by op, arguments, shapes and where their inputs
-    come from: the relative position of a producer less than a block back, else the producer
-    itself (a tensor every layer reads, like rotary tables or a mask), or the kind and shape of
-    a parameter or input."""
+    come from: the relative position of a producer at most a block back (a parallel-residual
+    block, as in GPT-J or GPT-NeoX, adds the previous block's output exactly one block back),
+    else the producer itself (a tensor every layer reads, like rotary tables or a mask), or the
+    kind and shape of a parameter or input."""
     if len(order) < 2 * MIN_BLOCKS:
         return None
     position = {i: p for p, i in enumerate(order)}
@@ -186,7 +187,7 @@ def _source(p: int, u: int | tuple, period: int) -> object:
     """How node ``p`` sees an input: offset to a near producer, a far producer itself, or a leaf."""
     if isinstance(u, tuple):
         return u
-    return p - u if p - u < period else ("far", u)
+    return p - u if p - u <= period else ("far", u)
 
 
 def _op_signature(space: StrategySpace, i: int) -> tuple:

@@ -33,7 +33,13 @@ def test_small_budget_shards_parameters_and_fits():
     assert plan.predicted.peak_memory_bytes <= budget
 
 
-def test_infeasible_budget_states_minimum():
+def test_infeasible_budget_states_minimum(monkeypatch):
+    from autopar.planning import planner
+
+    def costed(*args, **kwargs):
+        raise AssertionError("hand plans costed for a budget that no plan can fit")
+
+    monkeypatch.setattr(planner, "standard_plans", costed)   # the bound says so before any plan is costed
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     with pytest.raises(autopar.InfeasibleError) as info:
         autopar.plan(model, MeshSpec((2,)), args, kwargs, memory_budget=1000)

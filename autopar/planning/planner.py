@@ -194,8 +194,10 @@ def _at_least(rows: int, count: float) -> int:
 
 def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] | None,
           deadline: float | None) -> Plan:
-    """The auto plan of one planning problem: the solver's, or the best hand plan it does not beat."""
-    hands = standard_plans(planning, deadline=deadline) if options.hand_plans and not forced else {}
+    """The auto plan of one planning problem: the solver's, or the best hand plan it does not beat.
+    Where no plan can fit the budget, the solver says so at once: no hand plan is worth costing."""
+    hopeless = planning.budget is not None and memory_bounds(planning.problem)[0] > planning.budget
+    hands = standard_plans(planning, deadline=deadline) if options.hand_plans and not forced and not hopeless else {}
     fitting = [h for h in hands.values() if h[0].feasible]
     best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)
     plan, _ = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)

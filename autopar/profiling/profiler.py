@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.core.capture import as_args, capture
+from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import hand_plans
@@ -61,8 +61,23 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
     space = build_space(capture(model, as_args(example_inputs), example_kwargs, precision=precision), spec)
+    path = Path(path) if path is not None else default_profile_path(local_fingerprint(spec))
+    profile = _measure(spec, path, [space], progress, captured_s=time.perf_counter() - t0)
+    if calibrate and _uncalibrated(profile, spec):
+        factors = _calibrate(spec, path, say, profile.calibration)
+        profile = Profile.from_json(path)   # now with the calibration workloads' ops too
+        profile.calibration.update(factors)
+        profile.to_json(path)
+    return profile, path
+
+
+def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progress: Progress | None, *,
+             captured_s: float, comm: bool = True) -> Profile:
+    """Time, in one local gloo launch, the op calls of ``spaces`` that the profile at ``path``
+    lacks, and (``comm``) the collectives and runtime overheads it lacks; merge them in, save and
+    return the profile. One launch for every workload: each costs seconds of process start."""
+    say = progress or (lambda line: None)
     fingerprint = local_fingerprint(spec)
-    path = Path(path) if path is not None else default_profile_path(fingerprint)
     try:
         profile = Profile.from_json(path) if path.exists() else Profile(fingerprint)
     except StaleProfileError as e:   # measured by another autopar: nothing in it can be trusted
@@ -70,32 +85,30 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
         profile = Profile(fingerprint)
     if profile.fingerprint != fingerprint:
         raise ProfileError(f"{path} holds a profile of other hardware; pass another path")
-    calls = [c for c in op_calls(space, spec.shape) if c.key not in profile.ops]
+    calls = list({c.key: c for space in spaces for c in op_calls(space, spec.shape)
+                  if c.key not in profile.ops}.values())
     sizes = {n for n in spec.shape if n > 1}
     # The runtime overheads and the overlap are measured once per profile: calibration fits its
     # factors against those numbers, and on shared cores a second measurement can differ by half.
-    need_overheads = not profile.overheads
-    need_comm = need_overheads or any(collective_key(kind, n) not in profile.collectives
-                                      for kind in COLLECTIVE_KINDS if kind != "broadcast" for n in sizes)
+    need_overheads = comm and not profile.overheads
+    need_comm = comm and (need_overheads or any(collective_key(kind, n) not in profile.collectives
+                                                for kind in COLLECTIVE_KINDS if kind != "broadcast" for n in sizes))
     say(f"{len(calls)} op calls to time ({len(profile.ops)} cached), "
         f"{'collectives and overheads' if need_overheads else 'collectives' if need_comm else 'collectives cached'}"
-        f"; captured in {time.perf_counter() - t0:.1f} s")
-    t1 = time.perf_counter()
-    portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
+        f"; captured in {captured_s:.1f} s")
     if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
         need_comm = False
+    if not calls and not need_comm:
+        return profile
+    t1 = time.perf_counter()
+    portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
     ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, need_overheads,
                                                       fingerprint, progress, axis_names=spec.axis_names,
                                                       start_method="forkserver")[0]
     profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")
-    if calibrate and _uncalibrated(profile, spec):
-        factors = _calibrate(spec, path, say, profile.calibration)
-        profile = Profile.from_json(path)   # now with the calibration workloads' ops too
-        profile.calibration.update(factors)
-        profile.to_json(path)
-    return profile, path
+    return profile
 
 
 #: Calibration workloads: two zoo models at sizes the cost-accuracy benchmark does not run (it
@@ -192,10 +205,18 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
     """Each workload (model, sizes) at each size: every op replicated (if ``replicated``), and on
     several devices the calibration hand plans, each planned with the profile's uncalibrated
     numbers; all of them timed in one launch on this mesh, taking turns (``_calibration_worker``)."""
-    plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
+    t0 = time.perf_counter()
+    workloads = [(name, batch, seq) for name, sizes in workloads for batch, seq in sizes]
     with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
-        for name, sizes in workloads:
-            plans.update(_calibration_plans(spec, path, name, sizes, replicated))
+        captured = {w: capture(*_calibration_model(*w)) for w in workloads}
+        _measure(spec, path, [build_space(c, spec) for c in captured.values()], None,
+                 captured_s=time.perf_counter() - t0, comm=False)
+        profile = Profile.from_json(path)
+        # the factors are fitted against the ops' and overheads' own numbers: none applied yet
+        profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
+        plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
+        for w, c in captured.items():
+            plans.update(_calibration_plans(spec, profile, w, c, replicated))
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []
@@ -221,32 +242,31 @@ def _moves_overhead(cost: CostModel, space: StrategySpace, chosen: Sequence[Stra
                for i, src in enumerate(nc.inputs) if src in strategy)
 
 
-def _calibration_plans(spec: MeshSpec, path: Path, name: str, sizes: Sequence[tuple[int, int]], replicated: bool
-                       ) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace, list[Strategy]]]:
-    """Model ``name`` at each size, its ops profiled: the replicated plan (if ``replicated``) and on
-    several devices the calibration hand plans, each with its cost model, space and strategies."""
+def _calibration_model(name: str, batch: int, seq: int) -> tuple[nn.Module, tuple, dict]:
+    """A calibration workload's model (built afresh: zoo models build deterministically) and batch."""
     entry = get_model(name)
+    return (entry.build(), *entry.example(batch, seq))
+
+
+def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, int, int], captured: CapturedGraph,
+                       replicated: bool) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace,
+                                                                                    list[Strategy]]]:
+    """One workload (model, batch, seq), captured: the replicated plan (if ``replicated``) and on
+    several devices the calibration hand plans, each with its cost model, space and strategies."""
     plans = {}
-    for batch, seq in sizes:
-        model = entry.build()
-        args, kwargs = entry.example(batch, seq)
-        profile, _ = profile_model(model, spec, args, kwargs, path=path, progress=None, calibrate=False)
-        profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
-        captured = capture(model, args, kwargs)
-        space = build_space(captured, spec)
-        if replicated:
-            chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
-            forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
-            plans[(name, batch, seq, "replicated")] = (
-                plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
-                CostModel(spec, space, profile=profile), space, chosen)
-        if spec.size > 1:
-            planning = prepare(captured, spec, PlanOptions(profile=profile))
-            for hand, (plan, choices) in hand_plans(planning).items():
-                if _calibration_plan(hand):
-                    chosen = [nc.strategies[k]
-                              for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
-                    plans[(name, batch, seq, hand)] = (plan, planning.model, planning.space, chosen)
+    space = build_space(captured, spec)
+    if replicated:
+        chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
+        plans[(*workload, "replicated")] = (
+            plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
+            CostModel(spec, space, profile=profile), space, chosen)
+    if spec.size > 1:
+        planning = prepare(captured, spec, PlanOptions(profile=profile))
+        for hand, (plan, choices) in hand_plans(planning).items():
+            if _calibration_plan(hand):
+                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
+                plans[(*workload, hand)] = (plan, planning.model, planning.space, chosen)
     return plans
 
 
@@ -259,10 +279,7 @@ def _calibration_worker(mesh: DeviceMesh, plans: list[tuple[tuple[str, int, int,
     typical step, the figure the cost model predicts."""
     runs = {}
     for key, plan_json in plans:
-        name, batch, seq, _ = key
-        entry = get_model(name)
-        args, kwargs = entry.example(batch, seq)
-        model = entry.build()
+        model, args, kwargs = _calibration_model(*key[:3])
         sharded = ShardedModule(model, mesh, Plan.from_json(plan_json), capture(model, args, kwargs))
         runs[key] = (sharded, torch.optim.AdamW(sharded.parameters()), (args, kwargs))
     rounds = time_in_turns(runs, rounds=CALIBRATION_ROUNDS, warmup=1, steps=CALIBRATION_STEPS)

@@ -43,9 +43,10 @@ STRICT = os.environ.get("AUTOPAR_STRICT", "0") == "1"
 
 
 class _PlannedRedistributions(logging.Filter):
-    """While autopar redistributes, drop DTensor's hint that a change over several mesh axes runs
-    one collective per axis (logged by every rank, once per mesh): the planner chose and priced
-    exactly those collectives."""
+    """While autopar redistributes, drop DTensor's hints, logged by every rank: that a change over
+    several mesh axes runs one collective per axis (once per mesh), and that gloo runs an
+    all-to-all as an all-gather and a chunk (once per process). The planner chose those
+    collectives and priced them as measured through this runtime (``autopar profile``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,7 +63,8 @@ class _PlannedRedistributions(logging.Filter):
 
 
 _PLANNED = _PlannedRedistributions()
-logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PLANNED)
+for _hints in ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._collective_utils"):
+    logging.getLogger(_hints).addFilter(_PLANNED)
 
 
 def distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:

@@ -128,6 +128,26 @@ def test_no_dtensor_hints_in_normal_use(caplog):
     assert not [r for r in caplog.records if "sequential" in r.getMessage()]
 
 
+def test_gloo_all_to_all_fallback_hint_is_not_shown_for_planned_moves(caplog):
+    """On gloo DTensor runs an all-to-all as an all-gather and a chunk and says so once per rank
+    (not under LocalTensorMode): for autopar's planned moves, priced as measured, it is noise."""
+    import logging
+
+    from torch.distributed.tensor import _collective_utils
+
+    from codegen.runtime import _PLANNED
+
+    hints = logging.getLogger(_collective_utils.__name__)
+    hints.addHandler(caplog.handler)
+    try:
+        with _PLANNED:
+            hints.warning("CPU process group does not support alltoall yet")
+        hints.warning("outside a planned move")
+    finally:
+        hints.removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records] == ["outside a planned move"]
+
+
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
 def test_new_input_shapes_train_exactly(mesh_shape):
     """Compiled for 6 x 16 tokens, fed what a training loop feeds: a smaller last batch (5, split

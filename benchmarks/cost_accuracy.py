@@ -1,7 +1,7 @@
 """How close the cost model's predictions are to what a training step really costs here.
 
-For each zoo model, mesh and batch x sequence size: plan once in this process (``autopar.plan``),
-then on every rank compile the plan, train with AdamW and measure the step
+For each zoo model, mesh and batch x sequence size: plan once in this process (``autopar.plan``, with
+``gather_outputs=False``: the ranks time ``train_step``, which gathers no output), then on every rank compile the plan, train with AdamW and measure the step
 (:func:`autopar.profiling.measure.measure_training`: median step time without a profiler, peak tensor bytes
 in a separate step). Prints predicted vs. measured step time (slowest rank) and peak memory
 (largest rank), the error statistics and PASS/FAIL against the targets; saves everything as JSON.
@@ -276,7 +276,9 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
         profile_model(model, spec, args, kwargs, progress=None)
         profile_s = time.perf_counter() - t0
-    options = {**plan_kwargs, **dict(cfg.knobs)}
+    # Each rank times ``train_step``, which returns only the loss and never gathers the other
+    # outputs: planned likewise (the default plan prices a gather of the logits every step)
+    options = {"gather_outputs": False, **plan_kwargs, **dict(cfg.knobs)}
     hand = options.pop("hand_plan", None)
     plan = (candidates(model, spec, args, kwargs, **options)[hand] if hand else
             autopar.plan(model, spec, args, kwargs, **options))

@@ -95,6 +95,7 @@ class Cost:
     grad_bytes: float = 0.0       # parameter gradients: from the backward to the optimizer step
     output_grad_bytes: float = 0.0  # the gradient of an op's output: from its last user's backward to its own
     transient_bytes: float = 0.0  # working memory while the node runs
+    synced_bytes: float = 0.0     # a parameter gradient all-reduced in a bucket: the sum's copy (``schedule``)
     comm_bytes: tuple[float, ...] = ()   # per mesh axis
     measured: frozenset[str] = frozenset()   # which of "compute", "comm" came from the profile
 
@@ -503,7 +504,15 @@ class CostModel:
         if src.kind == "param" and s.storage not in (None, s.out):
             back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s),
                                transient_bytes=self._packed_gradient(val, s.out))
+        elif src.kind == "param" and back.overlap_s:
+            back = back + Cost(synced_bytes=self._synced_gradient(val, s.out))
         return fwd + back
+
+    def _synced_gradient(self, val: torch.Tensor, out: Placements) -> float:
+        """A parameter's local gradient all-reduced in a bucket (``codegen.grad_sync``): the
+        all-reduce returns the sum in a buffer of its own, which becomes the parameter's ``grad``
+        when the backward ends; until then the local gradient is held beside it."""
+        return _bytes(val) * shard_fraction(out, self.mesh.shape)
 
     def _packed_gradient(self, val: torch.Tensor, out: Placements) -> float:
         """A ZeRO parameter's whole gradient, packed with its group's for their reduce-scatter
@@ -555,6 +564,10 @@ class CostModel:
                 packed = np.array([self._packed_gradient(val, out) if storage not in (None, out) else 0.0
                                    for out, storage in src_reps])[:, None]
                 back = replace(back, transient_bytes=back.transient_bytes + packed)
+            if src.kind == "param":   # as in ``edge``: the sum of an all-reduced gradient, held beside it
+                summed = np.array([self._synced_gradient(val, out) if storage in (None, out) else 0.0
+                                   for out, storage in src_reps])[:, None]
+                back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
             grid = grid + back
             if not queued:
                 blocking += [t.transposed() for t in terms]

@@ -5,7 +5,10 @@ optimizer. Places each node's costs at the moments they happen, to find
   op's forward to its backward; the gradient of each activation from the backward of its last
   user to its own backward (the backward's mirror of forward liveness); a parameter's gradient
   from the backward of its first user (in forward order: the last one the backward reaches) to
-  the optimizer step; each node's working memory while it runs;
+  the optimizer step; each node's working memory while it runs; at the backward's end, the sums
+  of the gradients all-reduced in buckets beside the gradients, and the last bucket's flattened
+  input (``simulate`` only: the ILP's rows leave them out, and the planner re-solves when that
+  moment exceeds the budget);
 * the exposed communication: gradient synchronisations are queued, in the order the backward
   completes them, on one communication channel that runs under the rest of the backward.
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.fx as fx
 
-from autopar.core.execution import VIEW_OPS
+from autopar.core.execution import BUCKET_BYTES, VIEW_OPS
 from autopar.core.strategies import Strategy, StrategySpace
 from cost_models.estimate import Cost, CostModel, EdgeGrid
 from solver import Row
@@ -129,6 +132,10 @@ class Timeline:
             t += nodes[i].backward_s * self.overlap
             for seconds in at.get(i, ()):
                 chan = max(t, chan) + seconds
+        # The backward's end: the last bucket launched. Every gradient all-reduced in a bucket is
+        # held twice (the local one and the sum), and that bucket's flattened input once more.
+        synced = sum(c.synced_bytes for c in nodes)
+        check(synced + min(synced, BUCKET_BYTES), "backward: gradient buckets", 0)
         check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step", 0)
         exposed = max(0.0, chan - t)
         compute = sum(c.compute_s for c in nodes)

@@ -209,14 +209,14 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
     workloads = [(name, batch, seq) for name, sizes in workloads for batch, seq in sizes]
     with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
         captured = {w: capture(*_calibration_model(*w)) for w in workloads}
-        _measure(spec, path, [build_space(c, spec) for c in captured.values()], None,
-                 captured_s=time.perf_counter() - t0, comm=False)
+        spaces = {w: build_space(c, spec) for w, c in captured.items()}
+        _measure(spec, path, list(spaces.values()), None, captured_s=time.perf_counter() - t0, comm=False)
         profile = Profile.from_json(path)
         # the factors are fitted against the ops' and overheads' own numbers: none applied yet
         profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
         plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
         for w, c in captured.items():
-            plans.update(_calibration_plans(spec, profile, w, c, replicated))
+            plans.update(_calibration_plans(spec, profile, w, c, spaces[w], replicated))
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []
@@ -249,12 +249,12 @@ def _calibration_model(name: str, batch: int, seq: int) -> tuple[nn.Module, tupl
 
 
 def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, int, int], captured: CapturedGraph,
-                       replicated: bool) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace,
-                                                                                    list[Strategy]]]:
-    """One workload (model, batch, seq), captured: the replicated plan (if ``replicated``) and on
-    several devices the calibration hand plans, each with its cost model, space and strategies."""
+                       space: StrategySpace, replicated: bool
+                       ) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace, list[Strategy]]]:
+    """One workload (model, batch, seq), captured, with its strategy space: the replicated plan (if
+    ``replicated``) and on several devices the calibration hand plans, each with its cost model,
+    space and strategies."""
     plans = {}
-    space = build_space(captured, spec)
     if replicated:
         chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
         forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}

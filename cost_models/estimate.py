@@ -503,20 +503,16 @@ class CostModel:
         back = self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=self._queued(src))
         if src.kind == "param" and s.storage not in (None, s.out):
             back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s),
-                               transient_bytes=self._packed_gradient(val, s.out))
+                               transient_bytes=self._local_gradient(val, s.out))
         elif src.kind == "param" and back.overlap_s:
-            back = back + Cost(synced_bytes=self._synced_gradient(val, s.out))
+            back = back + Cost(synced_bytes=self._local_gradient(val, s.out))
         return fwd + back
 
-    def _synced_gradient(self, val: torch.Tensor, out: Placements) -> float:
-        """A parameter's local gradient all-reduced in a bucket (``codegen.grad_sync``): the
-        all-reduce returns the sum in a buffer of its own, which becomes the parameter's ``grad``
-        when the backward ends; until then the local gradient is held beside it."""
-        return _bytes(val) * shard_fraction(out, self.mesh.shape)
-
-    def _packed_gradient(self, val: torch.Tensor, out: Placements) -> float:
-        """A ZeRO parameter's whole gradient, packed with its group's for their reduce-scatter
-        (``codegen.zero3``): held while the collective runs."""
+    def _local_gradient(self, val: torch.Tensor, out: Placements) -> float:
+        """Bytes of a parameter's gradient as its ops produce it (placed ``out``). Held once more
+        while it is synchronised: a ZeRO parameter's, packed with its group's for their
+        reduce-scatter (``codegen.zero3``); a replicated one's, as the sum its bucket's all-reduce
+        returns in a buffer of its own (``codegen.grad_sync``), ``grad`` once the backward ends."""
         return _bytes(val) * shard_fraction(out, self.mesh.shape)
 
     def _returned(self, val: torch.Tensor, out: Placements) -> Cost:
@@ -561,11 +557,11 @@ class CostModel:
                 back = replace(back, comm_s=back.comm_s + earlier)
                 blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
             if queued:
-                packed = np.array([self._packed_gradient(val, out) if storage not in (None, out) else 0.0
+                packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
                                    for out, storage in src_reps])[:, None]
                 back = replace(back, transient_bytes=back.transient_bytes + packed)
             if src.kind == "param":   # as in ``edge``: the sum of an all-reduced gradient, held beside it
-                summed = np.array([self._synced_gradient(val, out) if storage in (None, out) else 0.0
+                summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
                                    for out, storage in src_reps])[:, None]
                 back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
             grid = grid + back

@@ -91,8 +91,10 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
             given = edge_cost(i, j, 0)[choice[i]] + node_cost(j)[None, :]   # [producer choice][own strategy]
             # follow: read the producer's placement as it is where some strategy can (a local slice
             # looks free here, but whoever reads the follower may have to gather it back)
-            outs = [space.nodes[i].strategies[c].out for c in choice[i]]
-            same = np.array([[s.ins[0] == o for s in nc.strategies] for o in outs])
+            ids: dict = {}   # placements compared by hash, not pairwise: blocks have thousands of followers
+            outs = np.array([ids.setdefault(space.nodes[i].strategies[c].out, len(ids)) for c in choice[i]])
+            reads = np.array([ids.get(s.ins[0], -1) for s in nc.strategies])
+            same = outs[:, None] == reads[None, :]
             given = np.where(same | ~same.any(axis=1, keepdims=True), given, np.inf)
             root[j], choice[j] = root[i], np.argmin(given, axis=1)
             folded += 1

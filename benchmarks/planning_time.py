@@ -45,7 +45,8 @@ def measure(name: str, mesh: tuple[int, ...], time_limit: float, out: mp.Queue) 
         "model": name, "mesh": list(mesh), "hardware": HARDWARE, "time_limit_s": time_limit,
         "total_s": time.perf_counter() - start, "stages_s": {"build model": built, **plan.timings},
         "solver": {k: v for k, v in plan.solver.items() if k != "hand_plans"},
-        "best_hand_plan": min(plan.solver["hand_plans"].items(), key=lambda kv: kv[1]["step_time_s"])[0],
+        "best_hand_plan": min(((n, h) for n, h in plan.solver["hand_plans"].items() if h["feasible"]),
+                              key=lambda kv: kv[1]["step_time_s"], default=(None,))[0],
         "predicted_step_s": plan.predicted.step_time_s, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     })

@@ -238,6 +238,28 @@ def test_planner_recomputes_when_no_microbatch_count_fits():
         autopar.PlanOptions(recompute="selective")
 
 
+def test_planner_prices_recomputation_against_more_microbatches():
+    """Where the whole batch needs microbatches, "auto" plans it both ways, each in the fewest
+    microbatches that fit, and keeps the faster: recomputation may need fewer, larger ones."""
+    model, args, kwargs = meta_model("gpt2-tiny", 16, 256)
+    mesh = MeshSpec((2,))
+    least = {}
+    for mode in ("none", "full"):
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, recompute=mode, microbatches=1, memory_budget=1.0, profile=None)
+        least[mode] = info.value.min_memory_bytes
+    budget = 1.2 * least["full"]
+    assert budget < least["none"]   # the whole batch fits only with recomputation
+    each = {mode: autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=budget, profile=None)
+            for mode in ("none", "full")}
+    assert each["none"].microbatches > each["full"].microbatches and not each["none"].recompute
+    auto = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    faster = min(each, key=lambda mode: each[mode].predicted.step_time_s)
+    assert auto.feasible and auto.predicted.step_time_s == pytest.approx(each[faster].predicted.step_time_s)
+    assert auto.microbatches == each[faster].microbatches and auto.recompute == each[faster].recompute
+    assert auto.solver["recompute"].startswith("none: ") and auto.solver["recompute"].endswith(f"kept {faster}")
+
+
 # ---------------------------------------------------------------- ZeRO-2
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])

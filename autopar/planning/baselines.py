@@ -6,7 +6,8 @@ A hand plan gives each mesh axis a role:
   (DDP; what does not depend on the inputs, such as position ids, is computed on every rank);
 * ``fsdp``: the same, with parameters stored sharded and gathered on use (ZeRO-3/FSDP);
 * ``zero2``: the same, with parameters gathered once a step and kept (ZeRO-2: gradients and
-  optimizer states sharded), on every axis at once, as DeepSpeed runs it;
+  optimizer states sharded), on every axis at once, as DeepSpeed runs it, or on the data axes
+  beside tensor parallelism, as Megatron's distributed optimizer does;
 * ``tp``: Megatron tensor parallel: every matmul weight sharded (the solver picks column or row
   per matrix, which recovers Megatron's column -> row pairs), inputs replicated;
 * ``tp+sp``: ``tp`` with sequence parallelism: the residual stream (adds of two activations) is
@@ -72,7 +73,8 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
 
 def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
     """Role per axis of every hand plan on ``mesh`` (axes of size 1 take no role: ``dp``). Tensor
-    parallelism goes on the last axis only, as in practice: it is the one inside a node."""
+    parallelism goes on the last axis only, as in practice: it is the one inside a node; ZeRO-2
+    on every axis, or on the data axes of Megatron's plans."""
     live = [a for a, n in enumerate(mesh.shape) if n > 1]
     out = []
     for combo in itertools.product(ROLES, repeat=len(live)):
@@ -83,6 +85,8 @@ def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
             out.append(tuple(roles))
     if live:
         out.append(tuple("zero2" if n > 1 else "dp" for n in mesh.shape))
+    for tp in ("tp", "tp+sp") if len(live) > 1 else ():   # Megatron with its distributed optimizer
+        out.append(tuple("zero2" if a in live[:-1] else tp if a == live[-1] else "dp" for a in range(mesh.ndim)))
     return out
 
 
@@ -98,9 +102,12 @@ def plan_name(mesh: MeshSpec, roles: Sequence[str]) -> str:
     return " x ".join(f"{r}({a})" for a, r in live)
 
 
-def hand_plans(planning: Planning, *, deadline: float | None = None, share: float = HAND_PLAN_TIME_SHARE
-               ) -> dict[str, tuple[Plan, tuple[int, ...]]]:
-    """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision)."""
+def hand_plans(planning: Planning, *, deadline: float | None = None, share: float = HAND_PLAN_TIME_SHARE,
+               cost_unfit: bool = True) -> dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError]:
+    """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision). One no choice
+    of which fits the budget is costed without it (``cost_unfit``), or stands as the solver's
+    error, which says the least memory it needs: the planner only compares plans that fit, and a
+    second solve of every hand plan that cannot was half its time on a 2-D mesh."""
     mesh = planning.space.mesh
     sets = role_sets(mesh)
     on_batch = _on_batch(planning.space)
@@ -116,9 +123,9 @@ def hand_plans(planning: Planning, *, deadline: float | None = None, share: floa
         allowed = _allowed(planning, roles, traits)
         try:
             out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, stage="hand plans")
-        except InfeasibleError:   # kept, marked infeasible, with its shortfall
+        except InfeasibleError as e:   # kept, marked infeasible, with its shortfall
             out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, budget=False,
-                                       stage="hand plans")
+                                       stage="hand plans") if cost_unfit else e
     return out
 
 

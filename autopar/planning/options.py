@@ -14,7 +14,7 @@ from autopar.core.precision import check_precision
 from cost_models.estimate import RECOMPUTE, get_optimizer
 from cost_models.profile import Profile
 
-#: Seconds the solver may take (all hand plans and the auto plan together) by default.
+#: Seconds planning may take (capture, hand plans and the auto plan together) by default.
 DEFAULT_TIME_LIMIT_S = 60.0
 #: The solver's plan replaces the best fitting hand plan only when predicted at least this much
 #: faster: a smaller gain is inside the cost model's own error (``benchmarks/cost_accuracy.py``),
@@ -28,8 +28,8 @@ class PlanOptions:
     """How to plan.
 
     ``memory_budget``: bytes per device (None: the hardware's memory). ``time_limit``: seconds for
-    the solver, after which the best plan found is returned with its optimality gap (None: solve
-    to optimality). ``profile``: measured costs of this host (``autopar profile``); ``"auto"`` uses
+    planning (``autopar.plan``'s capture of the model included), after which the best plan found
+    is returned with its optimality gap (None: solve to optimality). ``profile``: measured costs of this host (``autopar profile``); ``"auto"`` uses
     the cached one when it matches the mesh, a path or ``Profile`` that one, None the roofline
     presets only (the plan's ``predicted.cost_source`` says which were used). ``optimizer``:
     "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). ``share_layers``: let
@@ -55,7 +55,8 @@ class PlanOptions:
     batch), or "auto": the whole batch if a plan fits it, else the fewest microbatches that fit.
     ``recompute``: activation recomputation of the repeated blocks (transformer layers): "none",
     "full" (each block keeps only its input and runs its forward again in the backward), or
-    "auto": "full" only where no count of microbatches fits without it.
+    "auto": where the whole batch needs microbatches, both priced and the faster plan kept, else
+    "full" only where nothing fits without it.
     """
 
     memory_budget: float | None = None

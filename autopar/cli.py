@@ -169,6 +169,7 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
                        optimizer=args.optimizer, share_layers=args.share_layers, hand_plans=args.hand_plans,
                        min_gain=args.min_gain, gather_outputs=args.gather_outputs,
                        precision=args.precision or default_precision(args.hardware),
+                       reduce_precision=args.reduce_precision,
                        microbatches=args.microbatches if args.microbatches == "auto" else _count(args.microbatches),
                        recompute=args.recompute)
 
@@ -512,12 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
                       help="compute dtype; parameters, gradients and optimizer states stay fp32 "
                            "(default: bf16 on GPU presets, fp32 on cpu)")
+    plan.add_argument("--reduce-precision", choices=tuple(PRECISIONS), default="fp32",
+                      help="dtype gradients are summed over ranks in (default fp32; bf16 moves half the bytes)")
     plan.add_argument("--microbatches", default="auto",
                       help="gradient accumulation: microbatches per step, a divisor of --batch, or auto (default: the "
                            "whole batch if a plan fits it, else the fewest microbatches that fit)")
     plan.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
-                      help="activation recomputation of the repeated blocks (default auto: only when no count of "
-                           "microbatches fits without it)")
+                      help="activation recomputation of the repeated blocks (default auto: priced beside more "
+                           "microbatches where the batch must be cut, else only when nothing fits without it)")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",

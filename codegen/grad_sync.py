@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from autopar.core.execution import BUCKET_BYTES
 from autopar.core.placements import Placements
+from autopar.core.precision import reduce_dtype
 from codegen.runtime import all_reduce, gradient_leaf, shard_of
 
 DEFAULT_BUCKET_BYTES = BUCKET_BYTES
@@ -64,7 +65,8 @@ class Carried:
 @dataclass
 class _Bucket:
     axes: tuple[int, ...]                 # mesh axes the gradients are summed over (none: only handed over)
-    dtype: torch.dtype
+    dtype: torch.dtype                    # the gradients'
+    wire: torch.dtype                     # the one they are summed in (``reduce_precision``)
     params: list[nn.Parameter] = field(default_factory=list)
     leaves: list[torch.Tensor] = field(default_factory=list)   # where each one's gradient accumulates
     nbytes: int = 0
@@ -78,11 +80,14 @@ class GradSync:
     ones in buckets whose all-reduce overlaps the rest of the backward.
 
     ``params``: each parameter with the placement its local gradient accumulates in, in the order
-    their gradients become ready in the backward."""
+    their gradients become ready in the backward. ``reduce_precision``: "bf16" sums floating
+    gradients in bf16 (each bucket cast before its all-reduce and back after, a ZeRO-3 group's
+    before its reduce-scatter: ``wire``), as FSDP2's ``reduce_dtype``."""
 
     def __init__(self, mesh: DeviceMesh, params: Sequence[tuple[nn.Parameter, Placements]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_precision: str = "fp32") -> None:
         self.mesh = mesh
+        self.reduce_precision = reduce_precision
         self.buckets: list[_Bucket] = []
         open_: dict[tuple[tuple[int, ...], torch.dtype], _Bucket] = {}
         self._bucket_of: dict[int, _Bucket] = {}
@@ -93,7 +98,7 @@ class GradSync:
             key = (axes, p.dtype)
             bucket = open_.get(key)
             if bucket is None or bucket.nbytes >= bucket_bytes:
-                bucket = open_[key] = _Bucket(axes, p.dtype)
+                bucket = open_[key] = _Bucket(axes, p.dtype, reduce_dtype(reduce_precision, p.dtype))
                 self.buckets.append(bucket)
             local = gradient_leaf(p)
             local.requires_grad_(True)   # the forward reads the shard: its gradient accumulates there
@@ -120,7 +125,7 @@ class GradSync:
         bucket of gradients summed over them (at the latest in the backward that synchronises);
         alone, launched now, when no bucket is. Call before the backward."""
         carried = Carried(summand.detach(), tuple(axes))
-        if any(b.axes == carried.axes and b.dtype == summand.dtype for b in self.buckets):
+        if any(b.axes == carried.axes and b.wire == summand.dtype for b in self.buckets):
             self._carried.append(carried)
         else:
             carried.reduced = all_reduce(carried.summand.reshape(-1), self.mesh, carried.axes)
@@ -139,10 +144,14 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [leaf.grad for leaf in bucket.leaves if leaf.grad is not None]
-        bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.dtype]
+        bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.wire]
         self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [c.summand.reshape(-1) for c in bucket.carried])
+        flat = torch.cat([g.reshape(-1).to(bucket.wire) for g in grads] + [c.summand.reshape(-1) for c in bucket.carried])
         bucket.reduced = all_reduce(flat, self.mesh, bucket.axes)
+
+    def wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` gradients in the dtype they are summed in (a ZeRO-3 group's, ``codegen.zero3``)."""
+        return flat.to(reduce_dtype(self.reduce_precision, flat.dtype))
 
     def _finish(self) -> None:
         """End of the backward: launch what is left (parameters this step did not use leave a
@@ -177,11 +186,12 @@ class GradSync:
 
 
 def _hand_over(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    """Split ``flat`` into the parameters' local gradients, in order, and add each to its ``grad``."""
+    """Split ``flat`` into the parameters' local gradients, in order, and add each to its ``grad``
+    (in the parameter's dtype, where they were summed in another)."""
     offset = 0
     for p in params:
         local = shard_of(p)
-        _add_grad(p, flat[offset:offset + local.numel()].view_as(local))
+        _add_grad(p, flat[offset:offset + local.numel()].view_as(local).to(local.dtype))
         offset += local.numel()
 
 

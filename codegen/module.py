@@ -115,11 +115,11 @@ class ShardedModule(nn.Module):
                 if fqn in direct_grads and p.requires_grad:
                     direct[fqn] = sharded[id(p)]
                 elif fqn not in gathered and not plain:   # plain: read directly, or not at all
-                    runtime.sync_grad_to(sharded[id(p)])
+                    runtime.sync_grad_to(sharded[id(p)], plan.reduce_precision)
             setattr(mod, leaf, sharded[id(p)])
         # the backward produces gradients in about the reverse order the forward first reads them
         ready_order = [(direct[f], direct_grads[f]) for f in reversed(direct_grads) if f in direct]
-        self._grad_sync = GradSync(mesh, ready_order, bucket_bytes)
+        self._grad_sync = GradSync(mesh, ready_order, bucket_bytes, plan.reduce_precision)
         self._autopar_gather = GatheredParams(self, mesh, code.gathered, self._grad_sync)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")

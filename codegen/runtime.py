@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
+from autopar.core.precision import reduce_dtype
 
 aten = torch.ops.aten
 
@@ -169,10 +170,14 @@ def expect(x: Any, shape: Sequence[Any], where: str) -> Any:
     return x
 
 
-def redistribute(t: DTensor, placements: Sequence[Placement]) -> DTensor:
-    """Change placement: all-gather, all-reduce, reduce-scatter or all-to-all (its backward is the dual)."""
+def redistribute(t: DTensor, placements: Sequence[Placement], reduce_in: str = "fp32") -> DTensor:
+    """Change placement: all-gather, all-reduce, reduce-scatter or all-to-all (its backward is the
+    dual). ``reduce_in``: a parameter's gradient is summed back in this precision ("bf16": in
+    bf16, returned in the parameter's dtype; ``PlanOptions.reduce_precision``)."""
     if _same(t.placements, placements):
         return t
+    if (wire := reduce_dtype(reduce_in, t.dtype)) != t.dtype:
+        return _ReducedIn.apply(t, tuple(placements), wire)
     if not t.is_contiguous():  # a gathered shard is contiguous: keep DTensor's stride in step
         t = t.contiguous()
     # Replicate -> Partial is local (DTensor keeps it internal): reach Replicate first, then split.
@@ -183,6 +188,21 @@ def redistribute(t: DTensor, placements: Sequence[Placement]) -> DTensor:
         with _PLANNED:
             t = _contiguous_shards(t.redistribute(t.device_mesh, first))
     return _replicate_to_partial(t, placements) if any(to_partial) else t
+
+
+class _ReducedIn(torch.autograd.Function):
+    """``redistribute`` whose backward moves the gradient in ``wire`` (a ZeRO-3 parameter's
+    reduce-scatter in bf16) and hands it back in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor, placements: tuple[Placement, ...], wire: torch.dtype) -> DTensor:
+        ctx.have, ctx.wire = tuple(t.placements), wire
+        return redistribute(t, placements)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
+        with _PLANNED:
+            return grad.to(ctx.wire).redistribute(grad.device_mesh, ctx.have).to(grad.dtype), None, None
 
 
 def _contiguous_shards(t: DTensor) -> DTensor:
@@ -432,17 +452,21 @@ def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Seque
                               stride=_contiguous_stride(shape))
 
 
-def sync_grad_to(param: DTensor) -> None:
+def sync_grad_to(param: DTensor, reduce_precision: str = "fp32") -> None:
     """Gradient synchronisation: reduce a parameter's gradient into the parameter's own placement
     (all-reduce for replicated parameters, reduce-scatter for sharded/ZeRO-3 ones). The collective
     is only launched here (``async_op``): it runs while the backward goes on, and the gradient is
-    waited for when first used (the optimizer step)."""
+    waited for when first used (the optimizer step). A gradient summed in a narrower dtype
+    (``reduce_precision``) is cast back at once, which waits for it."""
     placements = list(param.placements)
+    wire = reduce_dtype(reduce_precision, param.dtype)
 
     def reduce(g: Any) -> Any:
         if not isinstance(g, DTensor) or _same(g.placements, placements):
             return g
         with _PLANNED:
+            if wire != g.dtype:
+                return g.to(wire).redistribute(g.device_mesh, placements).to(g.dtype)
             return g.redistribute(g.device_mesh, placements, async_op=True)
 
     param.register_hook(reduce)

@@ -161,7 +161,7 @@ class _Gather(torch.autograd.Function):
                 g = like.new_zeros(whole)
             split = g.reshape(*whole[:dim], n, shape[dim], *whole[dim + 1:]).movedim(dim, 0)
             packed.append(split.reshape(n, -1))
-        flat = torch.cat(packed, dim=1).reshape(-1)
+        flat = owner.grad_sync.wire(torch.cat(packed, dim=1).reshape(-1))
         reduced = funcol.reduce_scatter_single(flat, "sum", 0, axes_group(owner.mesh, owner.specs[k].axes))
         owner.grad_sync.later(owner.params[k], reduced)
         return (None, None, None) + (None,) * len(ctx.shapes)

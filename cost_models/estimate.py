@@ -35,6 +35,7 @@ from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, move
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, grad_placement, grad_target, is_split, shard_fraction
+from autopar.core.precision import reduce_dtype
 from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
@@ -151,6 +152,7 @@ class CostModel:
     gather_outputs: bool = True      # outputs returned whole on every rank (``PlanOptions.gather_outputs``)
     microbatches: int = 1            # gradient accumulation: the graph is one microbatch's, run this many times a step
     recompute: str = "none"          # "full": every repeated block recomputed in the backward
+    reduce_precision: str = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -500,7 +502,9 @@ class CostModel:
         if not self._grad_flows(src):
             return fwd
         grad = grad_placement(d.ins[i], d.ins, d.out)
-        back = self.redistribute(val.shape, val.dtype, grad, grad_target(s.out, s.storage), queued=self._queued(src))
+        queued = self._queued(src)
+        back = self.redistribute(val.shape, self._synced_dtype(src) if queued else val.dtype, grad,
+                                 grad_target(s.out, s.storage), queued=queued)
         if src.kind == "param" and s.storage not in (None, s.out):
             back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s),
                                transient_bytes=self._local_gradient(val, s.out))
@@ -508,12 +512,21 @@ class CostModel:
             back = back + Cost(synced_bytes=self._local_gradient(val, s.out))
         return fwd + back
 
+    def _synced_dtype(self, src: NodeChoices) -> torch.dtype:
+        """The dtype a gradient synchronisation (``_queued``) moves: the parameters' gradients it is
+        summed with (an op computed from parameters, a bf16 cast of one, passes its partial
+        gradient down to them: ``codegen.generate.partial_passes``), narrowed to bf16 where
+        ``reduce_precision`` says so."""
+        dtype = tensor_val(src.node).dtype if src.kind == "param" else self._from_params[src.node]
+        return reduce_dtype(self.reduce_precision, dtype)
+
     def _local_gradient(self, val: torch.Tensor, out: Placements) -> float:
-        """Bytes of a parameter's gradient as its ops produce it (placed ``out``). Held once more
-        while it is synchronised: a ZeRO parameter's, packed with its group's for their
-        reduce-scatter (``codegen.zero3``); a replicated one's, as the sum its bucket's all-reduce
-        returns in a buffer of its own (``codegen.grad_sync``), ``grad`` once the backward ends."""
-        return _bytes(val) * shard_fraction(out, self.mesh.shape)
+        """Bytes of a parameter's gradient as it is synchronised (placed ``out``, in
+        ``reduce_precision``). Held once more while it is: a ZeRO parameter's, packed with its
+        group's for their reduce-scatter (``codegen.zero3``); a replicated one's, as the sum its
+        bucket's all-reduce returns in a buffer of its own (``codegen.grad_sync``), ``grad`` once
+        the backward ends."""
+        return _numel(val.shape) * _itemsize(reduce_dtype(self.reduce_precision, val.dtype)) * shard_fraction(out, self.mesh.shape)
 
     def _returned(self, val: torch.Tensor, out: Placements) -> Cost:
         """An output returned to the caller at the end of the forward (a language model's logits
@@ -547,7 +560,8 @@ class CostModel:
             blocking = [Term(t.rows, t.cols, t.core * again) for t in blocking]
         if self._grad_flows(src):
             queued = self._queued(src)
-            back, terms = self.redistribute_grid(val.shape, val.dtype, [g for _, g in dst_reps],
+            back, terms = self.redistribute_grid(val.shape, self._synced_dtype(src) if queued else val.dtype,
+                                                 [g for _, g in dst_reps],
                                                    [grad_target(out, storage) for out, storage in src_reps],
                                                    queued=queued)
             back = _transposed(back)
@@ -574,15 +588,15 @@ class CostModel:
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
-    def _computed_from_parameters(self) -> frozenset[fx.Node]:
+    def _computed_from_parameters(self) -> dict[fx.Node, torch.dtype]:
         """Ops with a gradient computed from parameters alone (and from values that have none and
-        do not depend on the batch: positions, folded masks), as position embeddings are. Run
-        replicated, their gradient can stay partial down to the parameters and be summed with
-        theirs, in gradient sync's buckets (``codegen.generate.partial_passes``): the edge out of
-        such an op into one that splits the batch is priced as that queued sync, not as a
-        blocking all-reduce in the backward."""
+        do not depend on the batch: positions, folded masks), as position embeddings are, with the
+        dtype of those parameters (the widest). Run replicated, their gradient can stay partial
+        down to the parameters and be summed with theirs, in gradient sync's buckets
+        (``codegen.generate.partial_passes``): the edge out of such an op into one that splits the
+        batch is priced as that queued sync, not as a blocking all-reduce in the backward."""
         kind = {nc.node: nc.kind for nc in self.space.nodes}
-        found: set[fx.Node] = set()
+        found: dict[fx.Node, torch.dtype] = {}
         data: set[fx.Node] = set()   # what depends on the batch
         for nc in self.space.nodes:
             inputs = nc.node.all_input_nodes
@@ -590,8 +604,9 @@ class CostModel:
                 data.add(nc.node)
             if nc.kind == "op" and self._grad(nc.node) and all(
                     kind.get(i) == "param" or i in found or not (self._grad(i) or i in data) for i in inputs):
-                found.add(nc.node)
-        return frozenset(found)
+                dtypes = [found.get(i) or tensor_val(i).dtype for i in inputs if kind.get(i) == "param" or i in found]
+                found[nc.node] = max(dtypes, key=_itemsize, default=tensor_val(nc.node).dtype)
+        return found
 
     def _queued(self, src: NodeChoices) -> bool:
         """Is the gradient redistribution out of ``src`` a queued gradient synchronisation? A
@@ -602,6 +617,13 @@ class CostModel:
         """Does a gradient flow back into ``src``'s output? Not into integers, inputs, buffers and
         what derives from them only."""
         return self.saved is None or self.saved.grad.get(src.node, False)
+
+    def edge_signature(self, src: NodeChoices, dst: NodeChoices) -> tuple:
+        """What ``edge_grid`` reads of an edge's ends besides their strategies and the value's
+        shape: edges with equal signatures share one grid (``schedule.PricedSpace``)."""
+        flows = self._grad_flows(src)
+        return (src.kind, dst.kind, src.node.name in self.space.folded, dst.node in self.block_of, flows,
+                self._synced_dtype(src) if flows and self._queued(src) else None)
 
 
 RECOMPUTE = ("none", "full")

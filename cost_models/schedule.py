@@ -230,7 +230,7 @@ class PricedSpace:
         for i, j, k in space.edges():
             src, nc = space.nodes[i], space.nodes[j]
             val = nc.inputs[k].meta.get("val")
-            key = (id(src.strategies), id(nc.strategies), k, nc.kind, src.kind, tuple(val.shape), val.dtype)
+            key = (id(src.strategies), id(nc.strategies), k, tuple(val.shape), val.dtype, model.edge_signature(src, nc))
             if key not in grids:
                 grids[key] = model.edge_grid(src, nc, k)
             self.edges[(i, j, k)] = grids[key]

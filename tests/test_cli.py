@@ -20,11 +20,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """``autopar plan --model gpt-tiny --mesh 2x2 --json FILE`` once for the module: (stdout, json path)."""
+    """``autopar plan --model gpt-tiny --mesh 2x2 --reduce-precision bf16 --json FILE`` once for the
+    module: (stdout, stderr, json path)."""
     path = tmp_path_factory.mktemp("plan") / "gpt-tiny-2x2.json"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["plan", "--model", "gpt-tiny", "--mesh", "2x2", "--json", str(path)])
+        rc = main(["plan", "--model", "gpt-tiny", "--mesh", "2x2", "--reduce-precision", "bf16", "--json", str(path)])
     assert rc == 0, err.getvalue()
     return out.getvalue(), err.getvalue(), path
 
@@ -35,6 +36,7 @@ def test_plan_prints_report(planned):
     assert "GPT on 4 devices (dp=2 x tp=2) of h100-80gb" in out
     assert re.search(r"step time\s+[\d.]+ (ns|us|ms|s)\b", out), out
     assert re.search(r"peak memory\s+[\d.]+ (B|KiB|MiB|GiB)\b", out), out
+    assert "bf16 compute; fp32 parameters, gradients (summed over ranks in bf16)" in out
     for section in ("activations", "communication", "Solver", "Planning time", "Parameters (29",
                     "Top 12 nodes by predicted time", "Warnings"):
         assert section in out, section
@@ -44,7 +46,7 @@ def test_plan_json_round_trips(planned):
     out, _, path = planned
     plan = Plan.from_json(str(path))
     assert plan.model_name == "GPT" and plan.mesh.shape == (2, 2) and plan.mesh.hardware == "h100-80gb"
-    assert len(plan.parameters) == 29
+    assert len(plan.parameters) == 29 and plan.reduce_precision == "bf16"
     # The report is made from the plan alone: the reloaded plan reports the same.
     assert plan.report() == out.rstrip("\n")
 

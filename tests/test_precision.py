@@ -68,6 +68,53 @@ def test_bf16_gradients_are_fp32_and_equal_one_devices(mesh_shape, options):
             assert error < 2e-2, f"{fqn} rank {r}: gradient off by {error:.1%} of its norm"
 
 
+@pytest.mark.parametrize("mesh_shape, which, precision", [((3,), "ddp", "bf16"), ((2, 2), SHARDED, "bf16"),
+                                                         ((2,), "fsdp", "fp32")],
+                         ids=["3-ddp", "2x2-" + SHARDED, "2-fsdp-fp32-compute"])
+def test_bf16_gradient_reduction(mesh_shape, which, precision):
+    """reduce_precision="bf16": DDP's buckets, ZeRO-3 parameters' reduce-scatters (one by one, and
+    in groups: fp32 compute) sum in bf16. The gradients are fp32, within bf16 rounding of one
+    device's, and rounded (not the fp32 sums)."""
+    name = "llama-tiny"
+    batch = make_batches(name, 6, 16, steps=1)[0]
+    reference = build(name)
+    loss_of((reference if precision == "fp32" else ComputeIn(reference, precision))(*batch[0], **batch[1])).backward()
+    grads = {}
+    for reduce in ("fp32", "bf16"):
+        plan = candidates(build(name), MeshSpec(mesh_shape), *batch, precision=precision, reduce_precision=reduce)[which]
+        assert plan.reduce_precision == reduce
+        grads[reduce] = run_on_local_tensor_mesh(_first_gradients, mesh_shape, build(name), batch, {"plan": plan})
+    rounded = 0
+    for fqn, p in reference.named_parameters():
+        for r, (got, exact) in enumerate(zip(per_rank(grads["bf16"][fqn]), per_rank(grads["fp32"][fqn]))):
+            assert got.dtype == torch.float32, f"{fqn}: gradient in {got.dtype}"
+            error = (got - p.grad).norm() / p.grad.norm().clamp_min(1e-12)
+            assert error < 2e-2, f"{fqn} rank {r}: gradient off by {error:.1%} of its norm"
+            rounded += not torch.equal(got, exact)
+    assert rounded > 0, "every gradient equals the fp32 reduction's: nothing was summed in bf16"
+
+
+def test_bf16_gradient_reduction_trains_like_one_device():
+    batches = make_batches("gpt2-tiny", 6, 16)
+    plan = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], precision="bf16",
+                      reduce_precision="bf16")["zero2(dp) x tp+sp(tp)"]
+    check_training("gpt2-tiny", 6, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
+
+
+def test_bf16_gradient_reduction_halves_the_gradient_sync():
+    """DDP on an H100 mesh (outputs not gathered: its only collective is the gradients'
+    all-reduce): half the bytes, in less time."""
+    model, args, kwargs = meta_model("gpt2-125m", 8, 512)
+    mesh = MeshSpec((4,), hardware="h100-80gb")
+    plans = {r: candidates(model, mesh, args, kwargs, precision="bf16", reduce_precision=r, gather_outputs=False)["ddp"]
+             for r in ("fp32", "bf16")}
+    fp32, bf16 = (plans[r].predicted for r in ("fp32", "bf16"))
+    assert bf16.comm_bytes["x"] == pytest.approx(fp32.comm_bytes["x"] / 2, rel=0.02)
+    assert bf16.overlapped_comm_s < 0.7 * fp32.overlapped_comm_s
+    assert "summed over ranks in bf16" in plans["bf16"].report()
+    assert autopar.Plan.from_json(plans["bf16"].to_json()).reduce_precision == "bf16"
+
+
 def test_bf16_costs_halve_activations_and_keep_fp32_state():
     """The same hand plan in fp32 and bf16 on an H100 mesh: parameters, gradients and optimizer
     states (fp32 masters) cost the same bytes; activations and the data tensor parallelism moves

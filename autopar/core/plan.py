@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 6   # 5: precision; 6: microbatches, recompute
+PLAN_FORMAT_VERSION = 7   # 5: precision; 6: microbatches, recompute; 7: reduce_precision
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class Plan:
     name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
     gather_outputs: bool = True           # outputs returned whole on every rank (else as DTensors)
     precision: str = "fp32"               # the policy the model computes under (``autopar.core.precision``)
+    reduce_precision: str = "fp32"        # the dtype gradients are summed over ranks in
     batch_size: int = 1                   # rows of the global batch planned for (dim 0 of the inputs)
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
     recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full": recomputed in the backward
@@ -124,6 +125,7 @@ class Plan:
             "name": self.name,
             "gather_outputs": self.gather_outputs,
             "precision": self.precision,
+            "reduce_precision": self.reduce_precision,
             "batch_size": self.batch_size,
             "microbatches": self.microbatches,
             "recompute": self.recompute,
@@ -178,6 +180,7 @@ class Plan:
                 name=d["name"],
                 gather_outputs=d["gather_outputs"],
                 precision=d["precision"],
+                reduce_precision=d["reduce_precision"],
                 batch_size=d["batch_size"],
                 microbatches=d["microbatches"],
                 recompute=d["recompute"],

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["PRECISIONS", "ComputeIn", "check_precision", "compute_dtype"]
+__all__ = ["PRECISIONS", "ComputeIn", "check_precision", "compute_dtype", "reduce_dtype"]
 
 #: Policy name -> the dtype ops compute in.
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -37,6 +37,14 @@ def check_precision(precision: str) -> str:
 
 def compute_dtype(precision: str) -> torch.dtype:
     return PRECISIONS[check_precision(precision)]
+
+
+def reduce_dtype(reduce_precision: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient of ``dtype`` is summed over ranks in: "fp32" leaves every gradient in
+    its own (a bf16 parameter's is not widened), "bf16" narrows floating ones to bf16."""
+    if check_precision(reduce_precision) == "fp32" or not dtype.is_floating_point:
+        return dtype
+    return compute_dtype(reduce_precision)
 
 
 class ComputeIn(nn.Module):

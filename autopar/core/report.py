@@ -153,8 +153,8 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add(f"  hardware        {_hardware_line(mesh.hardware)}")
     add(f"  memory budget   {fmt(plan.memory_budget, 'B')} per device")
     add(f"  fingerprint     {plan.fingerprint} (model structure + input shapes)")
-    add("  precision       " + ("fp32" if plan.precision == "fp32" else
-                              f"{plan.precision} compute; fp32 parameters, gradients (reduced in fp32) and optimizer states"))
+    add("  precision       " + (plan.precision if plan.precision == "fp32" else f"{plan.precision} compute")
+        + f"; fp32 parameters, gradients (summed over ranks in {plan.reduce_precision}) and optimizer states")
     add("  batch           " + (f"{plan.batch_size} rows per step" if plan.microbatches == 1 else
                               f"{plan.batch_size} rows per step in {plan.microbatches} microbatches of "
                               f"{plan.microbatch_size} (gradient accumulation: train_step; node costs per step, "

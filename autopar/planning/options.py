@@ -50,6 +50,9 @@ class PlanOptions:
     (``autopar.profiling.missing_ops``); False plans on the profile as it is. ``autopar.plan``
     measures nothing (its mesh need not exist). ``precision``: "fp32", or "bf16" to compute in
     bf16 with fp32 parameters, gradients and optimizer states (``autopar.core.precision``).
+    ``reduce_precision``: the dtype gradients are summed over ranks in (FSDP2's ``reduce_dtype``):
+    "fp32" (each gradient in its own dtype), or "bf16" for half the bytes of fp32 gradients: each
+    rank's gradient and the sum rounded to bf16 (the gradient handed to the optimizer is fp32).
     ``microbatches``: gradient accumulation, the global batch (the example inputs' rows) run as
     this many equal microbatches a step (``ShardedModule.train_step``; a count that divides the
     batch), or "auto": the whole batch if a plan fits it, else the fewest microbatches that fit.
@@ -69,6 +72,7 @@ class PlanOptions:
     gather_outputs: bool = True
     measure_missing_ops: bool = True
     precision: str = "fp32"
+    reduce_precision: str = "fp32"
     microbatches: int | str = "auto"
     recompute: str = "auto"
 
@@ -81,6 +85,7 @@ class PlanOptions:
             raise AutoparError(f"min_gain is a fraction of the best hand plan's step time in [0, 1), got {self.min_gain!r}")
         get_optimizer(self.optimizer)   # an unknown name raises, listing the known ones
         check_precision(self.precision)
+        check_precision(self.reduce_precision)
         check_microbatches(self.microbatches)
         if self.recompute not in ("auto", *RECOMPUTE):
             raise AutoparError(f"recompute is 'auto', {' or '.join(map(repr, RECOMPUTE))}, got {self.recompute!r}")

@@ -93,7 +93,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
     with _stage(timings, "costs"):
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
-                          microbatches=microbatches, recompute=recompute)
+                          microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision)
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of,
                             accumulating=microbatches > 1)
         budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
@@ -269,7 +269,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
     plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=planning.fingerprint, nodes=nodes,
                 predicted=predicted, memory_budget=planning.budget, solver=solver_info, timings=planning.timings,
                 warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
-                precision=captured.precision,
+                precision=captured.precision, reduce_precision=model.reduce_precision,
                 batch_size=captured_rows(captured) * planning.microbatches, microbatches=planning.microbatches,
                 recompute=dict(planning.recompute),
                 feasible=sim.peak_bytes <= planning.budget,

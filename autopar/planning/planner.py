@@ -20,7 +20,6 @@ from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.options import PlanOptions
 from autopar.planning.problem import Planning, prepare, solve_planning
-from solver import memory_bounds
 
 
 def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
@@ -110,7 +109,7 @@ class _Search:
         if self.options.microbatches != "auto" or self.recapture is None or self.rows == 1:
             return False
         whole = self._whole(recompute)
-        return memory_bounds(whole.problem)[0] > whole.budget
+        return whole.bounds()[0] > whole.budget
 
     def fit(self, recompute: str, deadline: float | None) -> Plan:
         """The auto plan under ``recompute``, by ``deadline``, in the fewest microbatches that fit
@@ -121,7 +120,7 @@ class _Search:
         whole = self._whole(recompute)
         if self.recapture is None or self.rows == 1:
             return self._plan(whole)
-        least, floor = memory_bounds(whole.problem)
+        least, floor = whole.bounds()
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
             try:
                 plan = self._plan(whole)
@@ -244,7 +243,7 @@ def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] 
           deadline: float | None) -> Plan:
     """The auto plan of one planning problem: the solver's, or the best hand plan it does not beat.
     Where no plan can fit the budget, the solver says so at once: no hand plan is worth costing."""
-    hopeless = planning.budget is not None and memory_bounds(planning.problem)[0] > planning.budget
+    hopeless = planning.budget is not None and planning.bounds()[0] > planning.budget
     hands = (standard_plans(planning, deadline=deadline, cost_unfit=False)
              if options.hand_plans and not forced and not hopeless else {})
     fitting = [h for h in hands.values() if not isinstance(h, InfeasibleError) and h[0].feasible]

@@ -38,7 +38,8 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     priced beside it, each in the fewest microbatches that fit, and the faster plan kept (fewer,
     larger microbatches need less sharding: Llama-2 70B at 512 x 4096 on 16x8 H100 runs 64
     microbatches without recomputation, 16 with it, predicted 2.7x faster); the two share the time
-    limit. Otherwise recomputation is tried only when no plan fits without it."""
+    limit, recomputation first. Otherwise recomputation is tried only when no plan fits without
+    it."""
     timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
     deadline = time.perf_counter() + options.time_limit - sum(timings.values()) \
         if options.time_limit is not None else None
@@ -51,8 +52,13 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     search = _Search(captured, mesh, options, timings, forced, recapture, rows)
     if options.recompute != "auto":
         modes, compete = (options.recompute,), False
-    else:   # when the batch must be cut anyway, fewer microbatches may pay for recomputation
-        modes, compete = ("none", "full"), search.needs_microbatches("none")
+    elif search.needs_microbatches("none"):
+        # the batch must be cut anyway: fewer, larger microbatches may pay for recomputation. It
+        # goes first: at the scale where both need microbatches it usually wins, and the second
+        # mode gets what the first leaves of the time limit.
+        modes, compete = ("full", "none"), True
+    else:
+        modes, compete = ("none", "full"), False
     plans: list[Plan] = []
     errors: list[tuple[str, InfeasibleError]] = []
     for n, mode in enumerate(modes):
@@ -77,6 +83,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
                 + ("" if p.feasible else " (over the budget)") for p in plans) + f"; kept {_mode(best)}"
         best.timings = dict(search.timings)
         return best
+    errors.sort(key=lambda e: e[0] != "none")   # the plain case first, then what recomputation needs
     first = errors[0][1]
     also = "".join(f" With {mode} recomputation of the repeated blocks too, a plan needs {fmt(e.min_memory_bytes, 'B')}."
                    for mode, e in errors[1:])

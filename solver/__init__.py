@@ -2,7 +2,9 @@
 the lowest layer, which every other package may use and which uses none of them."""
 
 from solver.errors import InfeasibleProblem, MemoryHog, SolverError
-from solver.ilp import SOLVERS, Edge, Problem, Row, Solution, Term, evaluate, memory_bounds, restrict, solve
+from solver.ilp import (SOLVERS, Edge, MemoryBounds, Problem, Row, Solution, Term, evaluate, memory_bounds, restrict,
+                        solve)
 
-__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "memory_bounds", "restrict", "SOLVERS",
+__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "memory_bounds", "MemoryBounds",
+           "restrict", "SOLVERS",
            "SolverError", "InfeasibleProblem", "MemoryHog"]

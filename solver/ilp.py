@@ -167,18 +167,22 @@ class _Data:
         extra = self.memory_rows[r - 1].get(i) if r else None
         return self.memory[i] if extra is None else self.memory[i] + extra
 
-    def least_at_worst_moment(self) -> list[float]:
+    def least_at_worst_moment(self, allowed: Sequence[Sequence[int] | None] | None = None) -> list[float]:
         """Each node's least bytes at the moment whose least total is largest: the moment that
         sets ``min_memory``, and what each node holds then (activations kept for the backward
-        count at the backward's start, not only at their op)."""
-        moments = [[float(self.moment(r, i).min()) for i in range(len(self.memory))]
+        count at the backward's start, not only at their op). ``allowed``: as ``restrict``'s."""
+        keep = _kept(allowed, len(self.memory))
+        moments = [[float(self.moment(r, i)[keep[i]].min()) for i in range(len(self.memory))]
                    for r in range(len(self.memory_rows) + 1)]
         return max(moments, key=sum)
 
-    def min_memory(self) -> float:
-        """A lower bound of the peak over all assignments (exact without rows and transients)."""
-        work = max((float(t.min()) for t in self.transient), default=0.0) if self.transient else 0.0
-        return sum(self.least_at_worst_moment()) + work
+    def min_memory(self, allowed: Sequence[Sequence[int] | None] | None = None) -> float:
+        """A lower bound of the peak over all assignments (exact without rows and transients),
+        or over those ``allowed`` permits (``restrict``)."""
+        keep = _kept(allowed, len(self.memory))
+        work = max((float(t[keep[i]].min()) for i, t in enumerate(self.transient)), default=0.0) \
+            if self.transient else 0.0
+        return sum(self.least_at_worst_moment(allowed)) + work
 
     def peak(self, choices: Sequence[int]) -> float:
         moments = [sum(float(self.moment(r, i)[c]) for i, c in enumerate(choices))
@@ -192,14 +196,37 @@ class _Data:
                            for nodes, constant in self.exposed)])
 
 
-def memory_bounds(problem: Problem) -> tuple[float, float]:
-    """Lower bounds, over all assignments, of the peak (``solve`` refuses a budget below it) and
-    of the quietest moment of the memory rows (the state, and what every moment of the step holds
-    on top of it; the state alone without rows)."""
-    data = _validate(problem)
-    quietest = min(sum(float(data.moment(r, i).min()) for i in range(len(data.memory)))
+def _kept(allowed: Sequence[Sequence[int] | None] | None, n: int) -> list[slice | np.ndarray]:
+    """Per node, the index of its allowed choices (all where ``allowed`` is None)."""
+    if allowed is None:
+        return [slice(None)] * n
+    return [slice(None) if a is None else np.asarray(a, dtype=int) for a in allowed]
+
+
+class MemoryBounds:
+    """Lower bounds of a problem's memory, over all assignments or over a restriction of them,
+    from one validation (hand plans restrict one problem many times)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self._data = _validate(problem)
+
+    def least(self, allowed: Sequence[Sequence[int] | None] | None = None) -> float:
+        """The least peak any assignment (``allowed``: as ``restrict``'s) needs: ``solve``
+        refuses a budget below it."""
+        return self._data.min_memory(allowed)
+
+    def quietest(self) -> float:
+        """The quietest moment of the memory rows: the state, and what every moment of the step
+        holds on top of it (the state alone without rows)."""
+        data = self._data
+        return min(sum(float(data.moment(r, i).min()) for i in range(len(data.memory)))
                    for r in range(min(1, len(data.memory_rows)), len(data.memory_rows) + 1))
-    return data.min_memory(), quietest
+
+
+def memory_bounds(problem: Problem) -> tuple[float, float]:
+    """``MemoryBounds``' least peak and quietest moment of ``problem``."""
+    bounds = MemoryBounds(problem)
+    return bounds.least(), bounds.quietest()
 
 
 def _label(problem: Problem, i: int) -> str:

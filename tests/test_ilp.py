@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from solver import Edge, InfeasibleProblem, Problem, Row, Solution, SolverError, Term, evaluate, restrict, solve
+from solver import (Edge, InfeasibleProblem, MemoryBounds, Problem, Row, Solution, SolverError, Term, evaluate,
+                    memory_bounds, restrict, solve)
 from solver import ilp
 
 GIB = float(1 << 30)
@@ -110,6 +111,23 @@ def test_step_rows_match_brute_force(seed: int, budget_frac: float | None) -> No
     sol = solve(problem)
     check_solution(problem, sol)
     assert sol.objective == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_bounds_of_a_restriction_need_no_new_problem(seed: int) -> None:
+    """``MemoryBounds.least(allowed)`` (hand plans' feasibility check) equals the bound of the
+    restricted problem, and no allowed assignment peaks below it."""
+    problem = step_problem(seed, None)
+    rng = random.Random(seed)
+    bounds = MemoryBounds(problem)
+    assert bounds.least() == pytest.approx(memory_bounds(problem)[0])
+    for _ in range(4):
+        allowed = [None if rng.random() < 0.3 else sorted(rng.sample(range(len(c)), rng.randint(1, len(c))))
+                   for c in problem.costs]
+        least = bounds.least(allowed)
+        assert least == pytest.approx(memory_bounds(restrict(problem, allowed))[0])
+        options = [range(len(c)) if a is None else a for c, a in zip(problem.costs, allowed)]
+        assert least <= min(evaluate(problem, c)[1] for c in itertools.product(*options)) * (1 + 1e-12)
 
 
 def test_peak_and_exposed_semantics() -> None:

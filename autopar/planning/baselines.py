@@ -41,6 +41,7 @@ from autopar.core.plan import Plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.problem import Planning, prepare, solve_planning
 from autopar.core.strategies import NodeChoices, Strategy
+from autopar.core.units import fmt
 
 __all__ = ["candidates", "hand_plans", "ROLES"]
 
@@ -121,7 +122,11 @@ def hand_plans(planning: Planning, *, deadline: float | None = None, share: floa
             own = time.perf_counter() + max(end - time.perf_counter(), 0.0) / (len(sets) - k)
         name = plan_name(mesh, roles)
         allowed = _allowed(planning, roles, traits)
+        least = planning.bounds().least(allowed)
         try:
+            if least > planning.budget:   # known without a solve (which took 0.5 s to say so on Llama-2 70B)
+                raise InfeasibleError(f"no {name!r} plan fits the memory budget ({fmt(planning.budget, 'B')} per "
+                                      f"device): it needs at least {fmt(least, 'B')}", min_memory_bytes=least)
             out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, stage="hand plans")
         except InfeasibleError as e:   # kept, marked infeasible, with its shortfall
             out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, budget=False,

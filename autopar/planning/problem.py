@@ -28,7 +28,7 @@ from autopar.planning.options import PlanOptions
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import resolve_profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
-from solver import Edge, InfeasibleProblem, Problem, Solution, SolverError, Term, memory_bounds, restrict, solve
+from solver import Edge, InfeasibleProblem, MemoryBounds, Problem, Solution, SolverError, Term, restrict, solve
 
 log = logging.getLogger("autopar")
 
@@ -76,13 +76,14 @@ class Planning:
     microbatches: int = 1               # the graph is one of this many microbatches of the step's batch
     fingerprint: str = ""               # what plans carry: the whole batch's capture's (``Plan.check_matches``)
     recompute: dict[str, str] = field(default_factory=dict)   # recomputed block path -> mode (``Plan.recompute``)
-    _bounds: tuple[float, float] | None = field(default=None, repr=False)
+    _bounds: MemoryBounds | None = field(default=None, repr=False)
 
-    def bounds(self) -> tuple[float, float]:
-        """``solver.memory_bounds`` of the problem: the least peak any plan needs, and what no
-        plan avoids (state, gradients); computed once (0.4 s on Llama-2 70B, asked several times)."""
+    def bounds(self) -> MemoryBounds:
+        """The problem's ``solver.MemoryBounds``: the least peak any plan (or any hand plan, a
+        restriction) needs, and what no plan avoids (state, gradients); validated once (0.4 s on
+        Llama-2 70B, asked once per hand plan and several times by the search)."""
         if self._bounds is None:
-            self._bounds = memory_bounds(self.problem)
+            self._bounds = MemoryBounds(self.problem)
         return self._bounds
 
 

@@ -201,8 +201,14 @@ class _ReducedIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
-        with _PLANNED:
-            return grad.to(ctx.wire).redistribute(grad.device_mesh, ctx.have).to(grad.dtype), None, None
+        return _summed_in(grad, ctx.have, ctx.wire), None, None
+
+
+def _summed_in(grad: DTensor, placements: Sequence[Placement], wire: torch.dtype) -> DTensor:
+    """``grad`` redistributed to ``placements`` in ``wire`` (its sum rounded there), back in its
+    own dtype; waits for the collective."""
+    with _PLANNED:
+        return grad.to(wire).redistribute(grad.device_mesh, placements).to(grad.dtype)
 
 
 def _contiguous_shards(t: DTensor) -> DTensor:
@@ -464,9 +470,9 @@ def sync_grad_to(param: DTensor, reduce_precision: str = "fp32") -> None:
     def reduce(g: Any) -> Any:
         if not isinstance(g, DTensor) or _same(g.placements, placements):
             return g
+        if wire != g.dtype:
+            return _summed_in(g, placements, wire)
         with _PLANNED:
-            if wire != g.dtype:
-                return g.to(wire).redistribute(g.device_mesh, placements).to(g.dtype)
             return g.redistribute(g.device_mesh, placements, async_op=True)
 
     param.register_hook(reduce)

@@ -275,7 +275,6 @@ def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] 
     if hands:
         plan.solver["warm_start"] = best[0].name if best else None
         plan.solver["hand_plans"] = {name: _summary(h) for name, h in hands.items()}
-    plan.timings = dict(planning.timings)
     return plan
 
 

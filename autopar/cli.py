@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from autopar.core.errors import AutoparError, MeshError
 from autopar.core.precision import PRECISIONS
-from autopar.planning.options import PlanOptions
+from autopar.planning.options import OFFLOAD, PlanOptions
 from cost_models.estimate import OPTIMIZERS
 
 __all__ = ["main", "parse_mesh", "build_parser"]
@@ -171,7 +171,7 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
                        precision=args.precision or default_precision(args.hardware),
                        reduce_precision=args.reduce_precision,
                        microbatches=args.microbatches if args.microbatches == "auto" else _count(args.microbatches),
-                       recompute=args.recompute)
+                       recompute=args.recompute, offload=args.offload)
 
 
 def _count(text: str) -> int:
@@ -521,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
                       help="activation recomputation of the repeated blocks (default auto: priced beside more "
                            "microbatches where the batch must be cut, else only when nothing fits without it)")
+    plan.add_argument("--offload", choices=OFFLOAD, default="auto",
+                      help="optimizer: ZeRO-sharded parameters keep their shards, gradients and optimizer states in "
+                           "host memory, the optimizer steps there (default auto: only where nothing fits the device "
+                           "otherwise)")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",

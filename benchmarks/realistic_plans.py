@@ -3,8 +3,8 @@ sequences on clusters that do not exist here, models built on ``meta``, in bf16 
 weights and optimizer states).
 
 For each config: planning time (capture included), whether a plan fits the memory budget (else
-the least memory any plan needs, from the planner's error), the microbatches and recomputation
-the planner chose, the predicted step time and peak memory, and the predicted
+the least memory any plan needs, from the planner's error), the microbatches, recomputation and
+offload the planner chose, the predicted step time and peak memory, and the predicted
 MFU: model FLOPs (6 N per token for N parameters, plus 12 L d s per token for attention over a
 sequence of s tokens in L layers of width d, as PaLM counts them) over devices x the preset's bf16
 peak x the predicted step. Planned as a training loop runs (``gather_outputs=False``: the loop
@@ -34,12 +34,15 @@ from variants import build_meta
 RESULTS = Path(__file__).parent / "results" / "realistic_plans.json"
 TIME_LIMIT_S = 60.0
 PRECISION = "bf16"
-# (model, global batch, sequence, mesh, hardware): the four training configurations.
+# (model, global batch, sequence, mesh, hardware): the four training configurations, and
+# Llama-2 70B on one 8-GPU node, whose fp32 weights, gradients and Adam states (1.1 TB) do not fit
+# its 640 GB of device memory however they are sharded: only offloading them to host memory fits.
 CONFIGS = (
     ("gpt-1.3b", 64, 2048, (8,), "h100-80gb"),
     ("llama-7b", 256, 4096, (8, 8), "h100-80gb"),
     ("llama-70b", 512, 4096, (16, 8), "h100-80gb"),
     ("gpt-175b", 1536, 2048, (128, 8), "a100-80gb"),
+    ("llama-70b", 64, 4096, (8,), "h100-80gb"),
 )
 
 
@@ -71,6 +74,7 @@ def run(name: str, batch: int, seq: int, mesh: tuple[int, ...], hardware: str, t
             "predicted_step_s": step, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
             "memory_budget_bytes": plan.memory_budget, "predicted_mfu": mfu,
             "microbatches": plan.microbatches, "recompute": sorted(set(plan.recompute.values())) or ["none"],
+            "offloaded_parameters": len(plan.offloaded),
             "memory_breakdown": plan.predicted.memory_breakdown, "peak_at": plan.predicted.peak_at,
             "timings": plan.timings,
             "parameter_strategies": dict(Counter(n.strategy for n in plan.parameters.values()).most_common()),
@@ -83,7 +87,9 @@ def line(r: dict) -> str:
         return f"{where}: no plan fits; the least any plan needs is {fmt(r['least_memory_bytes'], 'B')} per device " \
                f"({r['plan_s']:.1f} s)"
     return (f"{where}: {r['plan']} plan in {r['plan_s']:.1f} s, {r['microbatches']} microbatch(es), recompute "
-            f"{'+'.join(r['recompute'])}, step {fmt(r['predicted_step_s'], 's')}, "
+            f"{'+'.join(r['recompute'])}"
+            + (f", optimizer states of {r['offloaded_parameters']} parameters offloaded" if r.get("offloaded_parameters") else "")
+            + f", step {fmt(r['predicted_step_s'], 's')}, "
             f"peak {fmt(r['predicted_peak_bytes'], 'B')}{'' if r['fits'] else ' (over the budget)'}, "
             f"predicted MFU {100 * r['predicted_mfu']:.0f}%")
 

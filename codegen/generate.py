@@ -121,7 +121,7 @@ def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Place
 
 def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
                   group_bytes: int, spans_job: bool) -> list[GatherSpec]:
-    """ZeRO-3 (and ZeRO-2: ``kept``, never in one group with ZeRO-3) parameters gathered in groups
+    """ZeRO-3 (and ZeRO-2: ``kept``, never in one group with ZeRO-3, nor offloaded parameters with others) parameters gathered in groups
     (``codegen.zero3``), in the order the forward first uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
     split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
     whole job) and used whole there, read as used by every op, its gradient partial on those axes
@@ -145,10 +145,11 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
         names.append(name)
         nbytes += value_bytes(captured.graph, name)
         last = k + 1 == len(order)
-        if (last or nbytes >= group_bytes or order[k + 1][1] != axes or plan[order[k + 1][0]].kept != plan[name].kept
+        nxt = plan[order[k + 1][0]] if not last else None
+        if (last or nbytes >= group_bytes or order[k + 1][1] != axes or (nxt.kept, nxt.offloaded) != (plan[name].kept, plan[name].offloaded)
                 or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
             groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
-                                     tuple(d for n, _, d in order if n in names), plan[name].kept))
+                                     tuple(d for n, _, d in order if n in names), plan[name].kept, plan[name].offloaded))
             names, nbytes = [], 0
     return groups
 
@@ -332,6 +333,7 @@ class _Emitter:
         self.placed: dict[tuple[str, str, str], str] = {}   # (var, placements, gradient's) -> var holding it
         self.out_of: dict[str, Placements] = {}        # var -> its placement
         self.params: set[str] = set()                  # vars holding a parameter (a DTensor), read per use
+        self.pending: dict[str, list[tuple[str, str]]] = {}   # parameter var -> its read's lines, emitted at first use
         self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
         self.defined: set[str] = set()                 # variables assigned so far
         params = {n for n in captured.graph.nodes if n.name in captured.param_of}
@@ -390,6 +392,8 @@ class _Emitter:
         if node.name in self.group_of:   # read whole as used (``gather_groups``)
             self.gather(self.group_of[node.name])
             return node.name
+        for line, comment in self.pending.pop(node.name, ()):
+            self.emit(line, comment)
         have = self.out_of.get(node.name)
         if have is None:
             return node.name
@@ -451,8 +455,10 @@ class _Emitter:
         axis = ", ".join(self.axes[a] for a in self.groups[k].axes)
         when = ("once a step (the first forward after the optimizer changed them), the copy kept" if self.groups[k].kept
                 else "in one collective (the next group's gather runs meanwhile)")
+        host = (" (offloaded: shards, gradients and optimizer states in host memory; the shards copied to the device "
+                "first, the reduced gradients back)") if self.groups[k].offloaded else ""
         self.lines.append(f"    # ZeRO-{2 if self.groups[k].kept else 3}, group {k}: {len(names)} parameter(s) stored split "
-                          f"over {axis}, all-gathered {when}; their gradients are reduce-scattered in one collective")
+                          f"over {axis}, all-gathered {when}; their gradients are reduce-scattered in one collective{host}")
         rows = [", ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
         self.lines.append("    (" + ",\n     ".join(rows) + ",) = gather_params(self, " + str(k) + ")")
         self.defined.update(names)
@@ -470,13 +476,19 @@ class _Emitter:
                       f"this rank's shard, stored {placements_str(np_.storage)}{why}")
             self.out_of[node.name] = np_.out
         elif node.name in c.param_of:
-            self.emit(f"{node.name} = {_attr_path(c.param_of[node.name])}", f"stored {placements_str(np_.storage)}")
+            # read (ZeRO-3: gathered) where first used: inside its layer, and inside the layer's
+            # checkpointed function where it is recomputed; not every layer's at the top
+            read = self.pending[node.name] = [(f"{node.name} = {_attr_path(c.param_of[node.name])}",
+                                               f"stored {placements_str(np_.storage)}")]
+            if np_.offloaded:
+                read.append((f"{node.name} = on_device({node.name}, device)", "offloaded: its shard, gradient and "
+                             "optimizer states live in host memory; the shard is copied here, the gradient goes back"))
             if np_.storage != np_.out:
                 narrow = reduce_dtype(self.reduce_precision, tensor_val(node).dtype) != tensor_val(node).dtype
-                self.emit(f"{node.name} = redistribute({node.name}, {_fmt_placements(np_.out)}"
-                          + (f", reduce_in={self.reduce_precision!r})" if narrow else ")"),
-                          f"ZeRO-3: {collective_comment(np_.storage, np_.out, self.axes)} to use the parameter; "
-                          "its gradient is reduce-scattered back" + (f" in {self.reduce_precision}" if narrow else ""))
+                read.append((f"{node.name} = redistribute({node.name}, {_fmt_placements(np_.out)}"
+                             + (f", reduce_in={self.reduce_precision!r})" if narrow else ")"),
+                             f"ZeRO-3: {collective_comment(np_.storage, np_.out, self.axes)} to use the parameter; "
+                             "its gradient is reduce-scattered back" + (f" in {self.reduce_precision}" if narrow else "")))
             self.params.add(node.name)
             self.out_of[node.name] = np_.out
         elif node.name in c.buffer_of:
@@ -575,6 +587,8 @@ class _Emitter:
         user = [o for o, s in zip(outs, specs) if s.kind == OutputKind.USER_OUTPUT]
 
         def wrap(x: Any) -> str:
+            for line, comment in self.pending.pop(getattr(x, "name", None), ()):   # a parameter returned as it is
+                self.emit(line, comment)
             have = self.out_of.get(x.name) if isinstance(x, fx.Node) else None
             if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)

@@ -108,7 +108,7 @@ class GradSync:
             self._bucket_of[id(local)] = bucket
             local.register_post_accumulate_grad_hook(self._ready)
         self._queued = False
-        self._later: list[tuple[list[nn.Parameter], torch.Tensor]] = []
+        self._later: list[tuple[list[nn.Parameter], torch.Tensor, bool]] = []   # (params, reduced, offloaded)
         self._carried: list[Carried] = []   # waiting for a bucket to launch
         self.sync = True   # False: partial gradients accumulate locally, not reduced (``train_step``)
 
@@ -131,11 +131,17 @@ class GradSync:
             carried.reduced = all_reduce(carried.summand.reshape(-1), self.mesh, carried.axes)
         return carried
 
-    def later(self, params: list[nn.Parameter], reduced: torch.Tensor) -> None:
+    def later(self, params: list[nn.Parameter], reduced: torch.Tensor, to_host: bool = False) -> None:
         """``reduced``: the launched collective that yields ``params``' local gradients, flattened
-        and concatenated (a ZeRO-3 group's reduce-scatter); handed over when the backward ends."""
+        and concatenated (a ZeRO-3 group's reduce-scatter); handed over when the backward ends.
+        ``to_host``: the parameters are offloaded: the earlier offloaded groups' gradients are
+        waited for and handed over now, so that one at most waits in device memory."""
         self._queue()
-        self._later.append((params, reduced))
+        if to_host:
+            for earlier, waiting in [(p, r) for p, r, h in self._later if h]:
+                _hand_over(earlier, funcol.wait_tensor(waiting))
+            self._later = [entry for entry in self._later if not entry[2]]
+        self._later.append((params, reduced, to_host))
 
     def _queue(self) -> None:
         if not self._queued:   # once per backward: finish every bucket when the backward ends
@@ -181,17 +187,18 @@ class GradSync:
                 c.reduced = all_reduce(c.summand.reshape(-1), self.mesh, c.axes)
             self._carried = []
         later, self._later = self._later, []
-        for params, reduced in later:
+        for params, reduced, _ in later:
             _hand_over(params, funcol.wait_tensor(reduced))
 
 
 def _hand_over(params: list[nn.Parameter], flat: torch.Tensor) -> None:
     """Split ``flat`` into the parameters' local gradients, in order, and add each to its ``grad``
-    (in the parameter's dtype, where they were summed in another)."""
+    (in the parameter's dtype, where they were summed in another, and memory: an offloaded one's
+    goes to the host)."""
     offset = 0
     for p in params:
         local = shard_of(p)
-        _add_grad(p, flat[offset:offset + local.numel()].view_as(local).to(local.dtype))
+        _add_grad(p, flat[offset:offset + local.numel()].view_as(local).to(local.device, local.dtype))
         offset += local.numel()
 
 

@@ -31,7 +31,7 @@ _counter = [0]
 GENERATED_GLOBALS = {
     "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
     "redistribute": runtime.redistribute, "move": runtime.move,
-    "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
+    "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "on_device": runtime.on_device, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
     "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
     "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
     "dropout_mask": runtime.dropout_mask, "recompute": recompute,
@@ -111,6 +111,8 @@ class ShardedModule(nn.Module):
                            else list(node.storage))
                 shard = (runtime.replicated(p.detach(), mesh) if plain
                          else runtime.distribute(p.detach(), mesh, storage))
+                if node.offloaded:   # its gradient and optimizer states follow it to host memory
+                    shard = runtime.to_host(shard)
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
                 if fqn in direct_grads and p.requires_grad:
                     direct[fqn] = sharded[id(p)]
@@ -120,7 +122,7 @@ class ShardedModule(nn.Module):
         # the backward produces gradients in about the reverse order the forward first reads them
         ready_order = [(direct[f], direct_grads[f]) for f in reversed(direct_grads) if f in direct]
         self._grad_sync = GradSync(mesh, ready_order, bucket_bytes, plan.reduce_precision)
-        self._autopar_gather = GatheredParams(self, mesh, code.gathered, self._grad_sync)
+        self._autopar_gather = GatheredParams(self, mesh, code.gathered, self._grad_sync, self._device)
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
@@ -204,4 +206,6 @@ def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:
 
 def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict: same keys and shapes as the original model's."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pmodel.state_dict().items()}
+    device = torch.device(pmodel.mesh.device_type)
+    return {k: runtime.on_device(v, device).full_tensor() if isinstance(v, DTensor) else v
+            for k, v in pmodel.state_dict().items()}

@@ -101,6 +101,24 @@ def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Seq
     return _LocalShard.apply(redistribute(as_dtensor(x, mesh, have, shape), want), tuple(grad))
 
 
+def to_host(p: DTensor) -> DTensor:
+    """``p`` placed as it is, its local shard in host memory (pinned where a GPU copies from it):
+    an offloaded parameter, whose gradient and optimizer states then live there too."""
+    local = p._local_tensor.detach().to("cpu")
+    if torch.cuda.is_available() and local.device.type == "cpu":
+        local = local.pin_memory()
+    return DTensor(local, p._spec, requires_grad=False)
+
+
+def on_device(p: DTensor, device: torch.device) -> DTensor:
+    """Offloaded parameter ``p`` with its local shard copied to the compute ``device`` (itself where
+    it is there already, as on a CPU mesh); differentiable: the gradient goes back to host memory."""
+    if p._local_tensor.device.type == torch.device(device).type:
+        return p
+    local = p.to_local().to(device, non_blocking=True)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``t`` as a plain tensor every rank holds alike (rank 0's values, as DDP broadcasts them), for
     a plan that replicates every parameter: the optimizer then steps plain tensors, without

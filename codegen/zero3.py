@@ -17,6 +17,12 @@ count those): microbatches and evaluation forwards reuse it, the first forward a
 ``optimizer.step()`` gathers again. Its gradients are reduce-scattered as ZeRO-3's: gradients and optimizer states
 stay sharded, as in DeepSpeed's ZeRO stage 2.
 
+An offloaded group (``GatherSpec.offloaded``) keeps its shards in host memory, where their
+gradients and optimizer states follow them (the optimizer steps there): its shards are copied to
+the device before the all-gather, and its reduce-scattered gradient is handed to the host shards
+once the next offloaded group launches its own (``GradSync.later``), so that one at most waits
+on the device, as FSDP2's ``CPUOffloadPolicy`` bounds it.
+
 A parameter split on the same dimension over two axes, gathered over one and read split over the
 other (a tensor-parallel weight under ZeRO-3 on the data-parallel axis), is stored as FSDP2 with
 tensor parallelism stores it (``stored_as``): each tensor-parallel shard split over the gathered
@@ -52,6 +58,7 @@ class GatherSpec:
     axes: tuple[int, ...]
     dims: tuple[int, ...]
     kept: bool = False   # ZeRO-2: gathered once a step, the copy kept until the shards change
+    offloaded: bool = False   # shards (their gradients, optimizer states) in host memory: copied to the device to gather
 
 
 def stored_as(storage: Sequence[Placement], spec: GatherSpec, mesh_shape: Sequence[int]) -> list[Placement]:
@@ -82,8 +89,10 @@ register_optimizer_step_post_hook(_count_step)
 class GatheredParams:
     """The groups of one module, gathered on demand (``gather``) with the next one prefetched."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, specs: Sequence[GatherSpec], grad_sync: GradSync) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, specs: Sequence[GatherSpec], grad_sync: GradSync,
+                 device: torch.device) -> None:
         self.mesh = mesh
+        self.device = device
         self.specs = list(specs)
         self.params = [[module.get_parameter(f) for f in spec.fqns] for spec in self.specs]
         self.grad_sync = grad_sync
@@ -123,6 +132,8 @@ class GatheredParams:
 
     def _launch(self, k: int) -> torch.Tensor:
         flat = torch.cat([p._local_tensor.detach().reshape(-1) for p in self.params[k]])
+        if self.specs[k].offloaded:
+            flat = flat.to(self.device, non_blocking=True)
         return funcol.all_gather_single(flat, 0, axes_group(self.mesh, self.specs[k].axes))
 
     def _size(self, k: int) -> int:
@@ -163,7 +174,7 @@ class _Gather(torch.autograd.Function):
             packed.append(split.reshape(n, -1))
         flat = owner.grad_sync.wire(torch.cat(packed, dim=1).reshape(-1))
         reduced = funcol.reduce_scatter_single(flat, "sum", 0, axes_group(owner.mesh, owner.specs[k].axes))
-        owner.grad_sync.later(owner.params[k], reduced)
+        owner.grad_sync.later(owner.params[k], reduced, to_host=owner.specs[k].offloaded)
         return (None, None, None) + (None,) * len(ctx.shapes)
 
 

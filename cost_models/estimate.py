@@ -143,7 +143,15 @@ class CostModel:
     first to read (``saved_bytes``); what it would have kept is rebuilt by running the block's
     forward again at the start of the block's backward (``recomputed_bytes``, live until the
     block's backward is done; ``schedule.Timeline``), and that forward, with its placement changes
-    and ZeRO-3 gathers, costs its time a second time (in ``backward_s`` too)."""
+    and ZeRO-3 gathers, costs its time a second time (in ``backward_s`` too).
+
+    With ``offload`` every parameter stored split and gathered to be used (ZeRO-2/3) keeps its
+    shard, gradient and optimizer states in host memory, as FSDP2's ``CPUOffloadPolicy`` and
+    ZeRO-Offload do (``offloads``): the device holds none of them, each gather first copies the
+    shard to the device and each backward's reduced gradient goes back over the host link
+    (``Hardware.host_bandwidth``, blocking), and the optimizer updates them at the host's memory
+    bandwidth. Where the device is the host (no ``host_bandwidth``) this moves nothing and saves
+    nothing, and is priced so."""
 
     mesh: MeshSpec
     space: StrategySpace
@@ -153,6 +161,7 @@ class CostModel:
     microbatches: int = 1            # gradient accumulation: the graph is one microbatch's, run this many times a step
     recompute: str = "none"          # "full": every repeated block recomputed in the backward
     reduce_precision: str = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
+    offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -311,13 +320,26 @@ class CostModel:
         return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
                 if not floating_only or tensor_val(i).dtype.is_floating_point]
 
+    def offloads(self, s: Strategy) -> bool:
+        """Does a parameter stored and used as ``s`` keep its state in host memory (``offload``)?"""
+        return self.offload and s.storage is not None and s.storage != s.out
+
     def _param(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
         opt = self.optimizer
-        update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
-        update += self.param_overhead(s.storage)
-        cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
-                    transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
+        if self.offloads(s) and self.hw.host_bandwidth > 0:
+            # the shard copied to the device for each gather (once a step if kept, again for a
+            # recomputed block's backward), each backward's reduced gradient back; the update on the host
+            gathers = 1 if s.kept else self.microbatches * (2 if nc.node in self.block_of else 1)
+            copies = (gathers + self.microbatches) * (local / self.hw.host_bandwidth + self.hw.op_overhead_s)
+            update = (opt.update_bytes * local / self.hw.host_memory_bandwidth + self.hw.op_overhead_s
+                      + self.param_overhead(s.storage))
+            cost = Cost(compute_s=update, comm_s=copies, transient_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
+        else:
+            update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
+            update += self.param_overhead(s.storage)
+            cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
+                        transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         if s.storage != s.out and s.kept:
             # ZeRO-2: gathered once a step (the first forward after the optimizer changed the
             # shard) and kept whole; each forward unpacks it into the copies its ops keep

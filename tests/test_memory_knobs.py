@@ -8,7 +8,9 @@
   alone and with ZeRO-3, tensor parallelism and microbatches, and the planner takes it when no
   count of microbatches fits;
 * ZeRO-2 (``NodePlan.kept``): parameters gathered once a step and kept, gradients and optimizer
-  states sharded."""
+  states sharded;
+* offload (``NodePlan.offloaded``): ZeRO-sharded parameters' shards, gradients and optimizer states
+  in host memory, priced over the host link, taken by the planner only where nothing else fits."""
 from __future__ import annotations
 
 import pytest
@@ -195,11 +197,11 @@ def test_recomputation_with_zero3_tensor_parallelism_and_microbatches(name):
     assert "recompute(block_" in autopar_code(name, plan, batches)
 
 
-def autopar_code(name, plan, batches) -> str:
+def autopar_code(name, plan, batches, **compile_options) -> str:
     model = build(name)
 
     def body(mesh):
-        return autopar.compile(model, mesh, *batches[0], plan=plan).code
+        return autopar.compile(model, mesh, *batches[0], plan=plan, **compile_options).code
     return run_on_local_tensor_mesh(body, plan.mesh.shape)
 
 
@@ -282,6 +284,61 @@ def test_zero2_costs():
     assert fsdp.memory_breakdown["state"] < zero2.memory_breakdown["state"] < ddp.memory_breakdown["state"]
     assert zero2.comm_bytes["x"] < fsdp.comm_bytes["x"]
     assert "gathered once a step and kept" in plans["zero2"].report(top=None)
+
+
+# ---------------------------------------------------------------- offload
+
+@pytest.mark.parametrize("name, hand_plan", [("llama-tiny", "fsdp(dp) x tp+sp(tp)"), ("gpt2-tiny", "zero2")])
+def test_offloaded_optimizer_states_train_like_one_device(name, hand_plan):
+    """Offloaded ZeRO-3 and ZeRO-2 parameters, gathered alone and in groups small enough that an
+    offloaded group hands its gradient over while the backward goes on, over microbatches."""
+    batches = make_batches(name, 8, 16)
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], offload="optimizer", microbatches=2)[hand_plan]
+    zero = [p for p in plan.parameters.values() if p.storage != p.out]
+    assert zero and all(p.offloaded for p in zero) and not any(p.offloaded for p in plan.parameters.values() if p not in zero)
+    check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan, "bucket_bytes": 4096}, batches=batches)
+    code = autopar_code(name, plan, batches, bucket_bytes=4096)
+    assert code.count("(offloaded: shards, gradients and optimizer states in host memory") > 1
+
+
+def test_offload_costs():
+    """Offloaded states leave the device, paid for in host-link copies and a host optimizer step; on
+    the CPU preset, whose device is the host, offload moves and saves nothing."""
+    model, args, kwargs = meta_model("gpt2-tiny", 16, 64)
+    gpu = MeshSpec((4,), hardware="h100-80gb")
+    kept, off = (candidates(model, gpu, args, kwargs, profile=None, microbatches=2, offload=mode)
+                 for mode in ("none", "optimizer"))
+    assert off["ddp"].predicted == kept["ddp"].predicted and not off["ddp"].offloaded   # nothing ZeRO-sharded
+    for name, left in (("fsdp", 0.1), ("zero2", 0.7)):   # ZeRO-2 keeps its gathered copy on the device
+        p, q = kept[name].predicted, off[name].predicted
+        assert off[name].offloaded and q.memory_breakdown["state"] < left * p.memory_breakdown["state"]
+        assert q.comm_s > p.comm_s and q.step_time_s > p.step_time_s
+    report = off["fsdp"].report(top=None)
+    assert "in host memory" in report and "offload         optimizer: " in report
+    assert autopar.Plan.from_json(off["fsdp"].to_json()).offloaded == off["fsdp"].offloaded
+    cpu = [candidates(model, MeshSpec((4,)), args, kwargs, profile=None, offload=mode)["fsdp"] for mode in ("none", "optimizer")]
+    assert cpu[1].offloaded and cpu[1].predicted == cpu[0].predicted
+
+
+def test_planner_offloads_only_when_nothing_else_fits():
+    model, args, kwargs = meta_model("gpt2-tiny", 2, 16)   # parameters outweigh activations
+    mesh = MeshSpec((4,), hardware="h100-80gb")
+    least = {}
+    for mode in ("none", "optimizer"):
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, offload=mode, memory_budget=1.0, profile=None)
+        least[mode] = info.value.min_memory_bytes
+    budget = 1.9 * least["optimizer"]   # room for what the least-memory bound leaves out
+    assert budget < least["none"]
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, mesh, args, kwargs, offload="none", memory_budget=budget, profile=None)
+    plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    assert plan.feasible and plan.offloaded and "offloaded to host memory" in plan.solver["offload"]
+    assert not autopar.plan(model, mesh, args, kwargs, profile=None).offloaded   # it fits 80 GB as it is
+    with pytest.raises(InfeasibleError, match="offloaded to host memory"):
+        autopar.plan(model, mesh, args, kwargs, memory_budget=0.5 * least["optimizer"], profile=None)
+    with pytest.raises(AutoparError, match="offload is 'auto', 'none', 'optimizer'"):
+        autopar.PlanOptions(offload="nvme")
 
 
 # ---------------------------------------------------------------- pieces

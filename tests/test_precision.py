@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar import ComputeIn, MeshSpec
@@ -45,7 +46,7 @@ def test_bf16_on_gloo_processes():
 def _first_gradients(mesh, model, batch, options):
     pmodel = autopar.compile(model, mesh, *batch, **options)
     loss_of(pmodel(*batch[0], **batch[1])).backward()
-    return {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
+    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in pmodel.named_parameters()}
 
 
 @pytest.mark.parametrize("mesh_shape, options", [((3,), {}), ((2, 2), {"plan": SHARDED})],

@@ -194,8 +194,9 @@ def _free_generated_names(program: ExportedProgram) -> None:
 def _unwrap(program: ExportedProgram, model: torch.nn.Module) -> None:
     """Make a capture of ``ComputeIn(model)`` read as one of ``model``: state names without the
     wrapper's ``model.`` prefix, user inputs named as ``model.forward`` names them (not ``args_0``),
-    and each parameter's cast right before its first use (so the graph's order, which generated
-    code and the memory timeline follow, keeps one layer's copy alive, not every layer's)."""
+    and each parameter's cast right before its first use, its metadata check dropped (so the
+    graph's order, which generated code and the memory timeline follow, keeps one layer's copy
+    alive, not every layer's)."""
     graph = program.graph
     order = {n: i for i, n in enumerate(graph.nodes)}   # moving a cast up leaves the others' order
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
@@ -218,6 +219,10 @@ def _unwrap(program: ExportedProgram, model: torch.nn.Module) -> None:
                 first = min(cast.users, key=order.__getitem__, default=None)
                 if first is not None:
                     first.prepend(cast)
+            # export checks the fp32 parameter's metadata before each cast: a read that would pin
+            # the parameter's use (ZeRO-3: its gather) to the top of the graph, with no value to give
+            for check in [u for u in node.users if u.target is torch.ops.aten._assert_tensor_metadata.default]:
+                graph.erase_node(check)
     root = {"L__self__": ("", f"{type(model).__module__}.{type(model).__qualname__}")}
     for node in graph.nodes:
         if "nn_module_stack" in node.meta:

@@ -41,7 +41,7 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 #: shadow one (a model's ``torch.full`` is a node named ``full``).
 GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
-    "redistribute", "move", "param_shard", "shard_of", "expect", "uneven_reshape", "sharded_cross_entropy",
+    "redistribute", "move", "param_shard", "shard_of", "on_device", "expect", "uneven_reshape", "sharded_cross_entropy",
     "sharded_embedding", "full", "as_dtensor", "gather_params", "dropout_mask", "recompute", "loss_count",
     "once", "attention_mask", "attention", "constants",
 })

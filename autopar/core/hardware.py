@@ -74,6 +74,12 @@ class Hardware:
     ``op_overhead_s`` is a fixed per-operator cost (kernel launch / eager
     dispatch) that :func:`cost_models.compute.compute_time` adds to every op
     that does any work.
+
+    ``host_bandwidth`` is bytes/s per direction between one device and host
+    memory (its PCIe link), ``host_memory_bandwidth`` the host memory
+    bandwidth one device's share of the host CPUs gets (what an optimizer step
+    on offloaded states runs at).  Both 0 where the device *is* the host (the
+    ``"cpu"`` preset): nothing can be offloaded to memory of its own.
     """
 
     name: str
@@ -87,6 +93,8 @@ class Hardware:
     inter_node_latency: float
     source: str
     op_overhead_s: float = 0.0
+    host_bandwidth: float = 0.0
+    host_memory_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -109,7 +117,8 @@ class Hardware:
         object.__setattr__(self, "peak_flops", _FrozenDict(flops))
 
         positive = ("memory_bandwidth", "memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth")
-        non_negative = ("intra_node_latency", "inter_node_latency", "op_overhead_s")
+        non_negative = ("intra_node_latency", "inter_node_latency", "op_overhead_s", "host_bandwidth",
+                        "host_memory_bandwidth")
         for fname in positive + non_negative:
             value = getattr(self, fname)
             ok = _is_number(value) and math.isfinite(value) and (value > 0 if fname in positive else value >= 0)
@@ -208,11 +217,26 @@ _HOPPER_FLOPS = {
 }
 
 def _nvidia_8gpu_node(name: str, flops: Mapping[str, float], *, memory_bandwidth: float, memory_bytes: float,
-                      nvlink: float, infiniband: float, source: str) -> Hardware:
-    """An 8-GPU NVLink node on InfiniBand; latencies and per-op overhead are shared estimates."""
+                      nvlink: float, infiniband: float, pcie: float, host_memory: float, source: str) -> Hardware:
+    """An 8-GPU NVLink node on InfiniBand; latencies and per-op overhead are shared estimates.
+    ``pcie``: each GPU's link to the host, per direction; ``host_memory``: the node's host memory
+    bandwidth, shared by its 8 GPUs."""
     return Hardware(name=name, peak_flops=dict(flops), memory_bandwidth=memory_bandwidth, memory_bytes=memory_bytes,
                     devices_per_node=8, intra_node_bandwidth=nvlink, intra_node_latency=2e-6,
-                    inter_node_bandwidth=infiniband, inter_node_latency=5e-6, op_overhead_s=5e-6, source=source)
+                    inter_node_bandwidth=infiniband, inter_node_latency=5e-6, op_overhead_s=5e-6,
+                    host_bandwidth=pcie, host_memory_bandwidth=host_memory / 8, source=source)
+
+
+_A100_HOST = dict(pcie=25 * _GB, host_memory=410 * _GB)
+_A100_HOST_SRC = (
+    "Host: PCIe Gen4 x16 per GPU, 32 GB/s per direction nominal, 25 GB/s as pinned copies reach it; "
+    "DGX A100 host memory 2 AMD EPYC 7742 x 8 channels DDR4-3200 = 410 GB/s, shared by 8 GPUs. "
+)
+_HOPPER_HOST = dict(pcie=50 * _GB, host_memory=614 * _GB)
+_HOPPER_HOST_SRC = (
+    "Host: PCIe Gen5 x16 per GPU, 64 GB/s per direction nominal, 50 GB/s as pinned copies reach it; "
+    "DGX H100/H200 host memory 2 Xeon Platinum 8480C x 8 channels DDR5-4800 = 614 GB/s, shared by 8 GPUs. "
+)
 
 
 PRESETS: dict[str, Hardware] = {
@@ -248,26 +272,26 @@ PRESETS: dict[str, Hardware] = {
     ),
     "a100-40gb": _nvidia_8gpu_node(
         "a100-40gb", _A100_FLOPS, memory_bandwidth=1555 * _GB, memory_bytes=40 * _GB,
-        nvlink=300 * _GB, infiniband=25 * _GB,
-        source=_A100_SRC + "A100 40GB SXM4: 40 GB HBM2, 1555 GB/s. " + _NV_LATENCY_NOTE,
+        nvlink=300 * _GB, infiniband=25 * _GB, **_A100_HOST,
+        source=_A100_SRC + "A100 40GB SXM4: 40 GB HBM2, 1555 GB/s. " + _A100_HOST_SRC + _NV_LATENCY_NOTE,
     ),
     "a100-80gb": _nvidia_8gpu_node(
         "a100-80gb", _A100_FLOPS, memory_bandwidth=2039 * _GB, memory_bytes=80 * _GB,
-        nvlink=300 * _GB, infiniband=25 * _GB,
-        source=_A100_SRC + "A100 80GB SXM4: 80 GB HBM2e, 2039 GB/s. " + _NV_LATENCY_NOTE,
+        nvlink=300 * _GB, infiniband=25 * _GB, **_A100_HOST,
+        source=_A100_SRC + "A100 80GB SXM4: 80 GB HBM2e, 2039 GB/s. " + _A100_HOST_SRC + _NV_LATENCY_NOTE,
     ),
     "h100-80gb": _nvidia_8gpu_node(
         "h100-80gb", _HOPPER_FLOPS, memory_bandwidth=3350 * _GB, memory_bytes=80 * _GB,
-        nvlink=450 * _GB, infiniband=50 * _GB,
-        source=_HOPPER_SRC + "H100 SXM5: 80 GB HBM3, 3.35 TB/s. " + _NV_LATENCY_NOTE,
+        nvlink=450 * _GB, infiniband=50 * _GB, **_HOPPER_HOST,
+        source=_HOPPER_SRC + "H100 SXM5: 80 GB HBM3, 3.35 TB/s. " + _HOPPER_HOST_SRC + _NV_LATENCY_NOTE,
     ),
     "h200": _nvidia_8gpu_node(
         "h200", _HOPPER_FLOPS, memory_bandwidth=4800 * _GB, memory_bytes=141 * _GB,
-        nvlink=450 * _GB, infiniband=50 * _GB,
+        nvlink=450 * _GB, infiniband=50 * _GB, **_HOPPER_HOST,
         source=(
             _HOPPER_SRC
             + "H200 SXM (NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/): "
-            "same compute and NVLink as H100 SXM5, 141 GB HBM3e, 4.8 TB/s. " + _NV_LATENCY_NOTE
+            "same compute and NVLink as H100 SXM5, 141 GB HBM3e, 4.8 TB/s. " + _HOPPER_HOST_SRC + _NV_LATENCY_NOTE
         ),
     ),
 }

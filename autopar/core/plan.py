@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 7   # 5: precision; 6: microbatches, recompute; 7: reduce_precision
+PLAN_FORMAT_VERSION = 8   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class NodePlan:
     memory_bytes: float               # bytes this node holds per device (state + kept activations + gradients)
     saved_bytes: float = 0.0          # of which activations kept for the backward
     kept: bool = False                # parameters: ZeRO-2, the gathered copy kept from step to step
+    offloaded: bool = False           # parameters: shard, gradient and optimizer states in host memory
     source: str = "roofline"          # where compute/comm figures came from: "measured", "roofline" or both
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,6 +113,11 @@ class Plan:
     @property
     def parameters(self) -> dict[str, NodePlan]:
         return {n.fqn: n for n in self.nodes if n.op == "parameter"}
+
+    @property
+    def offloaded(self) -> list[str]:
+        """Parameters whose shards, gradients and optimizer states live in host memory."""
+        return [fqn for fqn, n in self.parameters.items() if n.offloaded]
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

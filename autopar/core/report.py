@@ -71,7 +71,8 @@ class _ParamRow:
 
 
 def _storage_text(n: NodePlan) -> str:
-    return placements_str(n.storage) if n.storage is not None else placements_str(n.out)
+    placed = placements_str(n.storage) if n.storage is not None else placements_str(n.out)
+    return placed + " in host memory" if n.offloaded else placed
 
 
 def _strategy_text(n: NodePlan) -> str:
@@ -160,6 +161,10 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
                               f"{plan.microbatch_size} (gradient accumulation: train_step; node costs per step, "
                               f"memory per microbatch)"))
     add("  recompute       " + _recompute_line(plan.recompute))
+    offloaded = plan.offloaded
+    add("  offload         " + (f"optimizer: {len(offloaded)} ZeRO-sharded parameter(s) keep their shards, gradients "
+                                 "and optimizer states in host memory; the optimizer steps them there" if offloaded
+                                 else "none (parameters, gradients and optimizer states on the device)"))
     add("  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
                                  else "returned as DTensors, placed as planned (gather_outputs=False)"))
     if not plan.feasible:

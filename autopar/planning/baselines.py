@@ -58,7 +58,9 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
                options: PlanOptions | None = None, **option_values: Any) -> dict[str, Plan]:
     """Every standard strategy for ``mesh`` as a ``Plan``, costed like the auto plan (the same
     ``PlanOptions`` as ``autopar.plan``; ``microbatches`` and ``recompute`` "auto" plan the whole
-    batch without recomputation, a count that many microbatches, "full" recomputes every block); each can be compiled and run (``autopar.compile(plan=...)``)."""
+    batch without recomputation, a count that many microbatches, "full" recomputes every block;
+    ``offload`` "optimizer" offloads the ZeRO plans' states, "auto" does not); each can be
+    compiled and run (``autopar.compile(plan=...)``)."""
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
@@ -67,7 +69,8 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
     whole = capture(model, args, example_kwargs, precision=options.precision)
     captured = whole if k == 1 else microbatch_capture(model, args, example_kwargs, options.precision)(k)
     planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0}, microbatches=k,
-                       whole=whole, recompute="none" if options.recompute == "auto" else options.recompute)
+                       whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,
+                       offload=options.offload == "optimizer")
     deadline = time.perf_counter() + options.time_limit if options.time_limit is not None else None
     return {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
 

@@ -21,6 +21,8 @@ DEFAULT_TIME_LIMIT_S = 60.0
 #: and there the standard plan is the safer choice (measured: auto plans predicted 4% faster than
 #: DDP ran 11-13% slower on the CPU mesh).
 MIN_GAIN = 0.05
+#: ``PlanOptions.offload``'s values.
+OFFLOAD = ("auto", "none", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,11 @@ class PlanOptions:
     ``recompute``: activation recomputation of the repeated blocks (transformer layers): "none",
     "full" (each block keeps only its input and runs its forward again in the backward), or
     "auto": where the whole batch needs microbatches, both priced and the faster plan kept, else
-    "full" only where nothing fits without it.
+    "full" only where nothing fits without it. ``offload``: "optimizer" keeps the shard, gradient
+    and optimizer states of every parameter the plan stores split and gathers to use (ZeRO-2/3) in
+    host memory, the optimizer stepping them there (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload);
+    "auto" does so only where no plan fits the device without it and the hardware has host memory
+    of its own (``Hardware.host_bandwidth``); "none" never.
     """
 
     memory_budget: float | None = None
@@ -75,6 +81,7 @@ class PlanOptions:
     reduce_precision: str = "fp32"
     microbatches: int | str = "auto"
     recompute: str = "auto"
+    offload: str = "auto"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -89,6 +96,8 @@ class PlanOptions:
         check_microbatches(self.microbatches)
         if self.recompute not in ("auto", *RECOMPUTE):
             raise AutoparError(f"recompute is 'auto', {' or '.join(map(repr, RECOMPUTE))}, got {self.recompute!r}")
+        if self.offload not in OFFLOAD:
+            raise AutoparError(f"offload is {', '.join(map(repr, OFFLOAD))}, got {self.offload!r}")
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **values: Any) -> PlanOptions:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import candidates, captured_rows, microbatch_rows
 from autopar.core.plan import Plan
@@ -39,7 +40,9 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     larger microbatches need less sharding: Llama-2 70B at 512 x 4096 on 16x8 H100 runs 64
     microbatches without recomputation, 16 with it, predicted 2.7x faster); the two share the time
     limit, recomputation first. Otherwise recomputation is tried only when no plan fits without
-    it."""
+    it. ``offload="auto"``: where no plan fits the device (the state alone, or after every count
+    and mode was tried) and the hardware has host memory apart, the search runs again with the
+    ZeRO-2/3 parameters' states in host memory (``CostModel.offload``)."""
     timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
     deadline = time.perf_counter() + (1 - OVERRUN) * options.time_limit - sum(timings.values()) \
         if options.time_limit is not None else None
@@ -49,7 +52,42 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
         if options.microbatches > 1 and recapture is None:
             raise AutoparError("microbatches > 1 needs the model to capture one microbatch: plan with autopar.plan "
                                "or autopar.compile")
-    search = _Search(captured, mesh, options, timings, forced, recapture, rows)
+    search = _Search(captured, mesh, options, timings, forced, recapture, rows,
+                     offload=options.offload == "optimizer")
+    if search.may_offload() and search.state_exceeds_budget():
+        search.offload = True
+        search.offload_why = "what no plan avoids holding on the device (parameters, gradients, optimizer states) exceeds the budget"
+    try:
+        best: Plan | None = _best_mode(search, deadline)
+    except InfeasibleError as e:
+        if search.offload_why:
+            raise InfeasibleError(f"{e} That is with the ZeRO-sharded parameters' states offloaded to host memory: "
+                                  f"{search.offload_why}.", min_memory_bytes=e.min_memory_bytes) from None
+        if not search.may_offload():
+            raise
+        best, failed = None, e
+    if search.may_offload() and (best is None or not best.feasible):
+        search.offload, search.offload_why = True, "no plan fits the device otherwise"
+        try:
+            offloaded: Plan | None = _best_mode(search, deadline)
+        except InfeasibleError as e:
+            if best is None:
+                raise InfeasibleError(f"{failed} With optimizer states offloaded to host memory too: {e}",
+                                      min_memory_bytes=min(failed.min_memory_bytes, e.min_memory_bytes)) from None
+            offloaded = None
+        if offloaded is not None and (best is None or offloaded.shortfall_bytes < best.shortfall_bytes):
+            best = offloaded
+    if best.offloaded and search.offload_why:
+        best.solver["offload"] = (f"the states of {len(best.offloaded)} parameters are offloaded to host memory: "
+                                  f"{search.offload_why}")
+    best.timings = dict(search.timings)   # the whole search's
+    return best
+
+
+def _best_mode(search: _Search, deadline: float | None) -> Plan:
+    """The best plan over the recomputation modes the options allow (see ``plan_captured``): the
+    fastest that fits, else the least bad; raises ``InfeasibleError`` where no mode has a plan."""
+    options = search.options
     if options.recompute != "auto":
         modes, compete = (options.recompute,), False
     elif search.needs_microbatches("none"):
@@ -82,7 +120,6 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
             best.solver["recompute"] = "; ".join(
                 f"{_mode(p)}: {fmt(p.predicted.step_time_s, 's')} in {p.microbatches} microbatch(es)"
                 + ("" if p.feasible else " (over the budget)") for p in plans) + f"; kept {_mode(best)}"
-        best.timings = dict(search.timings)
         return best
     errors.sort(key=lambda e: e[0] != "none")   # the plain case first, then what recomputation needs
     first = errors[0][1]
@@ -107,9 +144,21 @@ class _Search:
     forced: dict[str, Strategy] | None
     recapture: Callable[[int], CapturedGraph] | None
     rows: int
+    offload: bool = False                                               # ZeRO-2/3 states in host memory
+    offload_why: str = ""                                               # why "auto" offloads
     deadline: float | None = None                                       # of the fit under way
     captures: dict[int, CapturedGraph] = field(default_factory=dict)   # microbatch count -> its capture
-    wholes: dict[str, Planning] = field(default_factory=dict)          # recompute mode -> whole batch's problem
+    wholes: dict[tuple[str, bool], Planning] = field(default_factory=dict)   # (recompute, offload) -> whole batch's problem
+
+    def may_offload(self) -> bool:
+        """May "auto" still turn offload on: not yet on, and the device has host memory apart?"""
+        return self.options.offload == "auto" and not self.offload and get_hardware(self.mesh.hardware).host_bandwidth > 0
+
+    def state_exceeds_budget(self) -> bool:
+        """Does what no plan of the whole batch avoids (the state, what every moment holds) exceed
+        the budget, so that neither microbatches nor recomputation can help?"""
+        whole = self._whole("none")
+        return whole.bounds().quietest() > whole.budget
 
     def needs_microbatches(self, recompute: str) -> bool:
         """Does every plan of the whole batch under ``recompute`` exceed the budget (where the
@@ -197,21 +246,22 @@ class _Search:
             plan, k = other, smaller
 
     def _whole(self, recompute: str) -> Planning:
-        if recompute not in self.wholes:
-            self.wholes[recompute] = self._prepare(1, recompute)
-        return self.wholes[recompute]
+        if (recompute, self.offload) not in self.wholes:
+            self.wholes[(recompute, self.offload)] = self._prepare(1, recompute)
+        return self.wholes[(recompute, self.offload)]
 
     def _prepare(self, k: int, recompute: str) -> Planning:
         """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1)."""
         if k == 1:
-            planning = prepare(self.captured, self.mesh, self.options, forced=self.forced, recompute=recompute)
+            planning = prepare(self.captured, self.mesh, self.options, forced=self.forced, recompute=recompute,
+                               offload=self.offload)
         else:
             if k not in self.captures:   # recomputation modes plan the same microbatch
                 t0 = time.perf_counter()
                 self.captures[k] = self.recapture(k)
                 _add(self.timings, {"capture": time.perf_counter() - t0})
             planning = prepare(self.captures[k], self.mesh, self.options, forced=self.forced, microbatches=k,
-                               whole=self.captured, recompute=recompute)
+                               whole=self.captured, recompute=recompute, offload=self.offload)
         _add(self.timings, planning.timings)
         return planning
 

@@ -89,11 +89,13 @@ class Planning:
 
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
             timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
-            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str = "none") -> Planning:
+            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str = "none",
+            offload: bool = False) -> Planning:
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
     nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
     step (see ``CostModel``) of the batch ``whole`` was captured at; ``recompute``: "full"
-    recomputes every repeated block in the backward)."""
+    recomputes every repeated block in the backward; ``offload``: ZeRO-2/3 parameters keep their
+    state in host memory)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
         space = build_space(captured, mesh)
@@ -102,7 +104,8 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
     with _stage(timings, "costs"):
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
-                          microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision)
+                          microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision,
+                          offload=offload)
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of,
                             accumulating=microbatches > 1)
         budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
@@ -259,6 +262,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
             ins=s.ins,
             storage=s.storage,
             kept=s.kept and s.storage != s.out,
+            offloaded=model.offloads(s),
             fqn=nc.fqn,
             compute_s=c.compute_s,
             comm_s=c.comm_s + c.overlap_s,

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 from autopar.core.errors import AutoparError, MeshError
 from autopar.core.precision import PRECISIONS
+from autopar.core.blocks import RECOMPUTE
 from autopar.planning.options import OFFLOAD, PlanOptions
 from cost_models.estimate import OPTIMIZERS
 
@@ -518,9 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--microbatches", default="auto",
                       help="gradient accumulation: microbatches per step, a divisor of --batch, or auto (default: the "
                            "whole batch if a plan fits it, else the fewest microbatches that fit)")
-    plan.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
-                      help="activation recomputation of the repeated blocks (default auto: priced beside more "
-                           "microbatches where the batch must be cut, else only when nothing fits without it)")
+    plan.add_argument("--recompute", choices=("auto", *RECOMPUTE), default="auto",
+                      help="activation recomputation of the repeated blocks: selective (their attention cores) or "
+                           "full (default auto: priced beside more microbatches where the batch must be cut, else "
+                           "only when nothing fits without it)")
     plan.add_argument("--offload", choices=OFFLOAD, default="auto",
                       help="optimizer: ZeRO-sharded parameters keep their shards, gradients and optimizer states in "
                            "host memory, the optimizer steps there (default auto: only where nothing fits the device "

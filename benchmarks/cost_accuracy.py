@@ -11,7 +11,9 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
     python benchmarks/cost_accuracy.py --models gpt-tiny --meshes 2x2 --plan-arg time_limit=10
     python benchmarks/cost_accuracy.py --device cuda          # one process per GPU (nccl); bigger meshes skipped
     python benchmarks/cost_accuracy.py --knobs --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2,2x2 \
-        --launches 1 --out benchmarks/results/cost_accuracy_knobs.json   # microbatches and recomputation
+        --launches 1 --out benchmarks/results/cost_accuracy_knobs.json   # microbatches, recomputation, ZeRO-2
+    python benchmarks/cost_accuracy.py --knobs --models bloom-tiny --meshes 2,2x2 --launches 1 \
+        --out benchmarks/results/cost_accuracy_selective.json   # with selective recomputation (attention in ops)
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -45,6 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import autopar
 from autopar.cli import parse_mesh
+from autopar.core.blocks import recompute_modes
+from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import measure_training, slowest_rank_steps
@@ -65,7 +69,7 @@ SIZES = ((8, 32), (16, 64), (32, 64))
 # ``--knobs``: each config planned under each of these memory knobs (``autopar.PlanOptions``; and
 # ``hand_plan``: that standard plan, here ZeRO-2), on the sizes with activations worth saving.
 KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
-         (("hand_plan", "zero2"), ("microbatches", 2)))
+         (("hand_plan", "zero2"), ("microbatches", 2)), (("recompute", "selective"),))
 KNOB_SIZES = SIZES[1:]
 SEED = 1234
 LR = 1e-3
@@ -117,7 +121,18 @@ def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[i
     meshes = [m for m in meshes if max_devices is None or math.prod(m) <= max_devices]
     sizes = (KNOB_SIZES if knobs else SIZES)[:1 if quick else None]
     variants = KNOBS if knobs else ((),)
-    return [Config(model, mesh, b, s, k) for model in models for mesh in meshes for b, s in sizes for k in variants], skipped
+    cores = {m: has_attention_cores(m) for m in models} if knobs else {}
+    return [Config(model, mesh, b, s, k) for model in models for mesh in meshes for b, s in sizes for k in variants
+            if cores.get(model, True) or ("recompute", "selective") not in k], skipped
+
+
+def has_attention_cores(model: str) -> bool:
+    """Does selective recomputation apply to zoo ``model`` (attention computed in ops, not SDPA)?
+    Without cores it plans as no recomputation: not a config of its own."""
+    entry = get_model(model)
+    with torch.device("meta"):
+        graph = capture(entry.build(), *entry.example(1, 8, device="meta")).graph
+    return bool(recompute_modes(graph, "selective"))
 
 
 def parse_plan_args(items: Sequence[str]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch.export.graph_signature import OutputKind
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val, value_bytes
 from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
                                     writes_in_place, written_aliases)
-from autopar.core.blocks import repeated_blocks
+from autopar.core.blocks import recomputed_regions
 from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from autopar.core.fold import attention_masks, foldable
@@ -683,10 +683,12 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
         constants = ("def constants(self, mesh, device, sizes):\n    # values computed from shapes alone, once: "
                      "autopar.core.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
     arguments = {"self", "mesh", "device", "sizes", "loss_count", *captured.user_inputs}
-    for block in reversed([b for b in repeated_blocks(captured.graph) if b.path in plan.recompute]):
-        body = checkpointed(body, lines_of[block.nodes[0]][0], lines_of[block.nodes[-1]][1], arguments,
-                            "block_" + block.path.replace(".", "_"),
-                            f"{block.path}: recomputed in the backward ({plan.recompute[block.path]} recomputation)")
+    for region in reversed(recomputed_regions(captured.graph, plan.recompute)):
+        whole = plan.recompute[region.path] == "full"
+        body = checkpointed(body, lines_of[region.nodes[0]][0], lines_of[region.nodes[-1]][1], arguments,
+                            ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
+                            f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
+                            f"({plan.recompute[region.path]} recomputation)")
     em.lines = [signature, *body]
     header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
     return GeneratedCode(header + constants + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups),

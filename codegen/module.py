@@ -192,7 +192,7 @@ def _value(loss: torch.Tensor | Carried) -> torch.Tensor:
     """A loss's value, whole on every rank."""
     if isinstance(loss, Carried):
         return loss.value()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return runtime.whole(loss) if isinstance(loss, DTensor) else loss
 
 
 def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:
@@ -207,5 +207,4 @@ def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:
 def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict: same keys and shapes as the original model's."""
     device = torch.device(pmodel.mesh.device_type)
-    return {k: runtime.on_device(v, device).full_tensor() if isinstance(v, DTensor) else v
-            for k, v in pmodel.state_dict().items()}
+    return {k: runtime.whole(v, device) if isinstance(v, DTensor) else v for k, v in pmodel.state_dict().items()}

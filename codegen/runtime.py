@@ -119,6 +119,13 @@ def on_device(p: DTensor, device: torch.device) -> DTensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
+def whole(p: DTensor, device: torch.device | None = None) -> torch.Tensor:
+    """A DTensor whole on every rank (a loss, a full state dict's value), without DTensor's per-rank
+    hints about collectives; gathered on the compute ``device`` where it is offloaded."""
+    with _PLANNED:
+        return (on_device(p, device) if device is not None else p).full_tensor()
+
+
 def replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``t`` as a plain tensor every rank holds alike (rank 0's values, as DDP broadcasts them), for
     a plan that replicates every parameter: the optimizer then steps plain tensors, without

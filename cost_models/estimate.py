@@ -29,7 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
 
-from autopar.core.blocks import block_of, repeated_blocks
+from autopar.core.blocks import RECOMPUTE, block_of, recompute_modes, recomputed_regions
 from autopar.core.capture import tensor_val
 from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
@@ -159,7 +159,7 @@ class CostModel:
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS["adamw"])
     gather_outputs: bool = True      # outputs returned whole on every rank (``PlanOptions.gather_outputs``)
     microbatches: int = 1            # gradient accumulation: the graph is one microbatch's, run this many times a step
-    recompute: str = "none"          # "full": every repeated block recomputed in the backward
+    recompute: str = "none"          # "full": every repeated block recomputed in the backward; "selective": their attention cores
     reduce_precision: str = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
     hw: Hardware = field(init=False)
@@ -648,18 +648,16 @@ class CostModel:
                 self._synced_dtype(src) if flows and self._queued(src) else None)
 
 
-RECOMPUTE = ("none", "full")
-
-
 def recomputed_blocks(space: StrategySpace, recompute: str) -> dict[fx.Node, int]:
-    """Under ``recompute="full"``, the block number of every node in a repeated block (and of every
-    parameter first read in one); nothing under "none"."""
+    """The region number of every node recomputed in the backward under ``recompute`` (and of
+    every parameter first read in one): each repeated block under "full", each attention core
+    under "selective" (``autopar.core.blocks``); nothing under "none"."""
     if recompute not in RECOMPUTE:
         raise AutoparError(f"recompute is one of {', '.join(RECOMPUTE)} (or 'auto' when planning), got {recompute!r}")
     if recompute == "none" or not space.nodes:
         return {}
     graph = space.nodes[0].node.graph
-    return block_of(graph, repeated_blocks(graph))
+    return block_of(graph, recomputed_regions(graph, recompute_modes(graph, recompute)))
 
 
 def _classes(keys: Sequence) -> tuple[np.ndarray, list]:

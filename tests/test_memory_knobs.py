@@ -4,9 +4,9 @@
   runs as microbatches whose weighted losses and summed gradients equal one device's on the
   whole batch (padding targets and a smaller last microbatch included), gradients are
   synchronised once a step, and the planner takes microbatches when the whole batch does not fit;
-* activation recomputation (``plan.recompute``): repeated blocks run as checkpointed functions,
-  alone and with ZeRO-3, tensor parallelism and microbatches, and the planner takes it when no
-  count of microbatches fits;
+* activation recomputation (``plan.recompute``): repeated blocks (or their attention cores, under
+  selective recomputation) run as checkpointed functions, alone and with ZeRO-3, tensor
+  parallelism and microbatches, and the planner takes it when no count of microbatches fits;
 * ZeRO-2 (``NodePlan.kept``): parameters gathered once a step and kept, gradients and optimizer
   states sharded;
 * offload (``NodePlan.offloaded``): ZeRO-sharded parameters' shards, gradients and optimizer states
@@ -18,6 +18,8 @@ import torch
 
 import autopar
 from autopar import MeshSpec
+from autopar.core.blocks import recompute_modes, recomputed_regions
+from autopar.core.capture import capture
 from autopar.core.errors import AutoparError, InfeasibleError, LossWeightError
 from autopar.core.microbatch import batch_size, split
 from autopar.planning.baselines import candidates
@@ -236,8 +238,8 @@ def test_planner_recomputes_when_no_microbatch_count_fits():
     assert plan.recompute and plan.feasible and plan.predicted.peak_memory_bytes <= budget
     with pytest.raises(InfeasibleError, match="With full recomputation of the repeated blocks too, a plan needs"):
         autopar.plan(model, mesh, args, kwargs, memory_budget=0.9 * least["full"], profile=None)
-    with pytest.raises(AutoparError, match="recompute is 'auto', 'none' or 'full'"):
-        autopar.PlanOptions(recompute="selective")
+    with pytest.raises(AutoparError, match="recompute is 'auto', 'none', 'selective', 'full'"):
+        autopar.PlanOptions(recompute="attention")
 
 
 def test_planner_prices_recomputation_against_more_microbatches():
@@ -261,6 +263,48 @@ def test_planner_prices_recomputation_against_more_microbatches():
     assert auto.microbatches == each[faster].microbatches and auto.recompute == each[faster].recompute
     assert "none: " in auto.solver["recompute"] and "full: " in auto.solver["recompute"]
     assert auto.solver["recompute"].endswith(f"kept {faster}")
+
+
+def test_attention_cores_are_found_where_attention_is_not_fused():
+    """BLOOM computes attention in ops (baddbmm, softmax, bmm): its blocks have cores; SDPA models none."""
+    bloom = capture(build("bloom-tiny"), *make_batches("bloom-tiny", 2, 8, steps=1)[0]).graph
+    cores = recomputed_regions(bloom, recompute_modes(bloom, "selective"))
+    assert [c.path for c in cores] == ["transformer.h.0", "transformer.h.1"]
+    targets = [n.target for n in bloom.nodes if n.name in cores[0].nodes]
+    assert targets[0] is torch.ops.aten.baddbmm.default and targets[-1] is torch.ops.aten.bmm.default
+    assert torch.ops.aten.softmax.int in targets and torch.ops.aten.linear.default not in targets
+    llama = capture(build("llama-tiny"), *make_batches("llama-tiny", 2, 8, steps=1)[0]).graph
+    assert recompute_modes(llama, "selective") == {} and len(recompute_modes(llama, "full")) == 2
+
+
+def test_selective_recomputation_trains_like_one_device():
+    batches = make_batches("bloom-tiny", 8, 16)
+    plan = candidates(build("bloom-tiny"), MeshSpec((2, 2)), *batches[0], recompute="selective",
+                      microbatches=2)["dp(dp) x tp+sp(tp)"]
+    assert set(plan.recompute.values()) == {"selective"}
+    check_training("bloom-tiny", 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
+    assert "recompute(attention_core_transformer_h_1" in autopar_code("bloom-tiny", plan, batches)
+
+
+def test_selective_recomputation_costs_and_choice():
+    """Selective recomputation keeps less than none and more than full, for a fraction of full's
+    extra compute; the planner takes it where nothing fits without it and it does."""
+    model, args, kwargs = meta_model("bloom-tiny", 1, 512)   # one row: microbatches cannot help
+    mesh = MeshSpec((2,))
+    plans = {mode: candidates(model, mesh, args, kwargs, profile=None, recompute=mode)["ddp"].predicted
+             for mode in ("none", "selective", "full")}
+    assert plans["full"].peak_memory_bytes < plans["selective"].peak_memory_bytes < plans["none"].peak_memory_bytes
+    assert plans["none"].compute_s < plans["selective"].compute_s < plans["full"].compute_s
+    least = {}
+    for mode in ("none", "selective"):
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=1.0, profile=None)
+        least[mode] = info.value.min_memory_bytes
+    budget = 1.2 * least["selective"]
+    assert budget < least["none"]
+    plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    assert plan.feasible and set(plan.recompute.values()) == {"selective"}
+    assert "selective for 2 block(s)" in plan.report()
 
 
 # ---------------------------------------------------------------- ZeRO-2

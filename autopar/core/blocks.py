@@ -5,6 +5,12 @@ A block is a module at ``<container>.<index>`` (an ``nn.ModuleList``/``nn.Sequen
 with at least one sibling of the same class, whose ops form one contiguous run of the graph (the
 generated forward can then run them as one checkpointed function). Its nodes are the ops the
 module's forward ran, as export's ``nn_module_stack`` records them.
+
+A block's attention core (``attention_core``) is what selective recomputation (Korthikanti et
+al., 2022) runs again: the ops from the product of queries and keys, through the softmax, to the
+product of the attention probabilities and values, whose attention-matrix-sized activations cost
+the most memory per FLOP. A block that computes attention with SDPA has none: its fused kernel
+already keeps no attention matrix and recomputes it in its backward.
 """
 from __future__ import annotations
 
@@ -12,7 +18,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
+
+aten = torch.ops.aten
+_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
+_BATCHED_PRODUCTS = {aten.bmm.default, aten.baddbmm.default, aten.matmul.default}
+#: ``Plan.recompute``'s modes: what of a block its backward runs again.
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -61,3 +74,54 @@ def block_of(graph: fx.Graph, blocks: Sequence[Block]) -> dict[fx.Node, int]:
             if first.name in number:
                 out[n] = number[first.name]
     return out
+
+
+def attention_core(graph: fx.Graph, block: Block) -> Block | None:
+    """``block``'s attention core (one contiguous run of its ops, named by the block's path), or
+    None where it has none: per softmax, the batched product that feeds it (scores) to the one it
+    feeds (probabilities times values), and what the graph runs between them."""
+    ops = [n for n in graph.nodes if n.name in set(block.nodes)]
+    index = {n: i for i, n in enumerate(ops)}
+    spans = []
+    for soft in (n for n in ops if n.target in _SOFTMAX):
+        scores = _nearest(soft, index, lambda n: n.all_input_nodes, max)
+        weighted = _nearest(soft, index, lambda n: list(n.users), min)
+        if scores is not None and weighted is not None:
+            spans.append((index[scores], index[weighted]))
+    if not spans:
+        return None
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    return Block(block.path, tuple(n.name for n in ops[start:end + 1]))
+
+
+def _nearest(node: fx.Node, index: dict[fx.Node, int], step, pick) -> fx.Node | None:
+    """The batched product nearest ``node`` (``pick`` of graph positions) reached through ``step``
+    (inputs or users) inside the block, or None."""
+    found, todo, seen = [], [node], {node}
+    while todo:
+        for nxt in step(todo.pop()):
+            if nxt in index and nxt not in seen:
+                seen.add(nxt)
+                (found if nxt.target in _BATCHED_PRODUCTS else todo).append(nxt)
+    return pick(found, key=index.__getitem__) if found else None
+
+
+def recomputed_regions(graph: fx.Graph, recompute: dict[str, str]) -> list[Block]:
+    """The runs of ops recomputed in the backward, in graph order: each repeated block ``recompute``
+    names whole ("full"), or its attention core ("selective")."""
+    regions = []
+    for block in repeated_blocks(graph):
+        mode = recompute.get(block.path, "none")
+        region = block if mode == "full" else attention_core(graph, block) if mode == "selective" else None
+        if region is not None:
+            regions.append(region)
+    return regions
+
+
+def recompute_modes(graph: fx.Graph, mode: str) -> dict[str, str]:
+    """``Plan.recompute`` of recomputing ``mode`` wherever it applies: every repeated block's path
+    (those with an attention core, for "selective") -> ``mode``; empty for "none"."""
+    if mode == "none":
+        return {}
+    return {block.path: mode for block in repeated_blocks(graph)
+            if mode == "full" or attention_core(graph, block) is not None}

@@ -96,7 +96,7 @@ class Plan:
     reduce_precision: str = "fp32"        # the dtype gradients are summed over ranks in
     batch_size: int = 1                   # rows of the global batch planned for (dim 0 of the inputs)
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
-    recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full": recomputed in the backward
+    recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -113,6 +113,11 @@ class Plan:
     @property
     def parameters(self) -> dict[str, NodePlan]:
         return {n.fqn: n for n in self.nodes if n.op == "parameter"}
+
+    @property
+    def recompute_mode(self) -> str:
+        """The recomputation mode of every block it recomputes ("selective" or "full"), or "none"."""
+        return next(iter(self.recompute.values()), "none")
 
     @property
     def offloaded(self) -> list[str]:

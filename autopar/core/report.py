@@ -135,9 +135,11 @@ def _recompute_line(recompute: dict[str, str]) -> str:
     by_mode: dict[str, list[str]] = {}
     for path, mode in recompute.items():
         by_mode.setdefault(mode, []).append(path)
+    what = {"full": "each keeps its input and runs its forward again in the backward",
+            "selective": "each keeps its attention core's inputs and computes the attention probabilities again "
+                         "in the backward"}
     return "; ".join(f"{mode} for {len(paths)} block(s) ({paths[0]}" + (f" ... {paths[-1]})" if len(paths) > 1 else ")")
-                     + ": each keeps its input and runs its forward again in the backward"
-                     for mode, paths in by_mode.items())
+                     + f": {what[mode]}" for mode, paths in by_mode.items())
 
 
 def format_report(plan: Plan, top: int | None = 12) -> str:

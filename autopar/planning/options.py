@@ -11,7 +11,8 @@ from typing import Any
 from autopar.core.errors import AutoparError
 from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import check_precision
-from cost_models.estimate import RECOMPUTE, get_optimizer
+from autopar.core.blocks import RECOMPUTE
+from cost_models.estimate import get_optimizer
 from cost_models.profile import Profile
 
 #: Seconds planning may take (capture, hand plans and the auto plan together) by default.
@@ -59,9 +60,13 @@ class PlanOptions:
     this many equal microbatches a step (``ShardedModule.train_step``; a count that divides the
     batch), or "auto": the whole batch if a plan fits it, else the fewest microbatches that fit.
     ``recompute``: activation recomputation of the repeated blocks (transformer layers): "none",
+    "selective" (each block's attention core, from the query-key product to the probability-value
+    product, runs again in the backward: its attention-matrix-sized activations are not kept;
+    blocks computing attention with SDPA have none, their kernel keeps no attention matrix),
     "full" (each block keeps only its input and runs its forward again in the backward), or
-    "auto": where the whole batch needs microbatches, both priced and the faster plan kept, else
-    "full" only where nothing fits without it. ``offload``: "optimizer" keeps the shard, gradient
+    "auto": where the whole batch needs microbatches, full and the lighter mode (selective where
+    the model has attention cores, else none) priced and the faster plan kept, else the modes
+    tried lightest first, each only where nothing fits with the ones before. ``offload``: "optimizer" keeps the shard, gradient
     and optimizer states of every parameter the plan stores split and gathers to use (ZeRO-2/3) in
     host memory, the optimizer stepping them there (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload);
     "auto" does so only where no plan fits the device without it and the hardware has host memory
@@ -95,7 +100,7 @@ class PlanOptions:
         check_precision(self.reduce_precision)
         check_microbatches(self.microbatches)
         if self.recompute not in ("auto", *RECOMPUTE):
-            raise AutoparError(f"recompute is 'auto', {' or '.join(map(repr, RECOMPUTE))}, got {self.recompute!r}")
+            raise AutoparError(f"recompute is 'auto', {', '.join(map(repr, RECOMPUTE))}, got {self.recompute!r}")
         if self.offload not in OFFLOAD:
             raise AutoparError(f"offload is {', '.join(map(repr, OFFLOAD))}, got {self.offload!r}")
 

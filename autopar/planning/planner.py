@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from autopar.core.blocks import recompute_modes
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.hardware import get_hardware
@@ -39,8 +40,9 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     priced beside it, each in the fewest microbatches that fit, and the faster plan kept (fewer,
     larger microbatches need less sharding: Llama-2 70B at 512 x 4096 on 16x8 H100 runs 64
     microbatches without recomputation, 16 with it, predicted 2.7x faster); the two share the time
-    limit, recomputation first. Otherwise recomputation is tried only when no plan fits without
-    it. ``offload="auto"``: where no plan fits the device (the state alone, or after every count
+    limit, recomputation first. Where the model has attention cores (attention not computed by
+    SDPA), selective recomputation takes the place of none there. Otherwise each mode (none,
+    selective, full) is tried only when no plan fits with the lighter ones. ``offload="auto"``: where no plan fits the device (the state alone, or after every count
     and mode was tried) and the hardware has host memory apart, the search runs again with the
     ZeRO-2/3 parameters' states in host memory (``CostModel.offload``)."""
     timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
@@ -88,15 +90,18 @@ def _best_mode(search: _Search, deadline: float | None) -> Plan:
     """The best plan over the recomputation modes the options allow (see ``plan_captured``): the
     fastest that fits, else the least bad; raises ``InfeasibleError`` where no mode has a plan."""
     options = search.options
+    # selective recomputation, where the model has attention cores, costs a few percent of compute
+    # for most of the activations of long sequences (Korthikanti et al.)
+    selective = ("selective",) if recompute_modes(search.captured.graph, "selective") else ()
     if options.recompute != "auto":
         modes, compete = (options.recompute,), False
     elif search.needs_microbatches("none"):
         # the batch must be cut anyway: fewer, larger microbatches may pay for recomputation. It
         # goes first: at the scale where both need microbatches it usually wins, and the second
         # mode gets what the first leaves of the time limit.
-        modes, compete = ("full", "none"), True
+        modes, compete = ("full", *(selective or ("none",))), True
     else:
-        modes, compete = ("none", "full"), False
+        modes, compete = ("none", *selective, "full"), False
     plans: list[Plan] = []
     errors: list[tuple[str, InfeasibleError]] = []
     for n, mode in enumerate(modes):
@@ -118,19 +123,14 @@ def _best_mode(search: _Search, deadline: float | None) -> Plan:
         best = min(fitting, key=lambda p: p.predicted.step_time_s) if fitting else plans[0]   # else the least bad
         if len(plans) > 1:
             best.solver["recompute"] = "; ".join(
-                f"{_mode(p)}: {fmt(p.predicted.step_time_s, 's')} in {p.microbatches} microbatch(es)"
-                + ("" if p.feasible else " (over the budget)") for p in plans) + f"; kept {_mode(best)}"
+                f"{p.recompute_mode}: {fmt(p.predicted.step_time_s, 's')} in {p.microbatches} microbatch(es)"
+                + ("" if p.feasible else " (over the budget)") for p in plans) + f"; kept {best.recompute_mode}"
         return best
     errors.sort(key=lambda e: e[0] != "none")   # the plain case first, then what recomputation needs
     first = errors[0][1]
     also = "".join(f" With {mode} recomputation of the repeated blocks too, a plan needs {fmt(e.min_memory_bytes, 'B')}."
                    for mode, e in errors[1:])
     raise InfeasibleError(f"{first}{also}", min_memory_bytes=min(e.min_memory_bytes for _, e in errors)) from None
-
-
-def _mode(plan: Plan) -> str:
-    """A plan's recomputation, as the search names it: "full" if any block is recomputed."""
-    return "full" if any(m != "none" for m in plan.recompute.values()) else "none"
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 import torch.fx as fx
 
-from autopar.core.blocks import repeated_blocks
+from autopar.core.blocks import recompute_modes
 from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.mesh import MeshSpec
@@ -94,7 +94,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
     nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
     step (see ``CostModel``) of the batch ``whole`` was captured at; ``recompute``: "full"
-    recomputes every repeated block in the backward; ``offload``: ZeRO-2/3 parameters keep their
+    recomputes every repeated block in the backward, "selective" their attention cores; ``offload``: ZeRO-2/3 parameters keep their
     state in host memory)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
@@ -115,7 +115,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
         log.info("autopar: %s", grouping.describe(len(space.nodes)))
     return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings,
                     microbatches, (whole or captured).fingerprint,
-                    {b.path: recompute for b in repeated_blocks(captured.graph)} if model.block_of else {})
+                    recompute_modes(captured.graph, recompute))
 
 
 def solve_planning(planning: Planning, *, deadline: float | None = None, allowed: Sequence[Sequence[int] | None] | None = None,

@@ -9,6 +9,10 @@ class SolverError(Exception):
     """A malformed problem, an unknown solver or option, or a solver that failed; says which."""
 
 
+class SolverTimeout(SolverError):
+    """The solver found no solution at all within its time limit."""
+
+
 @dataclass(frozen=True)
 class MemoryHog:
     """One node's share of the least memory any plan needs: its lowest-memory choice, in bytes."""

@@ -57,7 +57,7 @@ from ortools.math_opt.core.python import solver as core_solver
 from ortools.math_opt.python import init_arguments, mathopt
 from pybind11_abseil.status import StatusNotOk
 
-from solver.errors import InfeasibleProblem, MemoryHog, SolverError
+from solver.errors import InfeasibleProblem, MemoryHog, SolverError, SolverTimeout
 
 __all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
 
@@ -767,7 +767,7 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     values = _primal_values(result)
     if values is None:
         if reason == TR.NO_SOLUTION_FOUND:
-            raise SolverError(
+            raise SolverTimeout(
                 f"The {solver} solver found no sharding plan within time_limit={time_limit} s "
                 f"({result.termination.detail or reason.name}); raise time_limit."
             )

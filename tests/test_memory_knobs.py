@@ -20,7 +20,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.core.blocks import recompute_modes, recomputed_regions
 from autopar.core.capture import capture
-from autopar.core.errors import AutoparError, InfeasibleError, LossWeightError
+from autopar.core.errors import AutoparError, InfeasibleError, LossWeightError, PlanningTimeout
 from autopar.core.microbatch import batch_size, split
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
@@ -177,6 +177,32 @@ def test_planner_takes_microbatches_when_the_whole_batch_does_not_fit():
         autopar.plan(model, mesh, args, kwargs, memory_budget=0.95 * least[16], recompute="none", profile=None)
     with pytest.raises(InfeasibleError, match="Microbatches would not help: what does not shrink"):
         autopar.plan(model, mesh, args, kwargs, memory_budget=0.2 * least[16], profile=None)
+
+
+def test_a_search_that_runs_out_of_time_keeps_the_plan_it_has(monkeypatch):
+    """The solver finding nothing in the last seconds (fewer microbatches, a second mode) leaves
+    the plan in hand; it is an error only where no plan was found at all."""
+    import autopar.planning.planner as planner
+    model, args, kwargs = meta_model("gpt-tiny", 16, 64)
+    mesh = MeshSpec((2,))
+    with pytest.raises(InfeasibleError) as info:
+        autopar.plan(model, mesh, args, kwargs, microbatches=1, recompute="none", memory_budget=1.0, profile=None)
+    budget = 0.9 * info.value.min_memory_bytes
+    solved = planner._plan
+    calls = []
+
+    def first_only(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise PlanningTimeout("no plan in the time left")
+        return solved(*a, **k)
+
+    monkeypatch.setattr(planner, "_plan", first_only)
+    plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    assert plan.feasible and len(calls) > 1   # the first solve's plan; every later one timed out
+    calls.append(1)   # from now on every solve finds nothing
+    with pytest.raises(PlanningTimeout):
+        autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
 
 
 # ---------------------------------------------------------------- activation recomputation

@@ -28,6 +28,10 @@ class InfeasibleError(AutoparError):
         self.min_memory_bytes = min_memory_bytes
 
 
+class PlanningTimeout(AutoparError):
+    """The solver found no plan at all in the time planning had left (raise ``time_limit``)."""
+
+
 class PlanFileError(AutoparError):
     """A plan file is malformed, from another autopar version, or from another model/mesh."""
 

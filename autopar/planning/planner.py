@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.core.blocks import recompute_modes
 from autopar.core.capture import CapturedGraph
-from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import candidates, captured_rows, microbatch_rows
@@ -104,6 +104,7 @@ def _best_mode(search: _Search, deadline: float | None) -> Plan:
         modes, compete = ("none", *selective, "full"), False
     plans: list[Plan] = []
     errors: list[tuple[str, InfeasibleError]] = []
+    timeouts: list[PlanningTimeout] = []   # modes whose search found no plan in the time left
     for n, mode in enumerate(modes):
         if plans or errors:
             if deadline is not None and time.perf_counter() >= deadline:
@@ -118,6 +119,8 @@ def _best_mode(search: _Search, deadline: float | None) -> Plan:
             plans.append(search.fit(mode, until))
         except InfeasibleError as e:
             errors.append((mode, e))
+        except PlanningTimeout as e:
+            timeouts.append(e)
     fitting = [p for p in plans if p.feasible]
     if fitting or plans:
         best = min(fitting, key=lambda p: p.predicted.step_time_s) if fitting else plans[0]   # else the least bad
@@ -126,6 +129,8 @@ def _best_mode(search: _Search, deadline: float | None) -> Plan:
                 f"{p.recompute_mode}: {fmt(p.predicted.step_time_s, 's')} in {p.microbatches} microbatch(es)"
                 + ("" if p.feasible else " (over the budget)") for p in plans) + f"; kept {best.recompute_mode}"
         return best
+    if timeouts:
+        raise timeouts[0]
     errors.sort(key=lambda e: e[0] != "none")   # the plain case first, then what recomputation needs
     first = errors[0][1]
     also = "".join(f" With {mode} recomputation of the repeated blocks too, a plan needs {fmt(e.min_memory_bytes, 'B')}."
@@ -202,6 +207,10 @@ class _Search:
             started = time.perf_counter()
             try:
                 last = self._plan(self._prepare(k, recompute))
+            except PlanningTimeout:
+                if isinstance(last, Plan):   # the last count's plan, over the budget, is the least bad
+                    break
+                raise
             except InfeasibleError as e:
                 last = e
                 more = _shrink_needed(e.min_memory_bytes, floor, whole.budget) * 2
@@ -238,7 +247,7 @@ class _Search:
             started = time.perf_counter()
             try:
                 other = self._plan(self._prepare(smaller, recompute))
-            except InfeasibleError:
+            except (InfeasibleError, PlanningTimeout):   # a plan is in hand: keep it
                 return plan
             attempt_s = time.perf_counter() - started
             if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:

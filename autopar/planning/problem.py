@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from autopar.core.blocks import recompute_modes
 from autopar.core.capture import CapturedGraph, readable_name
-from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows
 from autopar.core.plan import NodePlan, Plan, Prediction
@@ -28,7 +28,8 @@ from autopar.planning.options import PlanOptions
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import resolve_profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
-from solver import Edge, InfeasibleProblem, MemoryBounds, Problem, Solution, SolverError, Term, restrict, solve
+from solver import (Edge, InfeasibleProblem, MemoryBounds, Problem, Solution, SolverError, SolverTimeout, Term,
+                    restrict, solve)
 
 log = logging.getLogger("autopar")
 
@@ -169,6 +170,8 @@ def _solve(problem: Problem, time_limit: float | None, precision: str) -> Soluti
             "the budget, use more devices, "
             + ("compute in bf16 (precision='bf16': activations in half the bytes), " if precision == "fp32" else "")
             + "or shrink the model/batch.", min_memory_bytes=e.min_memory) from None
+    except SolverTimeout as e:
+        raise PlanningTimeout(f"planning ran out of time: {e}") from None
     except SolverError as e:
         raise AutoparError(f"planning failed in the solver: {e}") from None
 

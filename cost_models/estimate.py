@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -159,7 +159,7 @@ class CostModel:
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS["adamw"])
     gather_outputs: bool = True      # outputs returned whole on every rank (``PlanOptions.gather_outputs``)
     microbatches: int = 1            # gradient accumulation: the graph is one microbatch's, run this many times a step
-    recompute: str = "none"          # "full": every repeated block recomputed in the backward; "selective": their attention cores
+    recompute: str | Mapping[str, str] = "none"   # "full": every repeated block recomputed in the backward; "selective": their attention cores; or per block
     reduce_precision: str = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
     hw: Hardware = field(init=False)
@@ -648,16 +648,18 @@ class CostModel:
                 self._synced_dtype(src) if flows and self._queued(src) else None)
 
 
-def recomputed_blocks(space: StrategySpace, recompute: str) -> dict[fx.Node, int]:
+def recomputed_blocks(space: StrategySpace, recompute: str | Mapping[str, str]) -> dict[fx.Node, int]:
     """The region number of every node recomputed in the backward under ``recompute`` (and of
     every parameter first read in one): each repeated block under "full", each attention core
-    under "selective" (``autopar.core.blocks``); nothing under "none"."""
-    if recompute not in RECOMPUTE:
+    under "selective" (``autopar.core.blocks``), nothing under "none"; or as a ``Plan.recompute``
+    (block path -> mode) says, block by block."""
+    if isinstance(recompute, str) and recompute not in RECOMPUTE:
         raise AutoparError(f"recompute is one of {', '.join(RECOMPUTE)} (or 'auto' when planning), got {recompute!r}")
-    if recompute == "none" or not space.nodes:
+    if recompute in ("none", {}) or not space.nodes:
         return {}
     graph = space.nodes[0].node.graph
-    return block_of(graph, recomputed_regions(graph, recompute_modes(graph, recompute)))
+    modes = recompute if not isinstance(recompute, str) else recompute_modes(graph, recompute)
+    return block_of(graph, recomputed_regions(graph, modes))
 
 
 def _classes(keys: Sequence) -> tuple[np.ndarray, list]:

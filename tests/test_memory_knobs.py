@@ -13,6 +13,8 @@
   in host memory, priced over the host link, taken by the planner only where nothing else fits."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -266,6 +268,30 @@ def test_planner_recomputes_when_no_microbatch_count_fits():
         autopar.plan(model, mesh, args, kwargs, memory_budget=0.9 * least["full"], profile=None)
     with pytest.raises(AutoparError, match="recompute is 'auto', 'none', 'selective', 'full'"):
         autopar.PlanOptions(recompute="attention")
+
+
+def test_planner_recomputes_only_the_blocks_it_needs_to():
+    """Between what full recomputation and none need, recomputing the first block alone fits and
+    is faster than recomputing both; a plan recomputing some blocks trains exactly."""
+    model, args, kwargs = meta_model("gpt2-tiny", 1, 256)   # one row: microbatches cannot help
+    mesh = MeshSpec((2,))
+    least = {}
+    for mode in ("none", "full"):
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=1.0, profile=None)
+        least[mode] = info.value.min_memory_bytes
+    budget = (least["none"] + least["full"]) / 2
+    full = autopar.plan(model, mesh, args, kwargs, recompute="full", memory_budget=budget, profile=None)
+    auto = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
+    assert full.recompute == {"transformer.h.0": "full", "transformer.h.1": "full"}
+    assert auto.feasible and auto.recompute == {"transformer.h.0": "full"} and "1 of 2 blocks" in auto.solver["recompute_blocks"]
+    assert auto.predicted.step_time_s < full.predicted.step_time_s
+    batches = make_batches("gpt2-tiny", 8, 16)
+    some = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], recompute="full")["fsdp(dp) x tp+sp(tp)"]
+    some = dataclasses.replace(some, recompute={"transformer.h.1": "full"})
+    check_training("gpt2-tiny", 8, 16, (2, 2), local_runner, {"plan": some}, batches=batches)
+    code = autopar_code("gpt2-tiny", some, batches)
+    assert "recompute(block_transformer_h_1" in code and "block_transformer_h_0" not in code
 
 
 def test_planner_prices_recomputation_against_more_microbatches():

@@ -118,10 +118,13 @@ def recomputed_regions(graph: fx.Graph, recompute: dict[str, str]) -> list[Block
     return regions
 
 
-def recompute_modes(graph: fx.Graph, mode: str) -> dict[str, str]:
+def recompute_modes(graph: fx.Graph, mode: str, blocks: int | None = None) -> dict[str, str]:
     """``Plan.recompute`` of recomputing ``mode`` wherever it applies: every repeated block's path
-    (those with an attention core, for "selective") -> ``mode``; empty for "none"."""
+    (those with an attention core, for "selective"), or the first ``blocks`` of them, -> ``mode``;
+    empty for "none". The first blocks are the ones worth it: their activations wait longest for
+    their backward."""
     if mode == "none":
         return {}
-    return {block.path: mode for block in repeated_blocks(graph)
-            if mode == "full" or attention_core(graph, block) is not None}
+    paths = [block.path for block in repeated_blocks(graph)
+             if mode == "full" or attention_core(graph, block) is not None]
+    return {path: mode for path in paths[:blocks]}

@@ -181,13 +181,15 @@ class _Search:
             return self._plan(self._prepare(self.options.microbatches, recompute))
         whole = self._whole(recompute)
         if self.recapture is None or self.rows == 1:
-            return self._plan(whole)
+            started = time.perf_counter()
+            return self._lighter(self._plan(whole), 1, recompute, time.perf_counter() - started)
         least, floor = whole.bounds().least(), whole.bounds().quietest()
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
             try:
+                started = time.perf_counter()
                 plan = self._plan(whole)
                 if plan.feasible:
-                    return plan
+                    return self._lighter(plan, 1, recompute, time.perf_counter() - started)
             except InfeasibleError:
                 pass
         elif floor >= whole.budget:
@@ -221,7 +223,7 @@ class _Search:
                     last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
                                                    f"{last.microbatches} microbatches of {self.rows // last.microbatches} "
                                                    "rows fit")
-                    return last
+                    return self._lighter(last, last.microbatches, recompute, time.perf_counter() - started)
                 at_peak = last.predicted.memory_breakdown
                 more = _shrink_needed(last.predicted.peak_memory_bytes,
                                       at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0), whole.budget)
@@ -253,6 +255,34 @@ class _Search:
             if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
                 return plan
             plan, k = other, smaller
+
+    def _lighter(self, plan: Plan, k: int, recompute: str, attempt_s: float) -> Plan:
+        """``plan`` (``k`` microbatches, every block recomputed), or a faster one that recomputes
+        only the first half of those blocks, then the first quarter, ... while it fits and one more
+        attempt fits in the time left: a block not recomputed runs its forward once. The first
+        blocks are kept recomputed: their activations wait longest for their backward. Only where
+        the options leave recomputation to the planner."""
+        blocks = len(plan.recompute)
+        total = blocks
+        while recompute == "full" and self.options.recompute == "auto" and plan.feasible and blocks > 1:
+            left = self.deadline - time.perf_counter() if self.deadline is not None else float("inf")
+            if left < attempt_s:
+                break
+            blocks //= 2
+            started = time.perf_counter()
+            try:
+                other = self._plan(self._prepare(k, recompute_modes(self.captured.graph, "full", blocks)))
+            except (InfeasibleError, PlanningTimeout):
+                break
+            attempt_s = time.perf_counter() - started
+            if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
+                break
+            other.solver.update({key: v for key, v in plan.solver.items() if key == "microbatches"})
+            plan = other
+        if len(plan.recompute) < total:
+            plan.solver["recompute_blocks"] = (f"{len(plan.recompute)} of {total} blocks recomputed: the first ones, "
+                                               "enough to fit (each block left out runs its forward once)")
+        return plan
 
     def _whole(self, recompute: str) -> Planning:
         if (recompute, self.offload) not in self.wholes:

@@ -90,12 +90,13 @@ class Planning:
 
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
             timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
-            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str = "none",
+            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str | dict[str, str] = "none",
             offload: bool = False) -> Planning:
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
     nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
     step (see ``CostModel``) of the batch ``whole`` was captured at; ``recompute``: "full"
-    recomputes every repeated block in the backward, "selective" their attention cores; ``offload``: ZeRO-2/3 parameters keep their
+    recomputes every repeated block in the backward, "selective" their attention cores, a dict
+    (block path -> mode) the blocks it names; ``offload``: ZeRO-2/3 parameters keep their
     state in host memory)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
@@ -116,7 +117,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
         log.info("autopar: %s", grouping.describe(len(space.nodes)))
     return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings,
                     microbatches, (whole or captured).fingerprint,
-                    recompute_modes(captured.graph, recompute))
+                    recompute if isinstance(recompute, dict) else recompute_modes(captured.graph, recompute))
 
 
 def solve_planning(planning: Planning, *, deadline: float | None = None, allowed: Sequence[Sequence[int] | None] | None = None,

@@ -506,7 +506,7 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     for nc, s in zip(space.nodes, chosen):
         nc.strategies = [s]
     cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
-                           recompute=plan.recompute_mode, reduce_precision=plan.reduce_precision,
+                           recompute=plan.recompute, reduce_precision=plan.reduce_precision,
                            offload=bool(plan.offloaded))
     costs, queued = step_costs(space, cost_model, chosen)
     swap = dict(cap.symbols)

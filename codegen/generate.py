@@ -146,10 +146,13 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
         nbytes += value_bytes(captured.graph, name)
         last = k + 1 == len(order)
         nxt = plan[order[k + 1][0]] if not last else None
-        if (last or nbytes >= group_bytes or order[k + 1][1] != axes or (nxt.kept, nxt.offloaded) != (plan[name].kept, plan[name].offloaded)
+        mine = plan[name]
+        if (last or nbytes >= group_bytes or order[k + 1][1] != axes
+                or (nxt.kept, nxt.offloaded, nxt.accumulated) != (mine.kept, mine.offloaded, mine.accumulated)
                 or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
             groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
-                                     tuple(d for n, _, d in order if n in names), plan[name].kept, plan[name].offloaded))
+                                     tuple(d for n, _, d in order if n in names), mine.kept, mine.offloaded,
+                                     mine.accumulated))
             names, nbytes = [], 0
     return groups
 
@@ -457,8 +460,11 @@ class _Emitter:
                 else "in one collective (the next group's gather runs meanwhile)")
         host = (" (offloaded: shards, gradients and optimizer states in host memory; the shards copied to the device "
                 "first, the reduced gradients back)") if self.groups[k].offloaded else ""
-        self.lines.append(f"    # ZeRO-{2 if self.groups[k].kept else 3}, group {k}: {len(names)} parameter(s) stored split "
-                          f"over {axis}, all-gathered {when}; their gradients are reduce-scattered in one collective{host}")
+        spec = self.groups[k]
+        stage, reduced = ((1, "summed over the step's microbatches and reduce-scattered once, in one collective")
+                          if spec.accumulated else (2 if spec.kept else 3, "reduce-scattered in one collective"))
+        self.lines.append(f"    # ZeRO-{stage}, group {k}: {len(names)} parameter(s) stored split "
+                          f"over {axis}, all-gathered {when}; their gradients are {reduced}{host}")
         rows = [", ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
         self.lines.append("    (" + ",\n     ".join(rows) + ",) = gather_params(self, " + str(k) + ")")
         self.defined.update(names)

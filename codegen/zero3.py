@@ -17,6 +17,11 @@ count those): microbatches and evaluation forwards reuse it, the first forward a
 ``optimizer.step()`` gathers again. Its gradients are reduce-scattered as ZeRO-3's: gradients and optimizer states
 stay sharded, as in DeepSpeed's ZeRO stage 2.
 
+A ZeRO-1 group (``GatherSpec.accumulated``) is kept as ZeRO-2's, but its packed gradients are
+summed on the device over a step's microbatches (``GradSync.sync`` off) and reduce-scattered once,
+in the last backward, as Megatron's distributed optimizer does: one reduce-scatter a step for a
+whole gradient held all step.
+
 An offloaded group (``GatherSpec.offloaded``) keeps its shards in host memory, where their
 gradients and optimizer states follow them (the optimizer steps there): its shards are copied to
 the device before the all-gather, and its reduce-scattered gradient is handed to the host shards
@@ -59,6 +64,7 @@ class GatherSpec:
     dims: tuple[int, ...]
     kept: bool = False   # ZeRO-2: gathered once a step, the copy kept until the shards change
     offloaded: bool = False   # shards (their gradients, optimizer states) in host memory: copied to the device to gather
+    accumulated: bool = False   # ZeRO-1: gradients summed whole over a step's microbatches, reduce-scattered in the last
 
 
 def stored_as(storage: Sequence[Placement], spec: GatherSpec, mesh_shape: Sequence[int]) -> list[Placement]:
@@ -100,6 +106,7 @@ class GatheredParams:
             for p in group:
                 p._local_tensor.requires_grad_(p.requires_grad)
         self._prefetched: dict[int, torch.Tensor] = {}
+        self._summed: dict[int, torch.Tensor] = {}   # ZeRO-1 group -> its packed gradients of the step so far
         self._kept: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}   # ZeRO-2 group -> (shard versions, copy)
 
     def gather(self, k: int) -> tuple[torch.Tensor, ...]:
@@ -172,8 +179,15 @@ class _Gather(torch.autograd.Function):
                 g = like.new_zeros(whole)
             split = g.reshape(*whole[:dim], n, shape[dim], *whole[dim + 1:]).movedim(dim, 0)
             packed.append(split.reshape(n, -1))
-        flat = owner.grad_sync.wire(torch.cat(packed, dim=1).reshape(-1))
-        reduced = funcol.reduce_scatter_single(flat, "sum", 0, axes_group(owner.mesh, owner.specs[k].axes))
+        flat = torch.cat(packed, dim=1).reshape(-1)
+        if owner.specs[k].accumulated:   # ZeRO-1: summed here until the backward that synchronises
+            if k in owner._summed:
+                flat = flat + owner._summed.pop(k)
+            if not owner.grad_sync.sync:
+                owner._summed[k] = flat
+                return (None, None, None) + (None,) * len(ctx.shapes)
+        reduced = funcol.reduce_scatter_single(owner.grad_sync.wire(flat), "sum", 0,
+                                               axes_group(owner.mesh, owner.specs[k].axes))
         owner.grad_sync.later(owner.params[k], reduced, to_host=owner.specs[k].offloaded)
         return (None, None, None) + (None,) * len(ctx.shapes)
 

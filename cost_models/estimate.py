@@ -320,18 +320,24 @@ class CostModel:
         return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
                 if not floating_only or tensor_val(i).dtype.is_floating_point]
 
+    def _accumulates(self, s: Strategy) -> bool:
+        """Does a parameter's gradient accumulate whole over the step's microbatches (ZeRO-1)?"""
+        return s.accumulated and s.storage != s.out and self.microbatches > 1
+
     def offloads(self, s: Strategy) -> bool:
         """Does a parameter stored and used as ``s`` keep its state in host memory (``offload``)?"""
         return self.offload and s.storage is not None and s.storage != s.out
 
     def _param(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
+        whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         opt = self.optimizer
+        reductions = 1 if self._accumulates(s) else self.microbatches   # reduce-scatters of its gradient a step
         if self.offloads(s) and self.hw.host_bandwidth > 0:
             # the shard copied to the device for each gather (once a step if kept, again for a
-            # recomputed block's backward), each backward's reduced gradient back; the update on the host
+            # recomputed block's backward), each reduced gradient back; the update on the host
             gathers = 1 if s.kept else self.microbatches * (2 if nc.node in self.block_of else 1)
-            copies = (gathers + self.microbatches) * (local / self.hw.host_bandwidth + self.hw.op_overhead_s)
+            copies = (gathers + reductions) * (local / self.hw.host_bandwidth + self.hw.op_overhead_s)
             update = (opt.update_bytes * local / self.hw.host_memory_bandwidth + self.hw.op_overhead_s
                       + self.param_overhead(s.storage))
             cost = Cost(compute_s=update, comm_s=copies, transient_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
@@ -340,15 +346,15 @@ class CostModel:
             update += self.param_overhead(s.storage)
             cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                         transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
+        if self._accumulates(s):   # ZeRO-1: the microbatches' gradients summed whole on the device
+            cost = replace(cost, grad_bytes=whole)
         if s.storage != s.out and s.kept:
-            # ZeRO-2: gathered once a step (the first forward after the optimizer changed the
+            # ZeRO-1/2: gathered once a step (the first forward after the optimizer changed the
             # shard) and kept whole; each forward unpacks it into the copies its ops keep
             gather = self.redistribute(val.shape, val.dtype, s.storage, s.out, batched=True, once=True)
-            whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
             return cost + gather + Cost(state_bytes=whole, saved_bytes=whole)
         if s.storage != s.out:  # ZeRO-3: gathered on use; the gathered copy is kept until backward
             gather = self.redistribute(val.shape, val.dtype, s.storage, s.out, batched=True)
-            whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
             if nc.node in self.block_of:   # gathered inside a recomputed block: again for its backward
                 return cost + gather + gather + Cost(recomputed_bytes=whole)
             cost = cost + gather + Cost(saved_bytes=whole)
@@ -528,8 +534,8 @@ class CostModel:
         back = self.redistribute(val.shape, self._synced_dtype(src) if queued else val.dtype, grad,
                                  grad_target(s.out, s.storage), queued=queued)
         if src.kind == "param" and s.storage not in (None, s.out):
-            back = back + Cost(comm_s=self._earlier_reduce_scatters(back.overlap_s),
-                               transient_bytes=self._local_gradient(val, s.out))
+            earlier = 0.0 if self._accumulates(s) else self._earlier_reduce_scatters(back.overlap_s)
+            back = back + Cost(comm_s=earlier, transient_bytes=self._local_gradient(val, s.out))
         elif src.kind == "param" and back.overlap_s:
             back = back + Cost(synced_bytes=self._local_gradient(val, s.out))
         return fwd + back
@@ -563,11 +569,11 @@ class CostModel:
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
         """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
         val = tensor_val(src.node)
-        rows, src_reps = _classes([(s.out, s.storage) for s in src.strategies])
+        rows, src_reps = _classes([(s.out, s.storage, self._accumulates(s)) for s in src.strategies])
         cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
         if val is None or (src.node.name in self.space.folded and dst.kind != "output"):   # as in ``edge``
             return EdgeGrid(rows, cols, Cost(), ())
-        outs = [s for s, _ in src_reps]
+        outs = [s for s, _, _ in src_reps]
         if dst.kind == "output":   # as in ``edge``
             if not self.gather_outputs:
                 held = [self._returned(val, out).transient_bytes for out in outs]
@@ -584,28 +590,28 @@ class CostModel:
             queued = self._queued(src)
             back, terms = self.redistribute_grid(val.shape, self._synced_dtype(src) if queued else val.dtype,
                                                  [g for _, g in dst_reps],
-                                                   [grad_target(out, storage) for out, storage in src_reps],
+                                                   [grad_target(out, storage) for out, storage, _ in src_reps],
                                                    queued=queued)
             back = _transposed(back)
-            if queued and self.microbatches > 1:   # as in ``edge``: ZeRO-3 rows reduce-scatter every microbatch
-                zero3 = np.array([storage not in (None, out) for out, storage in src_reps])[:, None]
+            if queued and self.microbatches > 1:   # as in ``edge``: ZeRO-2/3 rows reduce-scatter every microbatch
+                zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole in src_reps])[:, None]
                 earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
                 back = replace(back, comm_s=back.comm_s + earlier)
                 blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
             if queued:
                 packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
-                                   for out, storage in src_reps])[:, None]
+                                   for out, storage, _ in src_reps])[:, None]
                 back = replace(back, transient_bytes=back.transient_bytes + packed)
             if src.kind == "param":   # as in ``edge``: the sum of an all-reduced gradient, held beside it
                 summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
-                                   for out, storage in src_reps])[:, None]
+                                   for out, storage, _ in src_reps])[:, None]
                 back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
             grid = grid + back
             if not queued:
                 blocking += [t.transposed() for t in terms]
         if self._runtime_cost({"move": 1, "param_read": 1}) and dst.kind != "output":
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
-                                         for out, storage in src_reps])
+                                         for out, storage, _ in src_reps])
             grid = replace(grid, compute_s=grid.compute_s + wrapping)
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))

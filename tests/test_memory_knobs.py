@@ -8,7 +8,8 @@
   selective recomputation) run as checkpointed functions, alone and with ZeRO-3, tensor
   parallelism and microbatches, and the planner takes it when no count of microbatches fits;
 * ZeRO-2 (``NodePlan.kept``): parameters gathered once a step and kept, gradients and optimizer
-  states sharded;
+  states sharded; ZeRO-1 (``NodePlan.accumulated``): the gradient summed whole over the
+  microbatches and reduce-scattered once;
 * offload (``NodePlan.offloaded``): ZeRO-sharded parameters' shards, gradients and optimizer states
   in host memory, priced over the host link, taken by the planner only where nothing else fits."""
 from __future__ import annotations
@@ -369,6 +370,37 @@ def test_zero2_with_microbatches_trains_like_one_device(name):
     plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], microbatches=2)["zero2"]
     assert any(p.kept for p in plan.parameters.values())
     check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
+
+
+def test_zero1_reduces_gradients_once_a_step_and_trains_like_one_device(monkeypatch):
+    """ZeRO-1 sums each group's gradients whole over the microbatches and reduce-scatters them in
+    the last backward (ZeRO-2 in every backward); both train as one device does."""
+    import codegen.zero3 as zero3
+
+    launched = []
+    reduce_scatter = zero3.funcol.reduce_scatter_single
+    monkeypatch.setattr(zero3.funcol, "reduce_scatter_single", lambda *a, **k: launched.append(1) or reduce_scatter(*a, **k))
+    batches = make_batches("gpt2-tiny", 8, 16)
+    counts = {}
+    for stage in ("zero1", "zero2"):
+        plan = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], microbatches=2)[stage]
+        assert all(p.accumulated == (stage == "zero1") for p in plan.parameters.values() if p.kept)
+        launched.clear()
+        check_training("gpt2-tiny", 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
+        counts[stage] = len(launched)
+    assert counts["zero2"] == 2 * counts["zero1"] > 0   # per step: 2 microbatches' reduce-scatters, or 1
+
+
+def test_zero1_costs():
+    """ZeRO-1 holds the microbatches' gradient whole where ZeRO-2 holds its shard; with one
+    microbatch the two are one plan."""
+    model, args, kwargs = meta_model("gpt-tiny", 16, 64)
+    plans = candidates(model, MeshSpec((4,)), args, kwargs, profile=None, microbatches=4)
+    zero1, zero2 = plans["zero1"].predicted, plans["zero2"].predicted
+    assert zero1.memory_breakdown["gradients"] == pytest.approx(4 * zero2.memory_breakdown["gradients"])
+    assert zero1.memory_breakdown["state"] == zero2.memory_breakdown["state"]
+    whole = candidates(model, MeshSpec((4,)), args, kwargs, profile=None)
+    assert whole["zero1"].predicted == whole["zero2"].predicted
 
 
 def test_zero2_costs():

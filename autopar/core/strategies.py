@@ -5,7 +5,9 @@ that takes part in the plan, its flat tensor inputs and a list of ``Strategy`` (
 mesh axis for the output and for each input). Parameters also choose a *storage* placement:
 stored sharded but used replicated is ZeRO-3/FSDP (all-gather on use, reduce-scatter of grads),
 or ZeRO-2 (``Strategy.kept``: all-gathered once a step and the copy kept until the optimizer
-changes the shard; gradients and optimizer states stay sharded).
+changes the shard; gradients and optimizer states stay sharded), or ZeRO-1 (kept as ZeRO-2's, the
+gradient accumulated whole over a step's microbatches and reduce-scattered once: optimizer states
+sharded).
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from autopar.core.rules import AxisRule, axis_rules, rule_for
 
 log = logging.getLogger(__name__)
 R = Replicate()
+#: The ZeRO stages a parameter stored split and used whole may run (``Strategy.kept``, ``accumulated``).
+ZERO = ("zero3", "zero2", "zero1")
 
 
 
@@ -47,8 +51,14 @@ class Strategy:
 
     @property
     def kept(self) -> bool:
-        """ZeRO-2: a parameter stored split whose gathered copy is kept from step to step."""
-        return "zero2" in self.names
+        """ZeRO-1/2: a parameter stored split whose gathered copy is kept from step to step."""
+        return "zero2" in self.names or "zero1" in self.names
+
+    @property
+    def accumulated(self) -> bool:
+        """ZeRO-1: its gradient accumulates whole over a step's microbatches and is reduce-scattered
+        once, in the last backward (ZeRO-2's is reduce-scattered in every backward)."""
+        return "zero1" in self.names
 
     def label(self) -> str:
         uniq = [n for n in self.names if n != "replicate"]
@@ -127,8 +137,9 @@ def _no_tiny_shards(shape, combo, mesh) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def param_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
-    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3, or ZeRO-2: kept
-    gathered), or replicated; ZeRO-2 and ZeRO-3 are not mixed in one parameter.
+    """Stored as S and used as S (tensor parallel), stored S used R (ZeRO-3; ZeRO-2: kept
+    gathered; ZeRO-1: kept gathered, its gradient accumulated whole over microbatches), or
+    replicated; ZeRO stages are not mixed in one parameter.
 
     Cached (and so shared by parameters of equal shape): callers must not mutate the list."""
     per_axis: list[list[tuple[Placement, Placement, str]]] = []
@@ -138,14 +149,14 @@ def param_strategies(shape: tuple[int, ...], mesh: MeshSpec) -> list[Strategy]:
             fits = [d for d in range(len(shape)) if shape[d] >= n]
             opts += [(Shard(d), Shard(d), f"shard-dim{d}") for d in fits]
             if fits:  # one ZeRO layout is enough: sharding dim 0 or 1 costs the same
-                opts += [(Shard(fits[0]), R, "zero3"), (Shard(fits[0]), R, "zero2")]
+                opts += [(Shard(fits[0]), R, zero) for zero in ZERO]
         per_axis.append(opts)
     out = []
     for combo in itertools.product(*per_axis):
         storage = tuple(c[0] for c in combo)
         use = tuple(c[1] for c in combo)
         names = {c[2] for c in combo}
-        if _no_tiny_shards(shape, storage, mesh) and not {"zero2", "zero3"} <= names:
+        if _no_tiny_shards(shape, storage, mesh) and len(names & set(ZERO)) <= 1:
             out.append(Strategy(use, (), tuple(c[2] for c in combo), storage))
     return out
 

@@ -8,6 +8,8 @@ A hand plan gives each mesh axis a role:
 * ``zero2``: the same, with parameters gathered once a step and kept (ZeRO-2: gradients and
   optimizer states sharded), on every axis at once, as DeepSpeed runs it, or on the data axes
   beside tensor parallelism, as Megatron's distributed optimizer does;
+* ``zero1``: ``zero2`` with each gradient summed whole over the step's microbatches and
+  reduce-scattered once (ZeRO-1: optimizer states sharded), on every axis at once;
 * ``tp``: Megatron tensor parallel: every matmul weight sharded (the solver picks column or row
   per matrix, which recovers Megatron's column -> row pairs), inputs replicated;
 * ``tp+sp``: ``tp`` with sequence parallelism: the residual stream (adds of two activations) is
@@ -46,7 +48,7 @@ from autopar.core.units import fmt
 __all__ = ["candidates", "hand_plans", "ROLES"]
 
 ROLES = ("dp", "fsdp", "tp", "tp+sp")
-DATA_ROLES = ("dp", "fsdp", "zero2")   # the batch split, every weight used whole
+DATA_ROLES = ("dp", "fsdp", "zero2", "zero1")   # the batch split, every weight used whole
 R = Replicate()
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
@@ -88,7 +90,7 @@ def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
                 roles[a] = r
             out.append(tuple(roles))
     if live:
-        out.append(tuple("zero2" if n > 1 else "dp" for n in mesh.shape))
+        out += [tuple(zero if n > 1 else "dp" for n in mesh.shape) for zero in ("zero2", "zero1")]
     for tp in ("tp", "tp+sp") if len(live) > 1 else ():   # Megatron with its distributed optimizer
         out.append(tuple("zero2" if a in live[:-1] else tp if a == live[-1] else "dp" for a in range(mesh.ndim)))
     return out
@@ -99,7 +101,7 @@ def plan_name(mesh: MeshSpec, roles: Sequence[str]) -> str:
     kinds = {r for _, r in live}
     if kinds <= {"dp"}:
         return "ddp"
-    if kinds in ({"fsdp"}, {"zero2"}):
+    if kinds in ({"fsdp"}, {"zero2"}, {"zero1"}):
         return kinds.pop()
     if len(live) == 1:
         return live[0][1]
@@ -186,7 +188,9 @@ def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequen
             use, stored = s.out[a], s.storage[a]
             if role == "dp" and not (use == R and stored == R):
                 return False
-            if role in ("fsdp", "zero2") and not (use == R and isinstance(stored, Shard) and s.kept == (role == "zero2")):
+            if role in ("fsdp", "zero2", "zero1") and not (use == R and isinstance(stored, Shard)
+                                                            and s.kept == (role != "fsdp")
+                                                            and s.accumulated == (role == "zero1")):
                 return False
             if role.startswith("tp") and (stored != use or (matmul_weight and not isinstance(use, Shard))):
                 return False

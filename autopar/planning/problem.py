@@ -266,6 +266,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
             ins=s.ins,
             storage=s.storage,
             kept=s.kept and s.storage != s.out,
+            accumulated=s.accumulated and s.storage != s.out,
             offloaded=model.offloads(s),
             fqn=nc.fqn,
             compute_s=c.compute_s,

@@ -14,6 +14,10 @@ microbatch; a backward, its own forward and the next stage's backward), plus the
 send between ranks. It returns the step's time, each rank's idle share (the bubble), and each
 rank's peak of activations in flight: a microbatch's activations on a stage live from its forward
 to the end of its backward (its weight-gradient part, under zero-bubble schedules).
+
+``balanced_stages`` cuts a model's repeated blocks into contiguous stages whose slowest is as
+fast as it can be, the embedding on the first stage and the head on the last (the DP over layer
+ranges Alpa's stage search is built on).
 """
 from __future__ import annotations
 
@@ -226,3 +230,38 @@ def _ready(a: Any, done: dict[tuple[str, int, int], float], stages: Sequence[Sta
             return None
         times.append(done[key] + send)
     return max(times, default=0.0)
+
+
+def balanced_stages(blocks: Sequence[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[range]:
+    """Cut ``blocks`` (each repeated block's time, in order) into ``stages`` contiguous runs, one
+    per pipeline stage, that make the slowest stage as fast as it can be: the first stage also
+    runs what comes before the blocks (``first``: the embedding), the last what comes after
+    (``last``: the head and the loss). A pipeline runs at its slowest stage's pace."""
+    n = len(blocks)
+    if not 1 <= stages <= n:
+        raise AutoparError(f"{n} repeated blocks cannot make {stages} pipeline stages of at least one block each")
+    before = [0.0]
+    for t in blocks:
+        before.append(before[-1] + t)
+
+    def cost(i: int, j: int, stage: int) -> float:   # blocks i..j-1 as stage ``stage``
+        return before[j] - before[i] + (first if stage == 0 else 0.0) + (last if stage == stages - 1 else 0.0)
+
+    # best[s][j]: the slowest stage of the best cut of blocks 0..j-1 into stages 0..s; cut[s][j]: where stage s starts
+    best = [[float("inf")] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, j, 0)
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                slowest = max(best[s - 1][i], cost(i, j, s))
+                if slowest < best[s][j]:
+                    best[s][j], cut[s][j] = slowest, i
+    bounds, j = [n], n
+    for s in range(stages - 1, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

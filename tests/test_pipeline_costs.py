@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.core.errors import AutoparError
-from cost_models.pipeline import SCHEDULES, StageCost, simulate, stages_per_rank
+from cost_models.pipeline import SCHEDULES, StageCost, balanced_stages, simulate, stages_per_rank
 
 P, M = 4, 8
 F, B, W = 1.0, 2.0, 1.0
@@ -66,3 +66,16 @@ def test_bad_schedules_are_refused():
         simulate("Schedule1F1B", uniform("Schedule1F1B"), P, 2)
     with pytest.raises(AutoparError, match="runs 8 stages, got 4"):
         simulate("ScheduleZBVZeroBubble", uniform("ScheduleGPipe"), P, M)
+
+
+def test_stages_balance_the_blocks_with_the_embedding_and_the_head():
+    """Even blocks cut evenly; the stages that also run the embedding or the head take fewer
+    blocks; uneven blocks are cut where the slowest stage is fastest."""
+    assert balanced_stages([1.0] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with_head = balanced_stages([1.0] * 8, 4, first=0.5, last=2.0)
+    assert with_head[-1] == range(7, 8) and sum(len(r) for r in with_head) == 8
+    assert max(sum(1.0 for _ in r) + (0.5 if k == 0 else 0) + (2.0 if k == 3 else 0)
+               for k, r in enumerate(with_head)) == 3.0
+    assert balanced_stages([4.0, 1.0, 1.0, 1.0, 1.0], 2) == [range(0, 1), range(1, 5)]
+    with pytest.raises(AutoparError, match="3 repeated blocks cannot make 4 pipeline stages"):
+        balanced_stages([1.0] * 3, 4)

@@ -160,14 +160,21 @@ def test_costs_of_microbatches():
     assert tp2.comm_s > tp.comm_s                                                   # twice the latencies
 
 
+def least_memory(model, mesh, args, kwargs, option: str, values, **fixed) -> dict:
+    """The least memory per device any plan needs with planning option ``option`` at each of
+    ``values`` (and the ``fixed`` others), as the planner's error states it under a 1-byte budget."""
+    least = {}
+    for value in values:
+        with pytest.raises(InfeasibleError) as info:
+            autopar.plan(model, mesh, args, kwargs, **{option: value}, **fixed, memory_budget=1.0, profile=None)
+        least[value] = info.value.min_memory_bytes
+    return least
+
+
 def test_planner_takes_microbatches_when_the_whole_batch_does_not_fit():
     model, args, kwargs = meta_model("gpt-tiny", 16, 64)
     mesh = MeshSpec((2,))
-    least = {}
-    for k in (1, 16):
-        with pytest.raises(InfeasibleError) as info:
-            autopar.plan(model, mesh, args, kwargs, microbatches=k, recompute="none", memory_budget=1.0, profile=None)
-        least[k] = info.value.min_memory_bytes
+    least = least_memory(model, mesh, args, kwargs, "microbatches", (1, 16), recompute="none")
     assert least[16] < 0.5 * least[1]
     budget = least[1] * 0.9
     plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
@@ -188,9 +195,7 @@ def test_a_search_that_runs_out_of_time_keeps_the_plan_it_has(monkeypatch):
     import autopar.planning.planner as planner
     model, args, kwargs = meta_model("gpt-tiny", 16, 64)
     mesh = MeshSpec((2,))
-    with pytest.raises(InfeasibleError) as info:
-        autopar.plan(model, mesh, args, kwargs, microbatches=1, recompute="none", memory_budget=1.0, profile=None)
-    budget = 0.9 * info.value.min_memory_bytes
+    budget = 0.9 * least_memory(model, mesh, args, kwargs, "microbatches", (1,), recompute="none")[1]
     solved = planner._plan
     calls = []
 
@@ -256,11 +261,7 @@ def test_planner_recomputes_when_no_microbatch_count_fits():
     """A batch of one sequence cannot be cut into microbatches: only recomputation makes it fit."""
     model, args, kwargs = meta_model("gpt2-tiny", 1, 256)
     mesh = MeshSpec((2,))
-    least = {}
-    for mode in ("none", "full"):
-        with pytest.raises(InfeasibleError) as info:
-            autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=1.0, profile=None)
-        least[mode] = info.value.min_memory_bytes
+    least = least_memory(model, mesh, args, kwargs, "recompute", ("none", "full"))
     budget = 1.2 * least["full"]   # room for what the least-memory bound leaves out (collective buffers)
     assert budget < least["none"]
     plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
@@ -276,11 +277,7 @@ def test_planner_recomputes_only_the_blocks_it_needs_to():
     is faster than recomputing both; a plan recomputing some blocks trains exactly."""
     model, args, kwargs = meta_model("gpt2-tiny", 1, 256)   # one row: microbatches cannot help
     mesh = MeshSpec((2,))
-    least = {}
-    for mode in ("none", "full"):
-        with pytest.raises(InfeasibleError) as info:
-            autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=1.0, profile=None)
-        least[mode] = info.value.min_memory_bytes
+    least = least_memory(model, mesh, args, kwargs, "recompute", ("none", "full"))
     budget = (least["none"] + least["full"]) / 2
     full = autopar.plan(model, mesh, args, kwargs, recompute="full", memory_budget=budget, profile=None)
     auto = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
@@ -300,11 +297,7 @@ def test_planner_prices_recomputation_against_more_microbatches():
     microbatches that fit, and keeps the faster: recomputation may need fewer, larger ones."""
     model, args, kwargs = meta_model("gpt2-tiny", 16, 256)
     mesh = MeshSpec((2,))
-    least = {}
-    for mode in ("none", "full"):
-        with pytest.raises(InfeasibleError) as info:
-            autopar.plan(model, mesh, args, kwargs, recompute=mode, microbatches=1, memory_budget=1.0, profile=None)
-        least[mode] = info.value.min_memory_bytes
+    least = least_memory(model, mesh, args, kwargs, "recompute", ("none", "full"), microbatches=1)
     budget = 1.2 * least["full"]
     assert budget < least["none"]   # the whole batch fits only with recomputation
     each = {mode: autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=budget, profile=None)
@@ -348,11 +341,7 @@ def test_selective_recomputation_costs_and_choice():
              for mode in ("none", "selective", "full")}
     assert plans["full"].peak_memory_bytes < plans["selective"].peak_memory_bytes < plans["none"].peak_memory_bytes
     assert plans["none"].compute_s < plans["selective"].compute_s < plans["full"].compute_s
-    least = {}
-    for mode in ("none", "selective"):
-        with pytest.raises(InfeasibleError) as info:
-            autopar.plan(model, mesh, args, kwargs, recompute=mode, memory_budget=1.0, profile=None)
-        least[mode] = info.value.min_memory_bytes
+    least = least_memory(model, mesh, args, kwargs, "recompute", ("none", "selective"))
     budget = 1.2 * least["selective"]
     assert budget < least["none"]
     plan = autopar.plan(model, mesh, args, kwargs, memory_budget=budget, profile=None)
@@ -451,11 +440,7 @@ def test_offload_costs():
 def test_planner_offloads_only_when_nothing_else_fits():
     model, args, kwargs = meta_model("gpt2-tiny", 2, 16)   # parameters outweigh activations
     mesh = MeshSpec((4,), hardware="h100-80gb")
-    least = {}
-    for mode in ("none", "optimizer"):
-        with pytest.raises(InfeasibleError) as info:
-            autopar.plan(model, mesh, args, kwargs, offload=mode, memory_budget=1.0, profile=None)
-        least[mode] = info.value.min_memory_bytes
+    least = least_memory(model, mesh, args, kwargs, "offload", ("none", "optimizer"))
     budget = 1.9 * least["optimizer"]   # room for what the least-memory bound leaves out
     assert budget < least["none"]
     with pytest.raises(InfeasibleError):

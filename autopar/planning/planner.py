@@ -7,7 +7,7 @@ predicted faster by ``PlanOptions.min_gain``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from autopar.core.blocks import recompute_modes
@@ -220,10 +220,11 @@ class _Search:
                 if last.feasible:
                     fewest = _at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))
                     last = self._fewer(last, k, fewest, recompute, time.perf_counter() - started)
+                    last = self._lighter(last, last.microbatches, recompute, time.perf_counter() - started)
                     last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
                                                    f"{last.microbatches} microbatches of {self.rows // last.microbatches} "
                                                    "rows fit")
-                    return self._lighter(last, last.microbatches, recompute, time.perf_counter() - started)
+                    return last
                 at_peak = last.predicted.memory_breakdown
                 more = _shrink_needed(last.predicted.peak_memory_bytes,
                                       at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0), whole.budget)
@@ -238,51 +239,56 @@ class _Search:
 
     def _fewer(self, plan: Plan, k: int, fewest: int, recompute: str, attempt_s: float) -> Plan:
         """``plan`` (``k`` microbatches, fitting), or a faster one in fewer microbatches (about
-        half as many each time, down to ``fewest``, where the bound itself fits) while one more
-        attempt fits in the time left: larger microbatches run more efficiently, as long as the
-        plan need not shard harder to fit them."""
-        while True:
-            smaller = _at_least(self.rows, max(fewest, k / 2))
-            left = self.deadline - time.perf_counter() if self.deadline is not None else float("inf")
-            if smaller >= k or left < attempt_s:
-                return plan
-            started = time.perf_counter()
-            try:
-                other = self._plan(self._prepare(smaller, recompute))
-            except (InfeasibleError, PlanningTimeout):   # a plan is in hand: keep it
-                return plan
-            attempt_s = time.perf_counter() - started
-            if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
-                return plan
-            plan, k = other, smaller
+        half as many each time, down to ``fewest``, where the bound itself fits): larger
+        microbatches run more efficiently, as long as the plan need not shard harder to fit them."""
+        def counts() -> Iterator[Planning]:
+            count = k
+            while (smaller := _at_least(self.rows, max(fewest, count / 2))) < count:
+                yield self._prepare(smaller, recompute)
+                count = smaller
+        return self._while_faster(plan, counts(), attempt_s)
 
     def _lighter(self, plan: Plan, k: int, recompute: str, attempt_s: float) -> Plan:
         """``plan`` (``k`` microbatches, every block recomputed), or a faster one that recomputes
-        only the first half of those blocks, then the first quarter, ... while it fits and one more
-        attempt fits in the time left: a block not recomputed runs its forward once. The first
-        blocks are kept recomputed: their activations wait longest for their backward. Only where
-        the options leave recomputation to the planner."""
-        blocks = len(plan.recompute)
-        total = blocks
-        while recompute == "full" and self.options.recompute == "auto" and plan.feasible and blocks > 1:
-            left = self.deadline - time.perf_counter() if self.deadline is not None else float("inf")
-            if left < attempt_s:
-                break
-            blocks //= 2
-            started = time.perf_counter()
-            try:
-                other = self._plan(self._prepare(k, recompute_modes(self.captured.graph, "full", blocks)))
-            except (InfeasibleError, PlanningTimeout):
-                break
-            attempt_s = time.perf_counter() - started
-            if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
-                break
-            other.solver.update({key: v for key, v in plan.solver.items() if key == "microbatches"})
-            plan = other
+        only the first half of those blocks, then the first quarter, ...: a block not recomputed
+        runs its forward once. The first blocks are kept recomputed: their activations wait
+        longest for their backward. Only where the options leave recomputation to the planner."""
+        total = len(plan.recompute)
+        if recompute != "full" or self.options.recompute != "auto" or not plan.feasible:
+            return plan
+
+        def halves() -> Iterator[Planning]:
+            blocks = total
+            while blocks > 1:
+                blocks //= 2
+                yield self._prepare(k, recompute_modes(self.captured.graph, "full", blocks))
+        plan = self._while_faster(plan, halves(), attempt_s)
         if len(plan.recompute) < total:
             plan.solver["recompute_blocks"] = (f"{len(plan.recompute)} of {total} blocks recomputed: the first ones, "
                                                "enough to fit (each block left out runs its forward once)")
         return plan
+
+    def _while_faster(self, plan: Plan, problems: Iterator[Planning], attempt_s: float) -> Plan:
+        """``plan`` (fitting), or the plan of the last of ``problems`` (each prepared on demand)
+        while each fits and is faster than the one before, and one more attempt (the last took
+        ``attempt_s``) fits in the time left. A plan is in hand: a problem that cannot fit or
+        finds no plan in time ends the search."""
+        while True:
+            left = self.deadline - time.perf_counter() if self.deadline is not None else float("inf")
+            if left < attempt_s:
+                return plan
+            started = time.perf_counter()
+            try:
+                problem = next(problems, None)
+                if problem is None:
+                    return plan
+                other = self._plan(problem)
+            except (InfeasibleError, PlanningTimeout):
+                return plan
+            attempt_s = time.perf_counter() - started
+            if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
+                return plan
+            plan = other
 
     def _whole(self, recompute: str) -> Planning:
         if (recompute, self.offload) not in self.wholes:

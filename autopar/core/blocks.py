@@ -80,7 +80,8 @@ def attention_core(graph: fx.Graph, block: Block) -> Block | None:
     """``block``'s attention core (one contiguous run of its ops, named by the block's path), or
     None where it has none: per softmax, the batched product that feeds it (scores) to the one it
     feeds (probabilities times values), and what the graph runs between them."""
-    ops = [n for n in graph.nodes if n.name in set(block.nodes)]
+    names = set(block.nodes)
+    ops = [n for n in graph.nodes if n.name in names]
     index = {n: i for i, n in enumerate(ops)}
     spans = []
     for soft in (n for n in ops if n.target in _SOFTMAX):

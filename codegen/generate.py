@@ -121,7 +121,7 @@ def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Place
 
 def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
                   group_bytes: int, spans_job: bool) -> list[GatherSpec]:
-    """ZeRO-3 (and ZeRO-2: ``kept``, never in one group with ZeRO-3, nor offloaded parameters with others) parameters gathered in groups
+    """ZeRO-3 (and ZeRO-1/2: ``kept``; a group holds one ZeRO stage, ``_zero_stage``) parameters gathered in groups
     (``codegen.zero3``), in the order the forward first uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
     split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
     whole job) and used whole there, read as used by every op, its gradient partial on those axes
@@ -145,14 +145,11 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
         names.append(name)
         nbytes += value_bytes(captured.graph, name)
         last = k + 1 == len(order)
-        nxt = plan[order[k + 1][0]] if not last else None
-        mine = plan[name]
         if (last or nbytes >= group_bytes or order[k + 1][1] != axes
-                or (nxt.kept, nxt.offloaded, nxt.accumulated) != (mine.kept, mine.offloaded, mine.accumulated)
+                or _zero_stage(plan[order[k + 1][0]]) != _zero_stage(plan[name])
                 or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
             groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
-                                     tuple(d for n, _, d in order if n in names), mine.kept, mine.offloaded,
-                                     mine.accumulated))
+                                     tuple(d for n, _, d in order if n in names), *_zero_stage(plan[name])))
             names, nbytes = [], 0
     return groups
 
@@ -190,6 +187,12 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
                                           for a in range(len(grad))):
                     return None
     return axes, dim
+
+
+def _zero_stage(np_: NodePlan) -> tuple[bool, bool, bool]:
+    """What a group's parameters share besides axes and dtype: ``GatherSpec``'s kept, offloaded
+    and accumulated."""
+    return np_.kept, np_.offloaded, np_.accumulated
 
 
 def _dtype(captured: CapturedGraph, name: str) -> torch.dtype:
@@ -454,13 +457,12 @@ class _Emitter:
         if k in self.gathered:
             return
         self.gathered.add(k)
-        names = self.group_names[k]
-        axis = ", ".join(self.axes[a] for a in self.groups[k].axes)
-        when = ("once a step (the first forward after the optimizer changed them), the copy kept" if self.groups[k].kept
+        names, spec = self.group_names[k], self.groups[k]
+        axis = ", ".join(self.axes[a] for a in spec.axes)
+        when = ("once a step (the first forward after the optimizer changed them), the copy kept" if spec.kept
                 else "in one collective (the next group's gather runs meanwhile)")
         host = (" (offloaded: shards, gradients and optimizer states in host memory; the shards copied to the device "
-                "first, the reduced gradients back)") if self.groups[k].offloaded else ""
-        spec = self.groups[k]
+                "first, the reduced gradients back)") if spec.offloaded else ""
         stage, reduced = ((1, "summed over the step's microbatches and reduce-scattered once, in one collective")
                           if spec.accumulated else (2 if spec.kept else 3, "reduce-scattered in one collective"))
         self.lines.append(f"    # ZeRO-{stage}, group {k}: {len(names)} parameter(s) stored split "

@@ -67,9 +67,10 @@ MESHES = ((1,), (2,), (4,), (2, 2))
 # Zoo default (8 x 32) up to 8x the tokens; every model here has 64 positions (BLOOM: none, ALiBi).
 SIZES = ((8, 32), (16, 64), (32, 64))
 # ``--knobs``: each config planned under each of these memory knobs (``autopar.PlanOptions``; and
-# ``hand_plan``: that standard plan, here ZeRO-2), on the sizes with activations worth saving.
+# ``hand_plan``: that standard plan, here ZeRO-2 or ZeRO-1), on the sizes with activations worth saving.
 KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
-         (("hand_plan", "zero2"), ("microbatches", 2)), (("recompute", "selective"),))
+         (("hand_plan", "zero2"), ("microbatches", 2)), (("hand_plan", "zero1"), ("microbatches", 2)),
+         (("recompute", "selective"),))
 KNOB_SIZES = SIZES[1:]
 SEED = 1234
 LR = 1e-3

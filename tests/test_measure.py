@@ -137,8 +137,10 @@ def test_select_configs():
     quick, _ = select_configs(["llama-tiny"], [(2, 2)], quick=True)
     assert quick == [Config("llama-tiny", (2, 2), 8, 32)]
     knobs, _ = select_configs(["gpt-tiny"], [(2,)], knobs=True)
-    assert len(knobs) == 2 * 4 and knobs[0].knobs == (("microbatches", 2),)
-    assert knobs[-1].label == "gpt-tiny 2 32x64 hand_plan=zero2 microbatches=2"
+    assert len(knobs) == 2 * 5 and knobs[0].knobs == (("microbatches", 2),)   # no selective: gpt-tiny calls SDPA
+    assert knobs[-1].label == "gpt-tiny 2 32x64 hand_plan=zero1 microbatches=2"
+    cores, _ = select_configs(["bloom-tiny"], [(2,)], knobs=True)
+    assert len(cores) == 2 * 6 and cores[-1].label == "bloom-tiny 2 32x64 recompute=selective"
     fits, skipped = select_configs(["gpt-tiny"], [(1,), (2,), (2, 2)], quick=True, max_devices=2)
     assert [c.mesh for c in fits] == [(1,), (2,)]
     assert skipped == ["mesh 2x2 skipped: needs 4 devices, 2 here"]

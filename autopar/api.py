@@ -22,6 +22,7 @@ from autopar.planning.planner import plan_captured
 from autopar.profiling.missing_ops import measure_missing_ops
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
+from codegen.pipelined import PipelinedModule
 from codegen.runtime import share_generator
 from cost_models.profile import resolve_profile
 
@@ -77,6 +78,14 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
             together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
+        if plan.pipeline is not None:
+            if one_process():
+                raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
+                                "simulates its ranks in one process")
+            micro = together("capturing one microbatch", lambda: microbatch_capture(
+                model, args, example_kwargs, precision)(plan.microbatches))
+            return together("generating the stages and sharding the weights",
+                            lambda: PipelinedModule(model, mesh, plan, micro, bucket_bytes))
         return together("generating code and sharding the weights",
                         lambda: ShardedModule(model, mesh, plan, captured, bucket_bytes))
 

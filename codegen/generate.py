@@ -10,7 +10,7 @@ import itertools
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from autopar.core.fold import attention_masks, foldable
 from codegen.recompute import checkpointed, statement_names
+from codegen.stages import COMMON_ARGUMENTS, StageCode, node_stages, split_stages, stage_signature, stage_starts
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
 from autopar.core.placements import Placements, grad_placement, grad_target, placements_str
@@ -120,14 +121,15 @@ def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Place
 
 
 def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
-                  group_bytes: int, spans_job: bool) -> list[GatherSpec]:
+                  group_bytes: int, spans_job: bool, stages: dict[str, set[int]]) -> list[GatherSpec]:
     """ZeRO-3 (and ZeRO-1/2: ``kept``; a group holds one ZeRO stage, ``_zero_stage``) parameters gathered in groups
     (``codegen.zero3``), in the order the forward first uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
     split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
     whole job) and used whole there, read as used by every op, its gradient partial on those axes
     (reduce-scattered back) and as stored elsewhere. The same dimension may also be split on
     another axis where the ops read it split so (tensor parallel inside ZeRO-3: ``zero3.stored_as``).
-    The others are gathered one by one (``runtime.redistribute``)."""
+    The others are gathered one by one (``runtime.redistribute``), as are those that several
+    pipeline stages read (``stages``: node name -> the stages it runs in); a group holds one stage's."""
     order: list[tuple[str, tuple[int, ...], int]] = []   # (param node name, axes, dim)
     seen: set[str] = set()
     for node in captured.graph.nodes:
@@ -136,7 +138,7 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
                 continue
             seen.add(inp.name)
             axes_dim = _gathered_axes(inp, plan, passes, mesh_shape, spans_job)
-            if axes_dim is not None:
+            if axes_dim is not None and len(stages.get(inp.name, ())) <= 1:
                 order.append((inp.name, *axes_dim))
     groups: list[GatherSpec] = []
     names: list[str] = []
@@ -147,6 +149,7 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
         last = k + 1 == len(order)
         if (last or nbytes >= group_bytes or order[k + 1][1] != axes
                 or _zero_stage(plan[order[k + 1][0]]) != _zero_stage(plan[name])
+                or stages.get(order[k + 1][0]) != stages.get(name)
                 or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
             groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
                                      tuple(d for n, _, d in order if n in names), *_zero_stage(plan[name])))
@@ -318,11 +321,12 @@ class GeneratedCode:
     gathered: tuple[GatherSpec, ...] = ()
     counts_loss: bool = False
     loss_summed_over: tuple[int, ...] = ()
+    stages: tuple[StageCode, ...] = ()   # a pipeline plan's stage functions (``codegen.stages``), else none
 
 
 class _Emitter:
     def __init__(self, captured: CapturedGraph, plan: Plan, strict: bool,
-                 group_bytes: int, spans_job: bool) -> None:
+                 group_bytes: int, spans_job: bool, starts: Sequence[str] = ()) -> None:
         self.captured = captured
         self.plan = {n.name: n for n in plan.nodes}
         self.reduce_precision = plan.reduce_precision
@@ -340,17 +344,42 @@ class _Emitter:
         self.out_of: dict[str, Placements] = {}        # var -> its placement
         self.params: set[str] = set()                  # vars holding a parameter (a DTensor), read per use
         self.pending: dict[str, list[tuple[str, str]]] = {}   # parameter var -> its read's lines, emitted at first use
+        self.state_reads: dict[str, list[tuple[str, str]]] = {}   # every such read (a pipeline stage reads its own)
+        self.stage_state: list[set[str]] = [set()]    # per pipeline stage so far, the parameters and buffers it reads
         self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
         self.defined: set[str] = set()                 # variables assigned so far
         params = {n for n in captured.graph.nodes if n.name in captured.param_of}
         self.with_grad = {n.name for n, grad in needs_grad(captured.graph, params).items() if grad}
         self.passes = partial_passes(captured.graph, self.plan, self.with_grad, set(captured.param_of))
-        self.groups = gather_groups(captured, self.plan, self.passes, plan.mesh.shape, group_bytes, spans_job)
+        self.groups = gather_groups(captured, self.plan, self.passes, plan.mesh.shape, group_bytes, spans_job,
+                                    node_stages(captured.graph, starts))
         node_of = {fqn: name for name, fqn in captured.param_of.items() if name in self.plan}
         self.group_names = [tuple(node_of[f] for f in g.fqns) for g in self.groups]
         self.group_of = {name: k for k, names in enumerate(self.group_names) for name in names}   # param node -> group
         self.gathered: set[int] = set()
         self.written = {n.name for n in written_aliases(captured.graph)}   # moved copies go stale on a write
+
+    def read_where_used(self, name: str, lines: list[tuple[str, str]]) -> None:
+        """Parameters, buffers and constants are read where first used: inside their layer (and
+        its checkpointed function), and again in each pipeline stage that uses them."""
+        self.pending[name] = self.state_reads[name] = lines
+
+    def emit_read(self, name: str | None) -> None:
+        """Emit the read of parameter, buffer or constant ``name`` if this stage has not yet."""
+        if name in self.pending:
+            for line, comment in self.pending.pop(name):
+                self.emit(line, comment)
+            c = self.captured
+            fqn = c.param_of.get(name) or c.buffer_of.get(name)
+            if fqn is not None:
+                self.stage_state[-1].add(fqn)
+
+    def new_stage(self) -> None:
+        """The lines that follow are the next pipeline stage's: it reads parameters, buffers and
+        constants itself and moves values from what it receives, not from the stage before's copies."""
+        self.pending = dict(self.state_reads)
+        self.placed = {}
+        self.stage_state.append(set())
 
     def grad_target(self, name: str, have: Placements) -> Placements:
         """Where the gradient of the value ``name`` (placed ``have``) is kept: ``grad_target``, partial
@@ -398,8 +427,7 @@ class _Emitter:
         if node.name in self.group_of:   # read whole as used (``gather_groups``)
             self.gather(self.group_of[node.name])
             return node.name
-        for line, comment in self.pending.pop(node.name, ()):
-            self.emit(line, comment)
+        self.emit_read(node.name)
         have = self.out_of.get(node.name)
         if have is None:
             return node.name
@@ -467,6 +495,7 @@ class _Emitter:
                           if spec.accumulated else (2 if spec.kept else 3, "reduce-scattered in one collective"))
         self.lines.append(f"    # ZeRO-{stage}, group {k}: {len(names)} parameter(s) stored split "
                           f"over {axis}, all-gathered {when}; their gradients are {reduced}{host}")
+        self.stage_state[-1].update(self.captured.param_of[n] for n in names)
         rows = [", ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
         self.lines.append("    (" + ",\n     ".join(rows) + ",) = gather_params(self, " + str(k) + ")")
         self.defined.update(names)
@@ -480,14 +509,13 @@ class _Emitter:
             partial = [a for a, p in enumerate(grad) if isinstance(p, Partial)]
             why = (f"; its gradient, partial over {', '.join(self.axes[a] for a in partial)}, is all-reduced by "
                    "gradient sync" if partial else "")
-            self.emit(f"{node.name} = shard_of({_attr_path(c.param_of[node.name])})",
-                      f"this rank's shard, stored {placements_str(np_.storage)}{why}")
+            self.read_where_used(node.name, [(f"{node.name} = shard_of({_attr_path(c.param_of[node.name])})",
+                                              f"this rank's shard, stored {placements_str(np_.storage)}{why}")])
             self.out_of[node.name] = np_.out
         elif node.name in c.param_of:
             # read (ZeRO-3: gathered) where first used: inside its layer, and inside the layer's
             # checkpointed function where it is recomputed; not every layer's at the top
-            read = self.pending[node.name] = [(f"{node.name} = {_attr_path(c.param_of[node.name])}",
-                                               f"stored {placements_str(np_.storage)}")]
+            read = [(f"{node.name} = {_attr_path(c.param_of[node.name])}", f"stored {placements_str(np_.storage)}")]
             if np_.offloaded:
                 read.append((f"{node.name} = on_device({node.name}, device)", "offloaded: its shard, gradient and "
                              "optimizer states live in host memory; the shard is copied here, the gradient goes back"))
@@ -497,13 +525,16 @@ class _Emitter:
                              + (f", reduce_in={self.reduce_precision!r})" if narrow else ")"),
                              f"ZeRO-3: {collective_comment(np_.storage, np_.out, self.axes)} to use the parameter; "
                              "its gradient is reduce-scattered back" + (f" in {self.reduce_precision}" if narrow else "")))
+            self.read_where_used(node.name, read)
             self.params.add(node.name)
             self.out_of[node.name] = np_.out
         elif node.name in c.buffer_of:
-            self.emit(f"{node.name} = {_attr_path(c.buffer_of[node.name])}.to_local()", "replicated buffer")
+            self.read_where_used(node.name, [(f"{node.name} = {_attr_path(c.buffer_of[node.name])}.to_local()",
+                                              "replicated buffer")])
             self.out_of[node.name] = np_.out if np_ else None
         elif node.name in c.constant_of:
-            self.emit(f"{node.name} = self._autopar_constants[{c.constant_of[node.name]!r}]", "replicated constant")
+            self.read_where_used(node.name, [(f"{node.name} = self._autopar_constants[{c.constant_of[node.name]!r}]",
+                                              "replicated constant")])
             self.out_of[node.name] = np_.out if np_ else None
         elif np_ is not None:  # user input tensor
             part = self.sizes.part(node.name, tensor_val(node).shape, np_.out)
@@ -512,6 +543,8 @@ class _Emitter:
             self.out_of[node.name] = np_.out
 
     def call(self, node: fx.Node, np_: NodePlan | None) -> None:
+        for inp in node.all_input_nodes:   # parameters, buffers and constants it reads as they are
+            self.emit_read(inp.name)
         if node.target is operator.getitem:
             self.emit(f"{node.name} = {node.args[0].name}[{node.args[1]!r}]")
             self.out_of[node.name] = self.out_of.get(node.args[0].name)
@@ -595,8 +628,7 @@ class _Emitter:
         user = [o for o, s in zip(outs, specs) if s.kind == OutputKind.USER_OUTPUT]
 
         def wrap(x: Any) -> str:
-            for line, comment in self.pending.pop(getattr(x, "name", None), ()):   # a parameter returned as it is
-                self.emit(line, comment)
+            self.emit_read(getattr(x, "name", None))   # a parameter returned as it is
             have = self.out_of.get(x.name) if isinstance(x, fx.Node) else None
             if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)
@@ -642,7 +674,15 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
     mesh holds every rank of the job (a collective over all its axes is one process group);
     ``outputs``: how outputs are returned (``OutputMode``; None: as the plan says)."""
-    em = _Emitter(captured, plan, strict, group_bytes, spans_job)
+    pipeline = plan.pipeline
+    starts = stage_starts(captured.graph, pipeline) if pipeline is not None else []
+    plan = plan.within_stage()
+    header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
+    if pipeline is not None:
+        header += (f"# Pipeline stages stage_0 .. stage_{pipeline.num_stages - 1} over mesh axis {pipeline.axis} "
+                   f"({pipeline.schedule}): each runs on its pipeline rank's {plan.mesh.describe()} sub-mesh and\n"
+                   "# returns this rank's part of what later stages read, which the schedule sends on.\n")
+    em = _Emitter(captured, plan, strict, group_bytes, spans_job, starts)
     if outputs is not None:
         em.outputs = outputs
     inputs = ", ".join(captured.user_inputs)
@@ -671,6 +711,8 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     lines_of: dict[str, tuple[int, int]] = {}   # op -> the range of lines it generated
     for node in order[len(folded):]:
         np_ = em.plan.get(node.name)
+        if node.name in starts:
+            em.new_stage()
         if node.op == "placeholder":
             em.placeholder(node, np_)
         elif node.op == "call_function":
@@ -683,21 +725,38 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     read = {name for line in body for name in statement_names(line)[0]}
     kept = list(dict.fromkeys(name for line in once_lines for name in sorted(statement_names(line)[1])
                               if name in read and name in defined_once))
-    constants = ""
+    constants, once = "", None
     if kept:
-        body.insert(0, f"    {', '.join(kept)}, = once(self, constants, mesh, device, sizes)  # computed at the first "
-                       "call (they depend on no input, parameter or buffer), then reused")
-        lines_of = {name: (start + 1, end + 1) for name, (start, end) in lines_of.items()}
+        once = (f"    {', '.join(kept)}, = once(self, constants, mesh, device, sizes)  # computed at the first "
+                "call (they depend on no input, parameter or buffer), then reused")
         constants = ("def constants(self, mesh, device, sizes):\n    # values computed from shapes alone, once: "
                      "autopar.core.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
-    arguments = {"self", "mesh", "device", "sizes", "loss_count", *captured.user_inputs}
-    for region in reversed(recomputed_regions(captured.graph, plan.recompute)):
-        whole = plan.recompute[region.path] == "full"
-        body = checkpointed(body, lines_of[region.nodes[0]][0], lines_of[region.nodes[-1]][1], arguments,
-                            ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
-                            f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
-                            f"({plan.recompute[region.path]} recomputation)")
-    em.lines = [signature, *body]
-    header = HEADER.format(model=plan.model_name, mesh=plan.mesh.describe(), axes=", ".join(plan.mesh.axis_names))
-    return GeneratedCode(header + constants + "\n".join(em.lines) + "\n", em.sizes, em.direct, tuple(em.groups),
-                         em.counts_loss, em.loss_summed_over)
+    regions = recomputed_regions(captured.graph, plan.recompute)
+
+    def with_regions(lines: list[str], offset: int, arguments: set[str]) -> list[str]:
+        """``lines`` (from ``offset`` of the body on) with their recomputed blocks checkpointed."""
+        for region in reversed(regions):
+            start, end = lines_of[region.nodes[0]][0] - offset, lines_of[region.nodes[-1]][1] - offset
+            if 0 <= start and end <= len(lines):
+                whole = plan.recompute[region.path] == "full"
+                lines = checkpointed(lines, start, end, arguments,
+                                     ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
+                                     f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
+                                     f"({plan.recompute[region.path]} recomputation)")
+        return lines
+
+    stages: list[StageCode] = []
+    if starts:
+        functions = []
+        cuts = [lines_of[name][0] for name in starts]
+        for (lines, stage, reads_once), offset in zip(split_stages(body, cuts, captured.user_inputs, set(kept)),
+                                                      [0, *cuts]):
+            lines = with_regions(lines, offset, {*COMMON_ARGUMENTS, *stage.inputs})
+            functions.append("\n".join([stage_signature(stage), *([once] if reads_once else []), *lines]))
+            stages.append(replace(stage, state=frozenset(em.stage_state[len(stages)])))
+        source = "\n\n\n".join(functions)
+    else:
+        body = with_regions(body, 0, {*COMMON_ARGUMENTS, *captured.user_inputs})
+        source = "\n".join([signature, *([once] if once else []), *body])
+    return GeneratedCode(header + constants + source + "\n", em.sizes, em.direct, tuple(em.groups),
+                         em.counts_loss, em.loss_summed_over, tuple(stages))

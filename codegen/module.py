@@ -39,14 +39,15 @@ GENERATED_GLOBALS = {
 }
 
 
-def compile_forward(source: str) -> Any:
-    """Compile generated source; register it with linecache so tracebacks show its lines."""
+def compile_source(source: str) -> dict[str, Any]:
+    """Compile generated source into its functions (``forward``, or a pipeline's ``stage_k``);
+    register it with linecache so tracebacks show its lines."""
     _counter[0] += 1
     filename = f"<autopar generated forward {_counter[0]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = dict(GENERATED_GLOBALS)
     exec(compile(source, filename, "exec"), namespace)
-    return namespace["forward"]
+    return namespace
 
 
 class ShardedModule(nn.Module):
@@ -81,32 +82,43 @@ class ShardedModule(nn.Module):
     def _make_forward(self, captured: CapturedGraph, outputs: OutputMode) -> Forward:
         generated = generate(captured, self.plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
                              spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
-        return Forward(generated, compile_forward(generated.source), generated.sizes.values(self.mesh),
+        return Forward(generated, compile_source(generated.source)["forward"], generated.sizes.values(self.mesh),
                        loss_weighting(captured))
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
+        """Parameters sharded (``_shard_parameters``), their gradient sync and ZeRO groups set up,
+        buffers and constants replicated."""
+        direct = self._shard_parameters(plan, captured, mesh, code)
+        self._grad_sync = grad_sync_of(mesh, code, direct, bucket_bytes, plan.reduce_precision)
+        self._autopar_gather = GatheredParams(self, mesh, code.gathered, self._grad_sync, self._device)
+        self._replicate_buffers_and_constants(captured, mesh)
+
+    def _shard_parameters(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
+                          keep: set[str] | None = None) -> dict[str, nn.Parameter]:
         """Parameters become DTensors of their planned storage (plain tensors when every one is
         replicated and read as it is: the optimizer then skips DTensor's dispatch, as under DDP).
         A parameter reached under several names (tied embeddings: export reads it through one of
         them) stays one parameter, stored as planned for the name the graph uses. Those the
-        forward reads as their shard (``code.direct``: FQN -> where the gradient accumulates) or
-        gathers in groups (``code.gathered``) get their gradients from ``GradSync``, the others
-        from a hook."""
+        forward reads as their shard (``code.direct``) are returned by FQN: ``GradSync`` gives them
+        their gradients; those gathered in groups (``code.gathered``) get theirs from their group,
+        the others from a hook. ``keep``: the FQNs this rank holds (a pipeline stage's); the
+        others are dropped from the module."""
         direct_grads = code.direct
         gathered = {f: g for g in code.gathered for f in g.fqns}
-        replicate = [Replicate()] * mesh.ndim
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
         # data parallelism (every parameter replicated, read as it is): plain parameters, as DDP's
         plain = (all(isinstance(x, Replicate) for node in plan.parameters.values() for x in node.storage)
                  and used <= set(direct_grads))
-        sharded: dict[int, nn.Parameter] = {}
+        sharded: dict[int, nn.Parameter | None] = {}
         direct: dict[str, nn.Parameter] = {}
         for fqn, node in sorted(plan.parameters.items(), key=lambda kv: kv[0] not in used):
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
             p = getattr(mod, leaf)
-            if id(p) not in sharded:
+            if id(p) not in sharded and keep is not None and fqn not in keep:
+                sharded[id(p)] = None
+            elif id(p) not in sharded:
                 storage = (stored_as(node.storage, gathered[fqn], mesh.shape) if fqn in gathered
                            else list(node.storage))
                 shard = (runtime.replicated(p.detach(), mesh) if plain
@@ -119,14 +131,17 @@ class ShardedModule(nn.Module):
                 elif fqn not in gathered and not plain:   # plain: read directly, or not at all
                     runtime.sync_grad_to(sharded[id(p)], plan.reduce_precision)
             setattr(mod, leaf, sharded[id(p)])
-        # the backward produces gradients in about the reverse order the forward first reads them
-        ready_order = [(direct[f], direct_grads[f]) for f in reversed(direct_grads) if f in direct]
-        self._grad_sync = GradSync(mesh, ready_order, bucket_bytes, plan.reduce_precision)
-        self._autopar_gather = GatheredParams(self, mesh, code.gathered, self._grad_sync, self._device)
+        return direct
+
+    def _replicate_buffers_and_constants(self, captured: CapturedGraph, mesh: DeviceMesh,
+                                         keep: set[str] | None = None) -> None:
+        """Buffers (those in ``keep``; the others dropped) and lifted constants, replicated."""
+        replicate = [Replicate()] * mesh.ndim
         for fqn in captured.buffer_of.values():
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
-            setattr(mod, leaf, runtime.distribute(getattr(mod, leaf), mesh, replicate))
+            setattr(mod, leaf, runtime.distribute(getattr(mod, leaf), mesh, replicate)
+                    if keep is None or fqn in keep else None)
         self._autopar_constants = {
             name: runtime.distribute(t, mesh, replicate).to_local() if isinstance(t, torch.Tensor)
             else t for name, t in captured.program.constants.items()
@@ -186,6 +201,14 @@ class ShardedModule(nn.Module):
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
         return self._forwards.get(flat, args, kwargs, outputs), flat
+
+
+def grad_sync_of(mesh: DeviceMesh, code: GeneratedCode, direct: dict[str, nn.Parameter], bucket_bytes: int,
+                 reduce_precision: str) -> GradSync:
+    """Gradient sync of the parameters ``code`` reads as their shard (``direct``, by FQN): the
+    backward produces their gradients in about the reverse order the forward first reads them."""
+    ready_order = [(direct[f], code.direct[f]) for f in reversed(code.direct) if f in direct]
+    return GradSync(mesh, ready_order, bucket_bytes, reduce_precision)
 
 
 def _value(loss: torch.Tensor | Carried) -> torch.Tensor:

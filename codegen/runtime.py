@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, local_tensor_mode,
                                             maybe_disable_local_tensor_mode, rank_map)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
@@ -302,6 +302,31 @@ def shard_range(size: int, coords: Sequence[int], axes: Sequence[int], mesh_shap
         begin = min(coords[a] * chunk, length)
         start, length = start + begin, max(0, min(chunk, length - begin))
     return start, start + length
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], coords: Sequence[int],
+                mesh_shape: Sequence[int]) -> list[int]:
+    """The shape of the part of a tensor of global ``shape`` placed ``placements`` that the rank
+    at mesh ``coords`` holds."""
+    out = []
+    for d, size in enumerate(shape):
+        axes = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+        start, stop = shard_range(int(size), coords, axes, mesh_shape)
+        out.append(stop - start)
+    return out
+
+
+def sum_grad_over(p: torch.Tensor, group: Any) -> None:
+    """Sum parameter ``p``'s gradient over the ranks of ``group`` that hold a copy of it (a
+    parameter two pipeline stages read: each has the gradient of its own uses)."""
+    local = shard_of(p)
+    if p.grad is None:
+        grad = torch.zeros_like(local)
+    else:
+        grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+    dist.all_reduce(grad, group=group)
+    if p.grad is None:
+        p.grad = DTensor(grad, p._spec, requires_grad=False) if isinstance(p, DTensor) else grad
 
 
 def rank_value(mesh: DeviceMesh, fn: Any, as_tensor: bool = False) -> Any:

@@ -96,13 +96,17 @@ class GatheredParams:
     """The groups of one module, gathered on demand (``gather``) with the next one prefetched."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, specs: Sequence[GatherSpec], grad_sync: GradSync,
-                 device: torch.device) -> None:
+                 device: torch.device, groups: Sequence[int] | None = None) -> None:
+        """``groups``: the indices of ``specs`` this module holds, in forward order (a pipeline
+        stage's; default all): each prefetches the next."""
         self.mesh = mesh
         self.device = device
-        self.specs = list(specs)
-        self.params = [[module.get_parameter(f) for f in spec.fqns] for spec in self.specs]
+        self.groups = list(range(len(specs))) if groups is None else list(groups)
+        self.specs = {k: specs[k] for k in self.groups}
+        self.params = {k: [module.get_parameter(f) for f in specs[k].fqns] for k in self.groups}
+        self._next = dict(zip(self.groups, self.groups[1:]))
         self.grad_sync = grad_sync
-        for group in self.params:
+        for group in self.params.values():
             for p in group:
                 p._local_tensor.requires_grad_(p.requires_grad)
         self._prefetched: dict[int, torch.Tensor] = {}
@@ -111,7 +115,7 @@ class GatheredParams:
 
     def gather(self, k: int) -> tuple[torch.Tensor, ...]:
         """Group ``k``'s parameters, whole on the gathered axis; launches group ``k + 1``'s gather."""
-        if k == 0:   # a new forward: parameters may have changed since the last prefetch
+        if k == self.groups[0]:   # a new forward: parameters may have changed since the last prefetch
             self._prefetched.clear()
         flat = self._kept_copy(k)
         if flat is None:
@@ -120,8 +124,9 @@ class GatheredParams:
             if self.specs[k].kept:
                 self._kept[k] = (self._versions(k), flat)
         # a block run again for the backward: no forward follows
-        if k + 1 < len(self.params) and not recomputing() and self._kept_copy(k + 1) is None:
-            self._prefetched[k + 1] = self._launch(k + 1)
+        later = self._next.get(k)
+        if later is not None and not recomputing() and self._kept_copy(later) is None:
+            self._prefetched[later] = self._launch(later)
         locals_ = [p._local_tensor for p in self.params[k]]
         return _Gather.apply(self, k, flat, *locals_)
 

@@ -37,7 +37,7 @@ CAST_OPS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.
 IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default, aten.detach.default}
 
 #: Names generated code uses for itself: the forward's arguments and the runtime helpers and
-#: modules ``codegen.module.compile_forward`` binds. Capture renames graph values that would
+#: modules ``codegen.module.compile_source`` binds. Capture renames graph values that would
 #: shadow one (a model's ``torch.full`` is a node named ``full``).
 GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",

@@ -73,6 +73,11 @@ def candidates(total: int, at_least: float = 1.0) -> list[int]:
     return [d for d in range(start, total + 1) if total % d == 0]
 
 
+def fewest_at_least(total: int, count: float) -> int:
+    """The fewest microbatches, a divisor of ``total`` rows, that is at least ``count`` (at most ``total``)."""
+    return (candidates(total, at_least=count) or [total])[0]
+
+
 def check_microbatches(value: Any) -> None:
     """``PlanOptions.microbatches``: "auto" or a count >= 1."""
     if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):

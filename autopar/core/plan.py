@@ -7,7 +7,7 @@ fingerprint and mesh it was made for, so it is never applied to another.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopar.core.errors import PlanFileError
@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 8   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated
+PLAN_FORMAT_VERSION = 9   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,49 @@ class NodePlan:
 def _parse(text: str) -> Placements:
     inner = text.strip()[1:-1]
     return tuple(parse_placement(t.strip()) for t in inner.split(",") if t.strip())
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the run of the model's repeated blocks it computes (the first stage also
+    what comes before them, the embedding; the last what comes after, the head and the loss), its
+    module paths for people, and its predicted seconds per microbatch and peak memory per device."""
+
+    blocks: tuple[int, int]           # [start, stop) of the repeated blocks (``autopar.core.blocks``)
+    modules: tuple[str, ...]          # the module paths it runs, in order
+    forward_s: float
+    backward_s: float
+    peak_memory_bytes: float
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
+        return cls(**{**d, "blocks": tuple(d["blocks"]), "modules": tuple(d["modules"])})
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Pipeline parallelism over one mesh axis: its ranks hold consecutive stages (several each
+    under interleaved schedules), run by a ``torch.distributed.pipelining`` schedule (``schedule``,
+    its class name) over ``num_microbatches`` microbatches a step. Every node's placement on
+    ``axis`` is replicated: within a stage, the other axes carry the plan's SPMD placements."""
+
+    axis: str
+    schedule: str
+    num_microbatches: int
+    virtual_stages: int               # stages per rank
+    stages: tuple[StagePlan, ...]
+    bubble_fraction: float = 0.0      # predicted idle share of the busiest rank's step
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PipelinePlan":
+        return cls(**{**d, "stages": tuple(StagePlan.from_dict(s) for s in d["stages"])})
 
 
 @dataclass(frozen=True)
@@ -98,6 +141,7 @@ class Plan:
     batch_size: int = 1                   # rows of the global batch planned for (dim 0 of the inputs)
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
     recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
+    pipeline: PipelinePlan | None = None  # stages over a mesh axis, or None
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -121,6 +165,27 @@ class Plan:
         return next(iter(self.recompute.values()), "none")
 
     @property
+    def pipeline_axis(self) -> int | None:
+        """The index of the mesh axis carrying pipeline stages, or None."""
+        return None if self.pipeline is None else self.mesh.axis_names.index(self.pipeline.axis)
+
+    def within_stage(self) -> "Plan":
+        """The plan one pipeline stage runs: the mesh without the pipeline axis, every placement
+        without its entry for it (this plan itself when there is no pipeline)."""
+        a = self.pipeline_axis
+        if a is None:
+            return self
+
+        def drop(ps: Placements | None) -> Placements | None:
+            return None if ps is None else ps[:a] + ps[a + 1:]
+
+        mesh = MeshSpec(self.mesh.shape[:a] + self.mesh.shape[a + 1:],
+                        self.mesh.axis_names[:a] + self.mesh.axis_names[a + 1:], self.mesh.hardware)
+        nodes = [replace(n, out=drop(n.out), ins=tuple(drop(i) for i in n.ins), storage=drop(n.storage))
+                 for n in self.nodes]
+        return replace(self, mesh=mesh, nodes=nodes, pipeline=None)
+
+    @property
     def offloaded(self) -> list[str]:
         """Parameters whose shards, gradients and optimizer states live in host memory."""
         return [fqn for fqn, n in self.parameters.items() if n.offloaded]
@@ -141,6 +206,7 @@ class Plan:
             "batch_size": self.batch_size,
             "microbatches": self.microbatches,
             "recompute": self.recompute,
+            "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
@@ -196,6 +262,7 @@ class Plan:
                 batch_size=d["batch_size"],
                 microbatches=d["microbatches"],
                 recompute=d["recompute"],
+                pipeline=PipelinePlan.from_dict(d["pipeline"]) if d["pipeline"] is not None else None,
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:

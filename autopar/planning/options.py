@@ -12,6 +12,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import check_precision
 from autopar.core.blocks import RECOMPUTE
+from autopar.planning.pipeline import PipelineChoice, pipeline_choice
 from cost_models.estimate import get_optimizer
 from cost_models.profile import Profile
 
@@ -70,7 +71,12 @@ class PlanOptions:
     and optimizer states of every parameter the plan stores split and gathers to use (ZeRO-2/3) in
     host memory, the optimizer stepping them there (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload);
     "auto" does so only where no plan fits the device without it and the hardware has host memory
-    of its own (``Hardware.host_bandwidth``); "none" never.
+    of its own (``Hardware.host_bandwidth``); "none" never. ``pipeline``: pipeline parallelism
+    over a mesh axis (``autopar.planning.pipeline``): "auto" lets the planner weigh stages over the
+    first axis of a mesh of two or more against the plans without (kept where predicted faster by
+    ``min_gain``), False never; a ``PipelineChoice`` (or a dict of its fields, or a schedule's
+    class name) makes the plan a pipeline with the axis, schedule, microbatches and stages per
+    rank it names (its "auto" fields chosen by the planner).
     """
 
     memory_budget: float | None = None
@@ -87,6 +93,7 @@ class PlanOptions:
     microbatches: int | str = "auto"
     recompute: str = "auto"
     offload: str = "auto"
+    pipeline: bool | str | PipelineChoice | dict = "auto"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -103,6 +110,7 @@ class PlanOptions:
             raise AutoparError(f"recompute is 'auto', {', '.join(map(repr, RECOMPUTE))}, got {self.recompute!r}")
         if self.offload not in OFFLOAD:
             raise AutoparError(f"offload is {', '.join(map(repr, OFFLOAD))}, got {self.offload!r}")
+        pipeline_choice(self.pipeline)
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **values: Any) -> PlanOptions:

@@ -15,12 +15,15 @@ from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
-from autopar.core.microbatch import candidates, captured_rows, microbatch_rows
+from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.plan import Plan
 from autopar.core.strategies import Strategy
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.options import PlanOptions
+from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_search
+from autopar.core.blocks import repeated_blocks
+from cost_models.comm import link_for_axis
 from autopar.planning.problem import Planning, prepare, solve_planning
 
 
@@ -44,10 +47,64 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     SDPA), selective recomputation takes the place of none there. Otherwise each mode (none,
     selective, full) is tried only when no plan fits with the lighter ones. ``offload="auto"``: where no plan fits the device (the state alone, or after every count
     and mode was tried) and the hardware has host memory apart, the search runs again with the
-    ZeRO-2/3 parameters' states in host memory (``CostModel.offload``)."""
+    ZeRO-2/3 parameters' states in host memory (``CostModel.offload``).
+
+    ``pipeline``: a ``PipelineChoice`` makes the plan a pipeline (``autopar.planning.pipeline``);
+    "auto" weighs one over the mesh's first axis where that axis crosses nodes (where Megatron puts
+    its stages: within a node, tensor and data parallelism's collectives run on the fast links), in
+    the second half of the time limit, and keeps it where predicted faster by ``min_gain``."""
     timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
     deadline = time.perf_counter() + (1 - OVERRUN) * options.time_limit - sum(timings.values()) \
         if options.time_limit is not None else None
+    choice = pipeline_choice(options.pipeline)
+    if isinstance(choice, PipelineChoice):
+        plan = pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(timings))
+        plan.timings = timings
+        return plan
+    if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
+        return _spmd_plan(captured, mesh, options, timings, forced, recapture, deadline)
+    half = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / 2
+    best = _spmd_plan(captured, mesh, options, timings, forced, recapture, half)
+    try:
+        piped = pipeline_search(captured, mesh, options, PipelineChoice(), recapture, deadline, _stage_plan(timings))
+    except AutoparError as e:
+        best.solver["pipeline"] = f"none: {e}"
+        return best
+    piped.timings = best.timings = timings
+    faster = piped.predicted.step_time_s < (1 - options.min_gain) * best.predicted.step_time_s
+    if piped.feasible and (faster or not best.feasible):
+        piped.solver["pipeline"] = (f"kept: {fmt(piped.predicted.step_time_s, 's')} a step, the plan without "
+                                    f"{fmt(best.predicted.step_time_s, 's')}" + ("" if best.feasible else " (not fitting)"))
+        return piped
+    best.solver["pipeline"] = (f"not kept: the best pipeline ({piped.pipeline.schedule}, {piped.pipeline.num_stages} "
+                               f"stages) is predicted {fmt(piped.predicted.step_time_s, 's')} a step"
+                               + ("" if piped.feasible else ", over the budget"))
+    return best
+
+
+def _pipeline_worth_weighing(captured: CapturedGraph, mesh: MeshSpec, recapture: Callable | None) -> bool:
+    """Does "auto" weigh a pipeline: the first axis spans nodes, the model has blocks to cut?"""
+    if mesh.ndim < 2 or mesh.shape[0] < 2 or recapture is None:
+        return False
+    hw = get_hardware(mesh.hardware)
+    if link_for_axis(hw, mesh.shape, 0).bandwidth >= hw.intra_node_bandwidth:
+        return False
+    return len(repeated_blocks(captured.graph)) >= mesh.shape[0]
+
+
+def _stage_plan(timings: dict[str, float]) -> Callable[[CapturedGraph, MeshSpec, PlanOptions], Plan]:
+    """The planner itself, for one pipeline stage's sub-mesh; its planning time adds to ``timings``."""
+    def plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions) -> Plan:
+        out = plan_captured(captured, mesh, options)
+        _add(timings, out.timings)
+        return out
+    return plan
+
+
+def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, timings: dict[str, float],
+               forced: dict[str, Strategy] | None, recapture: Callable[[int], CapturedGraph] | None,
+               deadline: float | None) -> Plan:
+    """The plan without pipeline (``plan_captured``'s memory knobs)."""
     rows = captured_rows(captured)
     if options.microbatches != "auto":
         microbatch_rows(rows, options.microbatches)   # refuses a count that does not divide the batch
@@ -203,7 +260,7 @@ class _Search:
         # beside what does not. The least-memory bound gives each node its leanest choice at once,
         # which no plan affords: aim it at a fraction of the room (``BOUND_SLACK``); a count whose
         # plan does not fit says by how much it missed, and the next count is scaled by that.
-        k = _at_least(self.rows, max(2.0, BOUND_SLACK * _shrink_needed(least, floor, whole.budget)))
+        k = fewest_at_least(self.rows, max(2.0, BOUND_SLACK * _shrink_needed(least, floor, whole.budget)))
         last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
         while True:
             started = time.perf_counter()
@@ -218,7 +275,7 @@ class _Search:
                 more = _shrink_needed(e.min_memory_bytes, floor, whole.budget) * 2
             else:
                 if last.feasible:
-                    fewest = _at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))
+                    fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))
                     last = self._fewer(last, k, fewest, recompute, time.perf_counter() - started)
                     last = self._lighter(last, last.microbatches, recompute, time.perf_counter() - started)
                     last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
@@ -231,7 +288,7 @@ class _Search:
             out_of_time = self.deadline is not None and time.perf_counter() >= self.deadline
             if k == self.rows or out_of_time:
                 break
-            k = _at_least(self.rows, k * max(more, 1.5))
+            k = fewest_at_least(self.rows, k * max(more, 1.5))
         if isinstance(last, Plan):
             return last
         raise InfeasibleError(f"{last} Microbatches were tried up to {k} (of {self.rows // k} rows each).",
@@ -243,7 +300,7 @@ class _Search:
         microbatches run more efficiently, as long as the plan need not shard harder to fit them."""
         def counts() -> Iterator[Planning]:
             count = k
-            while (smaller := _at_least(self.rows, max(fewest, count / 2))) < count:
+            while (smaller := fewest_at_least(self.rows, max(fewest, count / 2))) < count:
                 yield self._prepare(smaller, recompute)
                 count = smaller
         return self._while_faster(plan, counts(), attempt_s)
@@ -347,11 +404,6 @@ def _shrink_needed(needed: float, fixed: float, budget: float) -> float:
     """By how much what shrinks with the microbatch must shrink for ``needed`` bytes to fit in 90%
     of ``budget`` beside ``fixed`` bytes that do not shrink."""
     return (needed - fixed) / max(0.9 * budget - fixed, 1.0)
-
-
-def _at_least(rows: int, count: float) -> int:
-    """The fewest microbatches, a divisor of ``rows``, that is at least ``count`` (at most ``rows``)."""
-    return (candidates(rows, at_least=count) or [rows])[0]
 
 
 def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] | None,

@@ -1,0 +1,354 @@
+"""Pipeline plans: an SPMD plan for one stage's sub-mesh, cut into stages over a mesh axis.
+
+``pipelined`` turns a plan made on the mesh without the pipeline axis (``stage_plan``: the whole
+model at one microbatch, every node's predicted seconds and bytes) into a pipeline plan:
+
+1. each repeated block's time is the sum of its nodes' (forward + backward + communication), the
+   embedding's counts to the first stage, the head's and the loss's to the last;
+2. ``cost_models.pipeline.balanced_stages`` cuts the blocks into stages whose slowest is fastest;
+3. ``cost_models.pipeline.simulate`` plays the schedule out on those stages, each activation send
+   priced on the link the pipeline axis crosses: the step time, the bubble, and per rank the
+   microbatches in flight at once;
+4. per stage, peak memory = its parameters' state + its kept activations x the microbatches in
+   flight on its rank + the stage plan's working memory; the step adds, after the last backward,
+   the optimizer and gradient synchronisation of the slowest rank's parameters.
+
+The plan keeps the stage plan's placements with the pipeline axis replicated (``Plan.within_stage``
+gives them back) and says what it did in ``plan.pipeline`` (``autopar.core.plan.PipelinePlan``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+
+from autopar.core.blocks import Block, repeated_blocks
+from autopar.core.capture import CapturedGraph, readable_name, value_bytes
+from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
+from autopar.core.units import fmt
+from autopar.core.hardware import get_hardware
+from autopar.core.mesh import MeshSpec
+from autopar.core.placements import shard_fraction
+from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan
+from cost_models.comm import collective_time, link_for_axis
+from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank
+
+#: Of one microbatch's time on a stage, the share its forward takes (the roofline's backward is
+#: twice the forward: a gradient for the input and one for the weight).
+FORWARD_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class _Stage:
+    nodes: tuple[NodePlan, ...]
+    blocks: tuple[int, int]
+    modules: tuple[str, ...]
+
+
+def sub_mesh(mesh: MeshSpec, axis: int) -> MeshSpec:
+    """``mesh`` without ``axis``: what one pipeline stage runs on."""
+    if mesh.ndim < 2:
+        raise AutoparError(f"a pipeline over the only axis of mesh {mesh.describe()} leaves no mesh for its stages; "
+                           "build the mesh with a second axis of size 1 (e.g. (pp, 1)) to pipeline over all of it")
+    return MeshSpec(mesh.shape[:axis] + mesh.shape[axis + 1:], mesh.axis_names[:axis] + mesh.axis_names[axis + 1:],
+                    mesh.hardware)
+
+
+def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: int, schedule: str,
+              microbatches: int, virtual: int = 1, budget: float | None = None, fingerprint: str | None = None) -> Plan:
+    """The pipeline plan of ``stage_plan`` (planned on ``sub_mesh(mesh, axis)`` for one microbatch of
+    ``captured``'s shape) with ``mesh.shape[axis]`` ranks of ``virtual`` stages each (two for the
+    V-shaped schedules), run by ``schedule`` over ``microbatches`` microbatches."""
+    ranks = mesh.shape[axis]
+    per_rank = stages_per_rank(schedule, virtual)
+    blocks = repeated_blocks(captured.graph)
+    count = ranks * per_rank
+    if count > len(blocks):
+        raise AutoparError(f"{schedule} on {ranks} pipeline ranks runs {count} stages; the model has "
+                           f"{len(blocks)} repeated blocks, at least one per stage is needed")
+    stages = _cut(stage_plan, captured.graph, blocks, count)
+    step_costs = [_stage_cost(s) for s in stages]
+    boundary = _boundary_bytes(stage_plan, captured, stages)
+    step = simulate(schedule, step_costs, ranks, microbatches, _send_seconds(boundary, mesh, axis))
+    held = {r: [s for s in range(count) if rank_of_stage(schedule, s, ranks, per_rank) == r] for r in range(ranks)}
+    working = stage_plan.predicted.memory_breakdown.get("working", 0.0)
+    after = stage_plan.predicted.exposed_comm_s / stage_plan.predicted.overlapped_comm_s \
+        if stage_plan.predicted.overlapped_comm_s > 0 else 1.0
+    peaks, finals = [], []
+    for r in range(ranks):
+        state = sum(_state_bytes(stages[s]) for s in held[r])
+        peaks.append(state + step.peak_activation_bytes[r] + working)
+        finals.append(sum(_final_s(stages[s], after) for s in held[r]))
+    rank_of = {s: r for r, ss in held.items() for s in ss}
+    stage_plans = tuple(StagePlan(blocks=s.blocks, modules=s.modules, forward_s=c.forward_s, backward_s=c.backward_s,
+                                  peak_memory_bytes=peaks[rank_of[k]])
+                        for k, (s, c) in enumerate(zip(stages, step_costs)))
+    worst = max(range(ranks), key=peaks.__getitem__)
+    p = stage_plan.predicted
+    state = sum(_state_bytes(stages[s]) for s in held[worst])
+    predicted = Prediction(
+        step_time_s=step.step_s + max(finals), peak_memory_bytes=peaks[worst],
+        comm_bytes={**{a: b * microbatches / count for a, b in p.comm_bytes.items()},
+                    mesh.axis_names[axis]: sum(boundary) * microbatches * 2 / ranks},   # activations and their gradients
+        compute_s=sum(c.forward_s + c.backward_s for c in step_costs) * microbatches / ranks,
+        comm_s=p.comm_s * microbatches / ranks, overlapped_comm_s=p.overlapped_comm_s / ranks,
+        exposed_comm_s=p.exposed_comm_s / ranks,
+        memory_breakdown={"state": state, "activations": step.peak_activation_bytes[worst], "working": working},
+        peak_at=f"pipeline rank {worst} (stage {', '.join(map(str, held[worst]))}), "
+                f"{step.peak_in_flight[worst]} microbatch(es) in flight",
+        cost_source=p.cost_source)
+    pipeline = PipelinePlan(axis=mesh.axis_names[axis], schedule=schedule, num_microbatches=microbatches,
+                            virtual_stages=per_rank, stages=stage_plans, bubble_fraction=step.bubble_fraction)
+    budget = stage_plan.memory_budget if budget is None else budget
+    return replace(stage_plan, mesh=mesh, fingerprint=fingerprint or stage_plan.fingerprint, nodes=[_lifted(n, axis) for n in stage_plan.nodes], predicted=predicted,
+                   memory_budget=budget, feasible=peaks[worst] <= budget,
+                   shortfall_bytes=max(0.0, peaks[worst] - budget), pipeline=pipeline,
+                   batch_size=stage_plan.microbatch_size * microbatches, microbatches=microbatches,
+                   solver=dict(stage_plan.solver), timings=dict(stage_plan.timings))
+
+
+def rank_of_stage(schedule: str, stage: int, ranks: int, per_rank: int) -> int:
+    """The pipeline rank holding ``stage``: stages go round the ranks in loops (interleaved and
+    looped schedules), or in a V (rank r holds stages r and 2 ranks - 1 - r)."""
+    if per_rank == 2 and schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def _cut(plan: Plan, graph: fx.Graph, blocks: Sequence[Block], count: int) -> list[_Stage]:
+    """The stages: the blocks cut by ``balanced_stages`` on each one's time, with what comes
+    before the first block on the first stage and what follows the last on the last."""
+    by_name = {n.name: n for n in plan.nodes}
+    block_of = {name: b for b, block in enumerate(blocks) for name in block.nodes}
+    ops = [n for n in graph.nodes if n.op != "placeholder" and n.name in by_name]
+    first_block = next(i for i, n in enumerate(ops) if n.name in block_of)
+    part_of = {}   # op -> its block, or -1 before the blocks, len(blocks) after them
+    current = -1
+    for i, n in enumerate(ops):
+        if n.name in block_of:
+            current = block_of[n.name]
+        part_of[n.name] = current if i >= first_block else -1
+    times = [0.0] * (len(blocks) + 2)
+    for n in ops:
+        times[part_of[n.name] + 1] += _seconds(by_name[n.name])
+    after_last = {n.name for n in ops if part_of[n.name] == len(blocks) - 1 and n.name not in block_of}
+    last_time = sum(_seconds(by_name[name]) for name in after_last)
+    times[len(blocks)] -= last_time
+    ranges = balanced_stages(times[1:len(blocks) + 1], count, first=times[0], last=last_time)
+    stage_of_part = {b: k for k, r in enumerate(ranges) for b in r}
+    members: list[list[NodePlan]] = [[] for _ in ranges]
+    for n in ops:
+        b = part_of[n.name]
+        k = 0 if b < 0 else count - 1 if n.name in after_last else stage_of_part[b]
+        members[k].append(by_name[n.name])
+    readers = {}   # parameter -> the stages whose ops read it
+    op_stage = {n.name: k for k, ms in enumerate(members) for n in ms}
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.name in by_name:
+            readers[n.name] = sorted({op_stage[u.name] for u in n.users if u.name in op_stage})
+    for name, ks in readers.items():
+        for k in ks:   # a parameter two stages read (tied embeddings) is held by both
+            members[k].append(by_name[name])
+    out = []
+    for k, (r, ms) in enumerate(zip(ranges, members)):
+        paths = []
+        for n in graph.nodes:
+            if n.name in op_stage and op_stage[n.name] == k:
+                layer = readable_name(n)
+                inside = next((blocks[b].path for b in r if layer == blocks[b].path
+                               or layer.startswith(blocks[b].path + ".")), layer)
+                if inside and inside not in paths:
+                    paths.append(inside)
+        out.append(_Stage(tuple(ms), (r.start, r.stop), tuple(paths)))
+    return out
+
+
+def _seconds(n: NodePlan) -> float:
+    return n.compute_s + n.comm_s
+
+
+def _stage_cost(stage: _Stage) -> StageCost:
+    """A stage's seconds per microbatch (its ops' forward and backward, their communication) and
+    the activations one microbatch keeps on it."""
+    ops = [n for n in stage.nodes if n.op != "parameter"]
+    seconds = sum(_seconds(n) for n in ops)
+    backward = seconds * (1 - FORWARD_SHARE)
+    return StageCost(forward_s=seconds * FORWARD_SHARE, backward_s=backward, weight_s=backward / 2,
+                     activation_bytes=sum(n.saved_bytes for n in ops))
+
+
+def _state_bytes(stage: _Stage) -> float:
+    """Parameters, gradients and optimizer states the stage holds."""
+    return sum(n.memory_bytes for n in stage.nodes if n.op == "parameter")
+
+
+def _final_s(stage: _Stage, exposed_share: float) -> float:
+    """What follows the stage's last backward: its parameters' optimizer step and the share of
+    their gradient synchronisation no backward hides."""
+    return sum(n.compute_s + n.comm_s * exposed_share for n in stage.nodes if n.op == "parameter")
+
+
+def _crossing(captured: CapturedGraph, stages: Sequence[_Stage]) -> list[list[str]]:
+    """Per stage boundary, the values an op after it reads that were computed before it (or are
+    model inputs): what the pipeline sends across it."""
+    stage_of: dict[str, int] = {}
+    planned = {n.name: k for k, s in enumerate(stages) for n in s.nodes if n.op != "parameter"}
+    current = 0
+    for n in captured.graph.nodes:   # ops the plan does not list (getitem) run with the op before
+        if n.op == "call_function":
+            current = planned.get(n.name, current)
+            stage_of[n.name] = current
+    out: list[list[str]] = [[] for _ in stages[1:]]
+    for n in captured.graph.nodes:
+        mine = stage_of.get(n.name, 0 if n.name in captured.user_inputs else None)
+        if mine is None:
+            continue
+        last = max((stage_of[u.name] for u in n.users if u.name in stage_of), default=mine)
+        for k in range(mine, last):
+            out[k].append(n.name)
+    return out
+
+
+def _boundary_bytes(plan: Plan, captured: CapturedGraph, stages: Sequence[_Stage]) -> list[float]:
+    by_name = {n.name: n for n in plan.nodes}
+    shape = plan.mesh.shape
+    return [sum(value_bytes(captured.graph, name) * (shard_fraction(by_name[name].out, shape) if name in by_name
+                                                     else 1.0)
+                for name in names) for names in _crossing(captured, stages)]
+
+
+def _send_seconds(boundary_bytes: Sequence[float], mesh: MeshSpec, axis: int) -> list[float]:
+    """Seconds to send one microbatch's values across each stage boundary, on the pipeline axis's link."""
+    link = link_for_axis(get_hardware(mesh.hardware), mesh.shape, axis)
+    return [collective_time("send_recv", b, 2, link) for b in boundary_bytes]
+
+
+def _lifted(n: NodePlan, axis: int) -> NodePlan:
+    """``n`` with the pipeline axis put back, replicated there."""
+    def lift(ps):
+        return None if ps is None else ps[:axis] + (Replicate(),) + ps[axis:]
+    return replace(n, out=lift(n.out), ins=tuple(lift(i) for i in n.ins), storage=lift(n.storage))
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """What a pipeline plan must use (``PlanOptions.pipeline``); "auto" leaves a field to the planner.
+    ``axis``: the mesh axis carrying stages (name or index); ``schedule``: a class name of
+    ``cost_models.pipeline.SCHEDULES``; ``microbatches``: per step, at least the axis's size;
+    ``virtual_stages``: stages per rank (interleaved and looped schedules)."""
+
+    axis: str | int = 0
+    schedule: str = "auto"
+    microbatches: int | str = "auto"
+    virtual_stages: int | str = "auto"
+
+    def axis_index(self, mesh: MeshSpec) -> int:
+        if isinstance(self.axis, int) and 0 <= self.axis < mesh.ndim:
+            return self.axis
+        if self.axis in mesh.axis_names:
+            return mesh.axis_names.index(self.axis)
+        raise AutoparError(f"pipeline axis {self.axis!r} is not an axis of mesh {mesh.describe()} "
+                           f"(axes {', '.join(mesh.axis_names)})")
+
+
+def pipeline_choice(value: bool | str | PipelineChoice | dict) -> PipelineChoice | None | str:
+    """``PlanOptions.pipeline`` checked: "auto" (the planner decides), None (no pipeline: False or
+    "none"), or the ``PipelineChoice`` a pipeline plan must follow (a dict of its fields, or a
+    schedule name, is one)."""
+    if value is False or value == "none":
+        return None
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        value = PipelineChoice(schedule=value)
+    if isinstance(value, dict):
+        try:
+            value = PipelineChoice(**value)
+        except TypeError as e:
+            raise AutoparError(f"pipeline={value!r}: {e}; its fields are axis, schedule, microbatches, "
+                               "virtual_stages") from None
+    if not isinstance(value, PipelineChoice):
+        raise AutoparError(f"pipeline is 'auto', False, a schedule name or a PipelineChoice, got {value!r}")
+    if value.schedule != "auto":
+        stages_per_rank(value.schedule)   # an unknown schedule raises, listing the known ones
+    for name in ("microbatches", "virtual_stages"):
+        v = getattr(value, name)
+        if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise AutoparError(f"pipeline {name} is 'auto' or a count >= 1, got {v!r}")
+    return value
+
+
+#: The schedules the planner weighs, each with the stages per rank it runs: one, or two (the
+#: interleaved and looped schedules with two virtual stages, the V-shaped zero-bubble one).
+AUTO_SCHEDULES = (("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2), ("ScheduleGPipe", 1),
+                  ("ScheduleLoopedBFS", 2), ("ScheduleInterleavedZeroBubble", 2), ("ScheduleZBVZeroBubble", 2))
+
+
+def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choice: PipelineChoice,
+                    recapture: Callable[[int], CapturedGraph] | None, deadline: float | None,
+                    plan_stage: Callable[[CapturedGraph, MeshSpec, Any], Plan]) -> Plan:
+    """The fastest pipeline plan over ``choice``'s axis that fits: for each microbatch count (the
+    choice's, or about 2 and 8 per pipeline rank), the stage's SPMD plan of one microbatch on the
+    other axes (``plan_stage``, the planner itself, under a budget as many times larger as there
+    are ranks: each holds that share of the model), cut into stages under each schedule. Raises
+    ``InfeasibleError`` where none fits, ``AutoparError`` where the model cannot be pipelined so."""
+    axis = choice.axis_index(mesh)
+    ranks = mesh.shape[axis]
+    sub = sub_mesh(mesh, axis)
+    rows = captured_rows(captured)
+    blocks = len(repeated_blocks(captured.graph))
+    if ranks < 2 or blocks < 2:
+        raise AutoparError(f"no pipeline over axis {mesh.axis_names[axis]!r}: it has {ranks} rank(s) and the model "
+                           f"{blocks} repeated block(s); a pipeline needs two of each")
+    if choice.microbatches != "auto":
+        microbatch_rows(rows, choice.microbatches)   # refuses a count that does not divide the batch
+        counts = [choice.microbatches]
+    else:
+        counts = list(dict.fromkeys(c for c in (fewest_at_least(rows, 2 * ranks), fewest_at_least(rows, 8 * ranks)) if c >= ranks))
+    if any(c > 1 for c in counts) and recapture is None:
+        raise AutoparError("a pipeline runs microbatches: plan with autopar.plan or autopar.compile, which can "
+                           "capture one")
+    schedules = [(s, v) for s, v in AUTO_SCHEDULES if choice.schedule in ("auto", s)] or \
+        [(choice.schedule, 2 if stages_per_rank(choice.schedule, 2) == 2 else 1)]
+    if choice.virtual_stages != "auto":
+        schedules = [(s, choice.virtual_stages) for s, _ in schedules
+                     if stages_per_rank(s, choice.virtual_stages) == choice.virtual_stages]
+    budget = float(options.memory_budget) if options.memory_budget is not None else \
+        float(get_hardware(mesh.hardware).memory_bytes)
+    tried: dict[str, str] = {}
+    best: Plan | None = None
+    for i, m in enumerate(counts):
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0 and best is not None:
+            break
+        micro = captured if m == 1 else recapture(m)
+        stage_options = replace(options, pipeline=False, microbatches=1, memory_budget=budget * ranks,
+                                time_limit=None if left is None else max(left / (len(counts) - i), 1.0))
+        try:
+            stage_plan = plan_stage(micro, sub, stage_options)
+        except InfeasibleError as e:
+            tried[f"{m} microbatches"] = f"no stage plan: {e}"
+            continue
+        for schedule, virtual in schedules:
+            try:
+                plan = pipelined(stage_plan, micro, mesh, axis, schedule, m, virtual, budget, captured.fingerprint)
+            except AutoparError as e:
+                tried[f"{schedule} x{virtual}, {m} microbatches"] = str(e)
+                continue
+            tried[f"{schedule} x{virtual}, {m} microbatches"] = (
+                f"{fmt(plan.predicted.step_time_s, 's')}, peak {fmt(plan.predicted.peak_memory_bytes, 'B')}"
+                + ("" if plan.feasible else " (over the budget)"))
+            if best is None or (plan.feasible, -plan.predicted.step_time_s) > (best.feasible, -best.predicted.step_time_s):
+                best = plan
+    if best is None:
+        raise InfeasibleError(f"no pipeline plan over {mesh.axis_names[axis]!r}: " +
+                              "; ".join(f"{k}: {v}" for k, v in tried.items()),
+                              min_memory_bytes=float("inf"))
+    best.solver["pipelines"] = tried
+    return best
+

@@ -9,6 +9,10 @@ from its module; a parameter two stages read (tied embeddings) is held by both, 
 gradients summed after the backward over the ranks holding it, as Megatron sums its embedding
 group's.
 
+Zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``) run in
+their order, with the whole backward in the input-gradient step and an empty weight step
+(``_weights_done``; priced so by ``autopar.planning.pipeline``).
+
 ``train_step`` runs the step through the schedule: every microbatch's loss weighted by its share
 of the batch's loss (``autopar.core.loss_weights``: the schedule's ``loss_fn`` multiplies by it;
 ``scale_grads=False``), so that loss and gradients equal one device's on the whole batch. Gradient
@@ -109,7 +113,7 @@ class PipelinedModule(ShardedModule):
         return _Stage(module, self._syncs[s], s, self.plan.pipeline.num_stages, self._device,
                       input_args=self._metas(code.inputs, within, first=s == 0),
                       output_args=(self._loss_meta(),) if last else self._metas(code.outputs, within),
-                      group=self._pp_group)
+                      group=self._pp_group, dw_builder=_weights_done)
 
     def _metas(self, names: Sequence[str], within: Plan, first: bool = False) -> tuple[torch.Tensor, ...]:
         """Empty tensors shaped as this rank's part of the values ``names`` (the model's inputs,
@@ -141,10 +145,10 @@ class PipelinedModule(ShardedModule):
         spec = tuple(TensorChunkSpec(0) if tensor_val(n) is not None and tensor_val(n).dim() > 0
                      and tensor_val(n).shape[0] == rows else _Replicate() for n in inputs
                      if tensor_val(n) is not None)
-        common = dict(loss_fn=_weighted, args_chunk_spec=spec, scale_grads=False)
-        if issubclass(cls, torch_schedules.PipelineScheduleMulti):
-            return cls(self._stages, pipeline.num_microbatches, **common)
-        return cls(self._stages[0], pipeline.num_microbatches, **common)
+        stages = self._stages if issubclass(cls, torch_schedules.PipelineScheduleMulti) else self._stages[0]
+        schedule = cls(stages, pipeline.num_microbatches, loss_fn=_weighted, scale_grads=False)
+        schedule._args_chunk_spec = spec   # (not every schedule's constructor takes it)
+        return schedule
 
     # ------------------------------------------------------------------ running
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -302,6 +306,13 @@ class _Stage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         finally:
             self._grad_sync.sync = True
+
+
+def _weights_done() -> Any:
+    """Zero-bubble schedules' weight step: nothing left to run. Generated code computes the
+    weights' gradients in the same backward as the inputs' (gradient buckets and ZeRO groups
+    synchronise as that pass produces them), so their input step runs the whole backward."""
+    return lambda: None
 
 
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -177,8 +177,9 @@ def _stage_cost(stage: _Stage) -> StageCost:
     the activations one microbatch keeps on it."""
     ops = [n for n in stage.nodes if n.op != "parameter"]
     seconds = sum(_seconds(n) for n in ops)
-    backward = seconds * (1 - FORWARD_SHARE)
-    return StageCost(forward_s=seconds * FORWARD_SHARE, backward_s=backward, weight_s=backward / 2,
+    # no part of the backward runs apart as a weight step (weight_s 0): generated code computes the
+    # weights' gradients in the input-gradient pass (``codegen.pipelined``)
+    return StageCost(forward_s=seconds * FORWARD_SHARE, backward_s=seconds * (1 - FORWARD_SHARE),
                      activation_bytes=sum(n.saved_bytes for n in ops))
 
 

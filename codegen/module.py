@@ -147,6 +147,10 @@ class ShardedModule(nn.Module):
             else t for name, t in captured.program.constants.items()
         }
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded state dict (``autopar.full_state_dict``)."""
+        return {k: runtime.whole(v, self._device) if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
         forward, flat = self._forward_of(args, kwargs, self._outputs)
@@ -227,7 +231,6 @@ def _filled_like(t: torch.Tensor, value: float) -> torch.Tensor:
     return torch.full(t.shape, value, dtype=t.dtype, device=t.device)
 
 
-def full_state_dict(pmodel: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict: same keys and shapes as the original model's."""
-    device = torch.device(pmodel.mesh.device_type)
-    return {k: runtime.whole(v, device) if isinstance(v, DTensor) else v for k, v in pmodel.state_dict().items()}
+def full_state_dict(pmodel: ShardedModule) -> dict[str, torch.Tensor]:
+    """The unsharded state dict: same keys and shapes as the original model's, on every rank."""
+    return pmodel.full_state_dict()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -91,8 +92,16 @@ class PipelinedModule(ShardedModule):
         within = plan.within_stage()
         direct = self._shard_parameters(within, captured, self._stage_mesh, train, keep=held)
         self._replicate_buffers_and_constants(captured, self._stage_mesh, keep=held)
-        self._syncs = {s: grad_sync_of(self._stage_mesh, _only(train, train.stages[s].state), direct, bucket_bytes,
-                                       plan.reduce_precision) for s in self._held}
+        # a parameter two stages of this rank read (tied embeddings under a V-shaped schedule) is
+        # synchronised by the first: its backward of the last microbatch is the rank's last
+        self._syncs = {}
+        claimed: set[str] = set()
+        for s in self._held:
+            own = train.stages[s].state - claimed
+            claimed |= own
+            self._syncs[s] = grad_sync_of(self._stage_mesh, _only(train, own), direct, bucket_bytes,
+                                          plan.reduce_precision)
+            self._syncs[s].sync = False   # on only in the stage's last backward of a step (``_Stage``)
         groups = {k: s for s in self._held for k, g in enumerate(train.gathered) if set(g.fqns) <= train.stages[s].state}
         self._autopar_gather = _Groups({k: GatheredParams(self, self._stage_mesh, train.gathered, self._syncs[s],
                                                           self._device, [j for j in groups if groups[j] == s])
@@ -110,7 +119,8 @@ class PipelinedModule(ShardedModule):
     def _stage(self, s: int, code: StageCode, within: Plan) -> PipelineStage:
         last = s == self.plan.pipeline.num_stages - 1
         module = _StageModule(self, self._train[code.name], last, self._weighting.index)
-        return _Stage(module, self._syncs[s], s, self.plan.pipeline.num_stages, self._device,
+        return _Stage(module, self._syncs[s], self.plan.pipeline.num_microbatches, s, self.plan.pipeline.num_stages,
+                      self._device,
                       input_args=self._metas(code.inputs, within, first=s == 0),
                       output_args=(self._loss_meta(),) if last else self._metas(code.outputs, within),
                       group=self._pp_group, dw_builder=_weights_done)
@@ -184,6 +194,17 @@ class PipelinedModule(ShardedModule):
         dist.broadcast(loss, source, group=self._pp_group)
         return loss
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's unsharded state dict on every rank: each pipeline rank's stages',
+        gathered over the pipeline axis."""
+        mine = ShardedModule.full_state_dict(self)
+        every: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(every, mine, group=self._pp_group)
+        out: dict[str, torch.Tensor] = {}
+        for part in every:
+            out.update(part)
+        return out
+
     def _stage_rank(self, stage: int) -> int:
         pipeline = self.plan.pipeline
         return rank_of_stage(pipeline.schedule, stage, dist.get_world_size(self._pp_group), pipeline.virtual_stages)
@@ -234,7 +255,8 @@ class PipelinedModule(ShardedModule):
                                   group=self._pp_group)
             if s + 1 < pipeline.num_stages and mine and self._stage_rank(s + 1) == rank:
                 self._passed = values   # the next stage is on this rank too
-        box = [list(values) if pipeline.num_stages - 1 in self._held else None]
+        # collectives still on their way are waited for: pickling one would send this rank's summand
+        box = [[_waited(v) for v in values] if pipeline.num_stages - 1 in self._held else None]
         dist.broadcast_object_list(box, dist.get_global_rank(self._pp_group, self._stage_rank(pipeline.num_stages - 1)),
                                    group=self._pp_group)
         return box[0]
@@ -249,6 +271,10 @@ class PipelinedModule(ShardedModule):
             dist.recv(buf, dist.get_global_rank(self._pp_group, self._stage_rank(s - 1)), group=self._pp_group)
             out.append(buf)
         return tuple(out)
+
+
+def _waited(value: Any) -> Any:
+    return value.wait() if isinstance(value, AsyncCollectiveTensor) else value
 
 
 def _merge(parts: Sequence[Any], weights: Sequence[float], is_loss: bool) -> Any:
@@ -293,19 +319,24 @@ class _StageModule(nn.Module):
 
 
 class _Stage(PipelineStage):
-    """A ``PipelineStage`` whose gradient sync runs in its last backward of the step only."""
+    """A ``PipelineStage`` whose gradient sync runs in its last backward of the step only: the
+    ``microbatches``-th it runs (the schedules' own ``last_backward`` marks the weight step of
+    zero-bubble schedules, which runs nothing here: ``_weights_done``)."""
 
-    def __init__(self, submodule: _StageModule, grad_sync: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, submodule: _StageModule, grad_sync: Any, microbatches: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(submodule, *args, **kwargs)
         submodule.inputs = kwargs["input_args"]
         self._grad_sync = grad_sync
+        self._microbatches = microbatches
+        self._backwards = 0   # run so far, over every step
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        self._grad_sync.sync = last_backward
+        self._backwards += 1
+        self._grad_sync.sync = self._backwards % self._microbatches == 0
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        finally:
-            self._grad_sync.sync = True
+        finally:   # another stage's backward reaching a parameter it shares with this one accumulates
+            self._grad_sync.sync = False
 
 
 def _weights_done() -> Any:

@@ -142,6 +142,24 @@ def _recompute_line(recompute: dict[str, str]) -> str:
                      + f": {what[mode]}" for mode, paths in by_mode.items())
 
 
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The pipeline section: schedule, microbatches, bubble, and one row per stage."""
+    p = plan.pipeline
+    ranks = plan.mesh.shape[plan.mesh.axis_names.index(p.axis)]
+    lines = [f"Pipeline over {p.axis}: {p.num_stages} stages on {ranks} ranks ({p.virtual_stages} per rank), "
+             f"{p.schedule}, {p.num_microbatches} microbatches of {plan.microbatch_size} rows; predicted bubble "
+             f"{100 * p.bubble_fraction:.1f}% of the busiest rank's step",
+             "  each stage runs the placements below on the other axes; times per microbatch; memory: its "
+             "rank's peak (all its stages, the microbatches in flight)"]
+    rows = []
+    for k, stage in enumerate(p.stages):
+        modules = stage.modules[0] if len(stage.modules) == 1 else f"{stage.modules[0]} ... {stage.modules[-1]}"
+        rows.append([str(k), f"{stage.blocks[0]}-{stage.blocks[1] - 1}", modules, fmt(stage.forward_s, "s"),
+                     fmt(stage.backward_s, "s"), fmt(stage.peak_memory_bytes, "B")])
+    lines += _table(["stage", "blocks", "modules", "forward", "backward", "peak memory"], rows, right={3, 4, 5})
+    return lines + [""]
+
+
 def format_report(plan: Plan, top: int | None = 12) -> str:
     """A readable planning report: what was chosen, what it is predicted to cost, and why it is
     slow. ``top``: nodes listed with their costs (``None``: every node)."""
@@ -190,6 +208,9 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
     add(f"  costs from      {p.cost_source or '?'}")
     add("")
+
+    if plan.pipeline is not None:
+        out.extend(_pipeline_lines(plan))
 
     # ------------------------------------------------------------------ solver and timings
     s = plan.solver

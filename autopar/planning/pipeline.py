@@ -310,7 +310,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         microbatch_rows(rows, choice.microbatches)   # refuses a count that does not divide the batch
         counts = [choice.microbatches]
     else:
-        counts = list(dict.fromkeys(c for c in (fewest_at_least(rows, 2 * ranks), fewest_at_least(rows, 8 * ranks)) if c >= ranks))
+        counts = microbatch_counts(rows, ranks)
     if any(c > 1 for c in counts) and recapture is None:
         raise AutoparError("a pipeline runs microbatches: plan with autopar.plan or autopar.compile, which can "
                            "capture one")
@@ -353,3 +353,11 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     best.solver["pipelines"] = tried
     return best
 
+
+
+def microbatch_counts(rows: int, ranks: int) -> list[int]:
+    """The microbatch counts weighed for a ``rows``-row batch on ``ranks`` pipeline ranks: about 2
+    and 8 per rank (each a divisor of the batch; at least one per rank), fewest first. More
+    microbatches shrink the bubble, smaller ones run less efficient kernels."""
+    return list(dict.fromkeys(c for c in (fewest_at_least(rows, 2 * ranks), fewest_at_least(rows, 8 * ranks))
+                              if c >= ranks))

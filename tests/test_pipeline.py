@@ -1,0 +1,168 @@
+"""Pipeline plans (``Plan.pipeline``) train exactly as one device does, under every schedule.
+
+Each case compiles pipeline plans of a four-block model (``tests.pipeline_models``) on a 2x2 gloo
+mesh whose first axis carries the stages: two stages (one per rank) under GPipe and 1F1B, four
+(two per rank) under the interleaved, looped and zero-bubble schedules; each stage runs a hand
+plan of the other axis (tensor parallel, FSDP, ZeRO-1, DDP). Losses of 3 AdamW steps and the final
+parameters must equal one device's, on every rank; one case on 2x2x2 (8 processes).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.core.capture import capture
+from autopar.core.errors import AutoparError, InputMismatchError, MeshError
+from autopar.core.mesh import MeshSpec
+from autopar.core.microbatch import microbatch_capture
+from autopar.core.plan import Plan
+from autopar.planning.baselines import pipeline_hand_plans
+from autopar.planning.options import PlanOptions
+from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
+from tests.equivalence import (RTOL, ATOL, build, loss_of, make_batches, padded_batches, train_reference,
+                               train_steps)
+
+#: Every schedule of ``torch.distributed.pipelining`` the planner may pick, with its stages per rank.
+SCHEDULES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2), ("ScheduleLoopedBFS", 2),
+             ("ScheduleInterleavedZeroBubble", 2), ("ScheduleZBVZeroBubble", 2))
+MICROBATCHES = 4
+
+
+def pipeline_plans(name: str, batches, mesh: MeshSpec, stage_plan: str,
+                   schedules=SCHEDULES) -> list[str]:
+    """The pipeline hand plan over ``mesh``'s first axis with ``stage_plan`` in each stage, per
+    schedule, as JSON."""
+    args, kwargs = batches[0]
+    model = build(name)
+    captured = capture(model, args, kwargs)
+    out = []
+    for schedule, virtual in schedules:
+        options = PlanOptions(profile=None, pipeline={"axis": mesh.axis_names[0], "schedule": schedule,
+                                                      "microbatches": MICROBATCHES, "virtual_stages": virtual})
+        plans = pipeline_hand_plans(captured, mesh, options, microbatch_capture(model, args, kwargs, "fp32"))
+        wanted = f"pp({mesh.axis_names[0]}, {schedule.removeprefix('Schedule')}) x {stage_plan}"
+        assert wanted in plans, f"{wanted} not among {sorted(plans)}"
+        out.append(plans[wanted].to_json())
+    return out
+
+
+def _train_each(mesh, name, plans, batches):
+    """On every rank: each plan compiled and trained; its losses and final whole state. The first
+    plan's module also evaluates the first batch before training (``forward``)."""
+    results = []
+    for k, text in enumerate(plans):
+        args, kwargs = batches[0]
+        pmodel = autopar.compile(build(name), mesh, args, kwargs, plan=Plan.from_json(text))
+        evaluated = float(loss_of(pmodel(*args, **kwargs))) if k == 0 else None
+        losses = [float(l) for l in train_steps(pmodel, batches)]
+        results.append((losses, autopar.full_state_dict(pmodel), evaluated))
+    return results
+
+
+def check_pipelines(name: str, mesh: MeshSpec, stage_plan: str, batches, schedules=SCHEDULES) -> None:
+    plans = pipeline_plans(name, batches, mesh, stage_plan, schedules)
+    ref_losses, ref_state = train_reference(name, batches)
+    results = run_on_gloo_mesh(_train_each, mesh.shape, name, plans, batches, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=900)
+    for (schedule, _), text, k in zip(schedules, plans, range(len(plans))):
+        stages = json.loads(text)["pipeline"]["stages"]
+        assert len(stages) == mesh.shape[0] * dict(schedules)[schedule]
+        for r, per_plan in enumerate(results):
+            losses, state, evaluated = per_plan[k]
+            where = f"{schedule} rank {r}"
+            if evaluated is not None:
+                assert evaluated == pytest.approx(ref_losses[0], rel=RTOL), f"{where}: evaluation"
+            assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{where}: losses"
+            assert state.keys() == ref_state.keys(), where
+            for key, want in ref_state.items():
+                torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
+
+
+CASES = [   # (model, pipeline x other axis, the stage's hand plan, padded labels)
+    ("gpt", ("pp", "tp"), "tp", False),
+    ("gpt2", ("pp", "tp"), "tp+sp", True),
+    ("llama", ("pp", "tp"), "tp", False),
+    ("gpt", ("pp", "dp"), "fsdp", False),
+    ("gpt2", ("pp", "dp"), "ddp", True),
+    ("llama", ("pp", "dp"), "zero1", False),
+]
+
+
+@pytest.mark.parametrize("model, axes, stage_plan, padded", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}-{c[2]}" for c in CASES])
+def test_pipeline_trains_exactly_under_every_schedule(model, axes, stage_plan, padded):
+    name = f"tests.pipeline_models:{model}"
+    batches = padded_batches(name) if padded else make_batches(name, 8, 16)
+    check_pipelines(name, MeshSpec((2, 2), axes), stage_plan, batches)
+
+
+def test_pipeline_with_data_and_tensor_parallel_stages_trains_exactly():
+    name = "tests.pipeline_models:llama"
+    check_pipelines(name, MeshSpec((2, 2, 2), ("pp", "dp", "tp")), "dp(dp) x tp(tp)", make_batches(name, 8, 16),
+                    schedules=(("Schedule1F1B", 1),))
+
+
+def test_pipeline_plan_round_trips_and_reports_its_stages():
+    name = "tests.pipeline_models:gpt"
+    text = pipeline_plans(name, make_batches(name, 8, 16, steps=1), MeshSpec((2, 2), ("pp", "tp")), "tp",
+                          schedules=(("ScheduleInterleaved1F1B", 2),))[0]
+    plan = Plan.from_json(text)
+    assert plan.to_json() == text
+    p = plan.pipeline
+    assert (p.axis, p.schedule, p.num_microbatches, p.virtual_stages, p.num_stages) == \
+        ("pp", "ScheduleInterleaved1F1B", MICROBATCHES, 2, 4)
+    assert [s.blocks for s in p.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert p.stages[0].modules[0] == "transformer.wte" and p.stages[-1].modules[-1] == "lm_head"
+    assert 0 < p.bubble_fraction < 1 and all(s.forward_s > 0 and s.backward_s > s.forward_s for s in p.stages)
+    assert all(isinstance(n.out[0], torch.distributed.tensor.Replicate) for n in plan.nodes)
+    report = plan.report()
+    assert "Pipeline" in report and "ScheduleInterleaved1F1B" in report and "transformer.h.3" in report
+    within = plan.within_stage()
+    assert within.mesh.shape == (2,) and within.pipeline is None and len(within.nodes[0].out) == 1
+
+
+def test_pipeline_needs_a_second_axis_and_enough_blocks():
+    name = "gpt-tiny"   # two blocks
+    model, (args, kwargs) = build(name), make_batches(name, 8, 16, steps=1)[0]
+    with pytest.raises(AutoparError, match="leaves no mesh for its stages"):
+        autopar.plan(model, MeshSpec((2,)), args, kwargs, profile=None, pipeline={"schedule": "Schedule1F1B"})
+    with pytest.raises(AutoparError, match="2 repeated blocks, at least one per stage"):
+        autopar.plan(model, MeshSpec((2, 2)), args, kwargs, profile=None,
+                     pipeline={"schedule": "ScheduleInterleaved1F1B", "virtual_stages": 2})
+    with pytest.raises(AutoparError, match="unknown pipeline schedule"):
+        PlanOptions(pipeline="Chimera")
+    with pytest.raises(AutoparError, match="pipeline axis 'pp' is not an axis"):
+        autopar.plan(model, MeshSpec((2, 2)), args, kwargs, profile=None, pipeline={"axis": "pp"})
+
+
+def test_pipeline_refuses_simulated_ranks():
+    name = "tests.pipeline_models:gpt"
+    batches = make_batches(name, 8, 16, steps=1)
+    plan = Plan.from_json(pipeline_plans(name, batches, MeshSpec((2, 2), ("pp", "tp")), "tp",
+                                         schedules=(("Schedule1F1B", 1),))[0])
+    model, (args, kwargs) = build(name), batches[0]
+    with pytest.raises(MeshError, match="one process per rank"):
+        run_on_local_tensor_mesh(lambda mesh: autopar.compile(model, mesh, args, kwargs, plan=plan), (2, 2),
+                                 axis_names=("pp", "tp"))
+
+
+def _other_batch(mesh, name, text, batches):
+    args, kwargs = batches[0]
+    pmodel = autopar.compile(build(name), mesh, args, kwargs, plan=Plan.from_json(text))
+    half = make_batches(name, 4, 16, steps=1)[0]
+    try:
+        pmodel.train_step(*half[0], **half[1])
+    except InputMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_pipeline_refuses_another_batch_size():
+    name = "tests.pipeline_models:gpt"
+    batches = make_batches(name, 8, 16, steps=1)
+    text = pipeline_plans(name, batches, MeshSpec((2, 2), ("pp", "tp")), "tp", schedules=(("Schedule1F1B", 1),))[0]
+    messages = run_on_gloo_mesh(_other_batch, (2, 2), name, text, batches, axis_names=("pp", "tp"),
+                                start_method="forkserver")
+    assert all(m is not None and "batches of 8 rows" in m for m in messages)

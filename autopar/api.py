@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import MeshError
-from autopar.core.mesh import MeshSpec, as_mesh_spec
+from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
 from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.together import one_process, together
@@ -74,8 +74,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         if plan is None:
             plan = _plan_shared_by_all_ranks(captured, spec, mesh, options,
                                              microbatch_capture(model, args, example_kwargs, precision))
-        else:
-            together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
+        mesh = _formed_as_planned(mesh, spec, plan)
+        spec = as_mesh_spec(mesh, spec.hardware)
+        together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:
@@ -109,9 +110,16 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     message = [together("planning", lambda: plan_captured(captured, spec, resolved, recapture=recapture).to_json()
                         if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(message, src=0)
-    return together("checking the shared plan", lambda: _checked(Plan.from_json(message[0]), captured, spec))
+    return together("reading the shared plan", lambda: Plan.from_json(message[0]))   # compile checks it
 
 
-def _checked(plan: Plan, captured: CapturedGraph, spec: MeshSpec) -> Plan:
-    plan.check_matches(captured.fingerprint, spec, captured.precision)
-    return plan
+def _formed_as_planned(mesh: DeviceMesh, spec: MeshSpec, plan: Plan) -> DeviceMesh:
+    """``mesh``, or the same ranks formed as the plan's mesh where the plan pipelines over a
+    factor of the first axis (``autopar.core.mesh.split_first_axis``): a new mesh, whose process
+    groups every rank creates here."""
+    shape = tuple(plan.mesh.shape)
+    if shape == tuple(spec.shape) or plan.pipeline is None:
+        return mesh
+    if split_first_axis(spec, shape[0], plan.mesh.axis_names[0]).shape != shape:
+        return mesh   # another mesh altogether: check_matches says so
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(plan.mesh.axis_names))

@@ -37,7 +37,11 @@ def test_standard_strategies_are_what_they_say():
     # costed like the auto plan: it is never worse than any of them
     auto = autopar.plan(model, MeshSpec((2, 2), axis_names=("dp", "tp"), hardware="h100-80gb"), args, kwargs)
     assert auto.predicted.step_time_s <= min(p.predicted.step_time_s for p in plans.values()) * (1 + 1e-9)
-    assert set(auto.solver["hand_plans"]) == set(plans)
+    # the pipeline plans over the first axis (Megatron 3-D) are candidates too; on one node the
+    # planner weighs none (its solver lists the plans without a pipeline)
+    piped = {name for name, p in plans.items() if p.pipeline is not None}
+    assert piped and all(name.startswith("pp(dp, ") for name in piped)
+    assert set(auto.solver["hand_plans"]) == set(plans) - piped
 
 
 def test_hand_plan_that_does_not_fit_is_kept_with_its_shortfall():

@@ -62,6 +62,19 @@ class MeshSpec:
         return cls(tuple(d["shape"]), tuple(d["axis_names"]), d["hardware"])
 
 
+def split_first_axis(mesh: MeshSpec, stages: int, name: str = "pp") -> MeshSpec:
+    """``mesh`` with its first axis cut into ``stages`` x the rest (a pipeline over a factor of it:
+    rank order unchanged, so each pipeline stage is a block of consecutive ranks of that axis)."""
+    n = mesh.shape[0]
+    if stages < 1 or n % stages:
+        raise MeshError(f"{stages} pipeline stages do not divide the first axis of {mesh.describe()}")
+    if stages == n:
+        return mesh
+    taken = set(mesh.axis_names)
+    new = name if name not in taken else next(f"{name}{i}" for i in range(2, 100) if f"{name}{i}" not in taken)
+    return MeshSpec((stages, n // stages, *mesh.shape[1:]), (new, *mesh.axis_names), mesh.hardware)
+
+
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     """Names a reader recognises: outer axes data-like, the inner axis tensor-like."""
     return {1: ("x",), 2: ("dp", "tp"), 3: ("dp", "sp", "tp")}.get(ndim) or tuple(f"axis{i}" for i in range(ndim))

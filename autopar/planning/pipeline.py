@@ -32,7 +32,7 @@ from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.units import fmt
 from autopar.core.hardware import get_hardware
-from autopar.core.mesh import MeshSpec
+from autopar.core.mesh import MeshSpec, split_first_axis
 from autopar.core.placements import shard_fraction
 from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan
 from cost_models.comm import collective_time, link_for_axis
@@ -243,7 +243,7 @@ class PipelineChoice:
     ``cost_models.pipeline.SCHEDULES``; ``microbatches``: per step, at least the axis's size;
     ``virtual_stages``: stages per rank (interleaved and looped schedules)."""
 
-    axis: str | int = 0
+    axis: str | int = 0                # "auto": a factor of the first axis (the plan's mesh splits it)
     schedule: str = "auto"
     microbatches: int | str = "auto"
     virtual_stages: int | str = "auto"
@@ -293,25 +293,16 @@ AUTO_SCHEDULES = (("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2), ("Schedul
 def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choice: PipelineChoice,
                     recapture: Callable[[int], CapturedGraph] | None, deadline: float | None,
                     plan_stage: Callable[[CapturedGraph, MeshSpec, Any], Plan]) -> Plan:
-    """The fastest pipeline plan over ``choice``'s axis that fits: for each microbatch count (the
-    choice's, or about 2 and 8 per pipeline rank), the stage's SPMD plan of one microbatch on the
-    other axes (``plan_stage``, the planner itself, under a budget as many times larger as there
-    are ranks: each holds that share of the model), cut into stages under each schedule. Raises
-    ``InfeasibleError`` where none fits, ``AutoparError`` where the model cannot be pipelined so."""
-    axis = choice.axis_index(mesh)
-    ranks = mesh.shape[axis]
-    sub = sub_mesh(mesh, axis)
-    rows = captured_rows(captured)
-    blocks = len(repeated_blocks(captured.graph))
-    if ranks < 2 or blocks < 2:
-        raise AutoparError(f"no pipeline over axis {mesh.axis_names[axis]!r}: it has {ranks} rank(s) and the model "
-                           f"{blocks} repeated block(s); a pipeline needs two of each")
-    if choice.microbatches != "auto":
-        microbatch_rows(rows, choice.microbatches)   # refuses a count that does not divide the batch
-        counts = [choice.microbatches]
-    else:
-        counts = microbatch_counts(rows, ranks)
-    if any(c > 1 for c in counts) and recapture is None:
+    """The fastest pipeline plan that fits, over ``choice``'s axis (or, for axis "auto", over
+    each of ``pipeline_degrees`` of the first axis, the plan's mesh cutting it): for each layout
+    and microbatch count, the stage's SPMD plan of one microbatch on the other axes
+    (``plan_stage``, the planner itself, with the budget times the pipeline ranks: each holds that
+    share of the model), cut into stages under each schedule. Where recomputation is the
+    planner's, every layout is planned with full recomputation first (what fits at scale), then,
+    in the time left, as the stage plan would choose. Raises ``InfeasibleError`` where none fits,
+    ``AutoparError`` where the model cannot be pipelined so."""
+    layouts = _layouts(captured, mesh, choice)
+    if any(m > 1 for _, _, counts in layouts for m in counts) and recapture is None:
         raise AutoparError("a pipeline runs microbatches: plan with autopar.plan or autopar.compile, which can "
                            "capture one")
     schedules = [(s, v) for s, v in AUTO_SCHEDULES if choice.schedule in ("auto", s)] or \
@@ -321,38 +312,74 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
                      if stages_per_rank(s, choice.virtual_stages) == choice.virtual_stages]
     budget = float(options.memory_budget) if options.memory_budget is not None else \
         float(get_hardware(mesh.hardware).memory_bytes)
+    # the stage plan is made as if the model's state were split over the ranks (it is) and every
+    # microbatch's activations too (they are not: a rank keeps several in flight)
+    modes = ["full", "auto"] if options.recompute == "auto" else [options.recompute]
+    attempts = [(shaped, axis, m, mode) for mode in modes for shaped, axis, counts in layouts for m in counts]
     tried: dict[str, str] = {}
     best: Plan | None = None
-    for i, m in enumerate(counts):
+    for i, (shaped, axis, m, mode) in enumerate(attempts):
         left = None if deadline is None else deadline - time.perf_counter()
         if left is not None and left <= 0 and best is not None:
             break
+        ranks = shaped.shape[axis]
         micro = captured if m == 1 else recapture(m)
-        stage_options = replace(options, pipeline=False, microbatches=1, memory_budget=budget * ranks,
-                                time_limit=None if left is None else max(left / (len(counts) - i), 1.0))
+        # no hand plans: they stand for the stage plans in the Megatron plans they are compared with
+        stage_options = replace(options, pipeline=False, microbatches=1, memory_budget=budget * ranks, recompute=mode,
+                                hand_plans=False,
+                                time_limit=None if left is None else max(left / (len(attempts) - i), 1.0))
+        where = f"{shaped.axis_names[axis]}={ranks}, {m} microbatches, recompute {mode}"
         try:
-            stage_plan = plan_stage(micro, sub, stage_options)
+            stage_plan = plan_stage(micro, sub_mesh(shaped, axis), stage_options)
         except InfeasibleError as e:
-            tried[f"{m} microbatches"] = f"no stage plan: {e}"
+            tried[where] = f"no stage plan: {e}"
             continue
         for schedule, virtual in schedules:
+            key = f"{schedule} x{virtual}, {where}"
             try:
-                plan = pipelined(stage_plan, micro, mesh, axis, schedule, m, virtual, budget, captured.fingerprint)
+                plan = pipelined(stage_plan, micro, shaped, axis, schedule, m, virtual, budget, captured.fingerprint)
             except AutoparError as e:
-                tried[f"{schedule} x{virtual}, {m} microbatches"] = str(e)
+                tried[key] = str(e)
                 continue
-            tried[f"{schedule} x{virtual}, {m} microbatches"] = (
-                f"{fmt(plan.predicted.step_time_s, 's')}, peak {fmt(plan.predicted.peak_memory_bytes, 'B')}"
-                + ("" if plan.feasible else " (over the budget)"))
+            tried[key] = (f"{fmt(plan.predicted.step_time_s, 's')}, peak {fmt(plan.predicted.peak_memory_bytes, 'B')}"
+                          + ("" if plan.feasible else " (over the budget)"))
             if best is None or (plan.feasible, -plan.predicted.step_time_s) > (best.feasible, -best.predicted.step_time_s):
                 best = plan
     if best is None:
-        raise InfeasibleError(f"no pipeline plan over {mesh.axis_names[axis]!r}: " +
-                              "; ".join(f"{k}: {v}" for k, v in tried.items()),
+        raise InfeasibleError("no pipeline plan: " + "; ".join(f"{k}: {v}" for k, v in tried.items()),
                               min_memory_bytes=float("inf"))
     best.solver["pipelines"] = tried
     return best
 
+
+def _layouts(captured: CapturedGraph, mesh: MeshSpec, choice: PipelineChoice) -> list[tuple[MeshSpec, int, list[int]]]:
+    """(mesh, pipeline axis, microbatch counts) to weigh: the choice's axis of ``mesh``, or for
+    axis "auto" ``mesh`` with its first axis cut at each of ``pipeline_degrees``, each run as
+    Megatron runs it, each data-parallel rank's share of a microbatch one row."""
+    rows = captured_rows(captured)
+    blocks = len(repeated_blocks(captured.graph))
+    if choice.axis != "auto":
+        axis = choice.axis_index(mesh)
+        ranks = mesh.shape[axis]
+        if ranks < 2 or blocks < 2:
+            raise AutoparError(f"no pipeline over axis {mesh.axis_names[axis]!r}: it has {ranks} rank(s) and the "
+                               f"model {blocks} repeated block(s); a pipeline needs two of each")
+        sub_mesh(mesh, axis)   # a mesh of one axis has none left for the stages: says so
+        if choice.microbatches != "auto":
+            microbatch_rows(rows, choice.microbatches)   # refuses a count that does not divide the batch
+            return [(mesh, axis, [choice.microbatches])]
+        return [(mesh, axis, microbatch_counts(rows, ranks))]
+    degrees = pipeline_degrees(mesh.shape[0], blocks)
+    if not degrees:
+        raise AutoparError(f"no pipeline degree divides the first axis of {mesh.describe()} into at most "
+                           f"{blocks} stages")
+    layouts = []
+    for f in degrees:
+        shaped = split_first_axis(mesh, f)
+        count = choice.microbatches if choice.microbatches != "auto" else \
+            fewest_at_least(rows, max(rows * f / mesh.shape[0], f))
+        layouts.append((shaped, 0, [count]))
+    return layouts
 
 
 def microbatch_counts(rows: int, ranks: int) -> list[int]:
@@ -361,3 +388,13 @@ def microbatch_counts(rows: int, ranks: int) -> list[int]:
     microbatches shrink the bubble, smaller ones run less efficient kernels."""
     return list(dict.fromkeys(c for c in (fewest_at_least(rows, 2 * ranks), fewest_at_least(rows, 8 * ranks))
                               if c >= ranks))
+
+
+def pipeline_degrees(n: int, blocks: int) -> list[int]:
+    """The pipeline degrees "auto" weighs over a first axis of ``n`` ranks for a model of
+    ``blocks`` repeated blocks: the two largest divisors of ``n`` that cut the blocks evenly
+    (any two, where none does); each degree weighed costs a stage plan, within the time limit.
+    GPT-3 175B (96 blocks) on 128 x 8: 32 and 16 stages (Megatron ran 16)."""
+    fits = [f for f in range(2, min(n, blocks) + 1) if n % f == 0]
+    even = [f for f in fits if blocks % f == 0]
+    return sorted(even or fits, reverse=True)[:2]

@@ -21,7 +21,7 @@ from autopar.core.strategies import Strategy
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_search
+from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_degrees, pipeline_search
 from autopar.core.blocks import repeated_blocks
 from cost_models.comm import link_for_axis
 from autopar.planning.problem import Planning, prepare, solve_planning
@@ -50,25 +50,39 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     ZeRO-2/3 parameters' states in host memory (``CostModel.offload``).
 
     ``pipeline``: a ``PipelineChoice`` makes the plan a pipeline (``autopar.planning.pipeline``);
-    "auto" weighs one over the mesh's first axis where that axis crosses nodes (where Megatron puts
-    its stages: within a node, tensor and data parallelism's collectives run on the fast links), in
-    the second half of the time limit, and keeps it where predicted faster by ``min_gain``."""
+    "auto" weighs one over a factor of the mesh's first axis where that axis crosses nodes (where
+    Megatron puts its stages: within a node, tensor and data parallelism's collectives run on the
+    fast links; ``pipeline.pipeline_degrees``), in the second half of the time limit, and keeps it
+    where predicted faster by ``min_gain``; its plan's mesh then cuts the first axis in two
+    (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so)."""
     timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
     deadline = time.perf_counter() + (1 - OVERRUN) * options.time_limit - sum(timings.values()) \
         if options.time_limit is not None else None
     choice = pipeline_choice(options.pipeline)
+    recapture = _memoized(recapture)
     if isinstance(choice, PipelineChoice):
         plan = pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(timings))
         plan.timings = timings
         return plan
     if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
         return _spmd_plan(captured, mesh, options, timings, forced, recapture, deadline)
+    # the pipeline first (at the scale where it is weighed, it usually wins), in half the time
     half = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / 2
-    best = _spmd_plan(captured, mesh, options, timings, forced, recapture, half)
     try:
-        piped = pipeline_search(captured, mesh, options, PipelineChoice(), recapture, deadline, _stage_plan(timings))
+        piped: Plan | None = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, half,
+                                             _stage_plan(timings))
     except AutoparError as e:
-        best.solver["pipeline"] = f"none: {e}"
+        piped, why = None, str(e)
+    try:
+        best = _spmd_plan(captured, mesh, options, timings, forced, recapture, deadline)
+    except (InfeasibleError, PlanningTimeout):
+        if piped is None or not piped.feasible:
+            raise
+        piped.solver["pipeline"] = "kept: no plan without a pipeline fits (or none was found in the time left)"
+        piped.timings = timings
+        return piped
+    if piped is None:
+        best.solver["pipeline"] = f"none: {why}"
         return best
     piped.timings = best.timings = timings
     faster = piped.predicted.step_time_s < (1 - options.min_gain) * best.predicted.step_time_s
@@ -82,6 +96,20 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     return best
 
 
+def _memoized(recapture: Callable[[int], CapturedGraph] | None) -> Callable[[int], CapturedGraph] | None:
+    """``recapture`` capturing each microbatch count once (the pipeline search and the plan
+    without share them)."""
+    if recapture is None:
+        return None
+    done: dict[int, CapturedGraph] = {}
+
+    def capture(k: int) -> CapturedGraph:
+        if k not in done:
+            done[k] = recapture(k)
+        return done[k]
+    return capture
+
+
 def _pipeline_worth_weighing(captured: CapturedGraph, mesh: MeshSpec, recapture: Callable | None) -> bool:
     """Does "auto" weigh a pipeline: the first axis spans nodes, the model has blocks to cut?"""
     if mesh.ndim < 2 or mesh.shape[0] < 2 or recapture is None:
@@ -89,7 +117,7 @@ def _pipeline_worth_weighing(captured: CapturedGraph, mesh: MeshSpec, recapture:
     hw = get_hardware(mesh.hardware)
     if link_for_axis(hw, mesh.shape, 0).bandwidth >= hw.intra_node_bandwidth:
         return False
-    return len(repeated_blocks(captured.graph)) >= mesh.shape[0]
+    return bool(pipeline_degrees(mesh.shape[0], len(repeated_blocks(captured.graph))))
 
 
 def _stage_plan(timings: dict[str, float]) -> Callable[[CapturedGraph, MeshSpec, PlanOptions], Plan]:

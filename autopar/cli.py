@@ -172,7 +172,18 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
                        precision=args.precision or default_precision(args.hardware),
                        reduce_precision=args.reduce_precision,
                        microbatches=args.microbatches if args.microbatches == "auto" else _count(args.microbatches),
-                       recompute=args.recompute, offload=args.offload)
+                       recompute=args.recompute, offload=args.offload, pipeline=_pipeline(args.pipeline))
+
+
+def _pipeline(text: str) -> str | bool | dict:
+    """``--pipeline``: auto, none, or SCHEDULE[:AXIS[:MICROBATCHES[:STAGES_PER_RANK]]]."""
+    if text in ("auto", "none"):
+        return text
+    parts = text.split(":")
+    fields: dict = {"schedule": parts[0]}
+    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:]):
+        fields[key] = value if key == "axis" or value == "auto" else _count(value)
+    return fields
 
 
 def _count(text: str) -> int:
@@ -527,6 +538,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="optimizer: ZeRO-sharded parameters keep their shards, gradients and optimizer states in "
                            "host memory, the optimizer steps there (default auto: only where nothing fits the device "
                            "otherwise)")
+    plan.add_argument("--pipeline", default="auto", metavar="auto|none|SCHEDULE[:AXIS[:MICROBATCHES[:STAGES]]]",
+                      help="pipeline parallelism: auto (default: weighed over a factor of the first axis where it "
+                           "crosses nodes), none, or a torch.distributed.pipelining schedule class (Schedule1F1B, "
+                           "ScheduleInterleaved1F1B, ...) with the axis carrying the stages, the microbatches and "
+                           "the stages per rank")
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",

@@ -14,6 +14,8 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
         --launches 1 --out benchmarks/results/cost_accuracy_knobs.json   # microbatches, recomputation, ZeRO-2
     python benchmarks/cost_accuracy.py --knobs --models bloom-tiny --meshes 2,2x2 --launches 1 \
         --out benchmarks/results/cost_accuracy_selective.json   # with selective recomputation (attention in ops)
+    python benchmarks/cost_accuracy.py --knobs pipeline --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2x2 \
+        --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B)
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -66,11 +68,12 @@ MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", *CORPUS_MODELS)
 MESHES = ((1,), (2,), (4,), (2, 2))
 # Zoo default (8 x 32) up to 8x the tokens; every model here has 64 positions (BLOOM: none, ALiBi).
 SIZES = ((8, 32), (16, 64), (32, 64))
-# ``--knobs``: each config planned under each of these memory knobs (``autopar.PlanOptions``; and
+# ``--knobs``: each config planned under each of these knobs (``autopar.PlanOptions``, a pipeline of
+# two stages over the first axis on meshes of two axes; and
 # ``hand_plan``: that standard plan, here ZeRO-2 or ZeRO-1), on the sizes with activations worth saving.
 KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
          (("hand_plan", "zero2"), ("microbatches", 2)), (("hand_plan", "zero1"), ("microbatches", 2)),
-         (("recompute", "selective"),))
+         (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),))
 KNOB_SIZES = SIZES[1:]
 SEED = 1234
 LR = 1e-3
@@ -105,13 +108,13 @@ def mesh_str(mesh: Sequence[int]) -> str:
 
 
 def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[int, ...]] | None = None,
-                   quick: bool = False, max_devices: int | None = None, knobs: bool = False
+                   quick: bool = False, max_devices: int | None = None, knobs: bool = False, knob: str | None = None
                    ) -> tuple[list[Config], list[str]]:
     """The configs to run (model-major) and a note for each mesh skipped for lack of devices.
 
     ``quick`` keeps the smallest size of each model; ``max_devices`` (the GPU count on CUDA) skips
     meshes that need more devices than exist; ``knobs`` runs each config under each of ``KNOBS``
-    (at ``KNOB_SIZES``) instead of plain.
+    (at ``KNOB_SIZES``) instead of plain; ``knob``: only those setting that option.
     """
     models = list(models or MODELS)
     for m in models:
@@ -121,10 +124,11 @@ def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[i
                for m in meshes if max_devices is not None and math.prod(m) > max_devices]
     meshes = [m for m in meshes if max_devices is None or math.prod(m) <= max_devices]
     sizes = (KNOB_SIZES if knobs else SIZES)[:1 if quick else None]
-    variants = KNOBS if knobs else ((),)
+    variants = [k for k in KNOBS if knob is None or any(name == knob for name, _ in k)] if knobs else [()]
     cores = {m: has_attention_cores(m) for m in models} if knobs else {}
     return [Config(model, mesh, b, s, k) for model in models for mesh in meshes for b, s in sizes for k in variants
-            if cores.get(model, True) or ("recompute", "selective") not in k], skipped
+            if (cores.get(model, True) or ("recompute", "selective") not in k)
+            and (len(mesh) > 1 or not any(name == "pipeline" for name, _ in k))], skipped   # stages need a second axis
 
 
 def has_attention_cores(model: str) -> bool:
@@ -233,14 +237,14 @@ def _rank_worker(mesh: DeviceMesh, model_name: str, batch: int, seq: int, plan_j
             **dataclasses.asdict(m)}
 
 
-def _cuda_rank(rank: int, n: int, port: int, shape: tuple[int, ...], fn: Callable[..., Any], args: tuple,
-               out_dir: str) -> None:
+def _cuda_rank(rank: int, n: int, port: int, shape: tuple[int, ...], names: tuple[str, ...], fn: Callable[..., Any],
+               args: tuple, out_dir: str) -> None:
     """One nccl process per GPU (what run_on_gloo_mesh is for the CPU); the result goes to a file."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=n, device_id=torch.device("cuda", rank))
     try:
-        result = fn(init_device_mesh("cuda", shape), *args)
+        result = fn(init_device_mesh("cuda", shape, mesh_dim_names=names), *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
         dist.barrier()
@@ -248,7 +252,7 @@ def _cuda_rank(rank: int, n: int, port: int, shape: tuple[int, ...], fn: Callabl
         dist.destroy_process_group()
 
 
-def _run_on_cuda_mesh(fn: Callable[..., Any], shape: tuple[int, ...], *args: Any) -> list[Any]:
+def _run_on_cuda_mesh(fn: Callable[..., Any], shape: tuple[int, ...], names: tuple[str, ...], *args: Any) -> list[Any]:
     import torch.multiprocessing as mp
 
     n = math.prod(shape)
@@ -257,7 +261,7 @@ def _run_on_cuda_mesh(fn: Callable[..., Any], shape: tuple[int, ...], *args: Any
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="autopar-cuda-") as out_dir:
         try:
-            mp.spawn(_cuda_rank, args=(n, port, shape, fn, args, out_dir), nprocs=n, join=True)
+            mp.spawn(_cuda_rank, args=(n, port, shape, names, fn, args, out_dir), nprocs=n, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # one config fails, not the run
             raise AutoparError(f"a rank of the nccl run on mesh {shape} failed: {e}") from e
         results = []
@@ -307,11 +311,12 @@ def measure_config(record: dict[str, Any], device: str, warmup: int, steps: int,
     """One more launch of the planned config on every rank: appended to ``record["launches"]``."""
     t0 = time.perf_counter()
     worker_args = (record["model"], record["batch"], record["seq"], record["plan_json"], warmup, steps)
+    names = autopar.Plan.from_json(record["plan_json"]).mesh.axis_names   # a pipeline plan runs on named axes
     if device == "cuda":
-        ranks = _run_on_cuda_mesh(_rank_worker, tuple(record["mesh"]), *worker_args)
+        ranks = _run_on_cuda_mesh(_rank_worker, tuple(record["mesh"]), names, *worker_args)
     else:
         ranks = run_on_gloo_mesh(_rank_worker, tuple(record["mesh"]), *worker_args, timeout_s=timeout_s,
-                                 start_method="forkserver")
+                                 start_method="forkserver", axis_names=names)
     steps = slowest_rank_steps([r["step_s_all"] for r in ranks])
     record["launches"].append({"run_s": time.perf_counter() - t0, "ranks": ranks, "slowest_rank_steps_s": steps,
                                "step_s": statistics.median(steps), "peak_bytes": max(r["peak_bytes"] for r in ranks)})
@@ -432,8 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--meshes", default=",".join(mesh_str(m) for m in MESHES),
                     help="comma-separated mesh shapes (default 1,2,4,2x2)")
     ap.add_argument("--quick", action="store_true", help=f"only the smallest size ({SIZES[0][0]}x{SIZES[0][1]})")
-    ap.add_argument("--knobs", action="store_true",
-                    help="plan each config with microbatches and/or full recomputation (KNOBS) instead of plain")
+    ap.add_argument("--knobs", nargs="?", const="all", default=None, metavar="NAME",
+                    help="plan each config under each knob (KNOBS: microbatches, recomputation, ZeRO, pipeline) "
+                         "instead of plain; NAME keeps the knobs of that option only, e.g. --knobs pipeline")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo processes; cuda: one nccl process per GPU (default cpu)")
     ap.add_argument("--hardware", default=None, help="hardware preset or JSON file to plan for (default: this device's)")
@@ -465,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan_kwargs = parse_plan_args(a.plan_arg)
         configs, skipped = select_configs([m for m in a.models.split(",") if m],
                                           [parse_mesh(m) for m in a.meshes.split(",") if m], a.quick, gpus,
-                                          knobs=a.knobs)
+                                          knobs=a.knobs is not None, knob=None if a.knobs == "all" else a.knobs)
     except AutoparError as e:
         parser.error(str(e))  # exits with status 2, as for any bad argument
     for note in skipped:

@@ -57,12 +57,7 @@ class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, captured: CapturedGraph,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, p in model.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in model.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        self._adopt(model)
         self.mesh = mesh
         self.plan = plan
         self._bucket_bytes = bucket_bytes
@@ -73,6 +68,15 @@ class ShardedModule(nn.Module):
         self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
+
+    def _adopt(self, model: nn.Module) -> None:
+        """Take ``model``'s submodules, parameters and buffers under their own names."""
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
 
     @property
     def _outputs(self) -> OutputMode:

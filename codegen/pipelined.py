@@ -42,8 +42,7 @@ from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
-from autopar.core.plan import Plan
-from autopar.planning.pipeline import rank_of_stage
+from autopar.core.plan import Plan, rank_of_stage
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, compile_source, grad_sync_of
@@ -59,12 +58,7 @@ class PipelinedModule(ShardedModule):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """``captured``: the model at one microbatch's shape (what the stages run)."""
         nn.Module.__init__(self)
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, p in model.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in model.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        self._adopt(model)
         pipeline = plan.pipeline
         names = mesh.mesh_dim_names
         if names is None or names != plan.mesh.axis_names:
@@ -102,11 +96,11 @@ class PipelinedModule(ShardedModule):
             self._syncs[s] = grad_sync_of(self._stage_mesh, _only(train, own), direct, bucket_bytes,
                                           plan.reduce_precision)
             self._syncs[s].sync = False   # on only in the stage's last backward of a step (``_Stage``)
-        groups = {k: s for s in self._held for k, g in enumerate(train.gathered) if set(g.fqns) <= train.stages[s].state}
-        self._autopar_gather = _Groups({k: GatheredParams(self, self._stage_mesh, train.gathered, self._syncs[s],
-                                                          self._device, [j for j in groups if groups[j] == s])
-                                        for k, s in groups.items()})
-        self._tied = _tie_groups(mesh, pipeline, train.stages, self._held, pp_rank)
+        per_stage = {s: GatheredParams(self, self._stage_mesh, train.gathered, self._syncs[s], self._device,
+                                       [k for k, g in enumerate(train.gathered) if set(g.fqns) <= train.stages[s].state])
+                     for s in self._held}
+        self._autopar_gather = _Groups({k: gathered for gathered in per_stage.values() for k in gathered.groups})
+        self._tied = _tie_groups(mesh, pipeline, train.stages)
         self._code = train
         self._constants: list[tuple[int, Any]] = []   # the model's non-tensor inputs, by position
         self._loss_counts: list[float] = []          # the target count of each microbatch's loss, in turn
@@ -371,8 +365,7 @@ def _only(code: GeneratedCode, state: frozenset[str]) -> GeneratedCode:
     return replace(code, direct={f: g for f, g in code.direct.items() if f in state})
 
 
-def _tie_groups(mesh: DeviceMesh, pipeline: Any, stages: Sequence[StageCode], held: Sequence[int],
-                pp_rank: int) -> list[tuple[list[str], Any]]:
+def _tie_groups(mesh: DeviceMesh, pipeline: Any, stages: Sequence[StageCode]) -> list[tuple[list[str], Any]]:
     """Parameters read by stages on different pipeline ranks (tied embeddings), with the process
     group of the ranks holding them at this rank's place in the other axes. Every rank creates
     every group (``new_group`` is collective), in the same order."""

@@ -28,12 +28,11 @@ from typing import Any
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from autopar.core.errors import AutoparError
+from autopar.core.plan import V_SHAPED
 
 #: The schedules of ``torch.distributed.pipelining`` a plan may use, by class name.
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
              "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-#: Schedules whose ranks hold two stages in a V (rank r: stages r and 2 p - 1 - r).
-V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 _F = torch_schedules.FORWARD
 _B = torch_schedules.FULL_BACKWARD

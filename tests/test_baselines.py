@@ -64,8 +64,12 @@ def test_every_hand_plan_trains_exactly(mesh):
     batch, seq = 6, 16
     args, kwargs = make_batches("gpt-tiny", batch, seq, steps=1)[0]
     plans = candidates(build("gpt-tiny"), MeshSpec(mesh), args, kwargs)
-    assert len(plans) == (6 if len(mesh) == 1 else 12)
+    piped = {name for name, p in plans.items() if p.pipeline is not None}   # trained in tests/test_pipeline.py
+    assert len(plans) - len(piped) == (6 if len(mesh) == 1 else 12)
+    assert len(piped) == (0 if len(mesh) == 1 else 6)   # 1F1B, each stage one of the 6 plans of the tp axis
     for name, plan in plans.items():
+        if name in piped:
+            continue
         got = check_training("gpt-tiny", batch, seq, mesh, local_runner, {"plan": plan})
         assert got.name == name
 

@@ -57,6 +57,19 @@ def _parse(text: str) -> Placements:
     return tuple(parse_placement(t.strip()) for t in inner.split(",") if t.strip())
 
 
+#: Pipeline schedules whose ranks hold two stages in a V (rank r: stages r and 2 p - 1 - r).
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def rank_of_stage(schedule: str, stage: int, ranks: int, per_rank: int) -> int:
+    """The pipeline rank holding ``stage``: stages go round the ranks in loops (interleaved and
+    looped schedules), or in a V (rank r holds stages r and 2 ranks - 1 - r)."""
+    if per_rank == 2 and schedule in V_SHAPED:
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: the run of the model's repeated blocks it computes (the first stage also

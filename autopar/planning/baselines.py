@@ -37,15 +37,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.capture import as_args, capture
-from autopar.core.blocks import repeated_blocks
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec, as_mesh_spec
-from autopar.core.microbatch import captured_rows, microbatch_capture
+from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import PipelineChoice, microbatch_counts, pipeline_choice, pipelined, sub_mesh
+from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_layouts, pipelined, sub_mesh
 from autopar.planning.problem import Planning, prepare, solve_planning
 from autopar.core.strategies import NodeChoices, Strategy
 from autopar.core.units import fmt
@@ -92,39 +91,42 @@ PIPELINE_SCHEDULES = (("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2))
 
 def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions,
                         recapture: Callable[[int], CapturedGraph], deadline: float | None = None) -> dict[str, Plan]:
-    """Megatron's 3-D plans: pipeline stages over the mesh's first axis, run by 1F1B and by
-    interleaved 1F1B (two stages per rank) over the most microbatches the planner weighs
-    (``pipeline.microbatch_counts``), each stage one of the hand plans of the other axes (tensor
-    parallel inside a node, data parallel or ZeRO across); a ``PipelineChoice`` in
-    ``options.pipeline`` sets the axis, schedule, microbatches and stages per rank instead. None
-    where the axis or the model cannot carry stages. Named ``"pp(<axis>, <schedule>) x <stage plan>"``."""
+    """Megatron's 3-D plans: pipeline stages over a factor of the mesh's first axis (the degrees
+    the planner weighs, ``pipeline.pipeline_layouts``: each data-parallel rank's share of a
+    microbatch one row), run by 1F1B and by interleaved 1F1B (two stages per rank), each stage one
+    of the hand plans of the other axes (tensor parallel inside a node, data parallel or ZeRO
+    across); a ``PipelineChoice`` in ``options.pipeline`` sets the axis, schedule, microbatches and
+    stages per rank instead. None where no axis or the model cannot carry stages. Named
+    ``"pp(<axis>[=<degree>], <schedule>) x <stage plan>"``."""
     choice = pipeline_choice(options.pipeline)
-    choice = choice if isinstance(choice, PipelineChoice) else PipelineChoice()
-    axis = choice.axis_index(mesh)
-    ranks, blocks = mesh.shape[axis], len(repeated_blocks(captured.graph))
-    if mesh.ndim < 2 or ranks < 2 or blocks < ranks:
+    choice = choice if isinstance(choice, PipelineChoice) else PipelineChoice(axis="auto")
+    try:
+        layouts = pipeline_layouts(captured, mesh, choice)
+    except AutoparError:   # no axis or too few blocks to cut
         return {}
     budget = float(options.memory_budget) if options.memory_budget is not None else \
         float(get_hardware(mesh.hardware).memory_bytes)
-    m = choice.microbatches if choice.microbatches != "auto" else microbatch_counts(captured_rows(captured), ranks)[-1]
     schedules = PIPELINE_SCHEDULES if choice.schedule == "auto" else \
         [(choice.schedule, choice.virtual_stages if choice.virtual_stages != "auto" else 2)]
-    micro = recapture(m)
-    planning = prepare(micro, sub_mesh(mesh, axis), replace(options, memory_budget=budget * ranks, pipeline=False),
-                       recompute="none" if options.recompute == "auto" else options.recompute,
-                       offload=options.offload == "optimizer")
     out = {}
-    for name, entry in hand_plans(planning, deadline=deadline, share=1.0).items():
-        if isinstance(entry, InfeasibleError):
-            continue
-        for schedule, virtual in schedules:
-            try:
-                plan = pipelined(entry[0], micro, mesh, axis, schedule, m, virtual, budget, captured.fingerprint)
-            except AutoparError:   # too few blocks for two stages per rank, or microbatches per rank
+    for shaped, axis, counts in layouts:
+        m = counts[-1]
+        micro = recapture(m)
+        ranks = shaped.shape[axis]
+        planning = prepare(micro, sub_mesh(shaped, axis), replace(options, memory_budget=budget * ranks, pipeline=False),
+                           recompute="none" if options.recompute == "auto" else options.recompute,
+                           offload=options.offload == "optimizer")
+        for name, entry in hand_plans(planning, deadline=deadline, share=1.0).items():
+            if isinstance(entry, InfeasibleError):
                 continue
-            short = schedule.removeprefix("Schedule")
-            plan.name = f"pp({mesh.axis_names[axis]}, {short}) x {name}"
-            out[plan.name] = plan
+            for schedule, virtual in schedules:
+                try:
+                    plan = pipelined(entry[0], micro, shaped, axis, schedule, m, virtual, budget, captured.fingerprint)
+                except AutoparError:   # too few blocks for two stages per rank, or microbatches per rank
+                    continue
+                short = schedule.removeprefix("Schedule")
+                plan.name = f"pp({shaped.axis_names[axis]}{'' if shaped is mesh else f'={ranks}'}, {short}) x {name}"
+                out[plan.name] = plan
     return out
 
 

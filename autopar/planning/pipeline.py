@@ -34,7 +34,7 @@ from autopar.core.units import fmt
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec, split_first_axis
 from autopar.core.placements import shard_fraction
-from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan
+from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan, rank_of_stage
 from cost_models.comm import collective_time, link_for_axis
 from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank
 
@@ -110,14 +110,6 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
                    shortfall_bytes=max(0.0, peaks[worst] - budget), pipeline=pipeline,
                    batch_size=stage_plan.microbatch_size * microbatches, microbatches=microbatches,
                    solver=dict(stage_plan.solver), timings=dict(stage_plan.timings))
-
-
-def rank_of_stage(schedule: str, stage: int, ranks: int, per_rank: int) -> int:
-    """The pipeline rank holding ``stage``: stages go round the ranks in loops (interleaved and
-    looped schedules), or in a V (rank r holds stages r and 2 ranks - 1 - r)."""
-    if per_rank == 2 and schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-        return stage if stage < ranks else 2 * ranks - 1 - stage
-    return stage % ranks
 
 
 def _cut(plan: Plan, graph: fx.Graph, blocks: Sequence[Block], count: int) -> list[_Stage]:
@@ -301,7 +293,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     planner's, every layout is planned with full recomputation first (what fits at scale), then,
     in the time left, as the stage plan would choose. Raises ``InfeasibleError`` where none fits,
     ``AutoparError`` where the model cannot be pipelined so."""
-    layouts = _layouts(captured, mesh, choice)
+    layouts = pipeline_layouts(captured, mesh, choice)
     if any(m > 1 for _, _, counts in layouts for m in counts) and recapture is None:
         raise AutoparError("a pipeline runs microbatches: plan with autopar.plan or autopar.compile, which can "
                            "capture one")
@@ -352,7 +344,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     return best
 
 
-def _layouts(captured: CapturedGraph, mesh: MeshSpec, choice: PipelineChoice) -> list[tuple[MeshSpec, int, list[int]]]:
+def pipeline_layouts(captured: CapturedGraph, mesh: MeshSpec, choice: PipelineChoice) -> list[tuple[MeshSpec, int, list[int]]]:
     """(mesh, pipeline axis, microbatch counts) to weigh: the choice's axis of ``mesh``, or for
     axis "auto" ``mesh`` with its first axis cut at each of ``pipeline_degrees``, each run as
     Megatron runs it, each data-parallel rank's share of a microbatch one row."""

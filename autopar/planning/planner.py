@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from autopar.core.blocks import recompute_modes
+from autopar.core.blocks import recompute_modes, repeated_blocks
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
@@ -22,9 +22,8 @@ from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_degrees, pipeline_search
-from autopar.core.blocks import repeated_blocks
-from cost_models.comm import link_for_axis
 from autopar.planning.problem import Planning, prepare, solve_planning
+from cost_models.comm import link_for_axis
 
 
 def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,

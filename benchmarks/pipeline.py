@@ -117,8 +117,9 @@ class HandPipeline(nn.Module):
                 module = DistributedDataParallel(module, process_group=mesh.get_group(1))
             self.add_module(f"stage{s}", module)
             shape = (BATCH // MICROBATCHES // dp, SEQ)
-            inputs = torch.empty(shape, dtype=torch.long) if s == 0 else torch.empty(*shape, CONFIG.n_embd)
-            outputs = torch.empty(*shape, CONFIG.vocab_size if s == total - 1 else CONFIG.n_embd)
+            inputs = torch.empty(shape, dtype=torch.long) if s == 0 else \
+                torch.empty(*shape, CONFIG.n_embd, requires_grad=True)
+            outputs = torch.empty(*shape, CONFIG.vocab_size if s == total - 1 else CONFIG.n_embd, requires_grad=True)
             stages.append(PipelineStage(module, s, total, torch.device("cpu"), input_args=inputs,
                                         output_args=outputs, group=mesh.get_group(0)))
         cls = getattr(torch_schedules, schedule)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -157,7 +158,8 @@ class PipelinedModule(ShardedModule):
     # ------------------------------------------------------------------ running
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of one step over the global batch, through the schedule; leaves
-        the gradients ready for ``optimizer.step()`` and returns the batch's loss on every rank."""
+        the gradients ready for ``optimizer.step()`` and returns the batch's loss on every rank
+        (sent from the last stage as the step ends, waited for where first read)."""
         flat = self._flat(args, kwargs)
         rows = batch_size(args, kwargs)
         n = self.plan.pipeline.num_microbatches
@@ -184,9 +186,8 @@ class PipelinedModule(ShardedModule):
         loss = torch.stack([l.detach() for l in losses]).sum() if last else torch.zeros((), device=self._device)
         if self._code.loss_summed_over and last:
             loss = runtime.all_reduce(loss.reshape(1), self._stage_mesh, self._code.loss_summed_over).reshape(())
-        source = dist.get_global_rank(self._pp_group, self._stage_rank(self.plan.pipeline.num_stages - 1))
-        dist.broadcast(loss, source, group=self._pp_group)
-        return loss
+        # launched, read when the caller reads it (a functional collective): the step does not wait
+        return funcol.broadcast(loss, self._stage_rank(self.plan.pipeline.num_stages - 1), self._pp_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's unsharded state dict on every rank: each pipeline rank's stages',

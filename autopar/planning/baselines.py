@@ -56,6 +56,7 @@ DATA_ROLES = ("dp", "fsdp", "zero2", "zero1")   # the batch split, every weight 
 R = Replicate()
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
+EMBEDDINGS = {aten.embedding.default}
 # Share of the time left that all hand plans together may spend solving.
 HAND_PLAN_TIME_SHARE = 0.4
 
@@ -218,22 +219,23 @@ def _allowed(planning: Planning, roles: Sequence[str], traits: Sequence[Traits])
     return allowed
 
 
-Traits = tuple[bool, bool, bool, tuple[int, ...]]
+Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...]]
 
 
 def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
     """What the roles look at: (computes on the batch, is a matmul weight, is a residual add,
-    positions of the inputs that are weights of this matmul)."""
+    positions of the inputs that are weights of this matmul, of this embedding's table)."""
     if nc.kind == "param":
-        return False, _is_matmul_weight(nc), False, ()
+        return False, _is_matmul_weight(nc), False, (), ()
     if nc.kind == "op":
         weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
-        return on_batch, False, _is_residual_add(nc), weights
-    return False, False, False, ()
+        tables = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in EMBEDDINGS and _from_param(space, u))
+        return on_batch, False, _is_residual_add(nc), weights, tables
+    return False, False, False, (), ()
 
 
 def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequence[str]) -> bool:
-    on_batch, matmul_weight, residual_add, weights = traits
+    on_batch, matmul_weight, residual_add, weights, tables = traits
     for a, role in enumerate(roles):
         if mesh.shape[a] == 1:
             continue
@@ -255,8 +257,8 @@ def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequen
             replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
             if role in DATA_ROLES and on_batch == replicated:
                 return False   # an op on the batch computed on every rank, or one without it split
-            if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights):
-                return False   # data parallelism uses every weight whole
+            if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights + tables):
+                return False   # data parallelism uses every weight whole (embedding tables too: DDP's do)
             if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
                 return False   # Megatron splits the matmul itself: its weight is used sharded
             if role == "tp+sp" and residual_add and s.out[a] != Shard(1):

@@ -25,6 +25,7 @@ Saves benchmarks/results/pipeline.json.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 import math
 import statistics
@@ -237,8 +238,13 @@ def main() -> None:
                      f"bubble {100 * pipe['bubble']:.1f}%" if pipe else "no pipeline")
                   + f"; step {r['predicted_step_s']:.2f} s, MFU {100 * r['predicted_mfu']:.1f}%; best Megatron 3-D "
                   f"{r['best_megatron']} (auto / it = {r['auto_vs_best_megatron'] or float('nan'):.3f})", flush=True)
+    if args.part != "both" and RESULTS.exists():   # the other part's figures stay, with their command
+        kept = json.loads(RESULTS.read_text())
+        out = {"commands": {**kept.get("commands", {}), **{part: f"python benchmarks/pipeline.py --part {part}"
+                                                          for part in out}},
+               **{k: v for k, v in kept.items() if k in ("measured", "planned")}, **out}
     save_results(RESULTS, "python benchmarks/pipeline.py" + (f" --part {args.part}" if args.part != "both" else ""),
-                 out, machine_line())
+                 out, machine_line(load=True))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 9   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline
+PLAN_FORMAT_VERSION = 9   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class NodePlan:
     comm_s: float                     # communication time charged to this node (incoming resharding, gradient sync)
     memory_bytes: float               # bytes this node holds per device (state + kept activations + gradients)
     saved_bytes: float = 0.0          # of which activations kept for the backward
+    sync_s: float = 0.0               # of comm_s, gradient synchronisation queued during the backward (once a step)
     kept: bool = False                # parameters: ZeRO-1/2, the gathered copy kept from step to step
     accumulated: bool = False         # parameters: ZeRO-1, the gradient accumulated whole, reduce-scattered once a step
     offloaded: bool = False           # parameters: shard, gradient and optimizer states in host memory

@@ -115,6 +115,7 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
         micro = recapture(m)
         ranks = shaped.shape[axis]
         planning = prepare(micro, sub_mesh(shaped, axis), replace(options, memory_budget=budget * ranks, pipeline=False),
+                           microbatches=m, whole=captured,
                            recompute="none" if options.recompute == "auto" else options.recompute,
                            offload=options.offload == "optimizer")
         for name, entry in hand_plans(planning, deadline=deadline, share=1.0).items():
@@ -122,7 +123,7 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
                 continue
             for schedule, virtual in schedules:
                 try:
-                    plan = pipelined(entry[0], micro, shaped, axis, schedule, m, virtual, budget, captured.fingerprint)
+                    plan = pipelined(entry[0], micro, shaped, axis, schedule, virtual, budget, captured.fingerprint)
                 except AutoparError:   # too few blocks for two stages per rank, or microbatches per rank
                     continue
                 short = schedule.removeprefix("Schedule")

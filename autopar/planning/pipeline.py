@@ -1,10 +1,12 @@
 """Pipeline plans: an SPMD plan for one stage's sub-mesh, cut into stages over a mesh axis.
 
 ``pipelined`` turns a plan made on the mesh without the pipeline axis (``stage_plan``: the whole
-model at one microbatch, every node's predicted seconds and bytes) into a pipeline plan:
+model over the step's microbatches, every node's predicted seconds and bytes) into a pipeline plan:
 
-1. each repeated block's time is the sum of its nodes' (forward + backward + communication), the
-   embedding's counts to the first stage, the head's and the loss's to the last;
+1. each repeated block's time per microbatch is its nodes' (forward + backward + communication,
+   ZeRO gathers; the stage plan prices a step of the pipeline's microbatches, gathers each time,
+   gradient synchronisation and the optimizer once), the embedding's counts to the first stage,
+   the head's and the loss's to the last;
 2. ``cost_models.pipeline.balanced_stages`` cuts the blocks into stages whose slowest is fastest;
 3. ``cost_models.pipeline.simulate`` plays the schedule out on those stages, each activation send
    priced on the link the pipeline axis crosses: the step time, the bubble, and per rank the
@@ -28,7 +30,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.core.blocks import Block, repeated_blocks
 from autopar.core.capture import CapturedGraph, readable_name, value_bytes
-from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.units import fmt
 from autopar.core.hardware import get_hardware
@@ -60,10 +62,12 @@ def sub_mesh(mesh: MeshSpec, axis: int) -> MeshSpec:
 
 
 def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: int, schedule: str,
-              microbatches: int, virtual: int = 1, budget: float | None = None, fingerprint: str | None = None) -> Plan:
-    """The pipeline plan of ``stage_plan`` (planned on ``sub_mesh(mesh, axis)`` for one microbatch of
-    ``captured``'s shape) with ``mesh.shape[axis]`` ranks of ``virtual`` stages each (two for the
-    V-shaped schedules), run by ``schedule`` over ``microbatches`` microbatches."""
+              virtual: int = 1, budget: float | None = None, fingerprint: str | None = None) -> Plan:
+    """The pipeline plan of ``stage_plan`` (planned on ``sub_mesh(mesh, axis)`` for a step of
+    ``stage_plan.microbatches`` microbatches of ``captured``'s shape, one microbatch's capture)
+    with ``mesh.shape[axis]`` ranks of ``virtual`` stages each (two for the V-shaped schedules),
+    run by ``schedule`` over those microbatches."""
+    microbatches = stage_plan.microbatches
     ranks = mesh.shape[axis]
     per_rank = stages_per_rank(schedule, virtual)
     blocks = repeated_blocks(captured.graph)
@@ -72,7 +76,7 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
         raise AutoparError(f"{schedule} on {ranks} pipeline ranks runs {count} stages; the model has "
                            f"{len(blocks)} repeated blocks, at least one per stage is needed")
     stages = _cut(stage_plan, captured.graph, blocks, count)
-    step_costs = [_stage_cost(s) for s in stages]
+    step_costs = [_stage_cost(s, microbatches) for s in stages]
     boundary = _boundary_bytes(stage_plan, captured, stages)
     step = simulate(schedule, step_costs, ranks, microbatches, _send_seconds(boundary, mesh, axis))
     held = {r: [s for s in range(count) if rank_of_stage(schedule, s, ranks, per_rank) == r] for r in range(ranks)}
@@ -93,10 +97,9 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
     state = sum(_state_bytes(stages[s]) for s in held[worst])
     predicted = Prediction(
         step_time_s=step.step_s + max(finals), peak_memory_bytes=peaks[worst],
-        comm_bytes={**{a: b * microbatches / count for a, b in p.comm_bytes.items()},
+        comm_bytes={**{a: b / ranks for a, b in p.comm_bytes.items()},
                     mesh.axis_names[axis]: sum(boundary) * microbatches * 2 / ranks},   # activations and their gradients
-        compute_s=sum(c.forward_s + c.backward_s for c in step_costs) * microbatches / ranks,
-        comm_s=p.comm_s * microbatches / ranks, overlapped_comm_s=p.overlapped_comm_s / ranks,
+        compute_s=p.compute_s / ranks, comm_s=p.comm_s / ranks, overlapped_comm_s=p.overlapped_comm_s / ranks,
         exposed_comm_s=p.exposed_comm_s / ranks,
         memory_breakdown={"state": state, "activations": step.peak_activation_bytes[worst], "working": working},
         peak_at=f"pipeline rank {worst} (stage {', '.join(map(str, held[worst]))}), "
@@ -161,14 +164,17 @@ def _cut(plan: Plan, graph: fx.Graph, blocks: Sequence[Block], count: int) -> li
 
 
 def _seconds(n: NodePlan) -> float:
-    return n.compute_s + n.comm_s
+    """A node's seconds in a step's microbatches: an op's forward, backward and communication, a
+    parameter's gathers (its optimizer step and any node's gradient synchronisation run once a
+    step, after the stage's last backward: ``_final_s``)."""
+    return n.comm_s - n.sync_s + (n.compute_s if n.op != "parameter" else 0.0)
 
 
-def _stage_cost(stage: _Stage) -> StageCost:
-    """A stage's seconds per microbatch (its ops' forward and backward, their communication) and
-    the activations one microbatch keeps on it."""
+def _stage_cost(stage: _Stage, microbatches: int) -> StageCost:
+    """A stage's seconds per microbatch (its ops' forward and backward, their communication and
+    its parameters' gathers) and the activations one microbatch keeps on it."""
     ops = [n for n in stage.nodes if n.op != "parameter"]
-    seconds = sum(_seconds(n) for n in ops)
+    seconds = sum(_seconds(n) for n in stage.nodes) / microbatches
     # no part of the backward runs apart as a weight step (weight_s 0): generated code computes the
     # weights' gradients in the input-gradient pass (``codegen.pipelined``)
     return StageCost(forward_s=seconds * FORWARD_SHARE, backward_s=seconds * (1 - FORWARD_SHARE),
@@ -182,8 +188,8 @@ def _state_bytes(stage: _Stage) -> float:
 
 def _final_s(stage: _Stage, exposed_share: float) -> float:
     """What follows the stage's last backward: its parameters' optimizer step and the share of
-    their gradient synchronisation no backward hides."""
-    return sum(n.compute_s + n.comm_s * exposed_share for n in stage.nodes if n.op == "parameter")
+    the gradient synchronisation (queued by its parameters and ops) no backward hides."""
+    return sum((n.compute_s if n.op == "parameter" else 0.0) + n.sync_s * exposed_share for n in stage.nodes)
 
 
 def _crossing(captured: CapturedGraph, stages: Sequence[_Stage]) -> list[list[str]]:
@@ -316,20 +322,21 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
             break
         ranks = shaped.shape[axis]
         micro = captured if m == 1 else recapture(m)
-        # no hand plans: they stand for the stage plans in the Megatron plans they are compared with
-        stage_options = replace(options, pipeline=False, microbatches=1, memory_budget=budget * ranks, recompute=mode,
+        # priced as the stage runs it, m microbatches a step (ZeRO-3 gathers each time, gradient sync
+        # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
+        stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,
                                 hand_plans=False,
                                 time_limit=None if left is None else max(left / (len(attempts) - i), 1.0))
         where = f"{shaped.axis_names[axis]}={ranks}, {m} microbatches, recompute {mode}"
         try:
-            stage_plan = plan_stage(micro, sub_mesh(shaped, axis), stage_options)
-        except InfeasibleError as e:
+            stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options)
+        except (InfeasibleError, PlanningTimeout) as e:
             tried[where] = f"no stage plan: {e}"
             continue
         for schedule, virtual in schedules:
             key = f"{schedule} x{virtual}, {where}"
             try:
-                plan = pipelined(stage_plan, micro, shaped, axis, schedule, m, virtual, budget, captured.fingerprint)
+                plan = pipelined(stage_plan, micro, shaped, axis, schedule, virtual, budget, captured.fingerprint)
             except AutoparError as e:
                 tried[key] = str(e)
                 continue

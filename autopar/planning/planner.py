@@ -60,7 +60,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     choice = pipeline_choice(options.pipeline)
     recapture = _memoized(recapture)
     if isinstance(choice, PipelineChoice):
-        plan = pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(timings))
+        plan = pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(timings, recapture))
         plan.timings = timings
         return plan
     if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
@@ -69,7 +69,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     half = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / 2
     try:
         piped: Plan | None = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, half,
-                                             _stage_plan(timings))
+                                             _stage_plan(timings, recapture))
     except AutoparError as e:
         piped, why = None, str(e)
     try:
@@ -119,10 +119,11 @@ def _pipeline_worth_weighing(captured: CapturedGraph, mesh: MeshSpec, recapture:
     return bool(pipeline_degrees(mesh.shape[0], len(repeated_blocks(captured.graph))))
 
 
-def _stage_plan(timings: dict[str, float]) -> Callable[[CapturedGraph, MeshSpec, PlanOptions], Plan]:
+def _stage_plan(timings: dict[str, float], recapture: Callable[[int], CapturedGraph] | None
+                ) -> Callable[[CapturedGraph, MeshSpec, PlanOptions], Plan]:
     """The planner itself, for one pipeline stage's sub-mesh; its planning time adds to ``timings``."""
     def plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions) -> Plan:
-        out = plan_captured(captured, mesh, options)
+        out = plan_captured(captured, mesh, options, recapture=recapture)
         _add(timings, out.timings)
         return out
     return plan

@@ -271,6 +271,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
             fqn=nc.fqn,
             compute_s=c.compute_s,
             comm_s=c.comm_s + c.overlap_s,
+            sync_s=c.overlap_s,
             memory_bytes=c.memory_bytes,
             saved_bytes=c.saved_bytes,
             source=_source(c),

@@ -316,10 +316,12 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     attempts = [(shaped, axis, m, mode) for mode in modes for shaped, axis, counts in layouts for m in counts]
     tried: dict[str, str] = {}
     best: Plan | None = None
+    took = 0.0   # the last attempt's seconds: one that would not end before the deadline is not begun
     for i, (shaped, axis, m, mode) in enumerate(attempts):
         left = None if deadline is None else deadline - time.perf_counter()
-        if left is not None and left <= 0 and best is not None:
+        if left is not None and left < took and best is not None:
             break
+        started = time.perf_counter()
         ranks = shaped.shape[axis]
         micro = captured if m == 1 else recapture(m)
         # priced as the stage runs it, m microbatches a step (ZeRO-3 gathers each time, gradient sync
@@ -344,6 +346,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
                           + ("" if plan.feasible else " (over the budget)"))
             if best is None or (plan.feasible, -plan.predicted.step_time_s) > (best.feasible, -best.predicted.step_time_s):
                 best = plan
+        took = time.perf_counter() - started
     if best is None:
         raise InfeasibleError("no pipeline plan: " + "; ".join(f"{k}: {v}" for k, v in tried.items()),
                               min_memory_bytes=float("inf"))

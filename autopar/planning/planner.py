@@ -51,9 +51,9 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     ``pipeline``: a ``PipelineChoice`` makes the plan a pipeline (``autopar.planning.pipeline``);
     "auto" weighs one over a factor of the mesh's first axis where that axis crosses nodes (where
     Megatron puts its stages: within a node, tensor and data parallelism's collectives run on the
-    fast links; ``pipeline.pipeline_degrees``), in the second half of the time limit, and keeps it
-    where predicted faster by ``min_gain``; its plan's mesh then cuts the first axis in two
-    (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so)."""
+    fast links; ``pipeline.pipeline_degrees``), in the time the plan without leaves
+    (``SPMD_SHARE``), and keeps it where predicted faster by ``min_gain``; its plan's mesh then
+    cuts the first axis in two (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so)."""
     timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
     deadline = time.perf_counter() + (1 - OVERRUN) * options.time_limit - sum(timings.values()) \
         if options.time_limit is not None else None
@@ -65,19 +65,27 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
         return plan
     if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
         return _spmd_plan(captured, mesh, options, timings, forced, recapture, deadline)
-    # the pipeline first (at the scale where it is weighed, it usually wins), in half the time
-    half = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / 2
+    # the plan without a pipeline first, in most of the time (the search that needs it most), then
+    # the pipeline in what is left: the first of its attempts runs however little is left
+    share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) * SPMD_SHARE
     try:
-        piped: Plan | None = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, half,
-                                             _stage_plan(timings, recapture))
-    except AutoparError as e:
-        piped, why = None, str(e)
-    try:
-        best = _spmd_plan(captured, mesh, options, timings, forced, recapture, deadline)
-    except (InfeasibleError, PlanningTimeout):
+        best: Plan | None = _spmd_plan(captured, mesh, options, timings, forced, recapture, share)
+    except (InfeasibleError, PlanningTimeout) as e:   # a pipeline may fit where nothing else does
+        best, failed = None, e
+    left = None if deadline is None else deadline - time.perf_counter()
+    if best is not None and left is not None and left < MIN_PIPELINE_SHARE * options.time_limit:
+        piped, why = None, (f"not weighed: {fmt(max(left, 0.0), 's')} of the time limit was left (a stage plan "
+                            "takes more; raise time_limit)")
+    else:
+        try:
+            piped = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, deadline,
+                                    _stage_plan(timings, recapture))
+        except AutoparError as e:
+            piped, why = None, str(e)
+    if best is None:
         if piped is None or not piped.feasible:
-            raise
-        piped.solver["pipeline"] = "kept: no plan without a pipeline fits (or none was found in the time left)"
+            raise failed
+        piped.solver["pipeline"] = f"kept: no plan without a pipeline was found ({failed})"
         piped.timings = timings
         return piped
     if piped is None:
@@ -406,6 +414,15 @@ def _add(total: dict[str, float], more: dict[str, float]) -> None:
     """Seconds per stage of the whole search: every problem prepared and solved, in any mode."""
     for stage, seconds in more.items():
         total[stage] = total.get(stage, 0.0) + seconds
+
+
+#: Share of the time left that the plan without a pipeline may use where "auto" weighs one too:
+#: at the scale where pipelines are weighed its search needs the time (GPT-3 175B on 128x8 A100:
+#: 21.0 s a step with half of 60 s, 18.8 s with all of it), and one stage plan is what the
+#: pipeline search needs at least.
+SPMD_SHARE = 0.7
+#: The least share of the time limit left after it for which the pipeline is weighed at all.
+MIN_PIPELINE_SHARE = 0.15
 
 
 #: Share of the time limit kept for what runs past the search's deadline: the last solve's least

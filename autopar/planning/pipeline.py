@@ -371,10 +371,10 @@ def pipeline_layouts(captured: CapturedGraph, mesh: MeshSpec, choice: PipelineCh
             microbatch_rows(rows, choice.microbatches)   # refuses a count that does not divide the batch
             return [(mesh, axis, [choice.microbatches])]
         return [(mesh, axis, microbatch_counts(rows, ranks))]
-    degrees = pipeline_degrees(mesh.shape[0], blocks)
+    degrees = [f for f in pipeline_degrees(mesh.shape[0], blocks) if f < mesh.shape[0] or mesh.ndim > 1]
     if not degrees:
         raise AutoparError(f"no pipeline degree divides the first axis of {mesh.describe()} into at most "
-                           f"{blocks} stages")
+                           f"{blocks} stages and leaves an axis for the stages")
     layouts = []
     for f in degrees:
         shaped = split_first_axis(mesh, f)

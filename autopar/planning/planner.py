@@ -420,9 +420,9 @@ def _add(total: dict[str, float], more: dict[str, float]) -> None:
 #: at the scale where pipelines are weighed its search needs the time (GPT-3 175B on 128x8 A100:
 #: 21.0 s a step with half of 60 s, 18.8 s with all of it), and one stage plan is what the
 #: pipeline search needs at least.
-SPMD_SHARE = 0.7
+SPMD_SHARE = 0.75
 #: The least share of the time limit left after it for which the pipeline is weighed at all.
-MIN_PIPELINE_SHARE = 0.15
+MIN_PIPELINE_SHARE = 0.3
 
 
 #: Share of the time limit kept for what runs past the search's deadline: the last solve's least

@@ -202,13 +202,18 @@ class ShardedModule(nn.Module):
     def _forward_of(self, args: tuple, kwargs: dict, outputs: OutputMode) -> tuple[Forward, list[Any]]:
         """The generated forward for these inputs' shapes returning ``outputs`` so, and the inputs
         flattened."""
+        flat = self._flat(args, kwargs)
+        return self._forwards.get(flat, args, kwargs, outputs), flat
+
+    def _flat(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The inputs flattened, refused if structured unlike the example inputs."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(
                 "inputs have another structure than the example inputs the module was compiled with "
                 f"(got {spec}, expected {self._in_spec}); recompile for new input structures"
             )
-        return self._forwards.get(flat, args, kwargs, outputs), flat
+        return flat
 
 
 def grad_sync_of(mesh: DeviceMesh, code: GeneratedCode, direct: dict[str, nn.Parameter], bucket_bytes: int,

@@ -204,13 +204,6 @@ class PipelinedModule(ShardedModule):
         pipeline = self.plan.pipeline
         return rank_of_stage(pipeline.schedule, stage, dist.get_world_size(self._pp_group), pipeline.virtual_stages)
 
-    def _flat(self, args: tuple, kwargs: dict) -> list[Any]:
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise InputMismatchError("inputs have another structure than the example inputs the module was compiled "
-                                     f"with (got {spec}, expected {self._in_spec}); recompile for new input structures")
-        return flat
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for each microbatch of the batch, run through the stages in order
         (no backward), concatenated along the batch (the loss: weighted as ``train_step`` weighs
@@ -240,7 +233,7 @@ class PipelinedModule(ShardedModule):
             rank = self._stage_rank(s)
             mine = s in self._held
             if mine:
-                if s > 0:
+                if s > 0 and self._stage_rank(s - 1) != rank:   # else the stage before ran here: its values
                     values = self._receive(s)
                 fn = self._eval[self._code.stages[s].name]
                 values = fn(self, self._stage_mesh, self._device, self._sizes, *values, loss_count=loss_count)
@@ -248,8 +241,6 @@ class PipelinedModule(ShardedModule):
                     for v in values:
                         dist.send(v.contiguous(), dist.get_global_rank(self._pp_group, self._stage_rank(s + 1)),
                                   group=self._pp_group)
-            if s + 1 < pipeline.num_stages and mine and self._stage_rank(s + 1) == rank:
-                self._passed = values   # the next stage is on this rank too
         # collectives still on their way are waited for: pickling one would send this rank's summand
         box = [[_waited(v) for v in values] if pipeline.num_stages - 1 in self._held else None]
         dist.broadcast_object_list(box, dist.get_global_rank(self._pp_group, self._stage_rank(pipeline.num_stages - 1)),
@@ -257,8 +248,6 @@ class PipelinedModule(ShardedModule):
         return box[0]
 
     def _receive(self, s: int) -> tuple:
-        if self._stage_rank(s - 1) == self._stage_rank(s):
-            return self._passed
         metas = self._stages[self._held.index(s)].submod.inputs
         out = []
         for meta in metas:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -112,23 +112,41 @@ def cpu_peak_growth(fn: Callable[[], Any]) -> int:
     """Run ``fn`` and return the highest net bytes it had allocated through PyTorch's CPU
     allocator at any moment (0 if it never held more than at its start).
 
-    Read from the profiler's memory events (each a signed byte count) summed in time order,
+    Read from the profiler's allocation events (address and signed size) summed in time order,
     starting from 0: the allocator's own running total is process-wide and may carry blocks
-    from earlier profiling sessions.
+    from earlier profiling sessions. Frees of blocks allocated before ``fn`` started are left
+    out: the allocator reports some of them, with the size of whatever block last held the
+    address while profiling, so counting them would make the figure depend on address reuse.
+    The figure errs high (such frees are not credited), never low.
     """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-        key=lambda e: e[0])
+    events = sorted(((e.start_time_ns, e.extra_fields) for e in _event_tree(prof.profiler.kineto_results)
+                     if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"
+                     and e.extra_fields.device.type == "cpu"), key=lambda e: e[0])
     peak = total = 0
-    for _, nbytes in events:
-        total += nbytes
+    live: set[int] = set()
+    for _, alloc in events:
+        if alloc.alloc_size > 0:
+            live.add(alloc.ptr)
+        elif alloc.ptr in live:
+            live.discard(alloc.ptr)
+        else:
+            continue
+        total += alloc.alloc_size
         peak = max(peak, total)
     return peak
+
+
+def _event_tree(results: Any) -> Iterator[Any]:
+    """Every event of a profile, children included."""
+    stack = list(results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        yield event
+        stack.extend(event.children)
 
 
 def _device(module: nn.Module) -> torch.device:

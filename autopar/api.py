@@ -18,7 +18,7 @@ from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.together import one_process, together
 from autopar.planning.options import PlanOptions
-from autopar.planning.planner import plan_captured
+from autopar.planning.planner import memoized, plan_captured, priced_workloads
 from autopar.profiling.missing_ops import measure_missing_ops
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
@@ -98,13 +98,15 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone;
     then every rank measures the model's ops it lacks (``measure_missing_ops``)."""
     resolved = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
+    recapture = memoized(recapture)
     if not one_process() and mesh.size() != dist.get_world_size():
         raise MeshError(
             f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
     if options.measure_missing_ops:
-        measure_missing_ops(captured, spec, resolved.profile, source=options.profile)
+        measure_missing_ops(priced_workloads(captured, spec, resolved, recapture), resolved.profile,
+                            source=options.profile)
     if one_process():
         return plan_captured(captured, spec, resolved, recapture=recapture)
     message = [together("planning", lambda: plan_captured(captured, spec, resolved, recapture=recapture).to_json()

@@ -55,6 +55,7 @@ from autopar.core.errors import AutoparError
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import measure_training, slowest_rank_steps
 from autopar.core.mesh import hardware_for_device
+from autopar.planning.options import PlanOptions
 from autopar.core.units import fmt
 from autopar.profiling.profiler import CALIBRATION, profile_model
 from autopar.models.zoo import get_model
@@ -292,14 +293,15 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
         model = entry.build()
     args, kwargs = entry.example(cfg.batch, cfg.seq, device=device)
     spec = autopar.MeshSpec(cfg.mesh, None, hardware)
-    profile_s = 0.0
-    if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
-        profile_model(model, spec, args, kwargs, progress=None)
-        profile_s = time.perf_counter() - t0
     # Each rank times ``train_step``, which returns only the loss and never gathers the other
     # outputs: planned likewise (the default plan prices a gather of the logits every step)
     options = {"gather_outputs": False, **plan_kwargs, **dict(cfg.knobs)}
     hand = options.pop("hand_plan", None)
+    profile_s = 0.0
+    if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
+        planned = PlanOptions.of(None, **options)
+        profile_model(model, spec, args, kwargs, progress=None, precision=planned.precision, options=planned)
+        profile_s = time.perf_counter() - t0
     plan = (candidates(model, spec, args, kwargs, **options)[hand] if hand else
             autopar.plan(model, spec, args, kwargs, **options))
     return {**dataclasses.asdict(cfg), "label": cfg.label, "status": "ok", "profile_s": profile_s,

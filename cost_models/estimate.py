@@ -41,7 +41,7 @@ from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time, minimum
 from autopar.core.hardware import Hardware, get_hardware
-from cost_models.profile import OpTime, Profile, calibration_key
+from cost_models.profile import OpTime, Profile, calibration_key, runtime_overhead
 from solver import Term
 
 log = logging.getLogger(__name__)
@@ -415,8 +415,9 @@ class CostModel:
     def _wrapping(self, src: NodeChoices, out: Placements, storage: Placements | None, inp: Placements,
                   grad: Placements) -> float:
         if src.kind == "param":
-            return self._runtime_cost({"param_read": self.microbatches}) if inp != (storage or out) else 0.0
-        return self._runtime_cost({"move": self.microbatches}) if moves(out, inp, grad, self._grad_flows(src)) else 0.0
+            return runtime_overhead(self.profile, {"param_read": self.microbatches}) if inp != (storage or out) else 0.0
+        moved = moves(out, inp, grad, self._grad_flows(src))
+        return runtime_overhead(self.profile, {"move": self.microbatches}) if moved else 0.0
 
     def param_overhead(self, storage: Placements) -> float:
         """The runtime's cost per parameter tensor stored ``storage``, beyond its bytes: its
@@ -424,21 +425,12 @@ class CostModel:
         plan replicating every parameter keeps them plain; one that splits some keeps every one
         a DTensor, so this prices its replicated ones a little low)."""
         replicated = all(isinstance(p, Replicate) for p in storage)
-        return self._runtime_cost({"optimizer_per_plain_param" if replicated else "optimizer_per_param": 1,
-                                   "grad_hook": 1})
+        update = "optimizer_per_plain_param" if replicated else "optimizer_per_param"
+        return runtime_overhead(self.profile, {update: 1, "grad_hook": 1})
 
     def step_overhead(self) -> float:
         """The runtime's fixed cost of one training step (a forward and backward per microbatch)."""
-        return self._runtime_cost({"step": self.microbatches})
-
-    def _runtime_cost(self, counts: dict[str, float]) -> float:
-        """Seconds of ``counts[key]`` occurrences of each of the runtime's per-call costs (the
-        profile's micro-benchmarks, ``cost_models.profile.OVERHEADS``), at the one in-step factor
-        calibration fits for all of them: per op, per parameter (hook, optimizer) and per step alike."""
-        if self.profile is None:
-            return 0.0
-        measured = self.profile.overheads
-        return sum(measured.get(key, 0.0) * n for key, n in counts.items()) * self.profile.calibration.get("overheads", 1.0)
+        return runtime_overhead(self.profile, {"step": self.microbatches})
 
     def _kept(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> tuple[float, float]:
         """Bytes of the activations this op keeps for its backward, at the strategy's placements,
@@ -609,7 +601,7 @@ class CostModel:
             grid = grid + back
             if not queued:
                 blocking += [t.transposed() for t in terms]
-        if self._runtime_cost({"move": 1, "param_read": 1}) and dst.kind != "output":
+        if runtime_overhead(self.profile, {"move": 1, "param_read": 1}) and dst.kind != "output":
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
                                          for out, storage, _ in src_reps])
             grid = replace(grid, compute_s=grid.compute_s + wrapping)

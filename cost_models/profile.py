@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 10   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 11   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -35,7 +35,8 @@ PROFILE_VERSION = 10   # 2: op times include making results contiguous; 3: calib
                       # per bucket (calibration refitted), views timed with their local shape; 9: replicated
                       # parameters stepped as plain tensors (optimizer_per_plain_param), the loss summed with
                       # the gradients; 10: folded ops not timed, gradients of ops computed from parameters
-                      # alone summed in the buckets (calibration refitted)
+                      # alone summed in the buckets (calibration refitted); 11: pipeline schedules' costs per
+                      # microbatch and per step (pipeline_microbatch, pipeline_step)
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
@@ -51,7 +52,21 @@ OVERHEADS = {
     "optimizer_per_plain_param": "one plain parameter's optimizer update, beyond its bytes (a plan replicating "
                                  "every parameter keeps them plain, as DDP does: codegen.runtime.replicated)",
     "step": "fixed cost of one training step (zero_grad, loss.backward entry, optimizer loop)",
+    "pipeline_microbatch": "one microbatch's forward and backward on a pipeline stage beyond its ops: the "
+                           "torch.distributed.pipelining schedule's actions, its point-to-point sends and waits",
+    "pipeline_step": "fixed cost of one pipelined step beyond its microbatches' (the schedule splitting the batch, "
+                     "filling and draining)",
 }
+
+
+def runtime_overhead(profile: "Profile | None", counts: dict[str, float]) -> float:
+    """Seconds of ``counts[key]`` occurrences of each of the runtime's per-call costs
+    (``OVERHEADS``, measured by the profile's micro-benchmarks), at the one in-step factor
+    calibration fits for all of them; 0 without a profile (the roofline knows no runtime)."""
+    if profile is None:
+        return 0.0
+    measured = profile.overheads
+    return sum(measured.get(key, 0.0) * n for key, n in counts.items()) * profile.calibration.get("overheads", 1.0)
 
 
 class ProfileError(AutoparError):
@@ -174,9 +189,10 @@ def default_profile_path(fingerprint: dict[str, Any]) -> Path:
 
 
 def local_fingerprint(mesh: MeshSpec) -> dict[str, Any]:
-    """The fingerprint a profile of ``mesh`` run on this host (one process per device) carries."""
+    """The fingerprint a profile of ``mesh`` run on this host (one process per device of its job)
+    carries."""
     device = "cuda" if mesh.hardware != "cpu" and torch.cuda.is_available() else "cpu"
-    return hardware_fingerprint(device, processes_per_host=mesh.size, threads=THREADS_PER_RANK)
+    return hardware_fingerprint(device, processes_per_host=mesh.processes, threads=THREADS_PER_RANK)
 
 
 def find_profile(mesh: MeshSpec) -> Profile | None:

@@ -17,10 +17,14 @@ import autopar
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError, InputMismatchError, MeshError
 from autopar.core.mesh import MeshSpec
-from autopar.core.microbatch import microbatch_capture
+from autopar.core.microbatch import captured_rows, microbatch_capture
 from autopar.core.plan import Plan
 from autopar.planning.baselines import pipeline_hand_plans
 from autopar.planning.options import PlanOptions
+from autopar.planning.planner import priced_workloads
+from autopar.core.strategies import build_space
+from cost_models.profile import OpTime, Profile, local_fingerprint
+from cost_models.profile_ops import op_calls
 from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
 from tests.equivalence import (RTOL, ATOL, build, loss_of, make_batches, padded_batches, train_reference,
                                train_steps)
@@ -166,3 +170,30 @@ def test_pipeline_refuses_another_batch_size():
     messages = run_on_gloo_mesh(_other_batch, (2, 2), name, text, batches, axis_names=("pp", "tp"),
                                 start_method="forkserver")
     assert all(m is not None and "batches of 8 rows" in m for m in messages)
+
+
+def test_pipeline_stages_are_priced_on_the_jobs_profile():
+    """A stage plan runs on a sub-mesh of the job (2 of its 4 processes) at one microbatch's
+    shapes: the profile of the 4-process job prices it, where it holds those op calls
+    (``planner.priced_workloads`` lists what to measure), and not the roofline. The schedule's
+    own costs (``pipeline_microbatch`` on each stage's forward and backward of a microbatch,
+    ``pipeline_step`` once) add to 1F1B's critical path of microbatches + stages - 1 pairs."""
+    name = "tests.pipeline_models:gpt"
+    mesh = MeshSpec((2, 2), ("pp", "dp"))
+    model, (args, kwargs) = build(name), make_batches(name, 8, 16, steps=1)[0]
+    recapture = microbatch_capture(model, args, kwargs, "fp32")
+    options = PlanOptions(pipeline={"axis": "pp", "schedule": "Schedule1F1B", "microbatches": 4})
+    workloads = priced_workloads(capture(model, args, kwargs), mesh, options, recapture)
+    stage = [(graph, on) for graph, on in workloads if on.shape == (2,)]
+    assert len(stage) == 1 and stage[0][1].processes == 4 and captured_rows(stage[0][0]) == 2
+    calls = {c.key for graph, on in workloads for c in op_calls(build_space(graph, on), on.shape)}
+    profile = Profile(local_fingerprint(mesh), ops={key: OpTime(1e-4, 2e-4) for key in calls})
+    plan = autopar.plan(model, mesh, args, kwargs, profile=profile, pipeline=options.pipeline)
+    assert plan.pipeline is not None and plan.predicted.cost_source.startswith("profile"), plan.predicted.cost_source
+    roofline = [n.name for n in plan.nodes if n.op not in ("parameter", "input", "buffer", "output")
+                and n.source.startswith("roofline")]
+    assert roofline == []
+    profile.overheads = {"pipeline_microbatch": 1.0, "pipeline_step": 0.5}   # seconds: they dominate
+    slower = autopar.plan(model, mesh, args, kwargs, profile=profile, pipeline=options.pipeline)
+    added = slower.predicted.step_time_s - plan.predicted.step_time_s
+    assert added == pytest.approx((4 + 2 - 1) * 1.0 + 0.5, rel=0.01)

@@ -18,17 +18,22 @@ from autopar.core.errors import MeshError
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """A logical device mesh: ``shape`` (row-major, last axis fastest), names and hardware."""
+    """A logical device mesh: ``shape`` (row-major, last axis fastest), names and hardware.
+    ``job_size``: the processes of the job this mesh is a part of, where it is not the whole job (a
+    pipeline stage's sub-mesh): what is measured on a host depends on how many processes share it
+    (``cost_models.profile.local_fingerprint``). Planning detail, not saved with a plan."""
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...] | None = None
     hardware: str = "cpu"
+    job_size: int | None = None
 
     def __init__(
         self,
         shape: tuple[int, ...] | list[int] | int,
         axis_names: tuple[str, ...] | list[str] | None = None,
         hardware: str = "cpu",
+        job_size: int | None = None,
     ) -> None:
         shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
         if not shape_t or any(not isinstance(s, int) or s < 1 for s in shape_t):
@@ -41,6 +46,7 @@ class MeshSpec:
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "hardware", hardware)
+        object.__setattr__(self, "job_size", None if job_size in (None, math.prod(shape_t)) else int(job_size))
 
     @property
     def ndim(self) -> int:
@@ -49,6 +55,11 @@ class MeshSpec:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def processes(self) -> int:
+        """Processes of the job: this mesh's devices, or the whole job's where it is a part of one."""
+        return self.job_size or self.size
 
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
@@ -96,7 +107,7 @@ def hardware_for_device(device_type: str) -> str:
 def as_mesh_spec(mesh: Any, hardware: str | None = None) -> MeshSpec:
     """Accept a ``DeviceMesh`` or ``MeshSpec``; anything else is a clear error."""
     if isinstance(mesh, MeshSpec):
-        return mesh if hardware is None else MeshSpec(mesh.shape, mesh.axis_names, hardware)
+        return mesh if hardware is None else MeshSpec(mesh.shape, mesh.axis_names, hardware, mesh.job_size)
     if isinstance(mesh, DeviceMesh):
         names = mesh.mesh_dim_names or default_axis_names(mesh.ndim)
         return MeshSpec(tuple(mesh.shape), tuple(names), hardware or hardware_for_device(mesh.device_type))

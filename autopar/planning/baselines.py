@@ -39,12 +39,12 @@ from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.capture import as_args, capture
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError
-from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_layouts, pipelined, sub_mesh
+from autopar.planning.pipeline import (PipelineChoice, job_setting, pipeline_choice, pipeline_layouts, pipelined,
+                                      sub_mesh)
 from autopar.planning.problem import Planning, prepare, solve_planning
 from autopar.core.strategies import NodeChoices, Strategy
 from autopar.core.units import fmt
@@ -105,8 +105,7 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
         layouts = pipeline_layouts(captured, mesh, choice)
     except AutoparError:   # no axis or too few blocks to cut
         return {}
-    budget = float(options.memory_budget) if options.memory_budget is not None else \
-        float(get_hardware(mesh.hardware).memory_bytes)
+    budget, profile = job_setting(options, mesh)
     schedules = PIPELINE_SCHEDULES if choice.schedule == "auto" else \
         [(choice.schedule, choice.virtual_stages if choice.virtual_stages != "auto" else 2)]
     out = {}
@@ -114,7 +113,8 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
         m = counts[-1]
         micro = recapture(m)
         ranks = shaped.shape[axis]
-        planning = prepare(micro, sub_mesh(shaped, axis), replace(options, memory_budget=budget * ranks, pipeline=False),
+        planning = prepare(micro, sub_mesh(shaped, axis),
+                           replace(options, memory_budget=budget * ranks, pipeline=False, profile=profile),
                            microbatches=m, whole=captured,
                            recompute="none" if options.recompute == "auto" else options.recompute,
                            offload=options.offload == "optimizer")
@@ -123,7 +123,8 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
                 continue
             for schedule, virtual in schedules:
                 try:
-                    plan = pipelined(entry[0], micro, shaped, axis, schedule, virtual, budget, captured.fingerprint)
+                    plan = pipelined(entry[0], micro, shaped, axis, schedule, virtual, budget, captured.fingerprint,
+                                     profile)
                 except AutoparError:   # too few blocks for two stages per rank, or microbatches per rank
                     continue
                 short = schedule.removeprefix("Schedule")

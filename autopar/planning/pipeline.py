@@ -37,8 +37,9 @@ from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec, split_first_axis
 from autopar.core.placements import shard_fraction
 from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan, rank_of_stage
-from cost_models.comm import collective_time, link_for_axis
+from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank
+from cost_models.profile import Profile, resolve_profile, runtime_overhead
 
 #: Of one microbatch's time on a stage, the share its forward takes (the roofline's backward is
 #: twice the forward: a gradient for the input and one for the weight).
@@ -53,20 +54,23 @@ class _Stage:
 
 
 def sub_mesh(mesh: MeshSpec, axis: int) -> MeshSpec:
-    """``mesh`` without ``axis``: what one pipeline stage runs on."""
+    """``mesh`` without ``axis``: what one pipeline stage runs on, inside the whole mesh's job (its
+    profile prices the stage)."""
     if mesh.ndim < 2:
         raise AutoparError(f"a pipeline over the only axis of mesh {mesh.describe()} leaves no mesh for its stages; "
                            "build the mesh with a second axis of size 1 (e.g. (pp, 1)) to pipeline over all of it")
     return MeshSpec(mesh.shape[:axis] + mesh.shape[axis + 1:], mesh.axis_names[:axis] + mesh.axis_names[axis + 1:],
-                    mesh.hardware)
+                    mesh.hardware, job_size=mesh.processes)
 
 
 def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: int, schedule: str,
-              virtual: int = 1, budget: float | None = None, fingerprint: str | None = None) -> Plan:
+              virtual: int = 1, budget: float | None = None, fingerprint: str | None = None,
+              profile: Profile | None = None) -> Plan:
     """The pipeline plan of ``stage_plan`` (planned on ``sub_mesh(mesh, axis)`` for a step of
     ``stage_plan.microbatches`` microbatches of ``captured``'s shape, one microbatch's capture)
     with ``mesh.shape[axis]`` ranks of ``virtual`` stages each (two for the V-shaped schedules),
-    run by ``schedule`` over those microbatches."""
+    run by ``schedule`` over those microbatches. ``profile``: the runtime's measured costs per
+    microbatch on a stage and per step (``pipeline_microbatch``, ``pipeline_step``, ``step``)."""
     microbatches = stage_plan.microbatches
     ranks = mesh.shape[axis]
     per_rank = stages_per_rank(schedule, virtual)
@@ -76,9 +80,10 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
         raise AutoparError(f"{schedule} on {ranks} pipeline ranks runs {count} stages; the model has "
                            f"{len(blocks)} repeated blocks, at least one per stage is needed")
     stages = _cut(stage_plan, captured.graph, blocks, count)
-    step_costs = [_stage_cost(s, microbatches) for s in stages]
+    per_microbatch = runtime_overhead(profile, {"pipeline_microbatch": 1})
+    step_costs = [_stage_cost(s, microbatches, per_microbatch) for s in stages]
     boundary = _boundary_bytes(stage_plan, captured, stages)
-    step = simulate(schedule, step_costs, ranks, microbatches, _send_seconds(boundary, mesh, axis))
+    step = simulate(schedule, step_costs, ranks, microbatches, _send_seconds(boundary, mesh, axis, per_microbatch > 0))
     held = {r: [s for s in range(count) if rank_of_stage(schedule, s, ranks, per_rank) == r] for r in range(ranks)}
     working = stage_plan.predicted.memory_breakdown.get("working", 0.0)
     after = stage_plan.predicted.exposed_comm_s / stage_plan.predicted.overlapped_comm_s \
@@ -96,7 +101,8 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
     p = stage_plan.predicted
     state = sum(_state_bytes(stages[s]) for s in held[worst])
     predicted = Prediction(
-        step_time_s=step.step_s + max(finals), peak_memory_bytes=peaks[worst],
+        step_time_s=step.step_s + max(finals) + runtime_overhead(profile, {"pipeline_step": 1, "step": 1}),
+        peak_memory_bytes=peaks[worst],
         comm_bytes={**{a: b / ranks for a, b in p.comm_bytes.items()},
                     mesh.axis_names[axis]: sum(boundary) * microbatches * 2 / ranks},   # activations and their gradients
         compute_s=p.compute_s / ranks, comm_s=p.comm_s / ranks, overlapped_comm_s=p.overlapped_comm_s / ranks,
@@ -170,14 +176,16 @@ def _seconds(n: NodePlan) -> float:
     return n.comm_s - n.sync_s + (n.compute_s if n.op != "parameter" else 0.0)
 
 
-def _stage_cost(stage: _Stage, microbatches: int) -> StageCost:
+def _stage_cost(stage: _Stage, microbatches: int, runtime_s: float = 0.0) -> StageCost:
     """A stage's seconds per microbatch (its ops' forward and backward, their communication and
-    its parameters' gathers) and the activations one microbatch keeps on it."""
+    its parameters' gathers; ``runtime_s``: the schedule's own, half in each pass, as each receives
+    and sends) and the activations one microbatch keeps on it."""
     ops = [n for n in stage.nodes if n.op != "parameter"]
     seconds = sum(_seconds(n) for n in stage.nodes) / microbatches
     # no part of the backward runs apart as a weight step (weight_s 0): generated code computes the
     # weights' gradients in the input-gradient pass (``codegen.pipelined``)
-    return StageCost(forward_s=seconds * FORWARD_SHARE, backward_s=seconds * (1 - FORWARD_SHARE),
+    return StageCost(forward_s=seconds * FORWARD_SHARE + runtime_s / 2,
+                     backward_s=seconds * (1 - FORWARD_SHARE) + runtime_s / 2,
                      activation_bytes=sum(n.saved_bytes for n in ops))
 
 
@@ -221,9 +229,13 @@ def _boundary_bytes(plan: Plan, captured: CapturedGraph, stages: Sequence[_Stage
                 for name in names) for names in _crossing(captured, stages)]
 
 
-def _send_seconds(boundary_bytes: Sequence[float], mesh: MeshSpec, axis: int) -> list[float]:
-    """Seconds to send one microbatch's values across each stage boundary, on the pipeline axis's link."""
+def _send_seconds(boundary_bytes: Sequence[float], mesh: MeshSpec, axis: int, latency_measured: bool) -> list[float]:
+    """Seconds to send one microbatch's values across each stage boundary, on the pipeline axis's
+    link; its bandwidth alone where the profile's per-microbatch cost holds the sends' latency
+    (``latency_measured``)."""
     link = link_for_axis(get_hardware(mesh.hardware), mesh.shape, axis)
+    if latency_measured:
+        link = Link(bandwidth=link.bandwidth, latency=0.0)
     return [collective_time("send_recv", b, 2, link) for b in boundary_bytes]
 
 
@@ -308,8 +320,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     if choice.virtual_stages != "auto":
         schedules = [(s, choice.virtual_stages) for s, _ in schedules
                      if stages_per_rank(s, choice.virtual_stages) == choice.virtual_stages]
-    budget = float(options.memory_budget) if options.memory_budget is not None else \
-        float(get_hardware(mesh.hardware).memory_bytes)
+    budget, profile = job_setting(options, mesh)
     # the stage plan is made as if the model's state were split over the ranks (it is) and every
     # microbatch's activations too (they are not: a rank keeps several in flight)
     modes = ["full", "auto"] if options.recompute == "auto" else [options.recompute]
@@ -327,7 +338,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         # priced as the stage runs it, m microbatches a step (ZeRO-3 gathers each time, gradient sync
         # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
         stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,
-                                hand_plans=False,
+                                hand_plans=False, profile=profile,
                                 time_limit=None if left is None else max(left / (len(attempts) - i), 1.0))
         where = f"{shaped.axis_names[axis]}={ranks}, {m} microbatches, recompute {mode}"
         try:
@@ -338,7 +349,8 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         for schedule, virtual in schedules:
             key = f"{schedule} x{virtual}, {where}"
             try:
-                plan = pipelined(stage_plan, micro, shaped, axis, schedule, virtual, budget, captured.fingerprint)
+                plan = pipelined(stage_plan, micro, shaped, axis, schedule, virtual, budget, captured.fingerprint,
+                                 profile)
             except AutoparError as e:
                 tried[key] = str(e)
                 continue
@@ -352,6 +364,14 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
                               min_memory_bytes=float("inf"))
     best.solver["pipelines"] = tried
     return best
+
+
+def job_setting(options: Any, mesh: MeshSpec) -> tuple[float, Profile | None]:
+    """(a device's memory budget, the job's profile) that every pipeline layout of ``mesh`` is
+    planned with: the stages' sub-meshes run inside the whole job, whose profile prices them."""
+    budget = float(options.memory_budget) if options.memory_budget is not None else \
+        float(get_hardware(mesh.hardware).memory_bytes)
+    return budget, resolve_profile(options.profile, mesh)
 
 
 def pipeline_layouts(captured: CapturedGraph, mesh: MeshSpec, choice: PipelineChoice) -> list[tuple[MeshSpec, int, list[int]]]:

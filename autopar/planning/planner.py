@@ -21,7 +21,8 @@ from autopar.core.strategies import Strategy
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import PipelineChoice, pipeline_choice, pipeline_degrees, pipeline_search
+from autopar.planning.pipeline import (PipelineChoice, pipeline_choice, pipeline_degrees, pipeline_layouts,
+                                      pipeline_search, sub_mesh)
 from autopar.planning.problem import Planning, prepare, solve_planning
 from cost_models.comm import link_for_axis
 
@@ -58,7 +59,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     deadline = time.perf_counter() + (1 - OVERRUN) * options.time_limit - sum(timings.values()) \
         if options.time_limit is not None else None
     choice = pipeline_choice(options.pipeline)
-    recapture = _memoized(recapture)
+    recapture = memoized(recapture)
     if isinstance(choice, PipelineChoice):
         plan = pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(timings, recapture))
         plan.timings = timings
@@ -103,7 +104,26 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     return best
 
 
-def _memoized(recapture: Callable[[int], CapturedGraph] | None) -> Callable[[int], CapturedGraph] | None:
+def priced_workloads(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions,
+                     recapture: Callable[[int], CapturedGraph] | None) -> list[tuple[CapturedGraph, MeshSpec]]:
+    """The (graph, mesh) pairs whose op calls ``plan_captured`` prices with these options, known
+    before it runs: the batch on ``mesh``, a forced microbatch count's capture, and each pipeline
+    layout's microbatch on its stage's sub-mesh (``pipeline_layouts``). What a profile must hold
+    for the plan to be costed on measured times (``missing_ops``, ``profile_model``); microbatch
+    counts the search picks by memory ("auto") are not known ahead and are priced as they come."""
+    out = [(captured, mesh)]
+    if isinstance(options.microbatches, int) and options.microbatches > 1 and recapture is not None:
+        out.append((recapture(options.microbatches), mesh))
+    choice = pipeline_choice(options.pipeline)
+    if choice == "auto" and _pipeline_worth_weighing(captured, mesh, recapture):
+        choice = PipelineChoice(axis="auto")
+    if isinstance(choice, PipelineChoice) and recapture is not None:
+        for shaped, axis, counts in pipeline_layouts(captured, mesh, choice):
+            out += [(captured if m == 1 else recapture(m), sub_mesh(shaped, axis)) for m in counts]
+    return out
+
+
+def memoized(recapture: Callable[[int], CapturedGraph] | None) -> Callable[[int], CapturedGraph] | None:
     """``recapture`` capturing each microbatch count once (the pipeline search and the plan
     without share them)."""
     if recapture is None:

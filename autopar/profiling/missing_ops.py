@@ -37,10 +37,11 @@ def _log_progress(line: str) -> None:
     log.info("autopar: %s", line)
 
 
-def measure_missing_ops(captured: CapturedGraph, spec: MeshSpec, profile: Profile | None,
+def measure_missing_ops(workloads: Sequence[tuple[CapturedGraph, MeshSpec]], profile: Profile | None,
                         source: Profile | str | Path | None, progress: Progress = _log_progress) -> None:
-    """Time the op calls of ``captured``'s strategy space on ``spec`` (every candidate strategy's
-    local shapes) that ``profile`` lacks, on every rank at once; merge them into ``profile`` and,
+    """Time the op calls of each workload's strategy space (a captured graph on a mesh: every
+    candidate strategy's local shapes; ``planning.planner.priced_workloads``, the job's mesh
+    first) that ``profile`` lacks, on every rank at once; merge them into ``profile`` and,
     on rank 0, save it where ``source`` (the ``profile`` option it was resolved from) names a file.
     Every rank of the job calls it: ranks with nothing to time (no profile here, or a profile of
     other hardware) take part in the collectives alone.
@@ -49,7 +50,10 @@ def measure_missing_ops(captured: CapturedGraph, spec: MeshSpec, profile: Profil
     device, threads and process count it names (``local_fingerprint``), and ours would not. In one
     process simulating several ranks, calls are timed alone, an under-estimate where ranks would
     share cores: they serve this plan, and are not saved."""
-    calls = together("finding the ops the profile lacks", lambda: _missing_calls(captured, spec, profile))
+    spec = workloads[0][1]
+    calls = together("finding the ops the profile lacks",
+                     lambda: list({c.key: c for captured, mesh in workloads
+                                   for c in _missing_calls(captured, mesh, profile)}.values()))
     most = len(calls) if one_process() else max(_gathered(len(calls)))
     if most == 0:
         return

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -275,10 +277,17 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
       forward summing each parameter's ``to_local()`` into a replicated scalar DTensor loss,
       ``loss.backward()``, ``AdamW.step()``) over ``PARAM_COUNTS`` parameters: added once per
       training step.
+    * ``pipeline_microbatch``, ``pipeline_step``: slope and intercept of a ``Schedule1F1B`` step
+      of tiny stages (one multiply each) over the first mesh axis of more than one rank, against
+      its critical path of ``m + ranks - 1`` forward-backward pairs, for ``PIPELINE_MICROBATCHES``
+      counts ``m``, less the same microbatches' forwards and backwards without the pipeline: each
+      stage's forward and backward of a microbatch pays the slope; a pipelined step the
+      intercept (0 where no axis has two ranks).
 
     Noise can push a difference below zero; it is reported as 0.
     """
     step, per_param, per_plain_param = _optimizer_overheads(device_mesh, repeats)
+    per_microbatch, pipelined = _pipeline_overheads(device_mesh, repeats)
     rep = _replicated(device_mesh)
     x = torch.ones(_TINY, requires_grad=True)
     param = _tiny(device_mesh)
@@ -297,6 +306,8 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
         "optimizer_per_param": per_param,
         "optimizer_per_plain_param": per_plain_param,
         "step": step,
+        "pipeline_microbatch": per_microbatch,
+        "pipeline_step": pipelined,
     }
     return dict(zip(OVERHEADS, _slowest([max(0.0, mine[key]) for key in OVERHEADS])))
 
@@ -374,6 +385,62 @@ def _train_step(mesh: DeviceMesh, params: list[DTensor], opt: torch.optim.Optimi
         opt.step()
 
     return run
+
+
+#: Microbatch counts of the pipelined steps ``_pipeline_overheads`` fits its line over.
+PIPELINE_MICROBATCHES = (2, 6)
+
+
+def _pipeline_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
+    """(seconds per microbatch on a stage, fixed seconds per step) of ``Schedule1F1B`` over the
+    first axis of ``mesh`` with more than one rank (see ``time_overheads``)."""
+    axis = next((a for a, n in enumerate(mesh.shape) if n > 1), None)
+    if axis is None:
+        return 0.0, 0.0
+    ranks = mesh.shape[axis]
+    steps, bare = zip(*(_pipelined_step(mesh.get_group(axis), mesh.get_local_rank(axis), ranks, m)
+                        for m in PIPELINE_MICROBATCHES))
+    times = _mean_seconds(steps + bare, repeats)
+    n = len(PIPELINE_MICROBATCHES)
+    beyond = [piped - alone for piped, alone in zip(times[:n], times[n:])]
+    fixed, per_microbatch = _lstsq2([1.0] * n, [m + ranks - 1 for m in PIPELINE_MICROBATCHES], beyond)
+    return per_microbatch, fixed
+
+
+class _Multiply(nn.Module):
+    """A tiny pipeline stage: its input times a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(_TINY))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _pipelined_step(group: Any, stage: int, ranks: int, microbatches: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(a ``Schedule1F1B`` step of ``microbatches`` through ``_Multiply`` stages, one per rank of
+    ``group``, this rank's ``stage``; the same microbatches through this rank's stage alone)."""
+    module = _Multiply()
+    meta = torch.empty(_TINY)
+    piped = PipelineStage(module, stage, ranks, torch.device("cpu"), input_args=(meta.requires_grad_(stage > 0),),
+                          output_args=(torch.empty(_TINY, requires_grad=True),), group=group)
+    schedule = Schedule1F1B(piped, microbatches, loss_fn=lambda out, target: out.sum(), scale_grads=False)
+    batch = torch.ones(microbatches * _TINY[0], _TINY[1])
+    inputs = [torch.ones(_TINY, requires_grad=stage > 0) for _ in range(microbatches)]
+    last = stage == ranks - 1
+
+    def run() -> None:
+        module.weight.grad = None
+        schedule.step(*((batch,) if stage == 0 else ()), target=batch if last else None,
+                      losses=[] if last else None, return_outputs=False)
+
+    def alone() -> None:
+        module.weight.grad = None
+        for x in inputs:
+            module(x).sum().backward()
+
+    return run, alone
 
 
 # --------------------------------------------------------------------------- a whole mesh

@@ -24,11 +24,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
+from autopar.core.microbatch import microbatch_capture
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import hand_plans
 from autopar.planning.options import PlanOptions
-from autopar.planning.planner import plan_captured
+from autopar.planning.planner import plan_captured, priced_workloads
 from autopar.planning.problem import prepare
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.missing_ops import quiet, time_on_every_rank
@@ -49,9 +50,11 @@ log = logging.getLogger(__name__)
 
 def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_inputs: Any,
                   example_kwargs: dict | None = None, *, path: str | Path | None = None,
-                  progress: Progress | None = print_progress, calibrate: bool = True, precision: str = "fp32"
-                  ) -> tuple[Profile, Path]:
-    """Measure the ops ``model`` runs on ``mesh`` (every candidate strategy's local shapes), the
+                  progress: Progress | None = print_progress, calibrate: bool = True, precision: str = "fp32",
+                  options: PlanOptions | None = None) -> tuple[Profile, Path]:
+    """Measure the ops ``model`` runs on ``mesh`` (every candidate strategy's local shapes; with
+    ``options``, those of every graph and mesh a plan with them prices: its microbatches, its
+    pipeline stages' sub-meshes, ``planner.priced_workloads``), the
     collectives of each mesh axis and the runtime overheads on a local gloo mesh; merge them into
     the cached profile for this host and mesh size and save it; the first time, calibrate how
     much slower ops run inside a step, and the first time on each mesh shape how much slower
@@ -60,9 +63,13 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     spec = as_mesh_spec(mesh) if not isinstance(mesh, tuple) else MeshSpec(mesh, hardware="cpu")
     say = progress or (lambda line: None)
     t0 = time.perf_counter()
-    space = build_space(capture(model, as_args(example_inputs), example_kwargs, precision=precision), spec)
+    args = as_args(example_inputs)
+    captured = capture(model, args, example_kwargs, precision=precision)
+    workloads = [(captured, spec)] if options is None else \
+        priced_workloads(captured, spec, options, microbatch_capture(model, args, example_kwargs, precision))
+    spaces = [build_space(graph, on) for graph, on in workloads]
     path = Path(path) if path is not None else default_profile_path(local_fingerprint(spec))
-    profile = _measure(spec, path, [space], progress, captured_s=time.perf_counter() - t0)
+    profile = _measure(spec, path, spaces, progress, captured_s=time.perf_counter() - t0)
     if calibrate and _uncalibrated(profile, spec):
         factors = _calibrate(spec, path, say, profile.calibration)
         profile = Profile.from_json(path)   # now with the calibration workloads' ops too
@@ -85,7 +92,7 @@ def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progre
         profile = Profile(fingerprint)
     if profile.fingerprint != fingerprint:
         raise ProfileError(f"{path} holds a profile of other hardware; pass another path")
-    calls = list({c.key: c for space in spaces for c in op_calls(space, spec.shape)
+    calls = list({c.key: c for space in spaces for c in op_calls(space, space.mesh.shape)
                   if c.key not in profile.ops}.values())
     sizes = {n for n in spec.shape if n > 1}
     # The runtime overheads and the overlap are measured once per profile: calibration fits its

@@ -15,7 +15,7 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
     python benchmarks/cost_accuracy.py --knobs --models bloom-tiny --meshes 2,2x2 --launches 1 \
         --out benchmarks/results/cost_accuracy_selective.json   # with selective recomputation (attention in ops)
     python benchmarks/cost_accuracy.py --knobs pipeline --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2x2 \
-        --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B)
+        --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B, GPipe)
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -74,7 +74,7 @@ SIZES = ((8, 32), (16, 64), (32, 64))
 # ``hand_plan``: that standard plan, here ZeRO-2 or ZeRO-1), on the sizes with activations worth saving.
 KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
          (("hand_plan", "zero2"), ("microbatches", 2)), (("hand_plan", "zero1"), ("microbatches", 2)),
-         (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),))
+         (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),), (("pipeline", "ScheduleGPipe"),))
 KNOB_SIZES = SIZES[1:]
 SEED = 1234
 LR = 1e-3

@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 11   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 12   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -36,7 +36,8 @@ PROFILE_VERSION = 11   # 2: op times include making results contiguous; 3: calib
                       # parameters stepped as plain tensors (optimizer_per_plain_param), the loss summed with
                       # the gradients; 10: folded ops not timed, gradients of ops computed from parameters
                       # alone summed in the buckets (calibration refitted); 11: pipeline schedules' costs per
-                      # microbatch and per step (pipeline_microbatch, pipeline_step)
+                      # microbatch and per step (pipeline_microbatch, pipeline_step); 12: those on three microbatch counts,
+                      # not scaled by calibration
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
@@ -59,14 +60,21 @@ OVERHEADS = {
 }
 
 
+#: Overheads measured on whole steps (pipelined ones), not on calls apart: calibration's in-step
+#: factor does not apply to them.
+WHOLE_STEP_OVERHEADS = ("pipeline_microbatch", "pipeline_step")
+
+
 def runtime_overhead(profile: "Profile | None", counts: dict[str, float]) -> float:
     """Seconds of ``counts[key]`` occurrences of each of the runtime's per-call costs
     (``OVERHEADS``, measured by the profile's micro-benchmarks), at the one in-step factor
-    calibration fits for all of them; 0 without a profile (the roofline knows no runtime)."""
+    calibration fits for those timed apart from a step; 0 without a profile (the roofline knows
+    no runtime)."""
     if profile is None:
         return 0.0
-    measured = profile.overheads
-    return sum(measured.get(key, 0.0) * n for key, n in counts.items()) * profile.calibration.get("overheads", 1.0)
+    factor = profile.calibration.get("overheads", 1.0)
+    return sum(profile.overheads.get(key, 0.0) * n * (1.0 if key in WHOLE_STEP_OVERHEADS else factor)
+               for key, n in counts.items())
 
 
 class ProfileError(AutoparError):

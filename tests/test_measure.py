@@ -142,7 +142,8 @@ def test_select_configs():
     cores, _ = select_configs(["bloom-tiny"], [(2,)], knobs=True)
     assert len(cores) == 2 * 6 and cores[-1].label == "bloom-tiny 2 32x64 recompute=selective"
     piped, _ = select_configs(["gpt-tiny"], [(2,), (2, 2)], knobs=True, knob="pipeline")   # stages need two axes
-    assert [c.label for c in piped] == ["gpt-tiny 2x2 16x64 pipeline=Schedule1F1B", "gpt-tiny 2x2 32x64 pipeline=Schedule1F1B"]
+    assert [c.label for c in piped] == [f"gpt-tiny 2x2 {size} pipeline=Schedule{s}" for size in ("16x64", "32x64")
+                                        for s in ("1F1B", "GPipe")]
     fits, skipped = select_configs(["gpt-tiny"], [(1,), (2,), (2, 2)], quick=True, max_devices=2)
     assert [c.mesh for c in fits] == [(1,), (2,)]
     assert skipped == ["mesh 2x2 skipped: needs 4 devices, 2 here"]

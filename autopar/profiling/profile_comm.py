@@ -282,7 +282,9 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
       its critical path of ``m + ranks - 1`` forward-backward pairs, for ``PIPELINE_MICROBATCHES``
       counts ``m``, less the same microbatches' forwards and backwards without the pipeline: each
       stage's forward and backward of a microbatch pays the slope; a pipelined step the
-      intercept (0 where no axis has two ranks).
+      intercept (0 where no axis has two ranks). The intercept may be below zero: where ranks
+      outnumber cores, a rank idle in the bubble leaves its core to the others, and the step
+      takes less than its critical path (``pipeline_step``, alone, is kept as fitted).
 
     Noise can push a difference below zero; it is reported as 0.
     """
@@ -309,7 +311,8 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
         "pipeline_microbatch": per_microbatch,
         "pipeline_step": pipelined,
     }
-    return dict(zip(OVERHEADS, _slowest([max(0.0, mine[key]) for key in OVERHEADS])))
+    return dict(zip(OVERHEADS, _slowest([mine[key] if key == "pipeline_step" else max(0.0, mine[key])
+                                         for key in OVERHEADS])))
 
 
 def _replicated(mesh: DeviceMesh) -> list[Placement]:
@@ -388,7 +391,7 @@ def _train_step(mesh: DeviceMesh, params: list[DTensor], opt: torch.optim.Optimi
 
 
 #: Microbatch counts of the pipelined steps ``_pipeline_overheads`` fits its line over.
-PIPELINE_MICROBATCHES = (2, 6)
+PIPELINE_MICROBATCHES = (2, 4, 8)
 
 
 def _pipeline_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:

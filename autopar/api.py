@@ -12,9 +12,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
-from autopar.core.errors import MeshError
+from autopar.core.errors import MeshError, PlanFileError
 from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
-from autopar.core.microbatch import microbatch_capture
+from autopar.core.microbatch import batch_size, microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.together import one_process, together
 from autopar.planning.options import PlanOptions
@@ -70,23 +70,29 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         spec = as_mesh_spec(mesh)
         precision = plan.precision if plan is not None else options.precision
         args = as_args(example_inputs)
-        captured = together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
+        recapture = memoized(microbatch_capture(model, args, example_kwargs, precision))
+        captured = None
         if plan is None:
-            plan = _plan_shared_by_all_ranks(captured, spec, mesh, options,
-                                             microbatch_capture(model, args, example_kwargs, precision))
+            captured = together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
+            plan = _plan_shared_by_all_ranks(captured, spec, mesh, options, recapture)
         mesh = _formed_as_planned(mesh, spec, plan)
         spec = as_mesh_spec(mesh, spec.hardware)
+        if plan.pipeline is not None:   # its stages run one microbatch's graph: the batch's is not needed
+            if one_process():
+                raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
+                                "simulates its ranks in one process")
+            if batch_size(args, example_kwargs or {}) != plan.batch_size:
+                raise PlanFileError(f"this pipeline plan runs batches of {plan.batch_size} rows, the example has "
+                                    f"{batch_size(args, example_kwargs or {})}; re-plan with autopar.plan()")
+            captured = together("capturing one microbatch", lambda: recapture(plan.microbatches))
+        elif captured is None:
+            captured = together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
         together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:
-            if one_process():
-                raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
-                                "simulates its ranks in one process")
-            micro = together("capturing one microbatch", lambda: microbatch_capture(
-                model, args, example_kwargs, precision)(plan.microbatches))
             return together("generating the stages and sharding the weights",
-                            lambda: PipelinedModule(model, mesh, plan, micro, bucket_bytes))
+                            lambda: PipelinedModule(model, mesh, plan, captured, bucket_bytes))
         return together("generating code and sharding the weights",
                         lambda: ShardedModule(model, mesh, plan, captured, bucket_bytes))
 

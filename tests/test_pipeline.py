@@ -15,7 +15,7 @@ import torch
 
 import autopar
 from autopar.core.capture import capture
-from autopar.core.errors import AutoparError, InputMismatchError, MeshError
+from autopar.core.errors import AutoparError, InputMismatchError, MeshError, PlanFileError
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, microbatch_capture
 from autopar.core.plan import Plan
@@ -153,14 +153,20 @@ def test_pipeline_refuses_simulated_ranks():
 
 
 def _other_batch(mesh, name, text, batches):
+    """(compile's error for an example of another batch size, train_step's for such a batch)."""
     args, kwargs = batches[0]
-    pmodel = autopar.compile(build(name), mesh, args, kwargs, plan=Plan.from_json(text))
     half = make_batches(name, 4, 16, steps=1)[0]
+    messages = []
+    try:
+        autopar.compile(build(name), mesh, *half, plan=Plan.from_json(text))
+    except PlanFileError as e:
+        messages.append(str(e))
+    pmodel = autopar.compile(build(name), mesh, args, kwargs, plan=Plan.from_json(text))
     try:
         pmodel.train_step(*half[0], **half[1])
     except InputMismatchError as e:
-        return str(e)
-    return None
+        messages.append(str(e))
+    return messages
 
 
 def test_pipeline_refuses_another_batch_size():
@@ -169,7 +175,8 @@ def test_pipeline_refuses_another_batch_size():
     text = pipeline_plans(name, batches, MeshSpec((2, 2), ("pp", "tp")), "tp", schedules=(("Schedule1F1B", 1),))[0]
     messages = run_on_gloo_mesh(_other_batch, (2, 2), name, text, batches, axis_names=("pp", "tp"),
                                 start_method="forkserver")
-    assert all(m is not None and "batches of 8 rows" in m for m in messages)
+    for compiled, stepped in messages:
+        assert "runs batches of 8 rows, the example has 4" in compiled and "batches of 8 rows" in stepped
 
 
 def test_pipeline_stages_are_priced_on_the_jobs_profile():

@@ -15,7 +15,8 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 9   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s
+PLAN_FORMAT_VERSION = 10   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s;
+                          # 10: pipeline.microbatch_fingerprint
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class PipelinePlan:
     virtual_stages: int               # stages per rank
     stages: tuple[StagePlan, ...]
     bubble_fraction: float = 0.0      # predicted idle share of the busiest rank's step
+    microbatch_fingerprint: str = ""  # of the model captured at one microbatch: what the stages run
 
     @property
     def num_stages(self) -> int:
@@ -283,14 +285,17 @@ class Plan:
             raise PlanFileError(f"plan file is missing or has a malformed field: {e}") from None
 
     def check_matches(self, fingerprint: str, mesh: MeshSpec, precision: str = "fp32") -> None:
-        """Refuse to apply a plan made for another model, input shape, precision or mesh."""
+        """Refuse to apply a plan made for another model, input shape, precision or mesh.
+        ``fingerprint``: of the model captured as the plan runs it, at one microbatch for a
+        pipeline plan (``PipelinePlan.microbatch_fingerprint``), else at the batch."""
+        wanted = self.pipeline.microbatch_fingerprint if self.pipeline is not None else self.fingerprint
         if precision != self.precision:
             raise PlanFileError(f"this plan computes in {self.precision}, the model was captured in {precision}; "
                                 f"compile with precision={self.precision!r} (or pass the plan, whose precision is used)")
-        if fingerprint != self.fingerprint:
+        if fingerprint != wanted:
             raise PlanFileError(
                 f"this plan was made for another model or input shapes ({self.model_name}, fingerprint "
-                f"{self.fingerprint}); the model given has fingerprint {fingerprint}. Re-plan with autopar.plan()."
+                f"{wanted}); the model given has fingerprint {fingerprint}. Re-plan with autopar.plan()."
             )
         if tuple(mesh.shape) != tuple(self.mesh.shape):
             raise PlanFileError(f"this plan is for mesh {self.mesh.shape}, not {mesh.shape}; re-plan for this mesh")

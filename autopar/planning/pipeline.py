@@ -112,7 +112,8 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
                 f"{step.peak_in_flight[worst]} microbatch(es) in flight",
         cost_source=p.cost_source)
     pipeline = PipelinePlan(axis=mesh.axis_names[axis], schedule=schedule, num_microbatches=microbatches,
-                            virtual_stages=per_rank, stages=stage_plans, bubble_fraction=step.bubble_fraction)
+                            virtual_stages=per_rank, stages=stage_plans, bubble_fraction=step.bubble_fraction,
+                            microbatch_fingerprint=captured.fingerprint)
     budget = stage_plan.memory_budget if budget is None else budget
     return replace(stage_plan, mesh=mesh, fingerprint=fingerprint or stage_plan.fingerprint, nodes=[_lifted(n, axis) for n in stage_plan.nodes], predicted=predicted,
                    memory_budget=budget, feasible=peaks[worst] <= budget,

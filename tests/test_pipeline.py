@@ -204,3 +204,23 @@ def test_pipeline_stages_are_priced_on_the_jobs_profile():
     slower = autopar.plan(model, mesh, args, kwargs, profile=profile, pipeline=options.pipeline)
     added = slower.predicted.step_time_s - plan.predicted.step_time_s
     assert added == pytest.approx((4 + 2 - 1) * 1.0 + 0.5, rel=0.01)
+
+
+def test_auto_weighs_a_pipeline_where_the_first_axis_crosses_nodes():
+    """On 2 nodes of 8 H100 the first axis crosses nodes: "auto" plans without a pipeline and with
+    one over a factor of that axis (as ``pipeline={"axis": "auto"}`` forces) and keeps the faster,
+    the pipeline only where it gains ``min_gain``; on one node it weighs none."""
+    model = build("tests.deep_gpt:build")
+    args, kwargs = make_batches("tests.deep_gpt:build", 64, 32, steps=1)[0]
+    nodes = MeshSpec((2, 8), ("dp", "tp"), hardware="h100-80gb")
+    options = PlanOptions(time_limit=None)   # solved to optimality: the three plans compare exactly
+    without = autopar.plan(model, nodes, args, kwargs, options=options, pipeline=False)
+    forced = autopar.plan(model, nodes, args, kwargs, options=options, pipeline={"axis": "auto"})
+    auto = autopar.plan(model, nodes, args, kwargs, options=options)
+    assert without.pipeline is None and forced.pipeline is not None and forced.pipeline.num_stages >= 2
+    kept = forced.predicted.step_time_s < (1 - options.min_gain) * without.predicted.step_time_s
+    assert auto.predicted.step_time_s == pytest.approx((forced if kept else without).predicted.step_time_s)
+    assert (auto.pipeline is not None) == kept
+    assert auto.solver["pipeline"].startswith("kept" if kept else "not kept"), auto.solver["pipeline"]
+    node = MeshSpec((8,), hardware="h100-80gb")
+    assert "pipeline" not in autopar.plan(model, node, args, kwargs, options=options).solver

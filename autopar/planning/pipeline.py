@@ -309,8 +309,8 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     and microbatch count, the stage's SPMD plan of one microbatch on the other axes
     (``plan_stage``, the planner itself, with the budget times the pipeline ranks: each holds that
     share of the model), cut into stages under each schedule. Where recomputation is the
-    planner's, every layout is planned with full recomputation first (what fits at scale), then,
-    in the time left, as the stage plan would choose. Raises ``InfeasibleError`` where none fits,
+    planner's, every layout is planned as the stage plan chooses first, then, in the time left,
+    with full recomputation (less memory: more microbatches in flight fit). Raises ``InfeasibleError`` where none fits,
     ``AutoparError`` where the model cannot be pipelined so."""
     layouts = pipeline_layouts(captured, mesh, choice)
     if any(m > 1 for _, _, counts in layouts for m in counts) and recapture is None:
@@ -324,7 +324,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     budget, profile = job_setting(options, mesh)
     # the stage plan is made as if the model's state were split over the ranks (it is) and every
     # microbatch's activations too (they are not: a rank keeps several in flight)
-    modes = ["full", "auto"] if options.recompute == "auto" else [options.recompute]
+    modes = ["auto", "full"] if options.recompute == "auto" else [options.recompute]
     attempts = [(shaped, axis, m, mode) for mode in modes for shaped, axis, counts in layouts for m in counts]
     tried: dict[str, str] = {}
     best: Plan | None = None

@@ -436,13 +436,13 @@ def _add(total: dict[str, float], more: dict[str, float]) -> None:
         total[stage] = total.get(stage, 0.0) + seconds
 
 
-#: Share of the time left that the plan without a pipeline may use where "auto" weighs one too:
-#: at the scale where pipelines are weighed its search needs the time (GPT-3 175B on 128x8 A100:
-#: 21.0 s a step with half of 60 s, 18.8 s with all of it), and one stage plan is what the
-#: pipeline search needs at least.
-SPMD_SHARE = 0.75
+#: Share of the time left that the plan without a pipeline may use where "auto" weighs one too.
+#: At the scale where pipelines are weighed both searches need time: GPT-3 175B at 1536 x 2048 on
+#: 128x8 A100 gets 21.0 s a step from the plan without in 60% of 60 s (19.5 s with 45 s), and one
+#: stage plan takes 10-15 s; given the rest, the pipeline search finds 32 stages of 1F1B, 19.4 s.
+SPMD_SHARE = 0.6
 #: The least share of the time limit left after it for which the pipeline is weighed at all.
-MIN_PIPELINE_SHARE = 0.3
+MIN_PIPELINE_SHARE = 0.25
 
 
 #: Share of the time limit kept for what runs past the search's deadline: the last solve's least

@@ -310,8 +310,10 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     (``plan_stage``, the planner itself, with the budget times the pipeline ranks: each holds that
     share of the model), cut into stages under each schedule. Where recomputation is the
     planner's, every layout is planned as the stage plan chooses first, then, in the time left,
-    with full recomputation (less memory: more microbatches in flight fit). Raises ``InfeasibleError`` where none fits,
-    ``AutoparError`` where the model cannot be pipelined so."""
+    with full recomputation (less memory: more microbatches in flight fit). Each attempt may take
+    half the time left (a stage plan cut short is a poor one): the first are weighed well, the
+    last only where time remains. Raises ``InfeasibleError`` where none fits, ``AutoparError``
+    where the model cannot be pipelined so."""
     layouts = pipeline_layouts(captured, mesh, choice)
     if any(m > 1 for _, _, counts in layouts for m in counts) and recapture is None:
         raise AutoparError("a pipeline runs microbatches: plan with autopar.plan or autopar.compile, which can "
@@ -340,7 +342,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
         stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,
                                 hand_plans=False, profile=profile,
-                                time_limit=None if left is None else max(left / (len(attempts) - i), 1.0))
+                                time_limit=None if left is None else max(left / min(len(attempts) - i, 2), 1.0))
         where = f"{shaped.axis_names[axis]}={ranks}, {m} microbatches, recompute {mode}"
         try:
             stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options)

@@ -59,7 +59,7 @@ def run_case(model_name: str, mesh: tuple[int, ...], budget_gib: float | None, b
     except autopar.InfeasibleError as e:   # no plan at all fits: nothing to compare
         return {"model": model_name, "mesh": list(mesh), "batch": batch, "infeasible": str(e),
                 "min_memory_bytes": e.min_memory_bytes, "ratio_auto_over_best_hand": None}
-    hands = plan.solver["hand_plans"]
+    hands = plan.solver.get("hand_plans", {})   # none where only a pipeline fits
     fitting = {k: v for k, v in hands.items() if v["feasible"]}
     best = min(fitting, key=lambda k: fitting[k]["step_time_s"], default=None)
     ratio = plan.predicted.step_time_s / fitting[best]["step_time_s"] if best else None

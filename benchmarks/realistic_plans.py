@@ -74,6 +74,9 @@ def run(name: str, batch: int, seq: int, mesh: tuple[int, ...], hardware: str, t
             "predicted_step_s": step, "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
             "memory_budget_bytes": plan.memory_budget, "predicted_mfu": mfu,
             "microbatches": plan.microbatches, "recompute": sorted(set(plan.recompute.values())) or ["none"],
+            "pipeline": None if plan.pipeline is None else {
+                "schedule": plan.pipeline.schedule, "stages": plan.pipeline.num_stages,
+                "mesh": plan.mesh.describe(), "bubble": plan.pipeline.bubble_fraction},
             "offloaded_parameters": len(plan.offloaded),
             "memory_breakdown": plan.predicted.memory_breakdown, "peak_at": plan.predicted.peak_at,
             "timings": plan.timings,
@@ -86,7 +89,10 @@ def line(r: dict) -> str:
     if not r["fits"] and "least_memory_bytes" in r:
         return f"{where}: no plan fits; the least any plan needs is {fmt(r['least_memory_bytes'], 'B')} per device " \
                f"({r['plan_s']:.1f} s)"
-    return (f"{where}: {r['plan']} plan in {r['plan_s']:.1f} s, {r['microbatches']} microbatch(es), recompute "
+    piped = r.get("pipeline")
+    return (f"{where}: {r['plan']} plan in {r['plan_s']:.1f} s, "
+            + (f"pipeline of {piped['stages']} stages ({piped['schedule']}, {piped['mesh']}), " if piped else "")
+            + f"{r['microbatches']} microbatch(es), recompute "
             f"{'+'.join(r['recompute'])}"
             + (f", optimizer states of {r['offloaded_parameters']} parameters offloaded" if r.get("offloaded_parameters") else "")
             + f", step {fmt(r['predicted_step_s'], 's')}, "

@@ -222,5 +222,6 @@ def test_auto_weighs_a_pipeline_where_the_first_axis_crosses_nodes():
     assert auto.predicted.step_time_s == pytest.approx((forced if kept else without).predicted.step_time_s)
     assert (auto.pipeline is not None) == kept
     assert auto.solver["pipeline"].startswith("kept" if kept else "not kept"), auto.solver["pipeline"]
+    assert auto.solver["hand_plans"] == without.solver["hand_plans"]   # what it was weighed against, either way
     node = MeshSpec((8,), hardware="h100-80gb")
     assert "pipeline" not in autopar.plan(model, node, args, kwargs, options=options).solver

@@ -337,7 +337,8 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
             break
         started = time.perf_counter()
         ranks = shaped.shape[axis]
-        micro = captured if m == 1 else recapture(m)
+        micro = captured if m == 1 else recapture(m)   # the first time, a capture: out of the stage plan's time
+        left = None if deadline is None else deadline - time.perf_counter()
         # priced as the stage runs it, m microbatches a step (ZeRO-3 gathers each time, gradient sync
         # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
         stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,

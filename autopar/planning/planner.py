@@ -93,6 +93,8 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
         best.solver["pipeline"] = f"none: {why}"
         return best
     piped.timings = best.timings = timings
+    if "hand_plans" in best.solver:   # what the plan was weighed against, pipeline or not
+        piped.solver["hand_plans"] = best.solver["hand_plans"]
     faster = piped.predicted.step_time_s < (1 - options.min_gain) * best.predicted.step_time_s
     if piped.feasible and (faster or not best.feasible):
         piped.solver["pipeline"] = (f"kept: {fmt(piped.predicted.step_time_s, 's')} a step, the plan without "

@@ -439,10 +439,11 @@ def _add(total: dict[str, float], more: dict[str, float]) -> None:
 
 
 #: Share of the time left that the plan without a pipeline may use where "auto" weighs one too.
-#: At the scale where pipelines are weighed both searches need time: GPT-3 175B at 1536 x 2048 on
-#: 128x8 A100 gets 21.0 s a step from the plan without in 60% of 60 s (19.5 s with 45 s), and one
-#: stage plan takes 10-15 s; given the rest, the pipeline search finds 32 stages of 1F1B, 19.4 s.
-SPMD_SHARE = 0.6
+#: At the scale where pipelines are weighed both searches need time: one stage plan of Llama-2 70B
+#: on 16x8 takes a microbatch's capture (6 s) and an ILP build (9 s) before it solves, and GPT-3
+#: 175B at 1536 x 2048 on 128x8 A100 gets 21.0 s a step from the plan without in 60% of 60 s, 19.4 s
+#: from a pipeline of 32 stages.
+SPMD_SHARE = 0.5
 #: The least share of the time limit left after it for which the pipeline is weighed at all.
 MIN_PIPELINE_SHARE = 0.25
 

@@ -71,9 +71,13 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         precision = plan.precision if plan is not None else options.precision
         args = as_args(example_inputs)
         recapture = memoized(microbatch_capture(model, args, example_kwargs, precision))
+
+        def whole() -> CapturedGraph:
+            return together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
+
         captured = None
         if plan is None:
-            captured = together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
+            captured = whole()
             plan = _plan_shared_by_all_ranks(captured, spec, mesh, options, recapture)
         mesh = _formed_as_planned(mesh, spec, plan)
         spec = as_mesh_spec(mesh, spec.hardware)
@@ -86,7 +90,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
                                     f"{batch_size(args, example_kwargs or {})}; re-plan with autopar.plan()")
             captured = together("capturing one microbatch", lambda: recapture(plan.microbatches))
         elif captured is None:
-            captured = together("capturing the model", lambda: capture(model, args, example_kwargs, precision=precision))
+            captured = whole()
         together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
@@ -102,17 +106,18 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it. The profile
     is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone;
-    then every rank measures the model's ops it lacks (``measure_missing_ops``)."""
+    then every rank measures the model's ops it lacks (``measure_missing_ops``). ``recapture`` is
+    memoized: a microbatch captured for the plan serves the compiled module too."""
     resolved = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
-    recapture = memoized(recapture)
     if not one_process() and mesh.size() != dist.get_world_size():
         raise MeshError(
             f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
-    if options.measure_missing_ops:
-        measure_missing_ops(priced_workloads(captured, spec, resolved, recapture), resolved.profile,
-                            source=options.profile)
+    if options.measure_missing_ops:   # without a profile nothing is measured: no microbatch captured for it
+        workloads = priced_workloads(captured, spec, resolved, recapture) if resolved.profile is not None \
+            else [(captured, spec)]
+        measure_missing_ops(workloads, resolved.profile, source=options.profile)
     if one_process():
         return plan_captured(captured, spec, resolved, recapture=recapture)
     message = [together("planning", lambda: plan_captured(captured, spec, resolved, recapture=recapture).to_json()

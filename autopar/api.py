@@ -85,9 +85,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
             if one_process():
                 raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
                                 "simulates its ranks in one process")
-            if batch_size(args, example_kwargs or {}) != plan.batch_size:
+            rows = batch_size(args, example_kwargs or {})
+            if rows != plan.batch_size:
                 raise PlanFileError(f"this pipeline plan runs batches of {plan.batch_size} rows, the example has "
-                                    f"{batch_size(args, example_kwargs or {})}; re-plan with autopar.plan()")
+                                    f"{rows}; re-plan with autopar.plan()")
             captured = together("capturing one microbatch", lambda: recapture(plan.microbatches))
         elif captured is None:
             captured = whole()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.core.errors import AutoparError
+from autopar.core.hardware import get_hardware
 from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import check_precision
 from autopar.core.blocks import RECOMPUTE
@@ -111,6 +112,10 @@ class PlanOptions:
         if self.offload not in OFFLOAD:
             raise AutoparError(f"offload is {', '.join(map(repr, OFFLOAD))}, got {self.offload!r}")
         pipeline_choice(self.pipeline)
+
+    def device_budget(self, hardware: str) -> float:
+        """Bytes per device a plan may hold: ``memory_budget``, else the memory of ``hardware``'s preset."""
+        return float(self.memory_budget) if self.memory_budget is not None else float(get_hardware(hardware).memory_bytes)
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **values: Any) -> PlanOptions:

@@ -373,9 +373,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
 def job_setting(options: Any, mesh: MeshSpec) -> tuple[float, Profile | None]:
     """(a device's memory budget, the job's profile) that every pipeline layout of ``mesh`` is
     planned with: the stages' sub-meshes run inside the whole job, whose profile prices them."""
-    budget = float(options.memory_budget) if options.memory_budget is not None else \
-        float(get_hardware(mesh.hardware).memory_bytes)
-    return budget, resolve_profile(options.profile, mesh)
+    return options.device_budget(mesh.hardware), resolve_profile(options.profile, mesh)
 
 
 def pipeline_layouts(captured: CapturedGraph, mesh: MeshSpec, choice: PipelineChoice) -> list[tuple[MeshSpec, int, list[int]]]:

@@ -110,7 +110,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
                           offload=offload)
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of,
                             accumulating=microbatches > 1)
-        budget = float(options.memory_budget) if options.memory_budget is not None else float(model.hw.memory_bytes)
+        budget = options.device_budget(mesh.hardware)
         cuts = timeline.cuts(CUTS)
     with _stage(timings, "ilp"):
         problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, options.share_layers)

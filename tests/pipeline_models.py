@@ -1,6 +1,7 @@
-"""Four-block versions of three test models, as their authors build them, for pipelines of four
-stages (two per rank): autopar's GPT, Hugging Face GPT-2 (tied embeddings) and Llama. Zoo names
-``tests.pipeline_models:gpt``, ``...:gpt2``, ``...:llama``."""
+"""Four-block versions of test models, as their authors build them (sizes and dropout 0 set,
+nothing else), for pipelines of four stages (two per rank): autopar's GPT, Hugging Face GPT-2
+(tied embeddings), Llama and OPT (tied embeddings, learned positions, ReLU). Zoo names
+``tests.pipeline_models:gpt``, ``...:gpt2``, ``...:llama``, ``...:opt``."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -33,3 +34,12 @@ def llama() -> ZooEntry:
                                           max_position_embeddings=64)
         return transformers.AutoModelForCausalLM.from_config(config)
     return replace(get_model("llama-tiny"), name=f"{__name__}:llama", build=build)
+
+
+def opt() -> ZooEntry:
+    def build():
+        config = transformers.OPTConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4, ffn_dim=128,
+                                        vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64,
+                                        dropout=0.0)
+        return transformers.AutoModelForCausalLM.from_config(config)
+    return replace(get_model("opt-tiny"), name=f"{__name__}:opt", build=build)

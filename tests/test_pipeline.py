@@ -108,6 +108,13 @@ def test_pipeline_with_data_and_tensor_parallel_stages_trains_exactly():
                     schedules=(("Schedule1F1B", 1),))
 
 
+def test_pipeline_of_a_model_no_other_case_runs_trains_exactly():
+    """HF OPT (tied embeddings, learned positions offset by 2, ReLU), tensor-parallel stages."""
+    name = "tests.pipeline_models:opt"
+    check_pipelines(name, MeshSpec((2, 2), ("pp", "tp")), "tp", make_batches(name, 8, 16),
+                    schedules=(("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)))
+
+
 def test_pipeline_plan_round_trips_and_reports_its_stages():
     name = "tests.pipeline_models:gpt"
     text = pipeline_plans(name, make_batches(name, 8, 16, steps=1), MeshSpec((2, 2), ("pp", "tp")), "tp",

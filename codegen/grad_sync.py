@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch._utils import _unflatten_dense_tensors
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial
 from autopar.core.execution import BUCKET_BYTES
 from autopar.core.placements import Placements
 from autopar.core.precision import reduce_dtype
-from codegen.runtime import all_reduce, gradient_leaf, shard_of
+from codegen.runtime import Launched, gradient_leaf, shard_of, sum_in_place
 
 DEFAULT_BUCKET_BYTES = BUCKET_BYTES
 
@@ -55,11 +56,11 @@ class Carried:
 
     summand: torch.Tensor
     axes: tuple[int, ...]
-    reduced: torch.Tensor | None = None   # the sum, flattened (launched; a functional collective's result)
+    reduced: Launched | None = None   # the sum, flattened
 
     def value(self) -> torch.Tensor:
         """The sum over ranks, shaped as the summand (waits for it)."""
-        return funcol.wait_tensor(self.reduced).reshape(self.summand.shape)
+        return self.reduced.wait().reshape(self.summand.shape)
 
 
 @dataclass
@@ -71,7 +72,7 @@ class _Bucket:
     leaves: list[torch.Tensor] = field(default_factory=list)   # where each one's gradient accumulates
     nbytes: int = 0
     ready: int = 0                        # gradients accumulated in this backward
-    reduced: torch.Tensor | None = None   # the launched all-reduce of the flattened gradients
+    reduced: Launched | None = None       # the launched all-reduce of the flattened gradients
     carried: list[Carried] = field(default_factory=list)   # summands reduced at the end of ``reduced``
 
 
@@ -128,8 +129,12 @@ class GradSync:
         if any(b.axes == carried.axes and b.wire == summand.dtype for b in self.buckets):
             self._carried.append(carried)
         else:
-            carried.reduced = all_reduce(carried.summand.reshape(-1), self.mesh, carried.axes)
+            carried.reduced = self._sum_alone(carried)
         return carried
+
+    def _sum_alone(self, c: Carried) -> Launched:
+        """Launch the sum of a summand no bucket takes (a copy: the summand shares the loss's storage)."""
+        return sum_in_place(c.summand.reshape(-1).clone(), self.mesh, c.axes)
 
     def later(self, params: list[nn.Parameter], reduced: torch.Tensor, to_host: bool = False) -> None:
         """``reduced``: the launched collective that yields ``params``' local gradients, flattened
@@ -139,7 +144,7 @@ class GradSync:
         self._queue()
         if to_host:
             for earlier, waiting in [(p, r) for p, r, h in self._later if h]:
-                _hand_over(earlier, funcol.wait_tensor(waiting))
+                _hand_over(_with_shards(earlier), funcol.wait_tensor(waiting))
             self._later = [entry for entry in self._later if not entry[2]]
         self._later.append((params, reduced, to_host))
 
@@ -149,11 +154,11 @@ class GradSync:
             self._queued = True
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [leaf.grad for leaf in bucket.leaves if leaf.grad is not None]
+        grads = [g.reshape(-1) for g in (leaf.grad for leaf in bucket.leaves) if g is not None]
         bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.wire]
         self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
-        flat = torch.cat([g.reshape(-1).to(bucket.wire) for g in grads] + [c.summand.reshape(-1) for c in bucket.carried])
-        bucket.reduced = all_reduce(flat, self.mesh, bucket.axes)
+        flat = torch.cat(grads + [c.summand.reshape(-1) for c in bucket.carried])
+        bucket.reduced = sum_in_place(flat.to(bucket.wire), self.mesh, bucket.axes)
 
     def wire(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` gradients in the dtype they are summed in (a ZeRO-3 group's, ``codegen.zero3``)."""
@@ -167,39 +172,44 @@ class GradSync:
             if bucket.axes and not self.sync:   # accumulating: the local sums wait for the last backward
                 bucket.ready = 0
                 continue
-            used = [p for p in bucket.params if shard_of(p).grad is not None]
+            used = [(p, leaf) for p, leaf in zip(bucket.params, bucket.leaves) if leaf.grad is not None]
             if bucket.axes and bucket.reduced is None and used:
                 self._launch(bucket)
             if bucket.reduced is not None:
-                flat = funcol.wait_tensor(bucket.reduced)
+                flat = bucket.reduced.wait()
                 _hand_over(used, flat)
                 tail = flat[flat.numel() - sum(c.summand.numel() for c in bucket.carried):]
                 for c, part in zip(bucket.carried, tail.split([c.summand.numel() for c in bucket.carried])):
-                    c.reduced = part.clone()   # not a view: the gradients' storage goes to the optimizer
+                    c.reduced = Launched(part.clone())   # not a view: the gradients' storage goes to the optimizer
             else:
-                for p in used:
-                    _add_grad(p, shard_of(p).grad)
-            for p in used:
-                shard_of(p).grad = None
+                for p, leaf in used:
+                    _add_grad(p, leaf.grad)
+            for _, leaf in used:
+                leaf.grad = None
             bucket.ready, bucket.reduced, bucket.carried = 0, None, []
         if self.sync:   # summands no bucket took (its parameters unused in this step): alone
             for c in self._carried:
-                c.reduced = all_reduce(c.summand.reshape(-1), self.mesh, c.axes)
+                c.reduced = self._sum_alone(c)
             self._carried = []
         later, self._later = self._later, []
         for params, reduced, _ in later:
-            _hand_over(params, funcol.wait_tensor(reduced))
+            _hand_over(_with_shards(params), funcol.wait_tensor(reduced))
 
 
-def _hand_over(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    """Split ``flat`` into the parameters' local gradients, in order, and add each to its ``grad``
-    (in the parameter's dtype, where they were summed in another, and memory: an offloaded one's
-    goes to the host)."""
-    offset = 0
-    for p in params:
-        local = shard_of(p)
-        _add_grad(p, flat[offset:offset + local.numel()].view_as(local).to(local.device, local.dtype))
-        offset += local.numel()
+def _with_shards(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    return [(p, shard_of(p)) for p in params]
+
+
+def _hand_over(params: list[tuple[nn.Parameter, torch.Tensor]], flat: torch.Tensor) -> None:
+    """Split ``flat`` into the local gradients of ``params`` (each with its local shard), in
+    order, and add each to its parameter's ``grad`` (in the parameter's dtype, where they were
+    summed in another, and memory: an offloaded one's goes to the host); what follows them in
+    ``flat`` (carried summands) is left."""
+    locals_ = [local for _, local in params]
+    grads = _unflatten_dense_tensors(flat[:sum(local.numel() for local in locals_)], locals_)   # views
+    for (p, local), grad in zip(params, grads):
+        _add_grad(p, grad if grad.dtype == local.dtype and grad.device == local.device
+                  else grad.to(local.device, local.dtype))
 
 
 def _add_grad(p: nn.Parameter, local_grad: torch.Tensor) -> None:

@@ -463,6 +463,34 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.
     return x
 
 
+class Launched:
+    """A sum over ranks launched (``sum_in_place``), or a value at hand, read by ``wait``."""
+
+    def __init__(self, tensor: torch.Tensor, work: Any = None, functional: bool = False) -> None:
+        self._tensor, self._work, self._functional = tensor, work, functional
+
+    def wait(self) -> torch.Tensor:
+        """The sum (waits for it the first time)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._functional:
+            self._tensor, self._functional = funcol.wait_tensor(self._tensor), False
+        return self._tensor
+
+
+def sum_in_place(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> Launched:
+    """Launch the sum of ``x`` over the ranks of mesh ``axes`` into ``x`` itself, as DDP's buckets
+    do: c10d's asynchronous all-reduce, not a functional collective (its dispatch costs the
+    launching thread about five times as much CPU: 250 against 50 us on gloo). Gradient buckets
+    use it; the forward's collectives, which autograd differentiates, stay functional. Axes that
+    are neither one axis nor the whole job take the functional path, one axis after another."""
+    if len(axes) == 1 or spans_job(mesh, axes):
+        group = mesh.get_group(axes[0]) if len(axes) == 1 else dist.group.WORLD
+        return Launched(x, dist.all_reduce(x, group=group, async_op=True))
+    return Launched(all_reduce(x, mesh, axes), functional=True)
+
+
 def spans_job(mesh: DeviceMesh, axes: Sequence[int]) -> bool:
     """Are ``axes`` every axis of a mesh made of every rank of the job (one process group)?"""
     return len(axes) == mesh.ndim and mesh.size() == dist.get_world_size()

@@ -78,14 +78,16 @@ def test_a_smaller_batch_makes_a_smaller_last_microbatch():
 def test_gradients_are_reduced_once_per_step(monkeypatch):
     """Four microbatches launch as many all-reduces as one: the last backward's bucket (gpt-tiny's
     gradients fill one), the loss of every microbatch summed over ranks in it; the loss is exact."""
+    import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
     name = "gpt-tiny"
     batch = padded_batches(name)[0]
     want = train_reference(name, [batch])[0][0]
     launched = []
-    all_reduce = funcol.all_reduce
-    monkeypatch.setattr(funcol, "all_reduce", lambda *a, **k: launched.append(1) or all_reduce(*a, **k))
+    for module in (funcol, dist):   # functional and c10d's own all-reduces (the buckets use the latter)
+        all_reduce = module.all_reduce
+        monkeypatch.setattr(module, "all_reduce", lambda *a, _f=all_reduce, **k: launched.append(1) or _f(*a, **k))
     counts = {}
     for k in (1, 4):
         plan = candidates(build(name), MeshSpec((2,)), *batch, microbatches=k)["ddp"]

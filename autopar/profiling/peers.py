@@ -49,22 +49,31 @@ def fsdp2(model: nn.Module, batch: Batch) -> tuple[nn.Module, Batch]:
     return fully_shard(model), rank_batch(batch, dist.get_world_size(), dist.get_rank())
 
 
-def tensor_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[nn.Module, Batch] | None:
-    """Megatron-style tensor parallelism with torch's API on the mesh's last axis (q/k/v and
-    gate/up projections column-wise, o and down projections row-wise), FSDP2 on the first; each dp
-    group gets its part of ``batch``. None for a model torch's API cannot split unchanged (a fused
-    qkv projection, HF's Conv1D layers): that needs its code rewritten, as Megatron does."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def tensor_parallel_plan(model: nn.Module) -> dict[str, Any] | None:
+    """Megatron-style tensor parallelism of each block with torch's API (q/k/v and gate/up
+    projections column-wise, o and down projections row-wise), as ``parallelize_module`` takes it;
+    None for a model torch's API cannot split unchanged (a fused qkv projection, HF's Conv1D
+    layers): that needs its code rewritten, as Megatron does."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    layers = blocks(model)
     plan = {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel(),
             **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
             **{f"mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")}}
-    if not set(plan) <= {name for name, _ in layers[0].named_modules()} or mesh.ndim != 2:
-        return None
+    return plan if set(plan) <= {name for name, _ in blocks(model)[0].named_modules()} else None
+
+
+def tensor_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[nn.Module, Batch]:
+    """``tensor_parallel_plan`` on the mesh's last axis, FSDP2 on the first; each dp group gets its
+    part of ``batch``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tensor_parallel_plan(model)
+    if plan is None or mesh.ndim != 2:
+        raise ValueError(f"torch's tensor parallel API cannot split {type(model).__name__} unchanged "
+                         f"on a {mesh.ndim}-D mesh (needs separate q/k/v and gate/up nn.Linear layers, 2-D mesh)")
     dp, tp = mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]
-    for layer in layers:
+    for layer in blocks(model):
         parallelize_module(layer, tp, plan)
         fully_shard(layer, mesh=dp)
     return fully_shard(model, mesh=dp), rank_batch(batch, mesh.size(0), mesh.get_local_rank(0))

@@ -73,6 +73,7 @@ class _Bucket:
     nbytes: int = 0
     ready: int = 0                        # gradients accumulated in this backward
     reduced: Launched | None = None       # the launched all-reduce of the flattened gradients
+    buffer: torch.Tensor | None = None    # where the last backward flattened them: reused (see ``_launch``)
     carried: list[Carried] = field(default_factory=list)   # summands reduced at the end of ``reduced``
 
 
@@ -157,8 +158,15 @@ class GradSync:
         grads = [g.reshape(-1) for g in (leaf.grad for leaf in bucket.leaves) if g is not None]
         bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.wire]
         self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
-        flat = torch.cat(grads + [c.summand.reshape(-1) for c in bucket.carried])
-        bucket.reduced = sum_in_place(flat.to(bucket.wire), self.mesh, bucket.axes)
+        parts = grads + [c.summand.reshape(-1) for c in bucket.carried]
+        flat = bucket.buffer
+        if (flat is None or flat.numel() != sum(t.numel() for t in parts) or bucket.wire != bucket.dtype
+                or any(p.grad is not None for p in bucket.params)):   # a gradient handed over may be a view of it
+            flat = torch.cat(parts).to(bucket.wire)
+        else:
+            torch.cat(parts, out=flat)
+        bucket.buffer = flat if bucket.wire == bucket.dtype else None
+        bucket.reduced = sum_in_place(flat, self.mesh, bucket.axes)
 
     def wire(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` gradients in the dtype they are summed in (a ZeRO-3 group's, ``codegen.zero3``)."""

@@ -28,7 +28,7 @@ from autopar.core.microbatch import batch_size, split
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.recompute import checkpointed
-from tests.equivalence import (build, check_training, gloo_runner, local_runner, make_batches, meta_model,
+from tests.equivalence import (build, check_training, gloo_runner, local_runner, loss_of, make_batches, meta_model,
                                padded_batches, train_reference, train_steps, TOLERANCES)
 
 MODELS = ["gpt-tiny", "llama-tiny", "gpt2-tiny"]
@@ -101,6 +101,41 @@ def test_gradients_are_reduced_once_per_step(monkeypatch):
         counts[k] = len(launched)
         assert losses == pytest.approx([want] * 2, rel=TOLERANCES["fp32"][0], abs=TOLERANCES["fp32"][1])
     assert counts == {1: 1, 4: 1}
+
+
+def test_gradient_buckets_accumulate_across_backwards_and_are_reused():
+    """Two backwards of different batches without ``zero_grad`` between them sum their gradients
+    as on one device (the first one's gradients, views of the bucket buffers, are not overwritten
+    by the second); after ``zero_grad(set_to_none=True)`` the next backward flattens into the same
+    buffers (a gradient kept past it is overwritten, as documented)."""
+    from torch.distributed.tensor import DTensor
+
+    name = "gpt-tiny"
+    batches = padded_batches(name)[:2]
+    reference = build(name)
+    for args, kwargs in batches:
+        loss_of(reference(*args, **kwargs)).backward()
+    plan = candidates(build(name), MeshSpec((2,)), *batches[0])["ddp"]
+    model = build(name)
+
+    def body(mesh):
+        pmodel = autopar.compile(model, mesh, *batches[0], plan=plan)
+        for args, kwargs in batches:
+            pmodel.train_step(*args, **kwargs)
+        summed = {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+                  for n, p in pmodel.named_parameters()}
+        pmodel.zero_grad(set_to_none=True)
+        pmodel.train_step(*batches[0][0], **batches[0][1])
+        kept = {n: per_rank(p.grad)[0] for n, p in pmodel.named_parameters()}   # held: its memory stays taken
+        pmodel.zero_grad(set_to_none=True)
+        pmodel.train_step(*batches[1][0], **batches[1][1])
+        return summed, all(per_rank(p.grad)[0].data_ptr() == kept[n].data_ptr() for n, p in pmodel.named_parameters())
+
+    summed, reused = run_on_local_tensor_mesh(body, (2,))
+    for n, p in reference.named_parameters():
+        for got in per_rank(summed[n]):
+            assert torch.allclose(got, p.grad, rtol=TOLERANCES["fp32"][0], atol=TOLERANCES["fp32"][1]), n
+    assert reused, "the next step's gradients are not in the bucket buffers the step before used"
 
 
 class _ScaledLoss(torch.nn.Module):

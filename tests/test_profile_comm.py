@@ -104,7 +104,9 @@ def test_profile_mesh_on_two_processes_returns_sane_numbers():
         assert math.isfinite(link.bandwidth) and link.bandwidth > 0
         assert math.isfinite(link.latency) and link.latency >= 0
     assert set(overheads) == set(OVERHEADS)
-    assert all(math.isfinite(v) and v >= 0 for v in overheads.values())
+    assert all(math.isfinite(v) for v in overheads.values())
+    # pipeline_step may be below zero (a rank idle in the bubble leaves its core to the others)
+    assert all(v >= 0 for k, v in overheads.items() if k != "pipeline_step"), overheads
     # Differences of two timings of similar size may be noise (reported as 0); these three are
     # each tens of microseconds above what they are compared with (autograd nodes, DTensor
     # wrapping), or a plain slope.

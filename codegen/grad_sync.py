@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch._utils import _unflatten_dense_tensors
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
@@ -218,11 +217,9 @@ def _hand_over(params: list[tuple[nn.Parameter, torch.Tensor]], flat: torch.Tens
     order, and add each to its parameter's ``grad`` (in the parameter's dtype, where they were
     summed in another, and memory: an offloaded one's goes to the host); what follows them in
     ``flat`` (carried summands) is left."""
-    locals_ = [local for _, local in params]
-    grads = _unflatten_dense_tensors(flat[:sum(local.numel() for local in locals_)], locals_)   # views
-    for (p, local), grad in zip(params, grads):
-        _add_grad(p, grad if grad.dtype == local.dtype and grad.device == local.device
-                  else grad.to(local.device, local.dtype))
+    sizes = [local.numel() for _, local in params]
+    for (p, local), part in zip(params, flat.split([*sizes, flat.numel() - sum(sizes)])):
+        _add_grad(p, part.view_as(local).to(local.device, local.dtype))
 
 
 def _add_grad(p: nn.Parameter, local_grad: torch.Tensor) -> None:

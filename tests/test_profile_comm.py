@@ -10,7 +10,8 @@ import pytest
 
 from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
-from autopar.profiling.profile_comm import _axes_by_size, fit_link, profile_mesh
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.profile_comm import _axes_by_size, _pipeline_overheads, fit_link, profile_mesh
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 SIZES = [4096 * 4**i for i in range(7)]
@@ -111,3 +112,14 @@ def test_profile_mesh_on_two_processes_returns_sane_numbers():
     # each tens of microseconds above what they are compared with (autograd nodes, DTensor
     # wrapping), or a plain slope.
     assert all(overheads[k] > 0 for k in ("move", "param_read", "optimizer_per_param"))
+
+
+def _pipeline_overheads_on(mesh):
+    return _pipeline_overheads(mesh, repeats=1)
+
+
+def test_pipeline_overheads_on_an_axis_of_four_ranks():
+    """1F1B needs a microbatch a stage at least: an axis of four ranks (a 1-D mesh of 4) is timed
+    over 4, 8 and 16 microbatches (``autopar profile --mesh 4`` failed on 2 of them)."""
+    per_rank = run_on_gloo_mesh(_pipeline_overheads_on, (4,), axis_names=("pp",))
+    assert all(math.isfinite(v) for per_microbatch, fixed in per_rank for v in (per_microbatch, fixed))

@@ -279,8 +279,8 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
       training step.
     * ``pipeline_microbatch``, ``pipeline_step``: slope and intercept of a ``Schedule1F1B`` step
       of tiny stages (one multiply each) over the first mesh axis of more than one rank, against
-      its critical path of ``m + ranks - 1`` forward-backward pairs, for ``PIPELINE_MICROBATCHES``
-      counts ``m``, less the same microbatches' forwards and backwards without the pipeline: each
+      its critical path of ``m + ranks - 1`` forward-backward pairs, for microbatch counts ``m``
+      of ``PIPELINE_MICROBATCHES`` a stage, less the same microbatches' forwards and backwards without the pipeline: each
       stage's forward and backward of a microbatch pays the slope; a pipelined step the
       intercept (0 where no axis has two ranks). The intercept may be below zero: where ranks
       outnumber cores, a rank idle in the bubble leaves its core to the others, and the step
@@ -390,8 +390,9 @@ def _train_step(mesh: DeviceMesh, params: list[DTensor], opt: torch.optim.Optimi
     return run
 
 
-#: Microbatch counts of the pipelined steps ``_pipeline_overheads`` fits its line over.
-PIPELINE_MICROBATCHES = (2, 4, 8)
+#: Microbatches per stage of the pipelined steps ``_pipeline_overheads`` fits its line over (1F1B
+#: needs at least one a stage).
+PIPELINE_MICROBATCHES = (1, 2, 4)
 
 
 def _pipeline_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
@@ -401,12 +402,12 @@ def _pipeline_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
     if axis is None:
         return 0.0, 0.0
     ranks = mesh.shape[axis]
-    steps, bare = zip(*(_pipelined_step(mesh.get_group(axis), mesh.get_local_rank(axis), ranks, m)
-                        for m in PIPELINE_MICROBATCHES))
+    counts = [k * ranks for k in PIPELINE_MICROBATCHES]
+    steps, bare = zip(*(_pipelined_step(mesh.get_group(axis), mesh.get_local_rank(axis), ranks, m) for m in counts))
     times = _mean_seconds(steps + bare, repeats)
-    n = len(PIPELINE_MICROBATCHES)
+    n = len(counts)
     beyond = [piped - alone for piped, alone in zip(times[:n], times[n:])]
-    fixed, per_microbatch = _lstsq2([1.0] * n, [m + ranks - 1 for m in PIPELINE_MICROBATCHES], beyond)
+    fixed, per_microbatch = _lstsq2([1.0] * n, [m + ranks - 1 for m in counts], beyond)
     return per_microbatch, fixed
 
 

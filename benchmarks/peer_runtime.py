@@ -176,7 +176,7 @@ def main() -> None:
     a = ap.parse_args()
     meshes = [tuple(int(x) for x in m.split("x")) for m in a.meshes.split(",")]
     command = (f"python benchmarks/peer_runtime.py --models {a.models} --meshes {a.meshes} "
-               f"--rounds {a.rounds} --profile {a.profile} --out {a.out}")
+               f"--rounds {a.rounds} --profile {a.profile} --out {os.path.relpath(a.out, Path(__file__).parent.parent)}")
     results = []
     for mesh in meshes:
         for name in a.models.split(","):

@@ -63,7 +63,6 @@ SEED = 1234
 TARGETS = {"hand / torch": 1.10, "auto / fastest torch": 1.05, "autopar (1,) / eager": 1.05}
 # autopar hand plan -> the torch variant doing the same thing
 PEERS = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "fsdp(dp) x tp(tp)": "torch TP x FSDP2"}
-TORCH = {"torch DDP": peers.ddp, "torch FSDP2": peers.fsdp2, "torch eager": lambda model, example: (model, example)}
 
 
 def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], plans: dict[str, str], rounds: int
@@ -76,12 +75,10 @@ def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], pl
         torch.manual_seed(SEED)
         return entry.build()
 
-    runs = {}
-    for label in torch_variants:
-        if label == "torch TP x FSDP2":
-            runs[label] = peers.tensor_parallel(build(), example, mesh)
-        else:
-            runs[label] = TORCH[label](build(), example)
+    wrap = {"torch DDP": lambda model: peers.ddp(model, example), "torch FSDP2": lambda model: peers.fsdp2(model, example),
+            "torch TP x FSDP2": lambda model: peers.tensor_parallel(model, example, mesh),
+            "torch eager": lambda model: (model, example)}
+    runs = {label: wrap[label](build()) for label in torch_variants}
     for label, text in plans.items():
         runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=autopar.Plan.from_json(text)),
                                     example)
@@ -94,13 +91,9 @@ def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], pl
     return {label: [statistics.median(steps) for steps in per_round] for label, per_round in times.items()}
 
 
-def _launches(variants: list[str], state_bytes: int, ranks: int) -> list[list[str]]:
-    """The variants each launch builds: all together where their training states fit in half of
-    this host's memory, else each alone (launches then take turns, a round each)."""
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if len(variants) * ranks * state_bytes <= host / 2:
-        return [variants]
-    return [[v] for v in variants]
+def _fit_together(variants: int, state_bytes: int, ranks: int) -> bool:
+    """Do the training states of ``variants`` on ``ranks`` fit in half of this host's memory?"""
+    return variants * ranks * state_bytes <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
 
 
 def _ratio(variant: list[float], peer: list[float]) -> float:
@@ -132,20 +125,20 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     kept = auto.solver.get("kept_hand_plan")
     if kept not in plans:   # a hand plan kept as the auto plan is timed once, as that hand plan
         plans["auto"] = auto
-    if spec.size > 1:
+    state_bytes = STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
+    gathered = spec.size > 1   # one variant a launch: "outputs gathered" would only repeat 'ddp'
+    together = _fit_together(len(torch_variants) + len(plans) + gathered, state_bytes, spec.size)
+    if gathered and together:
         plans["ddp, outputs gathered"] = candidates(model, spec, args, kwargs,
                                                     options=replace(options, gather_outputs=True))["ddp"]
     plan_s = time.perf_counter() - t0
-    state_bytes = STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
-    launches = _launches([*torch_variants, *plans], state_bytes, spec.size)
-    if len(launches) > 1:   # one variant a launch: "outputs gathered" only repeats 'ddp'
-        launches = [v for v in launches if v != ["ddp, outputs gathered"]]
+    variants = [*torch_variants, *plans]
+    launches = [variants] if together else [[v] for v in variants]
     rounds_s: dict[str, list[float]] = {}
-    for r in range(1 if len(launches) == 1 else rounds):
-        for variants in launches[r % len(launches):] + launches[:r % len(launches)]:
-            ranks = run_on_gloo_mesh(_worker, mesh, name, batch, seq, [v for v in variants if v in torch_variants],
-                                     {k: plans[k].to_json() for k in variants if k in plans},
-                                     rounds if len(launches) == 1 else 1,
+    for r in range(1 if together else rounds):
+        for group in launches[r % len(launches):] + launches[:r % len(launches)]:
+            ranks = run_on_gloo_mesh(_worker, mesh, name, batch, seq, [v for v in group if v in torch_variants],
+                                     {k: plans[k].to_json() for k in group if k in plans}, rounds if together else 1,
                                      axis_names=spec.axis_names, start_method="forkserver")
             for k in ranks[0]:
                 rounds_s.setdefault(k, []).extend(slowest_rank_steps([rank[k] for rank in ranks]))
@@ -159,7 +152,7 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     key = "autopar (1,) / eager" if spec.size == 1 else "auto / fastest torch"
     ratios[f"auto / {fastest}"] = (key, _ratio(rounds_s[auto_label], rounds_s[fastest]))
     return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
-            "auto_plan": kept or "solver", "launches": "one" if len(launches) == 1 else "one per variant, in turns",
+            "auto_plan": kept or "solver", "launches": "one" if together else "one per variant, in turns",
             "step_s": step, "rounds_s": rounds_s,
             "ratios": {k: {"target": kind, "ratio": r, "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
                        for k, (kind, r) in ratios.items()}}

@@ -164,7 +164,7 @@ class GradSync:
         self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
         parts = grads + [c.summand.reshape(-1) for c in bucket.carried]
         flat = bucket.buffer
-        if (flat is None or flat.numel() != sum(t.numel() for t in parts) or bucket.wire != bucket.dtype
+        if (flat is None or flat.numel() != sum(t.numel() for t in parts)   # none kept where summed in another dtype
                 or any(p.grad is not None for p in bucket.params)):   # a gradient handed over may be a view of it
             flat = torch.cat(parts).to(bucket.wire)
         else:

@@ -486,8 +486,7 @@ def sum_in_place(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> Laun
     use it; the forward's collectives, which autograd differentiates, stay functional. Axes that
     are neither one axis nor the whole job take the functional path, one axis after another."""
     if len(axes) == 1 or spans_job(mesh, axes):
-        group = mesh.get_group(axes[0]) if len(axes) == 1 else dist.group.WORLD
-        return Launched(x, dist.all_reduce(x, group=group, async_op=True))
+        return Launched(x, dist.all_reduce(x, group=axes_group(mesh, axes), async_op=True))
     return Launched(all_reduce(x, mesh, axes), functional=True)
 
 
@@ -496,11 +495,11 @@ def spans_job(mesh: DeviceMesh, axes: Sequence[int]) -> bool:
     return len(axes) == mesh.ndim and mesh.size() == dist.get_world_size()
 
 
-def axes_group(mesh: DeviceMesh, axes: Sequence[int]) -> Any:
+def axes_group(mesh: DeviceMesh, axes: Sequence[int]) -> dist.ProcessGroup:
     """The process group of one mesh axis, or of the whole job (``spans_job``), for a functional
-    collective; ranks in mesh order."""
+    or a c10d collective; ranks in mesh order."""
     if len(axes) == 1:
-        return (mesh, axes[0])
+        return mesh.get_group(axes[0])
     if not spans_job(mesh, axes):
         raise ValueError(f"mesh axes {tuple(axes)} are neither one axis nor the whole job")
     return dist.group.WORLD

@@ -173,10 +173,15 @@ class CostModel:
         # Share of backward compute that hides queued gradient sync (see schedule.Timeline).
         self.overlap_efficiency = calibration.get("overlap", 1.0)
         # Collectives inside a step cost more than alone in lockstep (ranks arrive apart, and on
-        # CPU they share cores with compute): in-step factors for blocking and queued ones, fitted
-        # on this mesh shape (1 where it was not calibrated).
+        # CPU they share cores with compute): in-step factors, fitted on this mesh shape (1 where
+        # it was not calibrated), of blocking collectives and of a gradient bucket's fixed cost
+        # (its latency: the ranks' arrival after a whole backward of their own; its bytes move at
+        # the link's bandwidth, as in lockstep).
         self.comm_scale = calibration.get(calibration_key("comm", self.mesh.shape), 1.0)
         self.sync_scale = calibration.get(calibration_key("sync", self.mesh.shape), 1.0)
+        # A gradient bucket holds at most the model's parameters: a small model syncs in one.
+        params = sum(_bytes(tensor_val(nc.node)) for nc in self.space.nodes if nc.kind == "param")
+        self.bucket_bytes = min(float(BUCKET_BYTES), params) or float(BUCKET_BYTES)
         self._flops: dict[tuple, float] = {}
         self._node_flops: dict[fx.Node, float] = {}
         self._moves: dict[tuple, Cost] = {}
@@ -188,18 +193,18 @@ class CostModel:
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
                      queued: bool = False, batched: bool = False, once: bool = False) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
-        blocking (``comm_s``), or a gradient synchronisation queued during the backward
-        (``queued``: ``overlap_s``, no staging buffers of its own), each at its in-step factor.
-        Queued and ``batched`` ones (a ZeRO-3 gather) share one collective with others, a bucket
-        of ``BUCKET_BYTES``: each pays its share of the collective's latency. A blocking one runs
-        once per microbatch, or ``once`` a step (a ZeRO-2 gather)."""
+        blocking (``comm_s``, at its in-step factor), or a gradient synchronisation queued during
+        the backward (``queued``: ``overlap_s``, no staging buffers of its own). Queued and
+        ``batched`` ones (a ZeRO-3 gather) share one collective with others, a bucket: each pays
+        its share of the collective's latency (a queued one at its in-step factor). A blocking
+        one runs once per microbatch, or ``once`` a step (a ZeRO-2 gather)."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
         key = (shape, dtype, src, dst, queued, batched, once)
         if key not in self._moves:
             full = _numel(shape) * _itemsize(dtype)
             time, sent, measured = 0.0, [], False
             for a, (s, d) in enumerate(zip(src, dst)):
-                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), queued or batched)
+                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), queued, batched)
                 time, measured = time + t, measured or m
                 sent.append(b)
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
@@ -226,7 +231,7 @@ class CostModel:
             rows, row_keys = _classes([(s[a], full * _others_fraction(s, a, mesh)) for s in srcs])
             cols, col_keys = _classes([d[a] for d in dsts])
             table = np.array([[self._axis_move(a, s, d, nbytes, queued) for d in col_keys] for s, nbytes in row_keys])
-            terms.append(Term(rows, cols, table[..., 0] * self._in_step_scale(queued)))
+            terms.append(Term(rows, cols, table[..., 0] * (1.0 if queued else self.comm_scale * self.microbatches)))
             table = table[np.ix_(rows, cols)]   # [source, destination, (seconds, bytes sent, measured)]
             time += table[..., 0]
             sent.append(table[..., 1])
@@ -237,33 +242,33 @@ class CostModel:
         grid = Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
         return self._in_step(grid, queued), terms
 
-    def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, batched: bool = False
-                   ) -> tuple[float, float, bool]:
+    def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, queued: bool = False,
+                   batched: bool = False) -> tuple[float, float, bool]:
         """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
         one group of that axis: (seconds, bytes each rank sends, over a profiled link). A
-        ``batched`` one pays the share of the latency its bytes take of a bucket."""
+        ``batched`` one pays the share of the latency its bytes take of a bucket; a ``queued``
+        one (gradient sync) too, of a bucket of ``bucket_bytes``, at the in-step factor."""
         n = self.mesh.shape[a]
         kind = axis_collective(s, d)
         if kind is None or n == 1:
             return 0.0, 0.0, False
         link = self._link(kind, a)
         time = collective_time(kind, nbytes, n, link)
-        if batched:   # its share of the bucket's latency (sizes may be symbolic)
+        if queued or batched:   # its share of the bucket's latency (sizes may be symbolic)
             latency = time - collective_time(kind, nbytes, n, Link(link.bandwidth, 0.0))
-            time = time - latency + latency * minimum(1.0, nbytes / BUCKET_BYTES)
+            share = (latency * self.sync_scale * minimum(1.0, nbytes / self.bucket_bytes) if queued else
+                     latency * minimum(1.0, nbytes / BUCKET_BYTES))
+            time = time - latency + share
         return (time, nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
 
     def _in_step(self, c: Cost, queued: bool, times: int | None = None) -> Cost:
         """A redistribution inside a step, at its in-step factor: blocking (``times`` a step: once
         per microbatch by default), or a queued gradient synchronisation (``overlap_s``, once per
         step, no staging buffers of its own)."""
-        if queued:
-            return Cost(overlap_s=c.comm_s * self._in_step_scale(queued), comm_bytes=c.comm_bytes, measured=c.measured)
+        if queued:   # its in-step factor is in its latency (``_axis_move``)
+            return Cost(overlap_s=c.comm_s, comm_bytes=c.comm_bytes, measured=c.measured)
         times = self.microbatches if times is None else times
         return replace(c, comm_s=c.comm_s * self.comm_scale * times, comm_bytes=tuple(b * times for b in c.comm_bytes))
-
-    def _in_step_scale(self, queued: bool) -> float:
-        return self.sync_scale if queued else self.comm_scale * self.microbatches
 
     def _earlier_reduce_scatters(self, queued_s):
         """The ZeRO-3 reduce-scatters of the k - 1 microbatches before the last, blocking as far as

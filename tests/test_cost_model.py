@@ -19,7 +19,7 @@ from autopar.core.placements import grad_placement, grad_target
 from autopar.core.strategies import Strategy, build_space
 from autopar.models.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
-from cost_models.comm import Link
+from cost_models.comm import Link, collective_time
 from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
@@ -109,18 +109,20 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
 def test_bucketed_collectives_pay_their_share_of_one_latency():
     """Gradient sync (queued) and ZeRO-3 gathers (batched) share one collective per bucket, as the
     runtime runs them: a small tensor pays the bucket's latency in proportion to its bytes, a
-    bucket-sized one all of it; bandwidth and bytes sent are the same either way."""
+    bucket-sized one all of it; bandwidth and bytes sent are the same either way. A gradient
+    bucket holds at most the model's parameters (this MLP's: one bucket)."""
     from autopar.core.execution import BUCKET_BYTES
 
     space = _space(mesh=(4,), hardware="cpu")
     model = CostModel(space.mesh, space)
+    params = 4 * sum(p.numel() for p in MLP(64, 256).parameters())
     for numel in (1024, BUCKET_BYTES // 4):
         alone = model.redistribute((numel,), torch.float32, (Partial(),), (R,))
         queued = model.redistribute((numel,), torch.float32, (Partial(),), (R,), queued=True)
         gathered = model.redistribute((numel,), torch.float32, (S0,), (R,), batched=True)
         latency = 2 * 3 * model.links[0].latency   # a ring all-reduce over 4: 2(n - 1) steps
         share = min(1.0, numel * 4 / BUCKET_BYTES)
-        assert queued.overlap_s == pytest.approx(alone.comm_s - latency * (1 - share))
+        assert queued.overlap_s == pytest.approx(alone.comm_s - latency * (1 - min(1.0, numel * 4 / params)))
         assert queued.comm_bytes == alone.comm_bytes
         assert gathered.comm_s == pytest.approx(
             model.redistribute((numel,), torch.float32, (S0,), (R,)).comm_s - 3 * model.links[0].latency * (1 - share))
@@ -141,12 +143,31 @@ def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
         return model.redistribute((1024, 1024), torch.float32, (Partial(),), (R,)), model.edge(weight, w, linear, s, i)
 
     (blocking, sync), (blocking2, sync3) = costs({}), costs({"comm@2": 2.0, "sync@2": 3.0})
-    assert blocking.comm_s > 0 and sync.overlap_s > 0 and sync.comm_s == 0
+    bandwidth = costs({"sync@2": 0.0})[1].overlap_s   # the sync's factor scales its share of a bucket's latency
+    assert blocking.comm_s > 0 and sync.overlap_s > bandwidth > 0 and sync.comm_s == 0
     assert blocking2.comm_s == pytest.approx(2 * blocking.comm_s) and blocking2.comm_bytes == blocking.comm_bytes
-    assert sync3.overlap_s == pytest.approx(3 * sync.overlap_s) and sync3.comm_bytes == sync.comm_bytes
+    assert sync3.overlap_s == pytest.approx(bandwidth + 3 * (sync.overlap_s - bandwidth))
+    assert sync3.comm_bytes == sync.comm_bytes
     other_shape = costs({"comm@2x1": 2.0, "sync@1x2": 3.0})   # fitted on another mesh shape: not this one's
     assert other_shape[0].comm_s == pytest.approx(blocking.comm_s)
     assert other_shape[1].overlap_s == pytest.approx(sync.overlap_s)
+
+
+@pytest.mark.parametrize("d, h", [(64, 256), (1024, 4096)])
+def test_gradient_sync_pays_one_latency_per_bucket(d, h):
+    """Gradients are all-reduced in buckets of up to 25 MiB, each paying the collective's latency
+    once: a model smaller than a bucket pays it once in all (shares by bytes of the model's
+    parameters), a larger one about once per 25 MiB."""
+    space = _space(d=d, h=h, mesh=(4,), hardware="cpu")
+    model = CostModel(space.mesh, space)
+    link = model._link("all_reduce", 0)
+    params = [nc for nc in space.nodes if nc.kind == "param"]
+    synced = sum(model.redistribute(nc.node.meta["val"].shape, torch.float32, (Partial(),), (R,), queued=True).overlap_s
+                 for nc in params)
+    free = sum(collective_time("all_reduce", nc.node.meta["val"].numel() * 4, 4, Link(link.bandwidth, 0.0)) for nc in params)
+    latency = 2 * 3 * link.latency   # a ring all-reduce over 4: 2(n - 1) steps
+    buckets = max(1.0, sum(nc.node.meta["val"].numel() * 4 for nc in params) / (25 * 2**20))
+    assert synced - free == pytest.approx(buckets * latency)
 
 
 def test_no_backward_collective_for_a_tensor_without_gradient():

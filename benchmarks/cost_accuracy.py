@@ -203,10 +203,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def verdicts(summary: dict[str, Any]) -> list[tuple[str, bool, float, float]]:
-    """(target name, passed, value %, limit %) for each target; nothing measured fails all."""
+def verdicts(summary: dict[str, Any]) -> list[tuple[str, bool, float | None, float]]:
+    """(target name, passed, value % or None where no config measures it, limit %) for each target;
+    nothing measured fails."""
     return [(name, summary.get("n", 0) > 0 and summary.get(key) is not None and summary[key] <= limit,
-             summary.get(key, math.nan), limit) for name, key, limit in TARGETS]
+             summary.get(key), limit) for name, key, limit in TARGETS]
 
 
 # --------------------------------------------------------------------------------------- ranks
@@ -395,7 +396,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if s.get("corpus_n"):
         lines.append(f"  of which corpus models ({', '.join(CORPUS_MODELS)}; {s['corpus_n']} configs): step time error "
                      f"median {s['corpus_step_median_abs_pct']:.1f}%, worst {s['corpus_step_worst_abs_pct']:.1f}%")
-    lines += [f"{'PASS' if ok else 'FAIL'}: {name} {value:.1f}% (target <= {limit:g}%)"
+    lines += [f"{'PASS' if ok else 'FAIL'}: {name} "
+              f"{'(no config measures it)' if value is None else f'{value:.1f}%'} (target <= {limit:g}%)"
               for name, ok, value, limit in verdicts(summary)]
     return "\n".join(lines)
 

@@ -227,7 +227,11 @@ def test_summary_without_under_prediction_or_results():
     assert "never under-predicted" in format_summary(s)
     empty = summarize([])
     assert empty == {"n": 0} and not any(ok for _, ok, _, _ in verdicts(empty))
-    assert all(math.isnan(v) for _, _, v, _ in verdicts(empty))
+    assert all(v is None for _, _, v, _ in verdicts(empty))   # JSON null, printed as "no config measures it"
+    calibration_models_only = summarize([_row("a", 1, 3, model="gpt-tiny")])
+    assert calibration_models_only["held_out_n"] == 0
+    assert "FAIL: median step-time error, models calibration never runs (no config measures it)" \
+        in format_summary(calibration_models_only)
 
 
 def test_plan_and_measure_a_config_on_a_gloo_mesh():

@@ -532,10 +532,30 @@ class CostModel:
                                  grad_target(s.out, s.storage), queued=queued)
         if src.kind == "param" and s.storage not in (None, s.out):
             earlier = 0.0 if self._accumulates(s) else self._earlier_reduce_scatters(back.overlap_s)
-            back = back + Cost(comm_s=earlier, transient_bytes=self._local_gradient(val, s.out))
+            back = back + Cost(comm_s=earlier + self._gathered_alone(src, s.out, s.storage, s.kept, d.ins[i], grad),
+                               transient_bytes=self._local_gradient(val, s.out))
         elif src.kind == "param" and back.overlap_s:
             back = back + Cost(synced_bytes=self._local_gradient(val, s.out))
         return fwd + back
+
+    def _gathered_alone(self, src: NodeChoices, out: Placements, storage: Placements | None, kept: bool,
+                        inp: Placements, grad: Placements) -> float:
+        """A ZeRO parameter's gather is priced (``_param``) as one in a group of them, paying its
+        share of the group's latency; the generated code groups only those read as gathered whose
+        gradient is partial on the gathered axes (reduce-scattered back: data parallel) and
+        gathers the others alone (``codegen.generate.gather_groups``): such a read adds the rest
+        of the latency, shared among the parameter's readers (seconds, blocking)."""
+        if storage in (None, out):
+            return 0.0
+        axes = [a for a, (st, o) in enumerate(zip(storage, out)) if st != o]
+        if (inp == out and self._grad_flows(src)
+                and all(isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad)))):
+            return 0.0
+        val = tensor_val(src.node)
+        times = 2 if not kept and src.node in self.block_of else 1   # gathered again for a recomputed block's backward
+        alone = self.redistribute(val.shape, val.dtype, storage, out, once=kept).comm_s
+        grouped = self.redistribute(val.shape, val.dtype, storage, out, batched=True, once=kept).comm_s
+        return times * (alone - grouped) / max(1, len(src.node.users))
 
     def _synced_dtype(self, src: NodeChoices) -> torch.dtype:
         """The dtype a gradient synchronisation (``_queued``) moves: the parameters' gradients it is
@@ -566,11 +586,11 @@ class CostModel:
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
         """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
         val = tensor_val(src.node)
-        rows, src_reps = _classes([(s.out, s.storage, self._accumulates(s)) for s in src.strategies])
+        rows, src_reps = _classes([(s.out, s.storage, self._accumulates(s), s.kept) for s in src.strategies])
         cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
         if val is None or (src.node.name in self.space.folded and dst.kind != "output"):   # as in ``edge``
             return EdgeGrid(rows, cols, Cost(), ())
-        outs = [s for s, _, _ in src_reps]
+        outs = [s for s, *_ in src_reps]
         if dst.kind == "output":   # as in ``edge``
             if not self.gather_outputs:
                 held = [self._returned(val, out).transient_bytes for out in outs]
@@ -587,28 +607,33 @@ class CostModel:
             queued = self._queued(src)
             back, terms = self.redistribute_grid(val.shape, self._synced_dtype(src) if queued else val.dtype,
                                                  [g for _, g in dst_reps],
-                                                   [grad_target(out, storage) for out, storage, _ in src_reps],
+                                                   [grad_target(out, storage) for out, storage, *_ in src_reps],
                                                    queued=queued)
             back = _transposed(back)
             if queued and self.microbatches > 1:   # as in ``edge``: ZeRO-2/3 rows reduce-scatter every microbatch
-                zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole in src_reps])[:, None]
+                zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole, _ in src_reps])[:, None]
                 earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
                 back = replace(back, comm_s=back.comm_s + earlier)
                 blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
             if queued:
                 packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
-                                   for out, storage, _ in src_reps])[:, None]
+                                   for out, storage, *_ in src_reps])[:, None]
                 back = replace(back, transient_bytes=back.transient_bytes + packed)
             if src.kind == "param":   # as in ``edge``: the sum of an all-reduced gradient, held beside it
                 summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
-                                   for out, storage, _ in src_reps])[:, None]
+                                   for out, storage, *_ in src_reps])[:, None]
                 back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
             grid = grid + back
             if not queued:
                 blocking += [t.transposed() for t in terms]
+        if src.kind == "param":
+            alone = np.array([[self._gathered_alone(src, out, storage, kept, inp, grad) for inp, grad in dst_reps]
+                              for out, storage, _, kept in src_reps])
+            grid = replace(grid, comm_s=grid.comm_s + alone)
+            blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), alone))
         if runtime_overhead(self.profile, {"move": 1, "param_read": 1}) and dst.kind != "output":
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
-                                         for out, storage, _ in src_reps])
+                                         for out, storage, *_ in src_reps])
             grid = replace(grid, compute_s=grid.compute_s + wrapping)
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))

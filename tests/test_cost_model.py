@@ -153,6 +153,24 @@ def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
     assert other_shape[1].overlap_s == pytest.approx(sync.overlap_s)
 
 
+def test_a_zero_parameter_an_op_reads_replicated_is_priced_as_gathered_alone():
+    """Generated code gathers ZeRO parameters in groups only where their gradient is partial on
+    the gathered axes (data parallel: reduce-scattered back); one read by an op that runs
+    replicated is gathered alone, and pays the whole collective's latency, not a group's share."""
+    from autopar.core.execution import BUCKET_BYTES
+
+    space = _space(mesh=(4,), hardware="cpu")
+    model = CostModel(space.mesh, space)
+    weight, linear = _node(space, "p_up_weight"), _node(space, "linear")
+    i = linear.inputs.index(weight.node)
+    zero = _strategy(weight, (R,), storage=(S0,))
+    data_parallel = model.edge(weight, zero, linear, _strategy(linear, (S0,), ((S0,), (R,), (R,))), i)
+    replicated = model.edge(weight, zero, linear, _strategy(linear, (R,), ((R,), (R,), (R,))), i)
+    share = 64 * 256 * 4 / BUCKET_BYTES
+    assert data_parallel.comm_s == 0 and data_parallel.overlap_s > 0   # grouped; its reduce-scatter queued
+    assert replicated.comm_s == pytest.approx(3 * model.links[0].latency * (1 - share))   # all-gather over 4
+
+
 @pytest.mark.parametrize("d, h", [(64, 256), (1024, 4096)])
 def test_gradient_sync_pays_one_latency_per_bucket(d, h):
     """Gradients are all-reduced in buckets of up to 25 MiB, each paying the collective's latency

@@ -233,3 +233,62 @@ def test_an_op_whose_flops_cannot_be_counted_is_named_in_the_plan(monkeypatch):
     plan = autopar.plan(Flip(), MeshSpec((2,)), (torch.randn(6, 4),), profile=None, hand_plans=False)
     flop_warnings = [w for w in plan.warnings if "cannot count the FLOPs" in w]
     assert any("aten.linear" in w and "no fake kernel" in w and "memory-bound" in w for w in flop_warnings), plan.warnings
+
+
+
+
+def _made_partial_for_nothing(captured, plan) -> list[str]:
+    """Inputs a plan moves from replicated to partial on an axis where every other input of the
+    op is replicated there: the op's result is then partial only because of the move, and is
+    all-reduced back to where it came from, moving data for nothing. (Where another input is
+    split or partial on the axis, as a residual added to a row-parallel output, the sum is owed
+    anyway and the move is free.)"""
+    from torch.distributed.tensor import Partial
+
+    from autopar.core.capture import flat_tensor_inputs
+
+    placed = {n.name: n for n in plan.nodes}
+    found = []
+    for node in captured.graph.nodes:
+        np_ = placed.get(node.name)
+        for i, (inp, want) in enumerate(zip(flat_tensor_inputs(node), np_.ins if np_ else ())):
+            have = placed[inp.name].out if inp.name in placed else ()
+            for a, (h, w) in enumerate(zip(have, want)):
+                others = [ins[a] for j, ins in enumerate(np_.ins) if j != i]
+                if isinstance(h, Replicate) and isinstance(w, Partial) and all(isinstance(o, Replicate) for o in others):
+                    found.append(f"{inp.name} -> {node.name} on axis {a}")
+    return found
+
+
+def test_demo_plan_moves_no_value_back_where_it_came_from():
+    """The issue-17 demo plan (gpt-tiny 32 x 64 on 2x2) made a replicated value partial and
+    all-reduced it back: a collective that returns data where it came from. Neither the demo's
+    auto plan nor any hand plan does."""
+    from dataclasses import replace
+
+    from torch.distributed.tensor import Partial
+
+    from autopar.core.capture import capture, flat_tensor_inputs
+    from autopar.models.zoo import get_model
+    from autopar.planning.baselines import candidates
+
+    entry = get_model("gpt-tiny")
+    model = entry.build()
+    args, kwargs = entry.example(32, 64, device="cpu")
+    captured = capture(model, args, kwargs)
+    plans = {"auto": autopar.plan(model, MeshSpec((2, 2)), args, kwargs, profile=None),
+             **candidates(model, MeshSpec((2, 2)), args, kwargs, profile=None)}
+    for name, plan in plans.items():
+        assert _made_partial_for_nothing(captured, plan) == [], name
+    # the check finds one: an op of the tensor-parallel plan reading an activation replicated on
+    # tp (as its other inputs are), made to read it partial there
+    tp = plans["dp(dp) x tp(tp)"]
+    placed = {n.name: n for n in tp.nodes}
+    node, i = next((node, i) for node in captured.graph.nodes if node.name in placed
+                   for i, inp in enumerate(flat_tensor_inputs(node))
+                   if inp.name in placed and placed[inp.name].out[1] == Replicate()
+                   and all(ins[1] == Replicate() for ins in placed[node.name].ins))
+    ins = list(placed[node.name].ins)
+    ins[i] = (ins[i][0], Partial())
+    wasteful = replace(tp, nodes=[replace(n, ins=tuple(ins)) if n.name == node.name else n for n in tp.nodes])
+    assert len(_made_partial_for_nothing(captured, wasteful)) == 1

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from autopar.core.errors import AutoparError
 from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps, time_in_turns
+from autopar.profiling.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps, time_in_turns, turn_order
 from autopar.models.zoo import get_model
 from benchmarks.cost_accuracy import (Config, error_pct, finish_record, format_summary, format_table, measure_config,
                                       parse_plan_args, plan_config, select_configs, summarize, table_row, verdicts)
@@ -201,6 +201,21 @@ class _Logged(nn.Linear):
         return super().forward(x).sum()
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_every_run_follows_every_other_equally_often(n):
+    """A run that always came right after the same one (the heaviest, say) would pay for what
+    that one leaves in the caches and the allocator in every round."""
+    from collections import Counter
+
+    rounds = n if n % 2 == 0 else 2 * n
+    orders = [turn_order(n, r) for r in range(rounds)]
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) == 1
+    assert sorted(order[0] for order in orders[:n]) == list(range(n))
+
+
 def test_runs_are_timed_in_turns_round_by_round():
     log: list[str] = []
     runs = {}
@@ -208,7 +223,7 @@ def test_runs_are_timed_in_turns_round_by_round():
         module = _Logged(name, log)
         runs[name] = (module, torch.optim.SGD(module.parameters(), lr=0.1), ((torch.ones(3, 2),), {}))
     times = time_in_turns(runs, rounds=3, warmup=1, steps=2)
-    # each turn: one warm-up and two timed steps of one run; each round starts one run later
+    # each turn: one warm-up and two timed steps of one run; the rounds take turns going first
     assert log == list("aaabbb" + "bbbaaa" + "aaabbb")
     assert {k: [len(r) for r in v] for k, v in times.items()} == {"a": [2, 2, 2], "b": [2, 2, 2]}
     assert all(s > 0 for v in times.values() for r in v for s in r)

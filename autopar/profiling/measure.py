@@ -200,19 +200,31 @@ def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch
                   steps: int) -> dict[K, list[list[float]]]:
     """``time_training`` of every run (module, optimizer, batch) in turn, ``rounds`` times: each
     run's timed steps, round by round. Turns spread each run's steps over the whole timing, so
-    that the host's slow and fast spells (they last seconds) fall on all runs alike; each round
-    starts one run later than the one before, so that no run always follows the same one (the
-    first steps after another run's find the caches and the allocator as that one left them).
+    that the host's slow and fast spells (they last seconds) fall on all runs alike; the rounds'
+    orders (``turn_order``) let every run follow every other equally often, since the first
+    steps after another run's find the caches and the allocator as that one left them (in one
+    fixed order, a run that always follows the heaviest pays for it in every round).
 
     Every rank of distributed modules must call this together, with the runs in the same order.
     """
     times: dict[K, list[list[float]]] = {key: [] for key in runs}
     keys = list(runs)
     for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        for k in turn_order(len(keys), r):
+            key = keys[k]
             module, optimizer, batch = runs[key]
             times[key].append(time_training(module, [batch], optimizer, warmup=warmup, steps=steps))
     return times
+
+
+def turn_order(n: int, r: int) -> list[int]:
+    """The order of ``n`` runs in round ``r``: the rows of a balanced Latin square (Williams'
+    design), in which each run comes right after each other run once every ``n`` rounds (``n``
+    even) or twice every ``2 n`` (odd: the rows, then the rows reversed); each round starts with
+    another run."""
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]   # 0, 1, n-1, 2, n-2, ...
+    row = [(x + r) % n for x in first]
+    return row[::-1] if n % 2 and (r // n) % 2 else row
 
 
 def slowest_rank_steps(per_rank: Sequence[Sequence[float]]) -> list[float]:

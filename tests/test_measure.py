@@ -2,7 +2,6 @@
 bookkeeping of benchmarks/cost_accuracy.py. No assertion compares timings."""
 from __future__ import annotations
 
-import math
 import statistics
 
 import pytest

@@ -235,8 +235,6 @@ def test_an_op_whose_flops_cannot_be_counted_is_named_in_the_plan(monkeypatch):
     assert any("aten.linear" in w and "no fake kernel" in w and "memory-bound" in w for w in flop_warnings), plan.warnings
 
 
-
-
 def _made_partial_for_nothing(captured, plan) -> list[str]:
     """Inputs a plan moves from replicated to partial on an axis where every other input of the
     op is replicated there: the op's result is then partial only because of the move, and is

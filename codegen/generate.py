@@ -236,37 +236,43 @@ class LocalSizes:
     def __init__(self, mesh_shape: Sequence[int], axis_names: Sequence[str]) -> None:
         self.mesh_shape = tuple(mesh_shape)
         self.axis_names = [n if n.isidentifier() else f"axis{a}" for a, n in enumerate(axis_names)]
-        self.specs: dict[str, tuple[int, tuple[int, ...], int]] = {}   # name -> (size, axes, 0 start / 1 stop / 2 length / 3 offset)
-        # starts and stops are 0-d tensors (compared with ids), lengths and offsets ints (shape and narrow arguments)
+        # name -> (size, axes, 0 start / 1 stop / 2 length / 3 offset, unit); starts and stops are 0-d
+        # tensors (compared with ids), lengths and offsets ints (shape and narrow arguments)
+        self.specs: dict[str, tuple[int, tuple[int, ...], int, int]] = {}
 
-    def _ranges(self, size: int, axes: tuple[int, ...]) -> list[tuple[int, int]]:
+    def _ranges(self, size: int, axes: tuple[int, ...], unit: int = 1) -> list[tuple[int, int]]:
         coords = itertools.product(*(range(n) for n in self.mesh_shape))
-        return [shard_range(size, c, axes, self.mesh_shape) for c in coords]
+        return [unit_range(size, unit, c, axes, self.mesh_shape) for c in coords]
 
-    def _named(self, size: int, axes: tuple[int, ...], which: int, values: set[int]) -> str:
+    def _named(self, size: int, axes: tuple[int, ...], which: int, values: set[int], unit: int = 1) -> str:
         if len(values) == 1:
             return str(values.pop())
-        name = f"{('start', 'stop', 'n', 'at')[which]}{size}_over_{'_'.join(self.axis_names[a] for a in axes)}"
-        self.specs[name] = (size, axes, which)
+        name = (f"{('start', 'stop', 'n', 'at')[which]}{size}{f'_in{unit}s' if unit > 1 else ''}_over_"
+                f"{'_'.join(self.axis_names[a] for a in axes)}")
+        self.specs[name] = (size, axes, which, unit)
         return f"sizes.{name}"
 
-    def dim(self, size: int, axes: tuple[int, ...]) -> str:
-        """Text of this rank's length of a dimension of ``size`` split over mesh ``axes``."""
-        return self._named(size, axes, 2, {stop - start for start, stop in self._ranges(size, axes)})
+    def dim(self, size: int, axes: tuple[int, ...], unit: int = 1) -> str:
+        """Text of this rank's length of a dimension of ``size`` split over mesh ``axes`` (in whole
+        runs of ``unit`` elements: see ``part``)."""
+        return self._named(size, axes, 2, {stop - start for start, stop in self._ranges(size, axes, unit)}, unit)
 
     def bounds(self, size: int, axes: tuple[int, ...]) -> tuple[str, str]:
         """Texts of the [start, stop) this rank holds of a dimension of ``size`` split over ``axes``."""
         ranges = self._ranges(size, axes)
         return (self._named(size, axes, 0, {r[0] for r in ranges}), self._named(size, axes, 1, {r[1] for r in ranges}))
 
-    def part(self, var: str, shape: Sequence[int], placements: Placements) -> str:
+    def part(self, var: str, shape: Sequence[int], placements: Placements, units: dict[int, int] | None = None) -> str:
         """Text of this rank's part of ``var``, a full tensor of ``shape`` that ``placements`` split:
-        a narrow per split dimension (a view: no copy, no communication)."""
+        a narrow per split dimension (a view: no copy, no communication). ``units``: dimensions
+        split in whole runs of that many elements, as the flattened rows of an unevenly split
+        dimension lie (``row_units``), not as DTensor splits the flat length."""
         for d, n in enumerate(shape):
             if axes := _split_axes(placements, d):
-                ranges = self._ranges(int(n), axes)
-                at = self._named(int(n), axes, 3, {start for start, _ in ranges})
-                var = f"{var}.narrow({d}, {at}, {self.dim(int(n), axes)})"
+                unit = (units or {}).get(d, 1)
+                ranges = self._ranges(int(n), axes, unit)
+                at = self._named(int(n), axes, 3, {start for start, _ in ranges}, unit)
+                var = f"{var}.narrow({d}, {at}, {self.dim(int(n), axes, unit)})"
         return var
 
     def uneven(self, shape: Sequence[int], placements: Placements) -> bool:
@@ -291,9 +297,37 @@ class LocalSizes:
 
     def values(self, mesh: Any) -> SimpleNamespace:
         """This rank's value of every named size (per-rank values under LocalTensorMode)."""
-        return SimpleNamespace(**{name: rank_value(mesh, lambda c, s=size, ax=axes, w=which: _pick(
-            shard_range(s, c, ax, self.mesh_shape), w), as_tensor=which < 2)
-            for name, (size, axes, which) in self.specs.items()})
+        return SimpleNamespace(**{name: rank_value(mesh, lambda c, s=size, ax=axes, w=which, u=unit: _pick(
+            unit_range(s, u, c, ax, self.mesh_shape), w), as_tensor=which < 2)
+            for name, (size, axes, which, unit) in self.specs.items()})
+
+
+def unit_range(size: int, unit: int, coords: Sequence[int], axes: Sequence[int], mesh_shape: Sequence[int]
+               ) -> tuple[int, int]:
+    """``shard_range`` of a dimension of ``size`` elements split in whole runs of ``unit``."""
+    start, stop = shard_range(size // unit, coords, axes, mesh_shape)
+    return start * unit, stop * unit
+
+
+def row_units(node: fx.Node) -> dict[int, int]:
+    """For a reshape that flattens dimensions (``[5, 16] -> [80]``): each output dimension made of
+    several input dimensions -> the elements of one of its rows (16). An unevenly split leading
+    dimension, flattened, leaves each rank whole rows (``uneven_reshape``: 48 and 32 of 80); a
+    value sliced to meet it must be cut the same way. Empty for any other op or reshape."""
+    if node.target not in _AS_RESHAPE | {aten.reshape.default}:
+        return {}
+    shape_in, shape_out = list(tensor_val(node.args[0]).shape), list(tensor_val(node).shape)
+    units, i = {}, 0
+    for d, n in enumerate(shape_out):
+        first, product = i, 1
+        while i < len(shape_in) and (product < n or i == first):
+            product *= int(shape_in[i])
+            i += 1
+        if product != n or int(shape_in[first]) == 0:
+            return {}
+        if i - first > 1:
+            units[d] = n // int(shape_in[first])
+    return units if i == len(shape_in) else {}
 
 
 def _split_axes(placements: Placements, dim: int) -> tuple[int, ...]:
@@ -421,9 +455,10 @@ class _Emitter:
             return f"float('{a}')"
         return repr(a)
 
-    def operand(self, node: fx.Node, want: Placements, grad: Placements, why: str) -> str:
+    def operand(self, node: fx.Node, want: Placements, grad: Placements, why: str, rows: bool = False) -> str:
         """The variable holding this rank's part of ``node`` placed ``want``, emitting the move (or
-        the parameter read) if needed. ``grad``: how the consumer's gradient w.r.t. it comes back."""
+        the parameter read) if needed. ``grad``: how the consumer's gradient w.r.t. it comes back.
+        ``rows``: another input of the consumer holds whole rows of an uneven split (``row_units``)."""
         if node.name in self.group_of:   # read whole as used (``gather_groups``)
             self.gather(self.group_of[node.name])
             return node.name
@@ -437,6 +472,10 @@ class _Emitter:
         target = self.grad_target(node.name, have)
         if not param and not moves(have, want, grad, node.name in self.with_grad, target):
             return node.name
+        if rows and not param and node.name not in self.with_grad:
+            sliced = self.rows_sliced(node, have, want, why)
+            if sliced is not None:
+                return sliced
         key = (node.name, placements_str(want), placements_str(grad))
         if key not in self.placed:
             var = f"{node.name}_{'_'.join(_tag(p) for p in want)}"
@@ -458,9 +497,30 @@ class _Emitter:
     def reads(self, node: fx.Node, np_: NodePlan, only: set[str] | None = None) -> dict[str, str]:
         """The variable each tensor input of ``node`` (those in ``only``) is read from, placed as
         the op needs: moves are emitted here, once per placement (``operand``)."""
+        inputs = flat_tensor_inputs(node)
+        rows = any(inp.name in self.unlike_dtensor for inp in inputs)
         return {inp.name: self.operand(inp, want, given_grad(want, np_, self.passes.get(node.name, ())),
-                                       f"{node.name} ({np_.strategy}) needs {placements_str(want)}")
-                for inp, want in zip(flat_tensor_inputs(node), np_.ins) if only is None or inp.name in only}
+                                       f"{node.name} ({np_.strategy}) needs {placements_str(want)}", rows)
+                for inp, want in zip(inputs, np_.ins) if only is None or inp.name in only}
+
+    def rows_sliced(self, node: fx.Node, have: Placements, want: Placements, why: str) -> str | None:
+        """A flattened value without gradient that the consumer reads split where another of its
+        inputs holds whole rows of an uneven split (5 rows of 16 split 3 and 2, flattened: 48 and
+        32): cut in whole rows too, not as DTensor splits the flat length (40 and 40). None where
+        the move is no local slice of such a flattened dimension."""
+        units = row_units(node)
+        split = [d for d in range(len(tensor_val(node).shape))
+                 if any(a not in _split_axes(have, d) for a in _split_axes(want, d))]
+        if (not split or any(d not in units for d in split)
+                or any(h != w and not (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))):
+            return None
+        key = (node.name, placements_str(want), "rows")
+        if key not in self.placed:
+            var = f"{node.name}_{'_'.join(_tag(p) for p in want)}_rows"
+            self.emit(f"{var} = {self.sizes.part(node.name, list(tensor_val(node).shape), want, units)}",
+                      f"{collective_comment(have, want, self.axes)}, in whole rows as the uneven split beside it: {why}")
+            self.placed[key] = var
+        return self.placed[key]
 
     def mask_variable(self, sdpa: fx.Node, mask: fx.Node) -> str:
         """The variable SDPA node ``sdpa`` reads its folded attention mask ``mask`` from."""

@@ -5,7 +5,8 @@ At compile time the module keeps a copy of the model whose parameters are fake t
 only, no memory). A call with inputs of a new shape captures that copy at those shapes, checks
 that the graph is the one planned (same nodes in the same order; only shapes differ) and
 generates code for it with the plan's placements, which hold at any size (an uneven split is
-exact; a rank may hold an empty part). The forward is cached by the inputs' shapes, and by
+exact; a rank may hold an empty part; a flattened value sliced beside the flattened rows of an
+uneven split is cut in whole rows too, ``codegen.generate.row_units``). The forward is cached by the inputs' shapes, and by
 whether it gathers its outputs whole: ``train_step`` reads only the loss, so its forward leaves the
 other outputs (the logits) as they lie, where ``forward`` gathers them if the plan says so.
 """

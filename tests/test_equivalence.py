@@ -175,6 +175,30 @@ def test_a_batch_split_unevenly_and_flattened_trains_exactly(hand):
     check_training("gpt-tiny", 6, 16, (2,), local_runner, {"plan": plan}, batches)
 
 
+def test_targets_flattened_then_split_meet_an_uneven_batch_in_whole_rows():
+    """A plan may flatten the targets whole and slice them for the loss (free at the planned 6
+    rows: 48 and 48 of 96), while the logits come flattened from the batch split 3 and 2 at 5 rows
+    (48 and 32 of 80): the targets are then cut in whole rows too, not 40 and 40 as DTensor cuts
+    the flat length."""
+    from dataclasses import replace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.core.capture import capture
+
+    batches = [make_batches("gpt-tiny", b, 16, steps=3)[i] for i, b in enumerate((6, 5, 5))]
+    model = build("gpt-tiny")
+    ddp = candidates(model, MeshSpec((2,)), *batches[0], profile=None)["ddp"]
+    flattened = next(n.name for n in capture(model, *batches[0]).graph.nodes
+                     if n.op == "call_function" and n.args and getattr(n.args[0], "name", None) == "targets")
+    whole = {n.name: replace(n, ins=tuple((Replicate(),) for _ in n.ins), out=(Replicate(),))
+             for n in ddp.nodes if n.name in ("targets", flattened)}
+    plan = replace(ddp, nodes=[whole.get(n.name, n) for n in ddp.nodes])
+    loss = next(n for n in plan.nodes if n.op == "aten.cross_entropy_loss.default")
+    assert loss.ins[1] == (Shard(0),) and whole[flattened].out == (Replicate(),)   # sliced flat for the loss
+    check_training("gpt-tiny", 6, 16, (2,), local_runner, {"plan": plan}, batches)
+
+
 class _ShapeBranch(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -458,7 +458,8 @@ class _Emitter:
     def operand(self, node: fx.Node, want: Placements, grad: Placements, why: str, rows: bool = False) -> str:
         """The variable holding this rank's part of ``node`` placed ``want``, emitting the move (or
         the parameter read) if needed. ``grad``: how the consumer's gradient w.r.t. it comes back.
-        ``rows``: another input of the consumer holds whole rows of an uneven split (``row_units``)."""
+        ``rows``: another input of the consumer, placed ``want`` too, holds whole rows of an uneven
+        split (``row_units``)."""
         if node.name in self.group_of:   # read whole as used (``gather_groups``)
             self.gather(self.group_of[node.name])
             return node.name
@@ -498,9 +499,10 @@ class _Emitter:
         """The variable each tensor input of ``node`` (those in ``only``) is read from, placed as
         the op needs: moves are emitted here, once per placement (``operand``)."""
         inputs = flat_tensor_inputs(node)
-        rows = any(inp.name in self.unlike_dtensor for inp in inputs)
+        rows = {want for inp, want in zip(inputs, np_.ins)   # read as they lie, whole rows of an uneven split
+                if inp.name in self.unlike_dtensor and self.out_of.get(inp.name) == want}
         return {inp.name: self.operand(inp, want, given_grad(want, np_, self.passes.get(node.name, ())),
-                                       f"{node.name} ({np_.strategy}) needs {placements_str(want)}", rows)
+                                       f"{node.name} ({np_.strategy}) needs {placements_str(want)}", want in rows)
                 for inp, want in zip(inputs, np_.ins) if only is None or inp.name in only}
 
     def rows_sliced(self, node: fx.Node, have: Placements, want: Placements, why: str) -> str | None:

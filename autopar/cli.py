@@ -419,8 +419,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ok = max_diff <= DEMO_TOLERANCE
     print(f"max abs diff: {max_diff:.2e} ({'OK' if ok else 'MISMATCH'}: tolerance {DEMO_TOLERANCE:g})")
     step, ddp_step = _typical_step(result["step_s"]), _typical_step(result["ddp_step_s"])
-    profiled = plan.predicted.cost_source.startswith("profile")
-    hint = "" if profiled else \
+    hint = "" if plan.predicted.profiled else \
         f"; run `autopar profile --mesh {'x'.join(map(str, plan.mesh.shape))}` once to plan with measured costs"
     print(f"measured time per sharded step: {fmt(step, 's')} (median after the first step; "
           f"predicted {fmt(plan.predicted.step_time_s, 's')} from {plan.predicted.cost_source}{hint})")

@@ -290,3 +290,13 @@ def test_demo_plan_moves_no_value_back_where_it_came_from():
     ins[i] = (ins[i][0], Partial())
     wasteful = replace(tp, nodes=[replace(n, ins=tuple(ins)) if n.name == node.name else n for n in tp.nodes])
     assert len(_made_partial_for_nothing(captured, wasteful)) == 1
+
+
+def test_a_plan_says_whether_a_profile_priced_it():
+    """The demo's hint to run `autopar profile` and the symbolic costs' warning both read this."""
+    from dataclasses import replace
+
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    predicted = autopar.plan(model, MeshSpec((2,)), args, kwargs, profile=None).predicted
+    assert predicted.cost_source.startswith("no profile") and not predicted.profiled
+    assert replace(predicted, cost_source="profile AMD EPYC: 90% of compute time measured").profiled

@@ -131,6 +131,11 @@ class Prediction:
     peak_at: str = ""                 # the moment of the peak, e.g. "backward: linear_8"
     cost_source: str = ""             # which costs were measured (profile) and which from the roofline
 
+    @property
+    def profiled(self) -> bool:
+        """Were these costs priced with a measured profile (``cost_source`` names one)?"""
+        return self.cost_source.startswith("profile ")
+
 
 @dataclass
 class Plan:

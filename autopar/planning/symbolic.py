@@ -540,7 +540,7 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     if stray:
         raise AutoparError(f"{plan.model_name}'s costs depend on sizes other than batch and sequence "
                            f"({', '.join(sorted(map(str, stray)))}): symbolic costs cover B and S only")
-    if not plan.predicted.cost_source.startswith("no profile") and plan.predicted.cost_source:
+    if plan.predicted.profiled:
         warnings.append("the plan was costed with a measured profile; symbolic costs are the roofline, so they "
                         "differ from the plan's figures at the planned size")
     comm_bytes = forms.pop("comm_bytes")

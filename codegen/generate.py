@@ -695,7 +695,7 @@ class _Emitter:
             if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)
             shape = list(tensor_val(x).shape)
-            return f"{'full' if self.outputs == 'full' else 'as_dtensor'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
+            return f"{'full' if self.outputs == 'full' else 'kept_sharded'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
 
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
                   "outputs" + _OUTPUT_COMMENTS[self.outputs])

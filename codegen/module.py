@@ -33,7 +33,7 @@ GENERATED_GLOBALS = {
     "redistribute": runtime.redistribute, "move": runtime.move,
     "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "on_device": runtime.on_device, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
     "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
-    "full": runtime.full, "as_dtensor": runtime.as_dtensor, "gather_params": gather_params,
+    "full": runtime.full, "kept_sharded": runtime.kept_sharded, "gather_params": gather_params,
     "dropout_mask": runtime.dropout_mask, "recompute": recompute,
     "once": runtime.once, "attention_mask": runtime.attention_mask, "attention": runtime.attention,
 }

@@ -535,6 +535,15 @@ def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Seque
                               stride=_contiguous_stride(shape))
 
 
+@torch.compiler.disable
+def kept_sharded(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
+    """An output kept sharded: ``as_dtensor``, made outside any ``torch.compile`` graph. AOT autograd
+    takes a DTensor output's gradient to be a DTensor, and where the loss's backward does not read
+    that output (the logits returned beside the loss) the gradient comes as plain zeros, which it
+    rejects; so the graph returns this rank's part, wrapped here."""
+    return as_dtensor(x, mesh, have, shape)
+
+
 def sync_grad_to(param: DTensor, reduce_precision: str = "fp32") -> None:
     """Gradient synchronisation: reduce a parameter's gradient into the parameter's own placement
     (all-reduce for replicated parameters, reduce-scatter for sharded/ZeRO-3 ones). The collective

@@ -247,6 +247,24 @@ def test_torch_compile_of_the_sharded_module_trains_exactly():
         assert graphs <= 4 and breaks <= 6, (graphs, breaks)   # gpt-tiny's forward has ~50 ops
 
 
+def _compiled_sharded_outputs_worker(mesh, batches):
+    import autopar
+    from tests.equivalence import build, train
+
+    pm = autopar.compile(build("gpt2-tiny"), mesh, *batches[0], profile=None, gather_outputs=False)
+    return [float(l.full_tensor()) for l in train(torch.compile(pm, backend="aot_eager"), batches)]
+
+
+def test_torch_compile_of_a_module_with_sharded_outputs_trains_exactly():
+    """Outputs kept sharded (``gather_outputs=False``: DTensors) under ``torch.compile``: GPT-2 as
+    HuggingFace builds it returns its logits beside the loss, and the loss's backward does not
+    read them (their gradient comes as plain zeros, where AOT autograd expected a DTensor)."""
+    batches = make_batches("gpt2-tiny", 6, 16)
+    ref_losses, _ = train_reference("gpt2-tiny", batches)
+    for losses in run_on_gloo_mesh(_compiled_sharded_outputs_worker, (2,), batches, start_method="forkserver"):
+        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+
+
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
 def test_zero3_parameters_gathered_in_prefetched_groups(mesh_shape):
     """FSDP as FSDP2 runs it: ZeRO-3 parameters all-gathered a group at a time (small groups here:

@@ -42,7 +42,7 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
     "redistribute", "move", "param_shard", "shard_of", "on_device", "expect", "uneven_reshape", "sharded_cross_entropy",
-    "sharded_embedding", "full", "as_dtensor", "gather_params", "dropout_mask", "recompute", "loss_count",
+    "sharded_embedding", "full", "kept_sharded", "gather_params", "dropout_mask", "recompute", "loss_count",
     "once", "attention_mask", "attention", "constants",
 })
 

@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 14   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 15   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -40,7 +40,8 @@ PROFILE_VERSION = 14   # 2: op times include making results contiguous; 3: calib
                       # not scaled by calibration; 13: gradient buckets summed by c10d's in-place all-reduce
                       # (a fifth of the functional one's launch): gradient sync's factor refitted; 14: that
                       # factor scales a bucket's latency, not its bytes (fitted on tiny models, it priced a
-                      # large model's gradient bandwidth at 4x)
+                      # large model's gradient bandwidth at 4x); 15: on a GPU, backward times are the
+                      # kernels' (not the engine's per-call hand-off), ops not calibrated
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ Keys hold shapes, never data or node names, so identical layers share one set of
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -152,7 +153,13 @@ def time_op_calls(calls: Iterable[OpCall], *, device: str = "cpu", min_time_s: f
 
 
 def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: int) -> OpTime:
-    """Forward seconds, then backward seconds alone (one forward, its graph kept and reused)."""
+    """Forward seconds, then backward seconds alone (one forward, its graph kept and reused).
+
+    The forward is timed as generated code issues it, call after call (on a GPU: the host's issuing
+    or the kernels, whichever is slower). On a GPU the backward is its kernels' time
+    (``_kernel_seconds``): a step's backward is one call of the autograd engine, but each isolated
+    ``autograd.grad`` pays the engine's hand-off to its device thread (~0.3 ms on an H100 host,
+    several times the kernels of most ops; gpt2-125m's summed 4x its measured step)."""
     args, kwargs = pytree.tree_map(lambda a: _real(a, device), (call.args, call.kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     def run() -> Any:   # as generated code runs it
@@ -163,8 +170,9 @@ def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: i
     if not outs:
         return OpTime(fwd, 0.0)
     grads = [torch.randn_like(t) for t in outs]
-    bwd = _median_seconds(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True),
-                          device, per_repeat, repeats)
+    timer = _kernel_seconds if device.type == "cuda" else _median_seconds
+    bwd = timer(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True),
+                device, per_repeat, repeats)
     return OpTime(fwd, bwd)
 
 
@@ -185,12 +193,53 @@ def _real(a: Any, device: torch.device) -> Any:
 
 def _median_seconds(fn: Callable[[], Any], device: torch.device, per_repeat: float, repeats: int) -> float:
     """Median seconds per call over ``repeats`` batches, each at least ``per_repeat`` long."""
-    fn()  # warmup: allocator, kernel choice, dispatcher caches
+    n, _ = _autorange(fn, device, per_repeat)
+    return statistics.median(_batch_seconds(fn, n, device) / n for _ in range(repeats))
+
+
+def _kernel_seconds(fn: Callable[[], Any], device: torch.device, per_repeat: float, repeats: int) -> float:
+    """Median GPU seconds per call over ``repeats`` batches: each batch is issued while a sleeping
+    kernel holds the stream (twice as long as the host takes to issue it), then runs back to back,
+    timed by events on the stream; the host's cost per call stays out."""
+    n, elapsed = _autorange(fn, device, per_repeat)
+    cycles = math.ceil((2 * elapsed + 1e-3) * _sleep_cycles_per_second(device))
+
+    def batch() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / n
+
+    return statistics.median(batch() for _ in range(repeats))
+
+
+def _autorange(fn: Callable[[], Any], device: torch.device, per_repeat: float) -> tuple[int, float]:
+    """After a warmup call (allocator, kernel choice, dispatcher caches): how many calls make a
+    batch at least ``per_repeat`` long (timeit's autorange), and that batch's seconds."""
+    fn()
     _sync(device)
     n = 1
-    while (elapsed := _batch_seconds(fn, n, device)) < per_repeat:  # grow the batch (timeit's autorange)
+    while (elapsed := _batch_seconds(fn, n, device)) < per_repeat:
         n = max(2 * n, math.ceil(1.2 * n * per_repeat / max(elapsed, 1e-9)))
-    return statistics.median(_batch_seconds(fn, n, device) / n for _ in range(repeats))
+    return n, elapsed
+
+
+@functools.cache
+def _sleep_cycles_per_second(device: torch.device) -> float:
+    """The rate of ``torch.cuda._sleep``'s cycles on ``device``, timed once."""
+    cycles = 10_000_000
+    with torch.cuda.device(device):
+        torch.cuda._sleep(cycles)   # the first launch loads the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
 
 
 def _batch_seconds(fn: Callable[[], Any], n: int, device: torch.device) -> float:

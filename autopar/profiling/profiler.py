@@ -177,7 +177,13 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
       and CPU ranks share their cores with the compute of others. A gradient bucket's bytes are
       not scaled: the calibration models' buckets are nearly all latency, and a factor on their
       whole time priced a large model's bandwidth-bound ones several times too high (gpt2-125m
-      on 4 gloo processes: 'ddp' predicted 9.3 s a step, measured 6.5 s)."""
+      on 4 gloo processes: 'ddp' predicted 9.3 s a step, measured 6.5 s).
+
+    Not on a GPU host: the factors stay 1 there (the calibration steps would run on its CPU)."""
+    if local_fingerprint(spec)["device"] == "cuda":
+        say("not calibrated: on a GPU an op's kernels in a step take their time alone, and the calibration "
+            "workloads train on the CPU (gloo)")
+        return {"ops": 1.0, "overheads": 1.0}
     replicated = "ops" not in known
     rows = _calibration_rows(spec, path, CALIBRATION, replicated)
     for r in rows:

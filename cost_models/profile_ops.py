@@ -159,7 +159,7 @@ def _time_call(call: OpCall, device: torch.device, per_repeat: float, repeats: i
     or the kernels, whichever is slower). On a GPU the backward is its kernels' time
     (``_kernel_seconds``): a step's backward is one call of the autograd engine, but each isolated
     ``autograd.grad`` pays the engine's hand-off to its device thread (~0.3 ms on an H100 host,
-    several times the kernels of most ops; gpt2-125m's summed 4x its measured step)."""
+    several times the kernels of most ops: gpt2-125m's step was predicted 3x the measured one)."""
     args, kwargs = pytree.tree_map(lambda a: _real(a, device), (call.args, call.kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     def run() -> Any:   # as generated code runs it

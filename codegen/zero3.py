@@ -131,7 +131,7 @@ class GatheredParams:
         return _Gather.apply(self, k, flat, *locals_)
 
     def _versions(self, k: int) -> tuple[int, ...]:
-        return (_STEPS[0], *(p._local_tensor._version for p in self.params[k]))
+        return (_STEPS[0], *[p._local_tensor._version for p in self.params[k]])
 
     def _kept_copy(self, k: int) -> torch.Tensor | None:
         """ZeRO-2 group ``k``'s gathered copy, if its shards have not changed since it was made (a
@@ -149,7 +149,7 @@ class GatheredParams:
         return funcol.all_gather_single(flat, 0, axes_group(self.mesh, self.specs[k].axes))
 
     def _size(self, k: int) -> int:
-        return math.prod(self.mesh.size(a) for a in self.specs[k].axes)
+        return math.prod([self.mesh.size(a) for a in self.specs[k].axes])   # a list: torch.compile traces no generator here
 
 
 class _Gather(torch.autograd.Function):

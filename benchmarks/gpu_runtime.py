@@ -45,7 +45,7 @@ from autopar.core.mesh import hardware_for_device
 from autopar.core.precision import ComputeIn
 from autopar.models.zoo import get_model
 from autopar.profiling.profiler import profile_model
-from autopar.profiling.measure import forward_backward, live_bytes, time_in_turns, training_step
+from autopar.profiling.measure import forward_backward, live_bytes, ratio_in_rounds, time_in_turns, training_step
 from machine import save_results
 
 RESULTS = Path(__file__).parent / "results" / "gpu_runtime.json"
@@ -125,10 +125,6 @@ def _peak_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
     return torch.cuda.max_memory_allocated() - before + live_bytes([*module.parameters(), *states])
 
 
-def _ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
 def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, profile: bool) -> dict:
     entry = get_model(name)
     example = entry.example(batch, seq, device="cuda")
@@ -173,10 +169,10 @@ def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, p
     memory = {label: _peak_bytes(*runs[label]) for label in ("eager", "autopar")}
     rounds_s = {k: [statistics.median(r) for r in v] for k, v in times.items()}
     step = {k: statistics.median(v) for k, v in rounds_s.items()}
-    ratios = {"autopar / eager": _ratio(rounds_s["autopar"], rounds_s["eager"]),
-              "autopar + torch.compile / torch.compile": _ratio(rounds_s["autopar + torch.compile"],
+    ratios = {"autopar / eager": ratio_in_rounds(rounds_s["autopar"], rounds_s["eager"]),
+              "autopar + torch.compile / torch.compile": ratio_in_rounds(rounds_s["autopar + torch.compile"],
                                                                  rounds_s["torch.compile"]),
-              "autopar / eager, autocast": _ratio(rounds_s["autopar"], rounds_s["eager, autocast"])}
+              "autopar / eager, autocast": ratio_in_rounds(rounds_s["autopar"], rounds_s["eager, autocast"])}
     return {"model": name, "params": params, "batch": batch, "seq": seq, "precision": "bf16",
             "step_flops": flops, "build_s": build_s, "compiled_graphs": graphs, "step_s": step, "rounds_s": rounds_s,
             "mfu": {k: flops / s / peak_flops for k, s in step.items()},

@@ -49,7 +49,7 @@ from autopar.models.zoo import get_model
 from autopar.planning.baselines import candidates
 from autopar.profiling import peers
 from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import slowest_rank_steps, time_in_turns
+from autopar.profiling.measure import ratio_in_rounds, slowest_rank_steps, time_in_turns
 from autopar.profiling.profiler import profile_model
 from machine import machine_line, save_results
 
@@ -94,11 +94,6 @@ def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], pl
 def _fit_together(variants: int, state_bytes: int, ranks: int) -> bool:
     """Do the training states of ``variants`` on ``ranks`` fit in half of this host's memory?"""
     return variants * ranks * state_bytes <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
-
-
-def _ratio(variant: list[float], peer: list[float]) -> float:
-    """Median over rounds of ``variant``'s round over ``peer``'s (the same rounds, in order)."""
-    return statistics.median(v / p for v, p in zip(variant, peer, strict=True))
 
 
 def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
@@ -147,10 +142,10 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     ratios = {}
     for hand, peer in PEERS.items():
         if f"autopar {hand}" in step and peer in step:
-            ratios[f"{hand} / {peer}"] = ("hand / torch", _ratio(rounds_s[f"autopar {hand}"], rounds_s[peer]))
+            ratios[f"{hand} / {peer}"] = ("hand / torch", ratio_in_rounds(rounds_s[f"autopar {hand}"], rounds_s[peer]))
     fastest = min(torch_variants, key=step.__getitem__)
     key = "autopar (1,) / eager" if spec.size == 1 else "auto / fastest torch"
-    ratios[f"auto / {fastest}"] = (key, _ratio(rounds_s[auto_label], rounds_s[fastest]))
+    ratios[f"auto / {fastest}"] = (key, ratio_in_rounds(rounds_s[auto_label], rounds_s[fastest]))
     return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
             "auto_plan": kept or "solver", "launches": "one" if together else "one per variant, in turns",
             "step_s": step, "rounds_s": rounds_s,

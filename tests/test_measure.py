@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from autopar.core.errors import AutoparError
 from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import cpu_peak_growth, live_bytes, loss_of, measure_training, slowest_rank_steps, time_in_turns, turn_order
+from autopar.profiling.measure import (cpu_peak_growth, live_bytes, loss_of, measure_training, ratio_in_rounds,
+                                       slowest_rank_steps, time_in_turns, turn_order)
 from autopar.models.zoo import get_model
 from benchmarks.cost_accuracy import (Config, error_pct, finish_record, format_summary, format_table, measure_config,
                                       parse_plan_args, plan_config, select_configs, summarize, table_row, verdicts)
@@ -266,3 +267,11 @@ def test_plan_and_measure_a_config_on_a_gloo_mesh():
     assert r["predicted"]["step_time_s"] > 0 and len(r["plan"]["parameters"]) == 29
     table = format_table([table_row(r), table_row({**r, "status": "error"})])
     assert "gpt-tiny" in table and "failed" in table
+
+
+def test_a_ratio_of_variants_is_taken_within_each_round():
+    """A slow spell of the host that falls on one round slows both variants of it and cancels:
+    the median of per-round ratios (1.5) is not the ratio of the medians (12 / 10)."""
+    assert ratio_in_rounds([10.0, 30.0, 12.0], [5.0, 20.0, 10.0]) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        ratio_in_rounds([1.0, 2.0], [1.0])

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["StepMeasurement", "measure_training", "time_training", "time_in_turns", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
+__all__ = ["StepMeasurement", "measure_training", "time_training", "time_in_turns", "ratio_in_rounds", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
 
 Batch = tuple[tuple, dict]
 K = TypeVar("K")
@@ -215,6 +215,13 @@ def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch
             module, optimizer, batch = runs[key]
             times[key].append(time_training(module, [batch], optimizer, warmup=warmup, steps=steps))
     return times
+
+
+def ratio_in_rounds(variant: Sequence[float], peer: Sequence[float]) -> float:
+    """Median over rounds of ``variant``'s round over ``peer``'s (the same rounds of
+    ``time_in_turns``, in order): the two ran moments apart, so a spell of load on a shared host
+    slows both alike and cancels, where it does not in the ratio of their medians."""
+    return statistics.median(v / p for v, p in zip(variant, peer, strict=True))
 
 
 def turn_order(n: int, r: int) -> list[int]:

@@ -161,7 +161,7 @@ class ShardedModule(nn.Module):
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
         return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
 
-    def _run(self, forward: Forward, flat: list[Any], loss_count: float | None) -> tuple:
+    def _run(self, forward: Forward, flat: list[Any], loss_count: float | torch.Tensor | None) -> tuple:
         """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
         targets its mean cross-entropy averages (``autopar.core.loss_weights``), known to every rank."""
         return forward.run(self, self.mesh, self._device, forward.sizes, *runtime.rank_inputs(flat),

@@ -104,7 +104,7 @@ class PipelinedModule(ShardedModule):
         self._tied = _tie_groups(mesh, pipeline, train.stages)
         self._code = train
         self._constants: list[tuple[int, Any]] = []   # the model's non-tensor inputs, by position
-        self._loss_counts: list[float] = []          # the target count of each microbatch's loss, in turn
+        self._loss_counts: list[float | torch.Tensor] = []          # the target count of each microbatch's loss, in turn
         self._in_spec = captured.in_spec
         self._out_spec = captured.out_spec
         self._stages = [self._stage(s, train.stages[s], within) for s in self._held]
@@ -224,7 +224,7 @@ class PipelinedModule(ShardedModule):
         merged = [_merge([o[j] for o in outputs], weights, j == self._weighting.index) for j in range(len(outputs[0]))]
         return pytree.tree_unflatten(merged, self._out_spec)
 
-    def _evaluate(self, flat: list[Any], loss_count: float | None) -> list[Any]:
+    def _evaluate(self, flat: list[Any], loss_count: float | torch.Tensor | None) -> list[Any]:
         """One microbatch through every stage: each rank runs its stages, receiving from the stage
         before and sending to the next; the last stage's outputs go to every rank of the pipeline."""
         pipeline = self.plan.pipeline

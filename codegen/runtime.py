@@ -392,7 +392,7 @@ def share_generator() -> None:
 
 def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
                           ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int],
-                          count: float | None = None) -> torch.Tensor:
+                          count: float | torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
     the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce. For a
     mean, ``count`` is the whole batch's number of counted targets when the caller knows it

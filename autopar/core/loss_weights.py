@@ -51,22 +51,24 @@ class LossWeighting:
     mean cross-entropy)."""
 
     index: int | None
-    count: Callable[[Sequence[Any], int], float] | None
+    count: Callable[[Sequence[Any], int], float | torch.Tensor] | None
     how: str
     exact: bool = True
     counted: str | None = None
 
-    def counts(self, microbatches: Sequence[tuple[Sequence[Any], int]]) -> list[float] | None:
+    def counts(self, microbatches: Sequence[tuple[Sequence[Any], int]]) -> list[float | torch.Tensor] | None:
         """What each microbatch's loss averages; ``microbatches``: (flat inputs, rows). None: a sum."""
         return None if self.count is None else [self.count(flat, rows) for flat, rows in microbatches]
 
-    def weights(self, counts: Sequence[float] | None, parts: int) -> list[float]:
-        """Each of ``parts`` microbatches' share of the batch's loss, from their ``counts``."""
+    def weights(self, counts: Sequence[float | torch.Tensor] | None, parts: int) -> list[float]:
+        """Each of ``parts`` microbatches' share of the batch's loss, from their ``counts`` (read on
+        the host: the shares scale each microbatch's backward seed)."""
         if not self.exact:
             raise LossWeightError(f"the batch cannot run as {parts} microbatches exactly: {self.how}. "
                                   "Plan with microbatches=1")
         if counts is None:
             return [1.0] * parts
+        counts = [float(c) for c in counts]
         total = sum(counts)
         if total == 0:   # every target ignored: the whole batch's mean is nan as each microbatch's
             return [1.0 / len(counts)] * len(counts)
@@ -127,9 +129,11 @@ def _is_scalar_loss(node: fx.Node) -> bool:
 
 
 def _target_counter(target: fx.Node, user_inputs: Sequence[str], constants: dict[str, torch.Tensor],
-                    ignore: int) -> Callable[[Sequence[Any], int], float] | str:
+                    ignore: int) -> Callable[[Sequence[Any], int], torch.Tensor] | str:
     """Counts the targets other than ``ignore``: the ops that compute ``target`` from the user
-    inputs, copied into a graph of their own and run on a microbatch's inputs."""
+    inputs, copied into a graph of their own and run on a microbatch's inputs. The count stays a
+    tensor on the inputs' device (the loss divides by it there): read on the host, it cost every
+    step a wait for the device and ``torch.compile`` a graph break."""
     seen: set[fx.Node] = set()
     todo = [target]
     while todo:
@@ -149,9 +153,9 @@ def _target_counter(target: fx.Node, user_inputs: Sequence[str], constants: dict
     inputs = [n.name for n in sub.nodes if n.op == "placeholder"]
     position = {name: i for i, name in enumerate(user_inputs)}
 
-    def count(flat: Sequence[Any], _rows: int) -> float:
+    def count(flat: Sequence[Any], _rows: int) -> torch.Tensor:
         values = [constants[name] if name in constants else flat[position[name]] for name in inputs]
         with torch.no_grad():
-            return float((module(*values) != ignore).sum())
+            return (module(*values) != ignore).sum()
 
     return count

@@ -69,9 +69,13 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     workloads = [(captured, spec)] if options is None else \
         priced_workloads(captured, spec, options, microbatch_capture(model, args, example_kwargs, precision))
     spaces = [build_space(graph, on) for graph, on in workloads]
-    path = Path(path) if path is not None else default_profile_path(local_fingerprint(spec))
+    fingerprint = local_fingerprint(spec)
+    path = Path(path) if path is not None else default_profile_path(fingerprint)
     profile = _measure(spec, path, spaces, progress, captured_s=time.perf_counter() - t0)
-    if calibrate and _uncalibrated(profile, spec):
+    if calibrate and fingerprint["device"] == "cuda":   # every factor stays 1
+        say("not calibrated: on a GPU an op's kernels in a step take their time alone, and the calibration "
+            "workloads train on the CPU (gloo)")
+    elif calibrate and _uncalibrated(profile, spec):
         factors = _calibrate(spec, path, say, profile.calibration)
         profile = Profile.from_json(path)   # now with the calibration workloads' ops too
         profile.calibration.update(factors)
@@ -179,11 +183,7 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
       whole time priced a large model's bandwidth-bound ones several times too high (gpt2-125m
       on 4 gloo processes: 'ddp' predicted 9.3 s a step, measured 6.5 s).
 
-    Not on a GPU host: the factors stay 1 there (the calibration steps would run on its CPU)."""
-    if local_fingerprint(spec)["device"] == "cuda":
-        say("not calibrated: on a GPU an op's kernels in a step take their time alone, and the calibration "
-            "workloads train on the CPU (gloo)")
-        return {"ops": 1.0, "overheads": 1.0}
+    Not run on a GPU host (``profile_model``): the calibration steps would run on its CPU."""
     replicated = "ops" not in known
     rows = _calibration_rows(spec, path, CALIBRATION, replicated)
     for r in rows:

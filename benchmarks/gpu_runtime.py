@@ -169,10 +169,9 @@ def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, p
     memory = {label: _peak_bytes(*runs[label]) for label in ("eager", "autopar")}
     rounds_s = {k: [statistics.median(r) for r in v] for k, v in times.items()}
     step = {k: statistics.median(v) for k, v in rounds_s.items()}
-    ratios = {"autopar / eager": ratio_in_rounds(rounds_s["autopar"], rounds_s["eager"]),
-              "autopar + torch.compile / torch.compile": ratio_in_rounds(rounds_s["autopar + torch.compile"],
-                                                                 rounds_s["torch.compile"]),
-              "autopar / eager, autocast": ratio_in_rounds(rounds_s["autopar"], rounds_s["eager, autocast"])}
+    ratios = {f"{a} / {b}": ratio_in_rounds(rounds_s[a], rounds_s[b])
+              for a, b in (("autopar", "eager"), ("autopar + torch.compile", "torch.compile"),
+                           ("autopar", "eager, autocast"))}
     return {"model": name, "params": params, "batch": batch, "seq": seq, "precision": "bf16",
             "step_flops": flops, "build_s": build_s, "compiled_graphs": graphs, "step_s": step, "rounds_s": rounds_s,
             "mfu": {k: flops / s / peak_flops for k, s in step.items()},

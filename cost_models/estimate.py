@@ -368,7 +368,7 @@ class CostModel:
     def _compute(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
         timed = self.measured_time(nc, s)
         if timed is not None:
-            scale = self.profile.calibration.get("ops", 1.0)
+            scale = self.profile.calibration.get("ops", 1.0) if self.calibrated(nc, s) else 1.0
             return Cost(compute_s=timed.total_s * scale * self.microbatches, backward_s=timed.bwd_s * scale,
                         measured=frozenset({"compute"}))
         if nc.node.target in VIEW_OPS:
@@ -377,11 +377,10 @@ class CostModel:
         for a, n in enumerate(self.mesh.shape):
             if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
                 split *= n
-        in_bytes = sum(self.input_bytes(nc, s))
-        out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
+        moved = self._working_bytes(nc, s)
         flops = self.flops(nc.node) / split
-        fwd = compute_time(flops, in_bytes + out_bytes, self.hw, val.dtype)
-        bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * (in_bytes + out_bytes), self.hw, val.dtype)
+        fwd = compute_time(flops, moved, self.hw, val.dtype)
+        bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * moved, self.hw, val.dtype)
         if not self._grad(nc.node):
             bwd = 0.0
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
@@ -395,6 +394,15 @@ class CostModel:
             return Cost()
         summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
         return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
+
+    def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
+        """Local bytes an op's forward reads and writes: its inputs and its output."""
+        return sum(self.input_bytes(nc, s)) + _bytes(tensor_val(nc.node)) * shard_fraction(s.out, self.mesh.shape)
+
+    def calibrated(self, nc: NodeChoices, s: Strategy) -> bool:
+        """Whether calibration's in-step "ops" factor scales this op's measured time
+        (``Profile.in_cache``)."""
+        return self.profile is not None and self.profile.in_cache(self._working_bytes(nc, s))
 
     def measured_time(self, nc: NodeChoices, s: Strategy) -> OpTime | None:
         """The profile's forward and backward seconds of this op call, as measured alone."""

@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 15   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 16   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -41,7 +41,9 @@ PROFILE_VERSION = 15   # 2: op times include making results contiguous; 3: calib
                       # (a fifth of the functional one's launch): gradient sync's factor refitted; 14: that
                       # factor scales a bucket's latency, not its bytes (fitted on tiny models, it priced a
                       # large model's gradient bandwidth at 4x); 15: on a GPU, backward times are the
-                      # kernels' (not the engine's per-call hand-off), ops not calibrated
+                      # kernels' (not the engine's per-call hand-off), ops not calibrated; 16: the ops factor
+                      # scales only ops that fit in their rank's share of the CPU's last-level cache
+                      # (``cache_bytes`` in the fingerprint)
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
@@ -111,6 +113,16 @@ class Profile:
     # (blocking) and "sync@AxB" (queued gradient sync) (``calibration_key``), fitted on fixed
     # calibration workloads (``profiling``); and "overlap".
     calibration: dict[str, float] = field(default_factory=dict)
+
+    def in_cache(self, working_bytes: float) -> bool:
+        """Whether an op whose local inputs and output take ``working_bytes`` fits in its rank's
+        share of the last-level cache (the ranks of a host share it), where calibration's "ops"
+        factor applies: timed alone in a loop such an op finds its inputs in cache, and in a step,
+        where the ops before evicted them, not. An op larger than that streams from memory in
+        both and runs at its loop time: one factor on every op, fitted on tiny models (1.3 on 4
+        CPU processes), priced gpt2-125m's steps a third slow. True where the size is unknown."""
+        cache = self.fingerprint.get("cache_bytes", 0) / max(1, self.fingerprint.get("processes_per_host", 1))
+        return not cache or working_bytes <= cache
 
     def link(self, kind: str, n: int) -> Link | None:
         return self.collectives.get(collective_key(kind, n))
@@ -185,9 +197,12 @@ def hardware_fingerprint(device: str = "cpu", processes_per_host: int = 1, threa
         name = torch.cuda.get_device_name(torch.device(device))
     else:
         name = _cpu_model()
-    return {"device": device.split(":")[0], "device_name": name, "torch": torch.__version__,
-            "threads": torch.get_num_threads() if threads is None else int(threads),
-            "processes_per_host": int(processes_per_host), "cpus": os.cpu_count()}
+    fingerprint = {"device": device.split(":")[0], "device_name": name, "torch": torch.__version__,
+                   "threads": torch.get_num_threads() if threads is None else int(threads),
+                   "processes_per_host": int(processes_per_host), "cpus": os.cpu_count()}
+    if fingerprint["device"] == "cpu":
+        fingerprint["cache_bytes"] = _last_level_cache_bytes()
+    return fingerprint
 
 
 def fingerprint_id(fingerprint: dict[str, Any]) -> str:
@@ -252,6 +267,19 @@ class _TensorSig:
 
     def __repr__(self) -> str:
         return self.text
+
+
+def _last_level_cache_bytes() -> int:
+    """The size of this CPU's largest cache (0 where the OS does not say)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
+            continue
+    return max(sizes, default=0)
 
 
 def _cpu_model() -> str:

@@ -355,6 +355,23 @@ def test_a_placement_change_pays_the_runtime_move_where_generated_code_makes_one
     assert {cost.move_overhead(src, s, dst, d, i) for s in src.strategies for d in dst.strategies} == {0.0, 1.0}
 
 
+def test_the_ops_factor_scales_only_ops_that_fit_in_their_ranks_share_of_the_last_level_cache():
+    """Timed alone in a loop an op finds its inputs in cache, in a step not: calibration's "ops"
+    factor says by how much. An op larger than its rank's share of the cache streams from memory
+    either way and keeps its measured time (the factor, fitted on tiny models, priced gpt2-125m's
+    steps a third slow)."""
+    space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
+    linear = _node(space, "linear")
+    s = linear.strategies[0]
+    key = op_call(linear, s, space.mesh.shape, CostModel(space.mesh, space).saved.grad).key
+    working = 4 * (4 * 8 + 8 * 8 + 8 + 4 * 8)   # fp32 input, weight, bias and output
+    for cache, ranks, factor in ((2 * working, 1, 3.0), (2 * working, 4, 1.0), (working, 1, 3.0), (0, 8, 3.0)):
+        fingerprint = {"device": "cpu", "cache_bytes": cache, "processes_per_host": ranks}
+        profile = Profile(fingerprint, ops={key: OpTime(1.0, 2.0)}, calibration={"ops": 3.0})
+        assert CostModel(space.mesh, space, profile=profile).node(linear, s).compute_s == pytest.approx(3.0 * factor), \
+            (cache, ranks)
+
+
 def test_one_calibrated_factor_scales_every_runtime_overhead():
     """Calibration fits one in-step factor for the runtime's micro-benchmarked costs: it must
     scale the per-parameter (gradient hook, optimizer) and per-step costs as it scales the

@@ -18,10 +18,11 @@ the same quantities at a few cut points of the backward (``solver.Row``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
 from autopar.core.execution import BUCKET_BYTES, VIEW_OPS
 from autopar.core.strategies import Strategy, StrategySpace
@@ -205,7 +206,8 @@ def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy
     """What ``Timeline.simulate`` takes for one plan: each node's cost with its incoming edges
     (``StrategySpace.edges``), and the queued gradient synchronisations."""
     return _assemble(space, lambda i: model.node(space.nodes[i], chosen[i]),
-                     lambda i, j, k: model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k))
+                     lambda i, j, k: model.edge(space.nodes[i], chosen[i], space.nodes[j], chosen[j], k),
+                     parameter_saving(space, chosen, model.plain_saving()))
 
 
 class PricedSpace:
@@ -214,6 +216,7 @@ class PricedSpace:
 
     def __init__(self, space: StrategySpace, model: CostModel) -> None:
         self.space = space
+        self.saving = model.plain_saving()   # a parameter's, stored plain (``parameter_saving``)
         self.nodes: list[list[Cost]] = []             # per node, per strategy
         self.largest_input: list[np.ndarray] = []     # per node, per strategy: its largest floating input's bytes
         shared: dict[tuple, tuple[list[Cost], np.ndarray]] = {}
@@ -237,12 +240,21 @@ class PricedSpace:
 
     def step_costs(self, strategy: Sequence[int]) -> tuple[list[Cost], list[tuple[int, float]]]:
         """``step_costs`` of the plan giving node i its strategy number ``strategy[i]``."""
+        chosen = [nc.strategies[x] for nc, x in zip(self.space.nodes, strategy)]
         return _assemble(self.space, lambda i: self.nodes[i][strategy[i]],
-                         lambda i, j, k: self.edges[(i, j, k)][strategy[i], strategy[j]])
+                         lambda i, j, k: self.edges[(i, j, k)][strategy[i], strategy[j]],
+                         parameter_saving(self.space, chosen, self.saving))
 
 
-def _assemble(space: StrategySpace, node: Callable[[int], Cost], edge: Callable[[int, int, int], Cost]
-              ) -> tuple[list[Cost], list[tuple[int, float]]]:
+def parameter_saving(space: StrategySpace, chosen: Sequence[Strategy], saving: float) -> float:
+    """What each parameter's update saves in this plan (``CostModel.param_overhead``):
+    ``saving`` where every parameter is stored replicated (plain tensors), else nothing."""
+    plain = all(isinstance(p, Replicate) for nc, s in zip(space.nodes, chosen) if nc.kind == "param" for p in s.storage)
+    return saving if plain else 0.0
+
+
+def _assemble(space: StrategySpace, node: Callable[[int], Cost], edge: Callable[[int, int, int], Cost],
+              saving: float) -> tuple[list[Cost], list[tuple[int, float]]]:
     incoming: dict[int, Cost] = {}
     queued = []
     for i, j, k in space.edges():
@@ -251,6 +263,9 @@ def _assemble(space: StrategySpace, node: Callable[[int], Cost], edge: Callable[
         if c.overlap_s:
             queued.append((i, c.overlap_s))
     costs = [node(idx) + incoming.get(idx, Cost()) for idx in range(len(space.nodes))]
+    for idx, nc in enumerate(space.nodes):
+        if nc.kind == "param" and saving:
+            costs[idx] = replace(costs[idx], compute_s=costs[idx].compute_s - saving)
     return costs, queued
 
 

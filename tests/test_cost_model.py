@@ -16,14 +16,14 @@ from autopar.core.capture import capture
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from autopar.core.placements import grad_placement, grad_target
-from autopar.core.strategies import Strategy, build_space
+from autopar.core.strategies import Strategy, all_replicated, build_space
 from autopar.models.zoo import get_model
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.comm import Link, collective_time
 from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
-from cost_models.schedule import PricedSpace, Timeline
+from cost_models.schedule import PricedSpace, Timeline, step_costs
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -109,8 +109,8 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
 def test_bucketed_collectives_pay_their_share_of_one_latency():
     """Gradient sync (queued) and ZeRO-3 gathers (batched) share one collective per bucket, as the
     runtime runs them: a small tensor pays the bucket's latency in proportion to its bytes, a
-    bucket-sized one all of it; bandwidth and bytes sent are the same either way. A gradient
-    bucket holds at most the model's parameters (this MLP's: one bucket)."""
+    bucket-sized one all of it; bandwidth and bytes sent are the same either way. A bucket
+    holds at most the model's parameters (this MLP's: one bucket, one gather)."""
     from autopar.core.execution import BUCKET_BYTES
 
     space = _space(mesh=(4,), hardware="cpu")
@@ -121,8 +121,8 @@ def test_bucketed_collectives_pay_their_share_of_one_latency():
         queued = model.redistribute((numel,), torch.float32, (Partial(),), (R,), queued=True)
         gathered = model.redistribute((numel,), torch.float32, (S0,), (R,), batched=True)
         latency = 2 * 3 * model.links[0].latency   # a ring all-reduce over 4: 2(n - 1) steps
-        share = min(1.0, numel * 4 / BUCKET_BYTES)
-        assert queued.overlap_s == pytest.approx(alone.comm_s - latency * (1 - min(1.0, numel * 4 / params)))
+        share = min(1.0, numel * 4 / min(BUCKET_BYTES, params))
+        assert queued.overlap_s == pytest.approx(alone.comm_s - latency * (1 - share))
         assert queued.comm_bytes == alone.comm_bytes
         assert gathered.comm_s == pytest.approx(
             model.redistribute((numel,), torch.float32, (S0,), (R,)).comm_s - 3 * model.links[0].latency * (1 - share))
@@ -156,9 +156,8 @@ def test_in_step_calibration_scales_blocking_and_queued_collectives_apart():
 def test_a_zero_parameter_an_op_reads_replicated_is_priced_as_gathered_alone():
     """Generated code gathers ZeRO parameters in groups only where their gradient is partial on
     the gathered axes (data parallel: reduce-scattered back); one read by an op that runs
-    replicated is gathered alone, and pays the whole collective's latency, not a group's share."""
-    from autopar.core.execution import BUCKET_BYTES
-
+    replicated is gathered alone, and pays the whole collective's latency, not a group's share
+    (a group holds at most the model's parameters)."""
     space = _space(mesh=(4,), hardware="cpu")
     model = CostModel(space.mesh, space)
     weight, linear = _node(space, "p_up_weight"), _node(space, "linear")
@@ -166,7 +165,7 @@ def test_a_zero_parameter_an_op_reads_replicated_is_priced_as_gathered_alone():
     zero = _strategy(weight, (R,), storage=(S0,))
     data_parallel = model.edge(weight, zero, linear, _strategy(linear, (S0,), ((S0,), (R,), (R,))), i)
     replicated = model.edge(weight, zero, linear, _strategy(linear, (R,), ((R,), (R,), (R,))), i)
-    share = 64 * 256 * 4 / BUCKET_BYTES
+    share = 64 * 256 * 4 / (4 * sum(p.numel() for p in MLP(64, 256).parameters()))
     assert data_parallel.comm_s == 0 and data_parallel.overlap_s > 0   # grouped; its reduce-scatter queued
     assert replicated.comm_s == pytest.approx(3 * model.links[0].latency * (1 - share))   # all-gather over 4
 
@@ -377,7 +376,7 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     scale the per-parameter (gradient hook, optimizer) and per-step costs as it scales the
     per-op ones, or a host where the micro-benchmarks run slow pushes that factor onto the ops."""
     space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((1,), hardware="cpu"))
-    overheads = {"param_read": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_plain_param": 2.0 ** -3, "step": 2.0 ** -4}
+    overheads = {"param_read": 1.0, "grad_hook": 2.0 ** -2, "optimizer_per_param": 2.0 ** -3, "step": 2.0 ** -4}
     fingerprint = {"device": "cpu"}
     plain = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads))
     scaled = CostModel(space.mesh, space, profile=Profile(fingerprint, overheads=overheads,
@@ -392,16 +391,25 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     assert scaled.move_overhead(weight, s, linear, wants_partial, i) == pytest.approx(3.0)
 
 
-def test_replicated_parameters_are_priced_as_the_plain_tensors_the_optimizer_steps():
-    """A plan replicating every parameter keeps them plain (DDP's), a split one keeps DTensors,
-    whose optimizer update costs more per tensor: each storage gets its own per-tensor cost."""
+def test_parameters_are_priced_plain_only_in_a_plan_that_splits_none():
+    """A plan storing every parameter replicated keeps them plain (DDP's); one that splits any
+    keeps every parameter a DTensor, its replicated ones too (torch's foreach optimizers cannot
+    mix them), whose update costs more: each parameter pays that price in such a plan."""
     space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((2,), hardware="cpu"))
     overheads = {"grad_hook": 0.0, "optimizer_per_param": 2.0 ** -3, "optimizer_per_plain_param": 2.0 ** -5}
     model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads=overheads))
-    weight = _node(space, "p_lin_weight")
-    overhead = {s.storage: model.param_overhead(s.storage) for s in weight.strategies}
-    assert overhead[(R,)] == 2.0 ** -5
-    assert {v for k, v in overhead.items() if k != (R,)} == {2.0 ** -3}
+    weight, bias = _node(space, "p_lin_weight"), _node(space, "p_lin_bias")
+    replicated = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]
+    split = list(replicated)
+    split[space.index[weight.node]] = next(s for s in weight.strategies if s.storage != (R,))
+    roofline = CostModel(space.mesh, space)
+    for chosen, price in ((replicated, 2.0 ** -5), (split, 2.0 ** -3)):
+        costs, _ = step_costs(space, model, chosen)
+        bare, _ = step_costs(space, roofline, chosen)
+        i = space.index[bias.node]
+        assert costs[i].compute_s - bare[i].compute_s == pytest.approx(price)
+        assert PricedSpace(space, model).step_costs([nc.strategies.index(s) for nc, s in zip(space.nodes, chosen)])[0][i] \
+            == costs[i]
 
 
 def test_gradients_all_reduced_in_buckets_are_held_twice_when_the_backward_ends():

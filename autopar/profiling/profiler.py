@@ -43,7 +43,7 @@ from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileErro
                                  default_profile_path, local_fingerprint)
 from autopar.profiling.profile_comm import measure_mesh, print_progress, time_overlap
 from cost_models.profile_ops import OpCall, op_calls
-from cost_models.schedule import Timeline, step_costs
+from cost_models.schedule import Timeline, parameter_saving, step_costs
 
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)
@@ -170,7 +170,8 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
     """In-step factors for what the profile measures alone, from whole training steps of the
     calibration workloads (``_calibration_rows``), fitted by least squares in two stages:
 
-    * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``,
+    * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``
+      (``ops_alone``: the ops that fit in cache, ``CostModel.calibrated``; the others are in ``rest``),
       where the overheads are all the runtime's micro-benchmarked costs, per op, per parameter and
       per step: measured with every rank at it at once, they are inflated alike where ranks
       outnumber cores (left out of the fit, the per-parameter ones pushed ``b`` to its clamp);
@@ -243,7 +244,8 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         # the ops the factor scales (CostModel.calibrated); the others are in ``rest``
         scaled = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op" and cost.calibrated(nc, s)]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in scaled) if t is not None)
-        params = sum(cost.param_overhead(s.storage) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "param")
+        params = sum(nc.kind == "param" for nc in plan_space.nodes) * (
+            cost.param_overhead() - parameter_saving(plan_space, chosen, cost.plain_saving()))
         overhead = _moves_overhead(cost, plan_space, chosen) + params + cost.step_overhead()
         p = plan.predicted
         latency = p.exposed_comm_s - _exposed_without_latency(cost, plan_space, chosen)

@@ -488,9 +488,14 @@ class _Emitter:
                 self.emit(f"{var} = param_shard({node.name}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
                           f"{collective_comment(have, want, self.axes)}{backward}: {why}")
             else:
+                # Where the producer passes partial gradients on (read as placed, replicated), the
+                # consumer's summand goes back as it is: declared replicated, DTensor leaves it be
+                # (reduced as partial, it would be summed again with the parameter's).
+                kept = self.passes.get(node.name, ())
+                declared = tuple(Replicate() if a in kept else g for a, g in enumerate(grad))
                 shape = list(tensor_val(node).shape)
                 self.emit(f"{var} = move({node.name}, mesh, {_fmt_placements(have)}, {_fmt_placements(want)}, "
-                          f"grad={_fmt_placements(grad)}, shape={shape})",
+                          f"grad={_fmt_placements(declared)}, shape={shape})",
                           f"{collective_comment(have, want, self.axes)}{backward}: {why}")
             self.placed[key] = var
         return self.placed[key]

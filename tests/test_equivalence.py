@@ -353,3 +353,62 @@ def test_a_data_parallel_plan_keeps_parameters_plain():
 
     assert run_on_local_tensor_mesh(body, (2,)) == {"ddp": {False}, "fsdp": {True}}
     check_training(name, 4, 16, (2,), local_runner, {"plan": plans["ddp"]})
+
+
+class _SharedBias(torch.nn.Module):
+    """T5's relative position bias in small: a value computed from a parameter, replicated, that
+    two batch-split ops read (``where`` and ``add`` forced by the test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.bias.unsqueeze(0)
+        return x + b, y * b
+
+
+def test_a_value_passing_partial_gradients_is_summed_once_where_a_move_reduces_on_another_axis():
+    """The bias's gradient stays partial over dp through the unsqueeze (both readers split the
+    batch there; gradient sync sums it), while on tp one reader gives it back partial and the other
+    whole: that reader's move all-reduces over tp alone. Reduced over dp too, as the value is
+    placed, its share was summed twice (T5 on 2x2 trained its decoder's relative attention bias
+    wrong under a plan the solver found in some runs, not others)."""
+    import copy
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.core.capture import capture
+    from autopar.core.strategies import build_space
+    from autopar.planning.planner import plan_captured
+    from codegen.module import ShardedModule
+
+    torch.manual_seed(0)
+    model, x, y = _SharedBias(), torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    wx, wy = torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    ((model(x, y)[0] * wx).sum() + (model(x, y)[1] * wy).sum()).backward()
+    want = model.bias.grad.clone()
+    model.zero_grad()
+    captured = capture(model, (x, y), {})
+    mesh = MeshSpec((2, 2))
+    space = build_space(captured, mesh)
+    split, rep = (Shard(0), Shard(0)), (Replicate(), Replicate())
+    forced = {}
+    for nc in space.nodes:
+        out = {"add": split, "mul": (Shard(0), Replicate())}.get(nc.node.name)
+        if out is not None:
+            forced[nc.node.name] = next(s for s in nc.strategies if s.out == out and s.ins[1] == rep)
+    assert len(forced) == 2
+    plan = plan_captured(captured, mesh, forced=forced)
+
+    def body(dmesh):
+        pmodel = ShardedModule(copy.deepcopy(model), dmesh, plan, captured)
+        a, b = pmodel(x, y)
+        ((a * wx).sum() + (b * wy).sum()).backward()
+        grad = pmodel.bias.grad
+        return pmodel.code, [g.clone() for g in per_rank(grad.full_tensor() if hasattr(grad, "full_tensor") else grad)]
+
+    code, grads = run_on_local_tensor_mesh(body, (2, 2))
+    for rank, got in enumerate(grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m, r=rank: f"rank {r}: {m}")
+    assert "grad=(R, P)" in code and "backward: all-reduce over tp:" in code, code   # the case under test arose

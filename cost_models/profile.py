@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 16   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 17   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -43,7 +43,8 @@ PROFILE_VERSION = 16   # 2: op times include making results contiguous; 3: calib
                       # large model's gradient bandwidth at 4x); 15: on a GPU, backward times are the
                       # kernels' (not the engine's per-call hand-off), ops not calibrated; 16: the ops factor
                       # scales only ops that fit in their rank's share of the CPU's last-level cache
-                      # (``cache_bytes`` in the fingerprint)
+                      # (``cache_bytes`` in the fingerprint); 17: the collective factors fitted on a heavier
+                      # workload too, whose stretches of compute between collectives are real models'
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)

@@ -125,11 +125,11 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
 
     asked = []
 
-    def rows(spec, path, workloads, replicated):
+    def rows(spec, path, workloads, replicated, collective_workloads):
         asked.append(replicated)
         return [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
                      ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)
-                for name, sizes in workloads for batch, seq in sizes
+                for name, sizes in (*workloads, *collective_workloads) for batch, seq in sizes
                 for comm, sync in [(0.001 * batch, 0.0005 * seq)]]
 
     monkeypatch.setattr(profiling, "_calibration_rows", rows)
@@ -157,3 +157,29 @@ def test_calibration_fit_recovers_in_step_factors():
     assert (a, b, c, d) == pytest.approx((1.5, 0.75, 2.0, 0.6))
     assert _fit(rows, lambda r: (r.comm, 0.0), lambda r: 2 * r.comm) == pytest.approx((2.0, 1.0))
     assert _fit(rows, lambda r: (r.comm, r.sync), lambda r: 100 * r.comm) == pytest.approx((4.0, 0.5))
+
+
+def test_collective_factors_are_fitted_on_a_heavier_workload_too(monkeypatch, tmp_path):
+    """On several devices calibration also times a heavier workload's data- and tensor-parallel
+    plans (its stretches of compute between collectives are real models'), not its replicated
+    plan: that one would weigh in the ops factor, fitted on the tiny workloads."""
+    from autopar.profiling import profiler as profiling
+    from cost_models.profile import calibration_key
+
+    spec = MeshSpec((2,), hardware="cpu")
+    path = tmp_path / "p.json"
+    Profile(local_fingerprint(spec)).to_json(path)
+    timed = []
+
+    def fake_mesh_run(worker, shape, plans, **kw):
+        timed.extend(key for key, _ in plans)
+        return [{key: [0.1] for key, _ in plans}]
+
+    monkeypatch.setattr(profiling, "run_on_gloo_mesh", fake_mesh_run)
+    monkeypatch.setattr(profiling, "_measure", lambda *args, **kwargs: None)
+    factors = profiling._calibrate(spec, path, lambda line: None, {})
+    (heavy_model, heavy_sizes), = profiling.COLLECTIVE_CALIBRATION
+    heavy = {key[3] for key in timed if (key[0], (key[1], key[2])) in {(heavy_model, s) for s in heavy_sizes}}
+    assert heavy == {"ddp", "tp"}
+    assert {key[3] for key in timed} == {"replicated", "ddp", "tp"}
+    assert {"ops", "overheads", calibration_key("comm", (2,)), calibration_key("sync", (2,))} <= set(factors)

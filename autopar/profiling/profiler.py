@@ -129,6 +129,14 @@ def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progre
 #: at sizes from one where the runtime's per-call costs dominate to one where the ops do. One
 #: model alone lets its own quirks and the host's drift during its few steps set the factors.
 CALIBRATION = (("gpt-tiny", ((4, 16), (12, 48), (24, 64))), ("bert-tiny", ((4, 16), (12, 48), (24, 64))))
+#: And on a mesh of several devices, for the collectives' factors only: a heavier workload, a
+#: tenth of a second of compute a step, tens of milliseconds between its tensor-parallel plan's
+#: collectives, as in real models. After such a stretch a blocking collective costs more than after
+#: the tiny workloads' (where ranks outnumber cores, those that shared a core reach it apart):
+#: fitted on the tiny ones alone (1.04 on 4 processes), the factor priced gpt-tiny at 256 x 64's
+#: 'tp' step 22% low and gpt2-125m's 25% low, and the planner chose that plan for gpt2-125m,
+#: measured 1.16x 'ddp'.
+COLLECTIVE_CALIBRATION = (("gpt-tiny", ((256, 64),)),)
 CALIBRATION_STEPS = 6
 #: Each plan is timed in this many rounds, taking turns with the others; the median of all its
 #: steps counts.
@@ -176,7 +184,8 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
       per step: measured with every rank at it at once, they are inflated alike where ranks
       outnumber cores (left out of the fit, the per-parameter ones pushed ``b`` to its clamp);
       skipped where ``known`` has them (fitted on another mesh of as many processes);
-    * on a mesh of several devices, the calibration models' data- and tensor-parallel hand plans:
+    * on a mesh of several devices, the calibration models' data- and tensor-parallel hand plans
+      (and ``COLLECTIVE_CALIBRATION``'s, a heavier workload's):
       what ``a`` and ``b`` leave, ``c * blocking comm + d * gradient buckets' latency``, for this
       mesh shape. Collectives in a step cost more than alone in lockstep: ranks reach them apart,
       and CPU ranks share their cores with the compute of others. A gradient bucket's bytes are
@@ -186,7 +195,7 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
 
     Not run on a GPU host (``profile_model``): the calibration steps would run on its CPU."""
     replicated = "ops" not in known
-    rows = _calibration_rows(spec, path, CALIBRATION, replicated)
+    rows = _calibration_rows(spec, path, CALIBRATION, replicated, COLLECTIVE_CALIBRATION if spec.size > 1 else ())
     for r in rows:
         say(f"calibration {r.label}: step {r.measured * 1e3:.1f} ms; ops in cache alone {r.ops * 1e3:.1f}, runtime overheads "
             f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
@@ -219,13 +228,18 @@ def _fit(rows: Sequence[_Row], x: Callable[[_Row], tuple[float, float]], y: Call
     return tuple(float(min(max(f, 0.5), 4.0)) for f in factors)   # type: ignore[return-value]
 
 
-def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str, Sequence[tuple[int, int]]]],
-                      replicated: bool) -> list[_Row]:
+Workloads = Sequence[tuple[str, Sequence[tuple[int, int]]]]
+
+
+def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicated: bool,
+                      collective_workloads: Workloads = ()) -> list[_Row]:
     """Each workload (model, sizes) at each size: every op replicated (if ``replicated``), and on
-    several devices the calibration hand plans, each planned with the profile's uncalibrated
-    numbers; all of them timed in one launch on this mesh, taking turns (``_calibration_worker``)."""
+    several devices the calibration hand plans (of ``collective_workloads`` those alone), each
+    planned with the profile's uncalibrated numbers; all of them timed in one launch on this
+    mesh, taking turns (``_calibration_worker``)."""
     t0 = time.perf_counter()
-    workloads = [(name, batch, seq) for name, sizes in workloads for batch, seq in sizes]
+    hands_only = set(_sized(collective_workloads)) - set(_sized(workloads))
+    workloads = _sized(workloads) + sorted(hands_only)
     with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
         captured = {w: capture(*_calibration_model(*w)) for w in workloads}
         spaces = {w: build_space(c, spec) for w, c in captured.items()}
@@ -235,7 +249,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
         plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
         for w, c in captured.items():
-            plans.update(_calibration_plans(spec, profile, w, c, spaces[w], replicated))
+            plans.update(_calibration_plans(spec, profile, w, c, spaces[w], replicated and w not in hands_only))
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
     rows = []
@@ -253,6 +267,10 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Sequence[tuple[str,
         rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, latency,
                          p.step_time_s - alone - overhead - p.comm_s - latency))
     return rows
+
+
+def _sized(workloads: Workloads) -> list[tuple[str, int, int]]:
+    return [(name, batch, seq) for name, sizes in workloads for batch, seq in sizes]
 
 
 def _exposed_without_latency(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:

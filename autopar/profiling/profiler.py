@@ -131,9 +131,9 @@ def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progre
 CALIBRATION = (("gpt-tiny", ((4, 16), (12, 48), (24, 64))), ("bert-tiny", ((4, 16), (12, 48), (24, 64))))
 #: And on a mesh of several devices, for the collectives' factors only: a heavier workload, a
 #: tenth of a second of compute a step, tens of milliseconds between its tensor-parallel plan's
-#: collectives, as in real models. After such a stretch a blocking collective costs more than after
-#: the tiny workloads' (where ranks outnumber cores, those that shared a core reach it apart):
-#: fitted on the tiny ones alone (1.04 on 4 processes), the factor priced gpt-tiny at 256 x 64's
+#: collectives, as in real models, whose blocking collectives cost more in a step than the tiny
+#: workloads' do (larger, colder buffers, moved while ranks share cores): fitted on the tiny
+#: ones alone (1.04 on 4 processes), the factor priced gpt-tiny at 256 x 64's
 #: 'tp' step 22% low and gpt2-125m's 25% low, and the planner chose that plan for gpt2-125m,
 #: measured 1.16x 'ddp'.
 COLLECTIVE_CALIBRATION = (("gpt-tiny", ((256, 64),)),)

@@ -303,3 +303,42 @@ def test_cases_cover_every_op_of_the_zoo_test_models():
             if n.op == "call_function" and n.target not in covered and n.target not in NOT_FORCEABLE:
                 missing.setdefault(_op_name(n.target), set()).add(name)
     assert not missing, f"ops of the zoo test models with no per-strategy numeric case: {missing}"
+
+
+class _SharedBias(torch.nn.Module):
+    """T5's relative position bias in small: a value computed from a parameter, replicated, that
+    two batch-split ops read (``add`` and ``mul``, forced by the test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.bias.unsqueeze(0)
+        return x + b, y * b
+
+
+def test_a_value_passing_partial_gradients_is_summed_once_where_a_move_reduces_on_another_axis():
+    """The bias's gradient stays partial over dp through the unsqueeze (both readers split the
+    batch there; gradient sync sums it), while on tp one reader gives it back partial and the other
+    whole: that reader's move all-reduces over tp alone. Reduced over dp too, as the value is
+    placed, its share was summed twice (T5 on 2x2 trained its decoder's relative attention bias
+    wrong under a plan the solver found in some runs, not others)."""
+    from torch.distributed.tensor import Replicate
+
+    from codegen.generate import generate
+
+    case = Case("shared-bias", _SharedBias, lambda: (torch.randn(4, 4, 8), torch.randn(4, 4, 8)),
+                targets=(torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor), meshes=((2, 2),))
+    model, inputs, ref_outs, weights, ref_grads = _reference(case)
+    captured = capture(model, inputs)
+    mesh = MeshSpec((2, 2))
+    space = build_space(captured, mesh)
+    rep = (Replicate(), Replicate())
+    wanted = {"add": (Shard(0), Shard(0)), "mul": (Shard(0), Replicate())}
+    forced = {nc.node.name: next(s for s in nc.strategies if s.out == wanted[nc.node.name] and s.ins[1] == rep)
+              for nc in space.nodes if nc.node.name in wanted}
+    assert len(forced) == 2
+    _check(model, captured, mesh, forced, inputs, weights, ref_outs, ref_grads)
+    code = generate(captured, plan_captured(captured, mesh, forced=forced)).source
+    assert "grad=(R, P)" in code and "backward: all-reduce over tp:" in code, code   # the case under test arose

@@ -116,6 +116,27 @@ def test_a_second_mesh_shape_keeps_the_overheads_its_calibration_was_fitted_on(m
     assert profile.link("all_reduce", 2).bandwidth == 2e9 and profile.link("all_reduce", 4).bandwidth == 1e9
 
 
+def test_a_measuring_launch_has_time_for_every_op_call_it_times(monkeypatch, tmp_path):
+    """A model's few hundred op calls take minutes on shared cores before the collectives: the
+    launch's time limit grows with the calls (gpt2-125m's 367 on 4 processes timed out at a
+    fixed 300 s)."""
+    from autopar.profiling import profiler as profiling
+
+    limits = []
+
+    def fake_mesh_run(worker, shape, portable, *rest, timeout_s, **kw):
+        limits.append((len(portable), timeout_s))
+        return [({}, {}, {}, {})]
+
+    monkeypatch.setattr(profiling, "run_on_gloo_mesh", fake_mesh_run)
+    entry = get_model("gpt-tiny")
+    args, kwargs = entry.example(2, 8)
+    profile_model(entry.build(), MeshSpec((2,), hardware="cpu"), args, kwargs, path=tmp_path / "p.json",
+                  progress=None, calibrate=False)
+    [(calls, limit)] = limits
+    assert calls > 10 and limit == profiling.MEASURE_TIMEOUT_S + profiling.OP_CALL_TIMEOUT_S * calls
+
+
 def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     """A second mesh shape of as many processes (2x2 after 4) fits its own collective factors and
     reuses the ops and overheads factors, timing no replicated plan again; a calibrated shape is

@@ -83,6 +83,13 @@ def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_in
     return profile, path
 
 
+#: A measuring launch may take this long, and this long more per op call it times: a model's
+#: few hundred calls take a few minutes on shared cores (gpt2-125m's 367 on 4 processes sharing
+#: 2: 250 s), before the collectives and overheads.
+MEASURE_TIMEOUT_S = 300.0
+OP_CALL_TIMEOUT_S = 3.0
+
+
 def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progress: Progress | None, *,
              captured_s: float, comm: bool = True) -> Profile:
     """Time, in one local gloo launch, the op calls of ``spaces`` that the profile at ``path``
@@ -116,7 +123,8 @@ def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progre
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
     ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, need_overheads,
                                                       fingerprint, progress, axis_names=spec.axis_names,
-                                                      start_method="forkserver")[0]
+                                                      start_method="forkserver",
+                                                      timeout_s=MEASURE_TIMEOUT_S + OP_CALL_TIMEOUT_S * len(calls))[0]
     profile.merge(Profile(fingerprint, ops, links, overheads, calibration=overlap))
     profile.to_json(path)
     say(f"measured in {time.perf_counter() - t1:.1f} s; saved {path}")

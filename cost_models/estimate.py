@@ -41,7 +41,8 @@ from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time, minimum
 from autopar.core.hardware import Hardware, get_hardware
-from cost_models.profile import OpTime, Profile, calibration_key, runtime_overhead
+from cost_models.profile import (FRESH_BUFFER_BYTES, PER_MIB_OVERHEADS, OpTime, Profile, calibration_key,
+                                 runtime_overhead)
 from solver import Term
 
 log = logging.getLogger(__name__)
@@ -194,24 +195,27 @@ class CostModel:
                      queued: bool = False, batched: bool = False, once: bool = False) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
         blocking (``comm_s``, at its in-step factor), or a gradient synchronisation queued during
-        the backward (``queued``: ``overlap_s``, no staging buffers of its own). Queued and
-        ``batched`` ones (a ZeRO-3 gather) share one collective with others, a bucket: each pays
-        its share of the collective's latency (a queued one at its in-step factor). A blocking
-        one runs once per microbatch, or ``once`` a step (a ZeRO-2 gather)."""
+        the backward (``queued``: ``overlap_s``, no staging buffers of its own) on the axes where
+        it is a reduction (``_reduced``). Queued and ``batched`` ones (a ZeRO-3 gather) share one
+        collective with others, a bucket: each pays its share of the collective's latency (a
+        queued one at its in-step factor). A blocking one runs once per microbatch, or ``once`` a
+        step (a ZeRO-2 gather)."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
         key = (shape, dtype, src, dst, queued, batched, once)
         if key not in self._moves:
             full = _numel(shape) * _itemsize(dtype)
-            time, sent, measured = 0.0, [], False
+            times = 1 if once else self.microbatches
+            blocking, waiting, sent, measured = 0.0, 0.0, [], False
             for a, (s, d) in enumerate(zip(src, dst)):
-                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), queued, batched)
-                time, measured = time + t, measured or m
-                sent.append(b)
+                reduced = _reduced(queued, s)
+                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), reduced, batched)
+                blocking, waiting = (blocking, waiting + t) if reduced else (blocking + t, waiting)
+                sent.append(b if reduced else b * times)
+                measured = measured or m
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
-            buffers = _collective_buffers(full, largest) if time else 0.0
-            self._moves[key] = self._in_step(Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers,
-                                                  measured=frozenset({"comm"}) if measured else frozenset()), queued,
-                                             1 if once else self.microbatches)
+            self._moves[key] = Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
+                                    transient_bytes=_collective_buffers(full, largest) if blocking else 0.0,
+                                    measured=frozenset({"comm"}) if measured else frozenset())
         return self._moves[key]
 
     def redistribute_grid(self, shape: Sequence[int], dtype: torch.dtype, srcs: Sequence[Placements],
@@ -220,27 +224,30 @@ class CostModel:
         grid ``Cost``: each field a [source, destination] array, ``measured`` a bool array (the
         "comm" came from the profile). Each axis is priced once per distinct (source placement,
         bytes, destination placement): a few calls where the pairs are hundreds of thousands.
-        Also returns its seconds (``comm_s``, or ``overlap_s`` if ``queued``) as one
-        ``solver.Term`` per mesh axis; they sum to the grid's."""
+        Also returns its blocking seconds (``comm_s``) as one ``solver.Term`` per mesh axis; they
+        sum to the grid's."""
         full = float(_numel(shape) * _itemsize(dtype))
-        mesh = self.mesh.shape
-        time = np.zeros((len(srcs), len(dsts)))
-        measured = np.zeros(time.shape, dtype=bool)
+        mesh, times = self.mesh.shape, self.microbatches
+        blocking, waiting = np.zeros((len(srcs), len(dsts))), np.zeros((len(srcs), len(dsts)))
+        measured = np.zeros(blocking.shape, dtype=bool)
         sent, terms = [], []
         for a in range(len(mesh)):
             rows, row_keys = _classes([(s[a], full * _others_fraction(s, a, mesh)) for s in srcs])
             cols, col_keys = _classes([d[a] for d in dsts])
-            table = np.array([[self._axis_move(a, s, d, nbytes, queued) for d in col_keys] for s, nbytes in row_keys])
-            terms.append(Term(rows, cols, table[..., 0] * (1.0 if queued else self.comm_scale * self.microbatches)))
-            table = table[np.ix_(rows, cols)]   # [source, destination, (seconds, bytes sent, measured)]
-            time += table[..., 0]
-            sent.append(table[..., 1])
+            reduced = np.array([_reduced(queued, s) for s, _ in row_keys])
+            table = np.array([[self._axis_move(a, s, d, nbytes, r) for d in col_keys]
+                              for (s, nbytes), r in zip(row_keys, reduced)])
+            terms.append(Term(rows, cols, np.where(reduced[:, None], 0.0, table[..., 0]) * self.comm_scale * times))
+            table, reduced = table[np.ix_(rows, cols)], reduced[rows][:, None]   # [source, destination, (seconds, bytes, measured)]
+            blocking += np.where(reduced, 0.0, table[..., 0])
+            waiting += np.where(reduced, table[..., 0], 0.0)
+            sent.append(table[..., 1] * np.where(reduced, 1, times))
             measured |= table[..., 2].astype(bool)
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
-        buffers = np.where(time > 0, _collective_buffers(full, largest), 0.0)
-        grid = Cost(comm_s=time, comm_bytes=tuple(sent), transient_bytes=buffers, measured=measured)
-        return self._in_step(grid, queued), terms
+        buffers = np.where(blocking > 0, _collective_buffers(full, largest), 0.0)
+        return Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
+                    transient_bytes=buffers, measured=measured), terms
 
     def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, queued: bool = False,
                    batched: bool = False) -> tuple[float, float, bool]:
@@ -254,24 +261,39 @@ class CostModel:
         predicted 11% under it on 4 processes, measured 1.6x it)."""
         n = self.mesh.shape[a]
         kind = axis_collective(s, d)
-        if kind is None or n == 1:
-            return 0.0, 0.0, False
+        if n == 1 or kind is None:
+            local = isinstance(s, Replicate) and isinstance(d, Partial) and n > 1 and not (queued or batched)
+            return (self._local_copies(None, s, d, nbytes, n) if local else 0.0), 0.0, False
         link = self._link(kind, a)
         time = collective_time(kind, nbytes, n, link)
         if queued or batched:   # its share of the bucket's latency (sizes may be symbolic)
             latency = time - collective_time(kind, nbytes, n, Link(link.bandwidth, 0.0))
             share = latency * (self.sync_scale if queued else 1.0) * minimum(1.0, nbytes / self.bucket_bytes)
             time = time - latency + share
+        else:
+            time = time + self._local_copies(kind, s, d, nbytes, n)
         return (time, nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
 
-    def _in_step(self, c: Cost, queued: bool, times: int | None = None) -> Cost:
-        """A redistribution inside a step, at its in-step factor: blocking (``times`` a step: once
-        per microbatch by default), or a queued gradient synchronisation (``overlap_s``, once per
-        step, no staging buffers of its own)."""
-        if queued:   # its in-step factor is in its latency (``_axis_move``)
-            return Cost(overlap_s=c.comm_s, comm_bytes=c.comm_bytes, measured=c.measured)
-        times = self.microbatches if times is None else times
-        return replace(c, comm_s=c.comm_s * self.comm_scale * times, comm_bytes=tuple(b * times for b in c.comm_bytes))
+    def _local_copies(self, kind: str | None, s: Placement, d: Placement, nbytes: float, n: int) -> float:
+        """Seconds of the memory work a blocking move does on its rank beside the collective the
+        profile timed (gathered or scattered along the first dim, in buffers the allocator
+        reuses): the relayout DTensor makes for a split along another dim (the gathered tensor
+        concatenated, the scattered one packed), and the page faults of each buffer above
+        ``FRESH_BUFFER_BYTES`` (the collective's result, the relayout's); or, with no collective
+        (``kind`` None), the pass that makes a replica a partial sum. Gradient buckets and
+        ZeRO gathers run in buffers of their own, and the roofline (no profile) knows no such
+        work: 0 for them."""
+        if self.profile is None:
+            return 0.0
+        relayout_s, fresh_s = (self.profile.overheads.get(k, 0.0) / 2**20 for k in PER_MIB_OVERHEADS)
+        if kind is None:   # a replica made a partial sum: each rank's share, the value divided by n
+            return nbytes * relayout_s + _above_reuse(nbytes) * fresh_s
+        result = nbytes / n if kind == "reduce_scatter" else nbytes
+        seconds = _above_reuse(result) * fresh_s
+        split = s if kind == "all_gather" else d if kind == "reduce_scatter" else None
+        if isinstance(split, Shard) and split.dim != 0:   # the relayout: the whole tensor copied anew
+            seconds = seconds + nbytes * relayout_s + _above_reuse(nbytes) * fresh_s
+        return seconds
 
     def _earlier_reduce_scatters(self, queued_s):
         """The ZeRO-3 reduce-scatters of the k - 1 microbatches before the last, blocking as far as
@@ -554,7 +576,20 @@ class CostModel:
                                transient_bytes=self._local_gradient(val, s.out))
         elif src.kind == "param" and back.overlap_s:
             back = back + Cost(synced_bytes=self._local_gradient(val, s.out))
+        if src.kind == "param":
+            back = back + self._joined(src, val, _arrival(grad, grad_target(s.out, s.storage)))
         return fwd + back
+
+    def _joined(self, src: NodeChoices, val: torch.Tensor, grad: Placements) -> Cost:
+        """A parameter several ops read (a tied embedding) sums their gradients: one arriving
+        replicated on an axis (``_arrival``) joins the others' partial sums there, divided by the
+        axis size (DTensor's accumulation; gpt2-125m's tied embedding read replicated and by a
+        batch-split LM head, on 2x2: two passes over 147 MiB, 1.4 s of a step). Priced for every
+        replicated axis, whether or not another read is partial there: the reads are priced apart."""
+        joined = tuple(Partial() if isinstance(g, Replicate) else g for g in grad)
+        if len(src.node.users) < 2 or not self._grad_flows(src) or joined == tuple(grad):
+            return Cost()
+        return self.redistribute(val.shape, val.dtype, grad, joined)
 
     def _gathered_alone(self, src: NodeChoices, out: Placements, storage: Placements | None, kept: bool,
                         inp: Placements, grad: Placements) -> float:
@@ -642,11 +677,11 @@ class CostModel:
                                    for out, storage, *_ in src_reps])[:, None]
                 back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
             grid = grid + back
-            if not queued:
-                blocking += [t.transposed() for t in terms]
-        if src.kind == "param":
-            alone = np.array([[self._gathered_alone(src, out, storage, kept, inp, grad) for inp, grad in dst_reps]
-                              for out, storage, _, kept in src_reps])
+            blocking += [t.transposed() for t in terms]
+        if src.kind == "param":   # as in ``edge``: gathered alone, gradients joined
+            alone = np.array([[self._gathered_alone(src, out, storage, kept, inp, grad)
+                               + self._joined(src, val, _arrival(grad, grad_target(out, storage))).comm_s
+                               for inp, grad in dst_reps] for out, storage, _, kept in src_reps])
             grid = replace(grid, comm_s=grid.comm_s + alone)
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), alone))
         if runtime_overhead(self.profile, {"move": 1, "param_read": 1}) and dst.kind != "output":
@@ -725,6 +760,26 @@ def _collective_buffers(full: float, largest_fraction: float | np.ndarray) -> fl
 def _others_fraction(placements: Placements, axis: int, mesh_shape: Sequence[int]) -> float:
     """Fraction of a tensor one group along ``axis`` holds: the shards of the other axes only."""
     return shard_fraction(tuple(p if a != axis else Replicate() for a, p in enumerate(placements)), mesh_shape)
+
+
+def _arrival(grad: Placements, target: Placements) -> Placements:
+    """Where a parameter read's gradient ``grad`` reaches the parameter (placed ``target``): the
+    read's redistribution, differentiated, moves it there but for its partial sums, which
+    gradient sync reduces (``_reduced``)."""
+    return tuple(g if isinstance(g, Partial) else t for g, t in zip(grad, target))
+
+
+def _reduced(queued: bool, src: Placement) -> bool:
+    """Is one mesh axis of a queued gradient synchronisation queued? Its reductions are (summed in
+    gradient sync's buckets and ZeRO's groups); a gradient's other moves run in the backward as
+    its read's redistribution is differentiated, blocking it (gpt2-125m's tied embedding read by
+    vocabulary on 2x2: its 147 MiB gradient gathered twice, 2 s of a step)."""
+    return queued and isinstance(src, Partial)
+
+
+def _above_reuse(nbytes):
+    """Bytes of a buffer beyond what the allocator reuses (``FRESH_BUFFER_BYTES``); sizes may be symbolic."""
+    return nbytes - minimum(nbytes, FRESH_BUFFER_BYTES)
 
 
 def _transposed(c: Cost) -> Cost:

@@ -27,7 +27,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import Link
 
-PROFILE_VERSION = 17   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 18   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -44,7 +44,8 @@ PROFILE_VERSION = 17   # 2: op times include making results contiguous; 3: calib
                       # kernels' (not the engine's per-call hand-off), ops not calibrated; 16: the ops factor
                       # scales only ops that fit in their rank's share of the CPU's last-level cache
                       # (``cache_bytes`` in the fingerprint); 17: the collective factors fitted on a heavier
-                      # workload too, whose stretches of compute between collectives are real models'
+                      # workload too, whose stretches of compute between collectives are real models';
+                      # 18: a move's local copies (``relayout_per_mib``, ``fresh_per_mib``)
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
@@ -64,7 +65,23 @@ OVERHEADS = {
                            "torch.distributed.pipelining schedule's actions, its point-to-point sends and waits",
     "pipeline_step": "fixed cost of one pipelined step beyond its microbatches' (the schedule splitting the batch, "
                      "filling and draining)",
+    "relayout_per_mib": "seconds per MiB (not per occurrence) of the copy a placement change makes beside its "
+                        "collective when the split dim is not the first (DTensor concatenates the gathered chunks, "
+                        "or packs the chunks it scatters), every rank copying at once",
+    "fresh_per_mib": "seconds per MiB (not per occurrence) beyond that copy of a buffer larger than "
+                     "``FRESH_BUFFER_BYTES``, which the allocator maps afresh each time: its pages fault in",
 }
+
+#: Overheads priced per MiB of a placement change's local buffers, inside the move's cost
+#: (``CostModel.redistribute``), not per occurrence.
+PER_MIB_OVERHEADS = ("relayout_per_mib", "fresh_per_mib")
+
+#: glibc's largest mmap threshold on 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``): the CPU
+#: allocator returns a freed buffer above it to the OS, so the next one faults each page in on
+#: first touch; buffers below it are reused. On 4 gloo processes sharing 2 cores, gathering
+#: gpt2-125m's logits (196 MiB) over 2 ranks took 2.0x the all-gather's fit along the first dim
+#: (the result's page faults) and 3.0x along the last (and the concatenation's).
+FRESH_BUFFER_BYTES = 32 * 2**20
 
 
 #: Overheads measured on whole steps (pipelined ones), not on calls apart: calibration's in-step

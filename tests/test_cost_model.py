@@ -338,6 +338,101 @@ def test_backward_costs_only_where_gradients_flow_and_ops_cost_what_they_were_ti
     assert cost.move_overhead(weight, stored, linear, wants_partial, i) == pytest.approx(0.5)   # read partial first
 
 
+@pytest.mark.parametrize("src, dst, mib, extra", [
+    ((S0,), (R,), 4, lambda r, f: 0.0),                        # gathered along the first dim, reused buffer
+    ((S1,), (R,), 4, lambda r, f: 4 * r),                      # concatenated after gathering
+    ((S0,), (R,), 256, lambda r, f: 224 * f),                  # its result mapped afresh
+    ((S1,), (R,), 256, lambda r, f: 256 * r + 2 * 224 * f),    # and the concatenation's
+    ((P,), (S1,), 256, lambda r, f: 96 * f + 256 * r + 224 * f),   # packed, then half of it kept
+    ((P,), (R,), 256, lambda r, f: 224 * f),
+    ((R,), (P,), 256, lambda r, f: 256 * r + 224 * f),         # no collective: the value divided by n
+])
+def test_a_move_pays_its_relayout_and_the_page_faults_of_buffers_mapped_afresh(src, dst, mib, extra):
+    """Beside the collective the profile timed (along the first dim, in reused buffers), a
+    blocking move pays the profile's per-MiB rates for the copy DTensor makes splitting along
+    another dim and for each buffer above ``FRESH_BUFFER_BYTES`` (32 MiB), at the in-step
+    factor; without those rates (the roofline) it pays the collective alone."""
+    space = _space(mesh=(2,), hardware="cpu")
+    rates = {"relayout_per_mib": 1e-3, "fresh_per_mib": 1e-4}
+    shape = (mib, 512, 512)   # fp32: ``mib`` MiB
+
+    def move(overheads):
+        profile = Profile({"device": "cpu"}, overheads=overheads, calibration={"comm@2": 2.0})
+        return CostModel(space.mesh, space, profile=profile).redistribute(shape, torch.float32, src, dst).comm_s
+
+    assert move(rates) - move({}) == pytest.approx(2.0 * extra(*rates.values()))
+    queued = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads=rates))
+    plain = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}))
+    assert (queued.redistribute(shape, torch.float32, src, dst, queued=True).overlap_s
+            == plain.redistribute(shape, torch.float32, src, dst, queued=True).overlap_s)   # gradient buckets: their own
+
+
+class _TiedLM(nn.Module):
+    """An embedding and the LM head that shares its weight, as Hugging Face ties them."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(ids))).sum()
+
+
+def test_a_tied_parameter_read_with_a_replicated_gradient_pays_joining_the_partial_ones():
+    """A parameter two ops read sums their gradients: one given back replicated on an axis is
+    divided there to join the other's partial sum, a pass over the whole weight; a parameter one
+    op reads pays no such pass. The planner's grids price it as ``edge`` does."""
+    space = build_space(capture(_TiedLM(), (torch.randint(0, 64, (8, 4)),)), MeshSpec((2,), hardware="cpu"))
+    profile = Profile({"device": "cpu"}, overheads={"relayout_per_mib": 1.0, "fresh_per_mib": 1.0})
+    model = CostModel(space.mesh, space, profile=profile)
+    tied = next(nc for nc in space.nodes if nc.kind == "param" and len(nc.node.users) == 2)
+    single = next(nc for nc in space.nodes if nc.kind == "param" and len(nc.node.users) == 1)
+    pass_s = 64 * 16 * 4 / 2**20   # the weight's MiB at 1 s per MiB
+
+    def read(param, replicated):
+        user = next(iter(param.node.users))
+        dst = next(nc for nc in space.nodes if nc.node is user)
+        i = dst.inputs.index(param.node)
+        stored = next(s for s in param.strategies if s.out == (R,) and s.storage == (R,))
+        d = next(d for d in dst.strategies if d.ins[i] == (R,)
+                 and (grad_placement(d.ins[i], d.ins, d.out) == (R,)) == replicated)
+        plain = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}))
+        grid = model.edge_grid(param, dst, i)
+        a, b = param.strategies.index(stored), dst.strategies.index(d)
+        assert grid[a, b].comm_s == pytest.approx(model.edge(param, stored, dst, d, i).comm_s)
+        return model.edge(param, stored, dst, d, i).comm_s - plain.edge(param, stored, dst, d, i).comm_s
+
+    assert read(tied, replicated=True) == pytest.approx(pass_s)
+    assert read(tied, replicated=False) == 0.0
+    assert read(single, replicated=True) == 0.0
+
+
+def test_a_parameter_gradient_is_queued_where_it_is_summed_and_blocks_the_backward_where_it_is_gathered():
+    """Gradient sync sums partial gradients in buckets, under the backward; a gradient given back
+    split (a replicated embedding read by vocabulary) is gathered as its read's redistribution
+    is differentiated, blocking the backward, at the in-step factor of blocking collectives."""
+    space = build_space(capture(_TiedLM(), (torch.randint(0, 64, (8, 4)),)), MeshSpec((2,), hardware="cpu"))
+    model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, calibration={"comm@2": 2.0}))
+    weight = next(nc for nc in space.nodes if nc.kind == "param" and len(nc.node.users) == 2)
+    stored = next(s for s in weight.strategies if s.out == (R,) and s.storage == (R,))
+
+    def read(op, want, grad):
+        dst = next(nc for nc in space.nodes if nc.node.target is op)
+        i = dst.inputs.index(weight.node)
+        d = next(d for d in dst.strategies if d.ins[i] == want and grad_placement(d.ins[i], d.ins, d.out) == grad)
+        return model.edge(weight, stored, dst, d, i)
+
+    by_vocabulary = read(torch.ops.aten.embedding.default, (S0,), (S0,))
+    gathered = model.redistribute((64, 16), torch.float32, (S0,), (R,))
+    assert gathered.comm_s > 0 and by_vocabulary.overlap_s == 0
+    assert by_vocabulary.comm_s == pytest.approx(gathered.comm_s)
+    batch_split = read(torch.ops.aten.linear.default, (R,), (P,))
+    assert batch_split.comm_s == 0 and batch_split.overlap_s > 0
+
+
 def test_a_placement_change_pays_the_runtime_move_where_generated_code_makes_one():
     """An edge costs one ``runtime.move`` where the placement changes, or where a replicated value
     feeds a split op (its partial gradient is all-reduced back): as ``codegen`` emits them."""
@@ -475,7 +570,8 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
     space = _space(mesh=mesh, hardware="cpu")
     shape = "x".join(map(str, mesh))
     profile = Profile({"device": "cpu"}, collectives={collective_key("all_gather", 2): Link(bandwidth=1e8, latency=1e-4)},
-                      calibration={f"comm@{shape}": 1.5, f"sync@{shape}": 0.5}, overheads={"move": 1e-5})
+                      calibration={f"comm@{shape}": 1.5, f"sync@{shape}": 0.5},
+                      overheads={"move": 1e-5, "relayout_per_mib": 1e-3, "fresh_per_mib": 1e-4})
     model = CostModel(space.mesh, space, profile=profile)
     checked = measured = 0
     for i, j, k in space.edges():

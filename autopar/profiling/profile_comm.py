@@ -31,7 +31,7 @@ from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.core.placements import local_shape
 from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
-from cost_models.profile import OVERHEADS, collective_key
+from cost_models.profile import FRESH_BUFFER_BYTES, OVERHEADS, collective_key
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "measure_mesh", "print_progress", "profile_mesh", "time_collectives",
            "time_overheads", "time_overlap"]
@@ -286,6 +286,8 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
       outnumber cores, a rank idle in the bubble leaves its core to the others, and the step
       takes less than its critical path (``pipeline_step``, alone, is kept as fitted).
 
+    * ``relayout_per_mib``, ``fresh_per_mib``: ``_local_copy_rates``.
+
     Noise can push a difference below zero; it is reported as 0.
     """
     step, per_param, per_plain_param = _optimizer_overheads(device_mesh, repeats)
@@ -310,9 +312,39 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
         "step": step,
         "pipeline_microbatch": per_microbatch,
         "pipeline_step": pipelined,
+        **_local_copy_rates(),
     }
     return dict(zip(OVERHEADS, _slowest([mine[key] if key == "pipeline_step" else max(0.0, mine[key])
                                          for key in OVERHEADS])))
+
+
+#: Sizes of the copies ``_local_copy_rates`` times: one the allocator reuses, one it maps afresh.
+_REUSED_BYTES = 8 * 2**20
+_FRESH_BYTES = 8 * FRESH_BUFFER_BYTES
+_COPY_REPEATS = 5
+
+
+def _local_copy_rates() -> dict[str, float]:
+    """Seconds per MiB of a placement change's relayout: concatenating two halves along the last
+    dim into a new tensor, as DTensor does after gathering along a dim other than the first,
+    every rank at once. ``relayout_per_mib`` from a buffer the allocator reuses
+    (``_REUSED_BYTES``); ``fresh_per_mib`` the extra per MiB above ``FRESH_BUFFER_BYTES`` of a
+    buffer it maps afresh (``_FRESH_BYTES``), its page faults. A freed buffer of twice the reused
+    size first raises glibc's threshold above it, as a training step's buffers do (a fresh
+    process maps every buffer over 128 KiB afresh: 6x the rate)."""
+    torch.empty(2 * _REUSED_BYTES, dtype=torch.uint8)   # freed at once
+    reused, fresh = (_mean_seconds([_concatenation(n)], _COPY_REPEATS, before=dist.barrier)[0]
+                     for n in (_REUSED_BYTES, _FRESH_BYTES))
+    mib = 2**20
+    relayout = reused / (_REUSED_BYTES / mib)
+    return {"relayout_per_mib": relayout,
+            "fresh_per_mib": (fresh - relayout * _FRESH_BYTES / mib) / ((_FRESH_BYTES - FRESH_BUFFER_BYTES) / mib)}
+
+
+def _concatenation(nbytes: int) -> Callable[[], None]:
+    rows = 1024
+    halves = [torch.ones(rows, nbytes // (2 * rows * _ELEMENT_BYTES), dtype=_ELEMENT) for _ in range(2)]
+    return lambda: torch.cat(halves, dim=1)
 
 
 def _replicated(mesh: DeviceMesh) -> list[Placement]:

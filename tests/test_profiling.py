@@ -180,6 +180,19 @@ def test_calibration_fit_recovers_in_step_factors():
     assert _fit(rows, lambda r: (r.comm, r.sync), lambda r: 100 * r.comm) == pytest.approx((4.0, 0.5))
 
 
+def test_calibration_fits_in_error_relative_to_each_step():
+    """Steps of 2 ms and of 300 ms count alike, as cost_accuracy scores them: the short step's
+    factor (2) is not drowned by the long one's (3), as it is in absolute seconds (3.0)."""
+    from autopar.profiling.profiler import _fit, _Row
+
+    rows = [_Row(f"r{k}", "ddp", measured=y, ops=0.0, overheads=0.0, comm=x, sync=0.0, rest=0.0)
+            for k, (x, y) in enumerate([(0.001, 0.002), (0.1, 0.3)])]
+    relative = [(x / y, 1.0) for x, y in ((0.001, 0.002), (0.1, 0.3))]
+    expected = sum(a * b for a, b in relative) / sum(a * a for a, _ in relative)
+    assert _fit(rows, lambda r: (r.comm, 0.0), lambda r: r.measured)[0] == pytest.approx(expected)
+    assert 2.2 < expected < 2.4
+
+
 def test_collective_factors_are_fitted_on_a_heavier_workload_too(monkeypatch, tmp_path):
     """On several devices calibration also times a heavier workload's data- and tensor-parallel
     plans (its stretches of compute between collectives are real models'), not its replicated

@@ -331,7 +331,7 @@ def _local_copy_rates() -> dict[str, float]:
     (``_REUSED_BYTES``); ``fresh_per_mib`` the extra per MiB above ``FRESH_BUFFER_BYTES`` of a
     buffer it maps afresh (``_FRESH_BYTES``), its page faults. A freed buffer of twice the reused
     size first raises glibc's threshold above it, as a training step's buffers do (a fresh
-    process maps every buffer over 128 KiB afresh: 6x the rate)."""
+    process maps every buffer over 128 KiB afresh: 4-6x the rate on 4 processes)."""
     torch.empty(2 * _REUSED_BYTES, dtype=torch.uint8)   # freed at once
     reused, fresh = (_mean_seconds([_concatenation(n)], _COPY_REPEATS, before=dist.barrier)[0]
                      for n in (_REUSED_BYTES, _FRESH_BYTES))
@@ -342,6 +342,7 @@ def _local_copy_rates() -> dict[str, float]:
 
 
 def _concatenation(nbytes: int) -> Callable[[], None]:
+    """A concatenation of two halves along the last dim into a new tensor of ``nbytes``."""
     rows = 1024
     halves = [torch.ones(rows, nbytes // (2 * rows * _ELEMENT_BYTES), dtype=_ELEMENT) for _ in range(2)]
     return lambda: torch.cat(halves, dim=1)

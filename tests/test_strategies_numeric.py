@@ -345,3 +345,52 @@ def test_a_value_passing_partial_gradients_is_summed_once_where_a_move_reduces_o
     _check(model, captured, mesh, forced, inputs, weights, ref_outs, ref_grads)
     code = generate(captured, plan_captured(captured, mesh, forced=forced)).source
     assert "grad=(R, P)" in code and "backward: all-reduce over tp:" in code, code   # the case under test arose
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding and the LM head that shares its weight (as Hugging Face ties them), with a
+    vocabulary the meshes split unevenly."""
+
+    def __init__(self, vocab: int = 7, d: int = 4) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,)])
+def test_a_tied_weight_stored_by_vocabulary_is_read_as_stored_where_the_lookup_splits_it_so(mesh_shape):
+    """ZeRO-3 stores the tied weight by vocabulary; the lookup reads it by vocabulary, the LM head
+    whole on a split batch. The lookup reads the stored shard, its gradient lands there, and the
+    head's partial one is reduce-scattered onto it: the numbers equal one device's, and no gather
+    serves the lookup (through the gathered copy, the lookup's gradient was gathered back in the
+    backward, then divided to join the head's)."""
+    from torch.distributed.tensor import Replicate
+
+    from codegen.generate import generate
+
+    case = Case("tied-lm", _TiedLM, lambda: (torch.randint(0, 7, (6, 3)),),
+                targets=(torch.ops.aten.embedding.default,), meshes=(mesh_shape,))
+    model, inputs, ref_outs, weights, ref_grads = _reference(case)
+    captured = capture(model, inputs)
+    mesh = MeshSpec(mesh_shape)
+    space = build_space(captured, mesh)
+    vocab, rep = (Shard(0),), (Replicate(),)
+    forced = {}
+    for nc in space.nodes:
+        if nc.kind == "param" and nc.node.users:
+            forced[nc.node.name] = next(s for s in nc.strategies if s.out == rep and s.storage == vocab)
+        elif nc.node.target is torch.ops.aten.embedding.default:
+            forced[nc.node.name] = next(s for s in nc.strategies if s.ins[0] == vocab and isinstance(s.out[0], Partial))
+        elif nc.node.target is torch.ops.aten.linear.default:
+            forced[nc.node.name] = next(s for s in nc.strategies if s.ins[1] == rep and s.out == (Shard(0),))
+    assert len(forced) == 3
+    _check(model, captured, mesh, forced, inputs, weights, ref_outs, ref_grads)
+    code = generate(captured, plan_captured(captured, mesh, forced=forced)).source
+    lookup = next(line for line in code.splitlines() if "sharded_embedding(" in line)
+    weight = next(n for n in captured.graph.nodes if n.target is torch.ops.aten.embedding.default).args[0]
+    fqn = captured.param_of[weight.name]
+    assert f"{lookup.split('(')[1].split(',')[0]} = param_shard(self.{fqn}, (S(0),), grad=(S(0),))" in code, code

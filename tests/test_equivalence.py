@@ -3,6 +3,8 @@ on real models (hand-written GPT, HuggingFace GPT-2 and Llama), over 3 AdamW ste
 2-D meshes including uneven ones, both in one process (LocalTensorMode) and on gloo processes."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -114,8 +116,6 @@ def test_no_dtensor_hints_in_normal_use(caplog):
     """A plan's redistributions over both axes of a 2x2 mesh (moves, gathered outputs, gradient
     sync) are the collectives the planner chose: DTensor's hint about them (logged by every rank,
     once per mesh) is not shown."""
-    import logging
-
     import torch.distributed.tensor._redistribute as redistribute
 
     redistribute._warned_flatten_issues.clear()   # DTensor warns once per mesh and process
@@ -128,24 +128,52 @@ def test_no_dtensor_hints_in_normal_use(caplog):
     assert not [r for r in caplog.records if "sequential" in r.getMessage()]
 
 
+class _Shown(logging.Handler):
+    """A logger's own records, whether or not it propagates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_no_dtensor_hint_from_the_backward_of_a_move():
+    """A move that slices locally, (R, S(0)) -> (S(0), S(0)), has its gradient gathered back over
+    both axes by DTensor's own backward, outside any call of autopar's: DTensor's hint is not shown
+    there either (gpt2-125m on 2x2 logged it once per rank). The gradient is still right."""
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import Replicate, Shard
+
+    from codegen.runtime import move
+
+    def body(mesh):
+        x = torch.arange(16.0).reshape(4, 4).requires_grad_()
+        y = move(x, mesh, (Replicate(), Shard(0)), (Shard(0), Shard(0)), (Shard(0), Shard(0)), [8, 4])
+        (y * y).sum().backward()
+        return x.grad
+
+    redistribute._warned_flatten_issues.clear()   # DTensor warns once per mesh and process
+    hints, shown = logging.getLogger(redistribute.__name__), _Shown()
+    hints.addHandler(shown)
+    try:
+        grads = run_on_local_tensor_mesh(body, (2, 2))
+    finally:
+        hints.removeHandler(shown)
+    assert not [m for m in shown.messages if "sequential" in m], shown.messages
+    for grad in per_rank(grads):
+        torch.testing.assert_close(grad, 2 * torch.arange(16.0).reshape(4, 4))
+
+
 def test_gloo_all_to_all_fallback_hint_is_not_shown_for_planned_moves():
     """On gloo DTensor runs an all-to-all as an all-gather and a chunk and says so once per rank
     (not under LocalTensorMode): for autopar's planned moves, priced as measured, it is noise."""
-    import logging
-
     from torch.distributed.tensor import _collective_utils
 
     from codegen.runtime import _PLANNED
 
-    class Shown(logging.Handler):   # the logger's own records only, whether or not it propagates
-        def __init__(self) -> None:
-            super().__init__()
-            self.messages: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
-
-    hints, shown = logging.getLogger(_collective_utils.__name__), Shown()
+    hints, shown = logging.getLogger(_collective_utils.__name__), _Shown()
     hints.addHandler(shown)
     try:
         with _PLANNED:

@@ -463,10 +463,10 @@ class _Emitter:
         if node.name in self.group_of:   # read whole as used (``gather_groups``)
             self.gather(self.group_of[node.name])
             return node.name
-        if self.as_stored(node.name, want, grad):
-            return self.stored_read(node.name, want, why)
-        self.emit_read(node.name)
-        have = self.out_of.get(node.name)
+        stored = self.as_stored(node.name, want, grad)
+        if not stored:
+            self.emit_read(node.name)
+        have = self.plan[node.name].storage if stored else self.out_of.get(node.name)
         if have is None:
             return node.name
         param = node.name in self.params
@@ -487,8 +487,12 @@ class _Emitter:
             back = target if not param else have
             backward = "" if grad == back else f"; backward: {collective_comment(grad, back, self.axes)}"
             if param:
-                self.emit(f"{var} = param_shard({node.name}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
-                          f"{collective_comment(have, want, self.axes)}{backward}: {why}")
+                fqn = self.captured.param_of[node.name]
+                source, how = ((_attr_path(fqn), "this rank's shard as stored, not gathered; its gradient lands there")
+                               if stored else (node.name, collective_comment(have, want, self.axes)))
+                self.emit(f"{var} = param_shard({source}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
+                          f"{how}{backward}: {why}")
+                self.stage_state[-1].add(fqn)
             else:
                 # Where the producer passes partial gradients on (read as placed, replicated), the
                 # consumer's summand goes back as it is: declared replicated, DTensor leaves it be
@@ -507,22 +511,11 @@ class _Emitter:
         gradient given back as stored? Then it reads the shard, not the gathered copy: through the
         copy, the gradient would be gathered back in the backward, then summed with the whole
         reads' partial ones and reduce-scattered (a tied embedding stored and read by vocabulary,
-        which the LM head reads whole: gpt2-125m's 147 MiB gathered in every backward)."""
+        which the LM head reads whole: gpt2-125m's 147 MiB gathered in every backward).
+        ``operand`` reads it so, and the gather is emitted at the first read that needs it."""
         np_ = self.plan.get(name)
         return (name in self.params and np_ is not None and not np_.offloaded
                 and tuple(want) == tuple(np_.storage) == tuple(grad) != tuple(np_.out))
-
-    def stored_read(self, name: str, want: Placements, why: str) -> str:
-        """The variable holding parameter ``name``'s stored shard (``as_stored``)."""
-        key = (name, placements_str(want), placements_str(want))
-        if key not in self.placed:
-            var = f"{name}_{'_'.join(_tag(p) for p in want)}"
-            fqn = self.captured.param_of[name]
-            self.emit(f"{var} = param_shard({_attr_path(fqn)}, {_fmt_placements(want)}, grad={_fmt_placements(want)})",
-                      f"this rank's shard as stored, not gathered; its gradient lands there: {why}")
-            self.stage_state[-1].add(fqn)
-            self.placed[key] = var
-        return self.placed[key]
 
     def reads(self, node: fx.Node, np_: NodePlan, only: set[str] | None = None) -> dict[str, str]:
         """The variable each tensor input of ``node`` (those in ``only``) is read from, placed as

@@ -507,6 +507,21 @@ class Scatter(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+class TiedLM(nn.Module):
+    """An embedding and the LM head that shares its weight, as Hugging Face ties them, a norm
+    between (a parameter one op reads)."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(ids))).sum()
+
+
 def _ids(vocab: int, *shape: int) -> torch.Tensor:
     return torch.randint(0, vocab, shape)
 

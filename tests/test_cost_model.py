@@ -24,6 +24,7 @@ from cost_models.profile import OpTime, Profile, collective_key, local_fingerpri
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline, step_costs
+from tests.strategy_cases import TiedLM
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -367,25 +368,11 @@ def test_a_move_pays_its_relayout_and_the_page_faults_of_buffers_mapped_afresh(s
             == plain.redistribute(shape, torch.float32, src, dst, queued=True).overlap_s)   # gradient buckets: their own
 
 
-class _TiedLM(nn.Module):
-    """An embedding and the LM head that shares its weight, as Hugging Face ties them."""
-
-    def __init__(self, vocab: int = 64, d: int = 16) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.emb(ids))).sum()
-
-
 def test_a_tied_parameter_read_with_a_replicated_gradient_pays_joining_the_partial_ones():
     """A parameter two ops read sums their gradients: one given back replicated on an axis is
     divided there to join the other's partial sum, a pass over the whole weight; a parameter one
     op reads pays no such pass. The planner's grids price it as ``edge`` does."""
-    space = build_space(capture(_TiedLM(), (torch.randint(0, 64, (8, 4)),)), MeshSpec((2,), hardware="cpu"))
+    space = build_space(capture(TiedLM(), (torch.randint(0, 64, (8, 4)),)), MeshSpec((2,), hardware="cpu"))
     profile = Profile({"device": "cpu"}, overheads={"relayout_per_mib": 1.0, "fresh_per_mib": 1.0})
     model = CostModel(space.mesh, space, profile=profile)
     tied = next(nc for nc in space.nodes if nc.kind == "param" and len(nc.node.users) == 2)
@@ -414,7 +401,7 @@ def test_a_parameter_gradient_is_queued_where_it_is_summed_and_blocks_the_backwa
     """Gradient sync sums partial gradients in buckets, under the backward; a gradient given back
     split (a replicated embedding read by vocabulary) is gathered as its read's redistribution
     is differentiated, blocking the backward, at the in-step factor of blocking collectives."""
-    space = build_space(capture(_TiedLM(), (torch.randint(0, 64, (8, 4)),)), MeshSpec((2,), hardware="cpu"))
+    space = build_space(capture(TiedLM(), (torch.randint(0, 64, (8, 4)),)), MeshSpec((2,), hardware="cpu"))
     model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, calibration={"comm@2": 2.0}))
     weight = next(nc for nc in space.nodes if nc.kind == "param" and len(nc.node.users) == 2)
     stored = next(s for s in weight.strategies if s.out == (R,) and s.storage == (R,))

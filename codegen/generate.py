@@ -487,12 +487,13 @@ class _Emitter:
             back = target if not param else have
             backward = "" if grad == back else f"; backward: {collective_comment(grad, back, self.axes)}"
             if param:
-                fqn = self.captured.param_of[node.name]
-                source, how = ((_attr_path(fqn), "this rank's shard as stored, not gathered; its gradient lands there")
-                               if stored else (node.name, collective_comment(have, want, self.axes)))
+                source, how = node.name, collective_comment(have, want, self.axes)
+                if stored:   # read here, not by ``emit_read``
+                    fqn = self.captured.param_of[node.name]
+                    source, how = _attr_path(fqn), "this rank's shard as stored, not gathered; its gradient lands there"
+                    self.stage_state[-1].add(fqn)
                 self.emit(f"{var} = param_shard({source}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
                           f"{how}{backward}: {why}")
-                self.stage_state[-1].add(fqn)
             else:
                 # Where the producer passes partial gradients on (read as placed, replicated), the
                 # consumer's summand goes back as it is: declared replicated, DTensor leaves it be
@@ -513,9 +514,10 @@ class _Emitter:
         reads' partial ones and reduce-scattered (a tied embedding stored and read by vocabulary,
         which the LM head reads whole: gpt2-125m's 147 MiB gathered in every backward).
         ``operand`` reads it so, and the gather is emitted at the first read that needs it."""
-        np_ = self.plan.get(name)
-        return (name in self.params and np_ is not None and not np_.offloaded
-                and tuple(want) == tuple(np_.storage) == tuple(grad) != tuple(np_.out))
+        if name not in self.params:   # (every one of them is planned)
+            return False
+        np_ = self.plan[name]
+        return not np_.offloaded and tuple(want) == tuple(np_.storage) == tuple(grad) != tuple(np_.out)
 
     def reads(self, node: fx.Node, np_: NodePlan, only: set[str] | None = None) -> dict[str, str]:
         """The variable each tensor input of ``node`` (those in ``only``) is read from, placed as

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -75,9 +76,11 @@ class _Bucket:
     params: list[nn.Parameter] = field(default_factory=list)
     leaves: list[torch.Tensor] = field(default_factory=list)   # where each one's gradient accumulates
     nbytes: int = 0
+    numel: int = 0                        # of the gradients, all together
     ready: int = 0                        # gradients accumulated in this backward
     reduced: Launched | None = None       # the launched all-reduce of the flattened gradients
     buffer: torch.Tensor | None = None    # where the last backward flattened them: reused (see ``_launch``)
+    views: list[torch.Tensor] | None = None   # ``buffer`` cut and shaped as each leaf: each one's gradient
     carried: list[Carried] = field(default_factory=list)   # summands reduced at the end of ``reduced``
 
 
@@ -96,7 +99,6 @@ class GradSync:
         self.reduce_precision = reduce_precision
         self.buckets: list[_Bucket] = []
         open_: dict[tuple[tuple[int, ...], torch.dtype], _Bucket] = {}
-        self._bucket_of: dict[int, _Bucket] = {}
         for p, grad in params:
             axes = tuple(a for a, g in enumerate(grad) if isinstance(g, Partial))
             if not axes and not isinstance(p, DTensor):   # nothing to do: it accumulates in p.grad
@@ -111,17 +113,16 @@ class GradSync:
             bucket.params.append(p)
             bucket.leaves.append(local)
             bucket.nbytes += local.numel() * local.element_size()
-            self._bucket_of[id(local)] = bucket
-            local.register_post_accumulate_grad_hook(self._ready)
+            bucket.numel += local.numel()
+            local.register_post_accumulate_grad_hook(partial(self._ready, bucket))
         self._queued = False
         self._later: list[tuple[list[nn.Parameter], torch.Tensor, bool]] = []   # (params, reduced, offloaded)
         self._carried: list[Carried] = []   # waiting for a bucket to launch
         self.sync = True   # False: partial gradients accumulate locally, not reduced (``train_step``)
 
-    def _ready(self, local: torch.Tensor) -> None:
+    def _ready(self, bucket: _Bucket, _local: torch.Tensor) -> None:
         """A shard's gradient is accumulated: launch its bucket's all-reduce once it is full."""
         self._queue()
-        bucket = self._bucket_of[id(local)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and bucket.axes and self.sync:
             self._launch(bucket)
@@ -159,17 +160,27 @@ class GradSync:
             self._queued = True
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [g.reshape(-1) for g in (leaf.grad for leaf in bucket.leaves) if g is not None]
+        """Flatten the bucket's gradients (and the summands it carries) and launch their sum. The
+        buffer of the last backward is reused where it holds the same gradients, copied in by one
+        ``_foreach_copy_`` into its views (``bucket.views``), and none handed over is still held:
+        a ``grad`` handed over is one of those views."""
         bucket.carried = [c for c in self._carried if c.axes == bucket.axes and c.summand.dtype == bucket.wire]
         self._carried = [c for c in self._carried if all(c is not b for b in bucket.carried)]
-        parts = grads + [c.summand.reshape(-1) for c in bucket.carried]
+        grads = [leaf.grad for leaf in bucket.leaves]
+        tail = [c.summand.reshape(-1) for c in bucket.carried]
+        every = all(g is not None for g in grads)
         flat = bucket.buffer
-        if (flat is None or flat.numel() != sum(t.numel() for t in parts)   # none kept where summed in another dtype
-                or any(p.grad is not None for p in bucket.params)):   # a gradient handed over may be a view of it
-            flat = torch.cat(parts).to(bucket.wire)
-        else:
-            torch.cat(parts, out=flat)
-        bucket.buffer = flat if bucket.wire == bucket.dtype else None
+        if (every and flat is not None and flat.numel() == bucket.numel + sum(t.numel() for t in tail)
+                and all(p.grad is None for p in bucket.params)):
+            torch._foreach_copy_(bucket.views, grads)
+            if tail:
+                torch.cat(tail, out=flat[bucket.numel:])
+        else:   # first backward, a parameter unused, a gradient kept, or summed in another dtype
+            flat = torch.cat([g.reshape(-1) for g in grads if g is not None] + tail).to(bucket.wire)
+            keep = every and bucket.wire == bucket.dtype
+            bucket.buffer = flat if keep else None
+            bucket.views = ([part.view_as(leaf) for leaf, part in zip(bucket.leaves, flat.split(
+                [leaf.numel() for leaf in bucket.leaves] + [flat.numel() - bucket.numel]))] if keep else None)
         bucket.reduced = sum_in_place(flat, self.mesh, bucket.axes)
 
     def wire(self, flat: torch.Tensor) -> torch.Tensor:
@@ -189,7 +200,11 @@ class GradSync:
                 self._launch(bucket)
             if bucket.reduced is not None:
                 flat = bucket.reduced.wait()
-                _hand_over(used, flat)
+                if flat is bucket.buffer and len(used) == len(bucket.params):   # summed in place: its views
+                    for p, view in zip(bucket.params, bucket.views):
+                        _add_grad(p, view)
+                else:
+                    _hand_over(used, flat)
                 tail = flat[flat.numel() - sum(c.summand.numel() for c in bucket.carried):]
                 for c, part in zip(bucket.carried, tail.split([c.summand.numel() for c in bucket.carried])):
                     c.reduced = Launched(part.clone())   # not a view: the gradients' storage goes to the optimizer

@@ -31,7 +31,7 @@ from codegen.recompute import checkpointed, statement_names
 from codegen.stages import COMMON_ARGUMENTS, StageCode, node_stages, split_stages, stage_signature, stage_starts
 from codegen.runtime import rank_value, shard_range
 from codegen.zero3 import GatherSpec
-from autopar.core.placements import Placements, grad_placement, grad_target, placements_str
+from autopar.core.placements import Placements, grad_placement, grad_target, placements_str, read_as_stored
 from autopar.core.plan import NodePlan, Plan
 from autopar.core.precision import reduce_dtype
 
@@ -44,24 +44,16 @@ HEADER = '''\
 
 def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes: Passes) -> Placements | None:
     """Where a parameter's gradient accumulates when the forward reads its shard as it is stored
-    (no move, no autograd wrapper): every op reads it as stored and gives its gradient back alike,
-    as stored or partial where it is replicated (gradient sync sums those). None otherwise: it is
+    (``placements.read_as_stored``). None otherwise, or where an op reading it has no plan: it is
     read through ``runtime.param_shard`` and its gradient synchronised by its own hook."""
-    grads = set()
+    uses = []
     for user in param.users:
         up = plan.get(user.name)
         if up is None:
             return None
-        for inp, want in zip(flat_tensor_inputs(user), up.ins):
-            if inp is param:
-                if want != np_.storage or np_.storage != np_.out:
-                    return None
-                grads.add(given_grad(want, up, passes.get(user.name, ())))
-    if len(grads) != 1:
-        return None
-    grad = grads.pop()
-    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, np_.storage))
-    return grad if ok else None
+        uses += [(want, given_grad(want, up, passes.get(user.name, ())))
+                 for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param]
+    return read_as_stored(np_.storage, np_.out, uses)
 
 
 Passes = dict[str, tuple[int, ...]]

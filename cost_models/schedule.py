@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from autopar.core.execution import BUCKET_BYTES, VIEW_OPS
+from autopar.core.placements import grad_placement, read_as_stored
 from autopar.core.strategies import Strategy, StrategySpace
 from cost_models.estimate import Cost, CostModel, EdgeGrid
 from solver import Row
@@ -247,9 +248,19 @@ class PricedSpace:
 
 
 def parameter_saving(space: StrategySpace, chosen: Sequence[Strategy], saving: float) -> float:
-    """What each parameter's update saves in this plan (``CostModel.param_overhead``):
-    ``saving`` where every parameter is stored replicated (plain tensors), else nothing."""
-    plain = all(isinstance(p, Replicate) for nc, s in zip(space.nodes, chosen) if nc.kind == "param" for p in s.storage)
+    """What each parameter's update saves in this plan (``CostModel.param_overhead``): ``saving``
+    where the runtime keeps parameters plain tensors, as DDP does (``codegen.module``): every one
+    stored replicated and read as stored (``placements.read_as_stored``, each op's gradient placed
+    as ``grad_placement`` says: codegen's partial passes are not seen); else nothing."""
+    params = [i for i, nc in enumerate(space.nodes) if nc.kind == "param"]
+    if not all(isinstance(p, Replicate) for i in params for p in chosen[i].storage):
+        return 0.0
+    uses: dict[int, list] = {i: [] for i in params}
+    for i, j, k in space.edges():
+        if i in uses:
+            d = chosen[j]
+            uses[i].append((d.ins[k], grad_placement(d.ins[k], d.ins, d.out)))
+    plain = all(not u or read_as_stored(chosen[i].storage, chosen[i].out, u) is not None for i, u in uses.items())
     return saving if plain else 0.0
 
 

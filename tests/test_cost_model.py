@@ -473,25 +473,62 @@ def test_one_calibrated_factor_scales_every_runtime_overhead():
     assert scaled.move_overhead(weight, s, linear, wants_partial, i) == pytest.approx(3.0)
 
 
-def test_parameters_are_priced_plain_only_in_a_plan_that_splits_none():
-    """A plan storing every parameter replicated keeps them plain (DDP's); one that splits any
-    keeps every parameter a DTensor, its replicated ones too (torch's foreach optimizers cannot
-    mix them), whose update costs more: each parameter pays that price in such a plan."""
-    space = build_space(capture(_Scaled(), (torch.randn(4, 8),)), MeshSpec((2,), hardware="cpu"))
+def _scaled_plans() -> tuple:
+    """``_Scaled``'s space on 2 ranks and three plans of it: every node replicated; the same with
+    the linear layer split by column, so that it reads its replicated parameters split; the weight
+    stored split."""
+    captured = capture(_Scaled(), (torch.randn(4, 8),))
+    space = build_space(captured, MeshSpec((2,), hardware="cpu"))
+    weight, linear = _node(space, "p_lin_weight"), _node(space, "linear")
+    replicated = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]
+    read_split, stored_split = list(replicated), list(replicated)
+    read_split[space.index[linear.node]] = next(s for s in linear.strategies if s.ins[1] == (Shard(0),))
+    stored_split[space.index[weight.node]] = next(s for s in weight.strategies if s.storage != (R,))
+    return captured, space, {"replicated": replicated, "read split": read_split, "stored split": stored_split}
+
+
+def test_parameters_are_priced_plain_only_in_a_plan_that_splits_none_and_reads_them_as_stored():
+    """A plan storing every parameter replicated and reading each as stored keeps them plain
+    (DDP's); one that splits any, or reads one split (a slice of the replicated weight), keeps
+    every parameter a DTensor, its replicated ones too (torch's foreach optimizers cannot mix
+    them), whose update costs more: each parameter pays that price in such a plan."""
+    _, space, plans = _scaled_plans()
     overheads = {"grad_hook": 0.0, "optimizer_per_param": 2.0 ** -3, "optimizer_per_plain_param": 2.0 ** -5}
     model = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, overheads=overheads))
-    weight, bias = _node(space, "p_lin_weight"), _node(space, "p_lin_bias")
-    replicated = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]
-    split = list(replicated)
-    split[space.index[weight.node]] = next(s for s in weight.strategies if s.storage != (R,))
+    bias = _node(space, "p_lin_bias")
     roofline = CostModel(space.mesh, space)
-    for chosen, price in ((replicated, 2.0 ** -5), (split, 2.0 ** -3)):
+    prices = {"replicated": 2.0 ** -5, "read split": 2.0 ** -3, "stored split": 2.0 ** -3}
+    for name, chosen in plans.items():
         costs, _ = step_costs(space, model, chosen)
         bare, _ = step_costs(space, roofline, chosen)
         i = space.index[bias.node]
-        assert costs[i].compute_s - bare[i].compute_s == pytest.approx(price)
+        assert costs[i].compute_s - bare[i].compute_s == pytest.approx(prices[name]), name
         assert PricedSpace(space, model).step_costs([nc.strategies.index(s) for nc, s in zip(space.nodes, chosen)])[0][i] \
             == costs[i]
+
+
+def test_the_runtime_keeps_parameters_plain_exactly_where_they_are_priced_plain():
+    """The cost model's predicate (``schedule.parameter_saving``) and the module's: plain tensors in
+    the plan of every node replicated, DTensors in the other two."""
+    from torch.distributed.tensor import DTensor
+
+    import autopar
+    from autopar.profiling.launch import run_on_local_tensor_mesh
+    from cost_models.schedule import parameter_saving
+
+    captured, space, plans = _scaled_plans()
+    x = torch.randn(4, 8)
+    for name, chosen in plans.items():
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind in ("param", "op")}
+        plan = plan_captured(captured, space.mesh, forced=forced)
+
+        def body(mesh, plan=plan):
+            pmodel = autopar.compile(_Scaled(), mesh, x, plan=plan)
+            return {isinstance(p, DTensor) for p in pmodel.parameters()}
+
+        priced_plain = parameter_saving(space, chosen, 1.0) > 0
+        assert run_on_local_tensor_mesh(body, (2,)) == {not priced_plain}, name
+    assert [parameter_saving(space, c, 1.0) > 0 for c in plans.values()] == [True, False, False]
 
 
 def test_gradients_all_reduced_in_buckets_are_held_twice_when_the_backward_ends():

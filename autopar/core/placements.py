@@ -7,7 +7,7 @@ the few pure functions on them used by every stage: text form (reports, JSON), l
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -85,6 +85,28 @@ def grad_placement(placements: Sequence[Placement], op_inputs: Sequence[Sequence
         else:
             out.append(Replicate())
     return tuple(out)
+
+
+def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
+                   uses: Iterable[tuple[Sequence[Placement], Sequence[Placement]]]) -> tuple[Placement, ...] | None:
+    """Where a parameter's local gradient accumulates when the forward reads its shard as it is
+    stored (no move, no autograd wrapper): ``uses`` gives, for each op reading it, the placement
+    it reads and the gradient's it gives back. Every use reads it as stored (``out`` too) and gives
+    one gradient placement, as stored or partial where stored replicated (gradient sync sums
+    those); None otherwise. The code generator reads such parameters directly
+    (``codegen.generate.direct_grad``); the cost model prices a plan whose parameters are all
+    replicated and read so as plain tensors (``cost_models.schedule.parameter_saving``)."""
+    storage = tuple(storage)
+    grads = set()
+    for want, grad in uses:
+        if tuple(want) != storage or tuple(out) != storage:
+            return None
+        grads.add(tuple(grad))
+    if len(grads) != 1:
+        return None
+    grad = grads.pop()
+    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, storage))
+    return grad if ok else None
 
 
 def grad_target(out: Sequence[Placement], storage: Sequence[Placement] | None = None) -> tuple[Placement, ...]:

@@ -75,7 +75,6 @@ class _Bucket:
     wire: torch.dtype                     # the one they are summed in (``reduce_precision``)
     params: list[nn.Parameter] = field(default_factory=list)
     leaves: list[torch.Tensor] = field(default_factory=list)   # where each one's gradient accumulates
-    nbytes: int = 0
     numel: int = 0                        # of the gradients, all together
     ready: int = 0                        # gradients accumulated in this backward
     reduced: Launched | None = None       # the launched all-reduce of the flattened gradients
@@ -105,14 +104,13 @@ class GradSync:
                 continue
             key = (axes, p.dtype)
             bucket = open_.get(key)
-            if bucket is None or bucket.nbytes >= bucket_bytes:
+            if bucket is None or bucket.numel * p.dtype.itemsize >= bucket_bytes:
                 bucket = open_[key] = _Bucket(axes, p.dtype, reduce_dtype(reduce_precision, p.dtype))
                 self.buckets.append(bucket)
             local = gradient_leaf(p)
             local.requires_grad_(True)   # the forward reads the shard: its gradient accumulates there
             bucket.params.append(p)
             bucket.leaves.append(local)
-            bucket.nbytes += local.numel() * local.element_size()
             bucket.numel += local.numel()
             local.register_post_accumulate_grad_hook(partial(self._ready, bucket))
         self._queued = False
@@ -179,8 +177,7 @@ class GradSync:
             flat = torch.cat([g.reshape(-1) for g in grads if g is not None] + tail).to(bucket.wire)
             keep = every and bucket.wire == bucket.dtype
             bucket.buffer = flat if keep else None
-            bucket.views = ([part.view_as(leaf) for leaf, part in zip(bucket.leaves, flat.split(
-                [leaf.numel() for leaf in bucket.leaves] + [flat.numel() - bucket.numel]))] if keep else None)
+            bucket.views = _views(flat, bucket.leaves) if keep else None
         bucket.reduced = sum_in_place(flat, self.mesh, bucket.axes)
 
     def wire(self, flat: torch.Tensor) -> torch.Tensor:
@@ -232,9 +229,15 @@ def _hand_over(params: list[tuple[nn.Parameter, torch.Tensor]], flat: torch.Tens
     order, and add each to its parameter's ``grad`` (in the parameter's dtype, where they were
     summed in another, and memory: an offloaded one's goes to the host); what follows them in
     ``flat`` (carried summands) is left."""
-    sizes = [local.numel() for _, local in params]
-    for (p, local), part in zip(params, flat.split([*sizes, flat.numel() - sum(sizes)])):
-        _add_grad(p, part.view_as(local).to(local.device, local.dtype))
+    for (p, local), part in zip(params, _views(flat, [local for _, local in params])):
+        _add_grad(p, part.to(local.device, local.dtype))
+
+
+def _views(flat: torch.Tensor, locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut, in order, into views shaped as each of ``locals_`` (what follows them is left)."""
+    sizes = [t.numel() for t in locals_]
+    parts = flat.split([*sizes, flat.numel() - sum(sizes)])
+    return [part.view_as(t) for t, part in zip(locals_, parts)]
 
 
 def _add_grad(p: nn.Parameter, local_grad: torch.Tensor) -> None:

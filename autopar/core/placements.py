@@ -97,9 +97,11 @@ def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
     (``codegen.generate.direct_grad``); the cost model prices a plan whose parameters are all
     replicated and read so as plain tensors (``cost_models.schedule.parameter_saving``)."""
     storage = tuple(storage)
+    if tuple(out) != storage:
+        return None
     grads = set()
     for want, grad in uses:
-        if tuple(want) != storage or tuple(out) != storage:
+        if tuple(want) != storage:
             return None
         grads.add(tuple(grad))
     if len(grads) != 1:

@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Auto-parallelizing compiler for PyTorch training",
     packages=find_packages(include=["autopar*", "cost_models*", "solver*", "codegen*"]),
+    package_data={"cost_models": ["tables/*.json"]},   # the GPU efficiency tables (cost_models.efficiency)
     python_requires=">=3.10",
     # torch is pinned narrowly: autopar relies on private DTensor APIs that move between releases.
     install_requires=[

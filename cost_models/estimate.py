@@ -34,12 +34,14 @@ from autopar.core.capture import tensor_val
 from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import Placements, grad_placement, grad_target, is_split, shard_fraction
+from autopar.core.placements import (Placements, grad_placement, grad_target, is_split, local_shape,
+                                     shard_fraction)
 from autopar.core.precision import reduce_dtype
 from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time, minimum
+from cost_models.efficiency import efficiency_of, op_seconds
 from autopar.core.hardware import Hardware, get_hardware
 from cost_models.profile import (FRESH_BUFFER_BYTES, PER_MIB_OVERHEADS, OpTime, Profile, calibration_key,
                                  runtime_overhead)
@@ -167,6 +169,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.hw = get_hardware(self.mesh.hardware)
+        self.efficiency = efficiency_of(self.hw)   # what kernels reach of the peaks, where a table says
         self.links = [link_for_axis(self.hw, self.mesh.shape, a) for a in range(self.mesh.ndim)]
         self.saved = SavedTensors(gradients(self.space)) if self.space.nodes else None
         self._counted = self._first_keepers()
@@ -404,8 +407,12 @@ class CostModel:
                 split *= n
         moved = self._working_bytes(nc, s)
         flops = self.flops(nc.node) / split
-        fwd = compute_time(flops, moved, self.hw, val.dtype)
-        bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * moved, self.hw, val.dtype)
+        if self.efficiency is not None and not (flops == 0 and moved == 0):
+            shapes = [local_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
+            fwd, bwd = op_seconds(nc.node, shapes, flops, moved, self.efficiency, self.hw, val.dtype)
+        else:
+            fwd = compute_time(flops, moved, self.hw, val.dtype)
+            bwd = compute_time(BACKWARD_FACTOR * flops, BACKWARD_FACTOR * moved, self.hw, val.dtype)
         if not self._grad(nc.node):
             bwd = 0.0
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)

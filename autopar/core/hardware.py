@@ -75,6 +75,10 @@ class Hardware:
     dispatch) that :func:`cost_models.compute.compute_time` adds to every op
     that does any work.
 
+    ``efficiency`` names the table of what its kernels reach of these peaks
+    (``cost_models/tables/<name>.json``, or a path to such a JSON file;
+    ``cost_models.efficiency``); empty: every op is priced at the peaks (a roofline).
+
     ``host_bandwidth`` is bytes/s per direction between one device and host
     memory (its PCIe link), ``host_memory_bandwidth`` the host memory
     bandwidth one device's share of the host CPUs gets (what an optimizer step
@@ -95,6 +99,7 @@ class Hardware:
     op_overhead_s: float = 0.0
     host_bandwidth: float = 0.0
     host_memory_bandwidth: float = 0.0
+    efficiency: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -131,6 +136,8 @@ class Hardware:
             raise HardwareError(
                 f"{self.name}: devices_per_node = {self.devices_per_node!r}; expected an integer >= 1"
             )
+        if not isinstance(self.efficiency, str):
+            raise HardwareError(f"{self.name}: efficiency must name a table (a string), got {self.efficiency!r}")
         if not isinstance(self.source, str):
             raise HardwareError(f"{self.name}: source must be a string, got {type(self.source).__name__}")
 
@@ -217,14 +224,15 @@ _HOPPER_FLOPS = {
 }
 
 def _nvidia_8gpu_node(name: str, flops: Mapping[str, float], *, memory_bandwidth: float, memory_bytes: float,
-                      nvlink: float, infiniband: float, pcie: float, host_memory: float, source: str) -> Hardware:
+                      nvlink: float, infiniband: float, pcie: float, host_memory: float, efficiency: str,
+                      source: str) -> Hardware:
     """An 8-GPU NVLink node on InfiniBand; latencies and per-op overhead are shared estimates.
     ``pcie``: each GPU's link to the host, per direction; ``host_memory``: the node's host memory
     bandwidth, shared by its 8 GPUs."""
     return Hardware(name=name, peak_flops=dict(flops), memory_bandwidth=memory_bandwidth, memory_bytes=memory_bytes,
                     devices_per_node=8, intra_node_bandwidth=nvlink, intra_node_latency=2e-6,
                     inter_node_bandwidth=infiniband, inter_node_latency=5e-6, op_overhead_s=5e-6,
-                    host_bandwidth=pcie, host_memory_bandwidth=host_memory / 8, source=source)
+                    host_bandwidth=pcie, host_memory_bandwidth=host_memory / 8, efficiency=efficiency, source=source)
 
 
 _A100_HOST = dict(pcie=25 * _GB, host_memory=410 * _GB)
@@ -271,22 +279,22 @@ PRESETS: dict[str, Hardware] = {
         ),
     ),
     "a100-40gb": _nvidia_8gpu_node(
-        "a100-40gb", _A100_FLOPS, memory_bandwidth=1555 * _GB, memory_bytes=40 * _GB,
+        "a100-40gb", _A100_FLOPS, efficiency="a100", memory_bandwidth=1555 * _GB, memory_bytes=40 * _GB,
         nvlink=300 * _GB, infiniband=25 * _GB, **_A100_HOST,
         source=_A100_SRC + "A100 40GB SXM4: 40 GB HBM2, 1555 GB/s. " + _A100_HOST_SRC + _NV_LATENCY_NOTE,
     ),
     "a100-80gb": _nvidia_8gpu_node(
-        "a100-80gb", _A100_FLOPS, memory_bandwidth=2039 * _GB, memory_bytes=80 * _GB,
+        "a100-80gb", _A100_FLOPS, efficiency="a100", memory_bandwidth=2039 * _GB, memory_bytes=80 * _GB,
         nvlink=300 * _GB, infiniband=25 * _GB, **_A100_HOST,
         source=_A100_SRC + "A100 80GB SXM4: 80 GB HBM2e, 2039 GB/s. " + _A100_HOST_SRC + _NV_LATENCY_NOTE,
     ),
     "h100-80gb": _nvidia_8gpu_node(
-        "h100-80gb", _HOPPER_FLOPS, memory_bandwidth=3350 * _GB, memory_bytes=80 * _GB,
+        "h100-80gb", _HOPPER_FLOPS, efficiency="h100", memory_bandwidth=3350 * _GB, memory_bytes=80 * _GB,
         nvlink=450 * _GB, infiniband=50 * _GB, **_HOPPER_HOST,
         source=_HOPPER_SRC + "H100 SXM5: 80 GB HBM3, 3.35 TB/s. " + _HOPPER_HOST_SRC + _NV_LATENCY_NOTE,
     ),
     "h200": _nvidia_8gpu_node(
-        "h200", _HOPPER_FLOPS, memory_bandwidth=4800 * _GB, memory_bytes=141 * _GB,
+        "h200", _HOPPER_FLOPS, efficiency="h200", memory_bandwidth=4800 * _GB, memory_bytes=141 * _GB,
         nvlink=450 * _GB, infiniband=50 * _GB, **_HOPPER_HOST,
         source=(
             _HOPPER_SRC

@@ -34,7 +34,7 @@ from .compute import is_amount
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.core.hardware import Hardware
 
-__all__ = ["Link", "COLLECTIVE_KINDS", "collective_time", "link_for_axis"]
+__all__ = ["Link", "COLLECTIVE_KINDS", "collective_time", "crosses_nodes", "link_for_axis"]
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
     "all_reduce",
@@ -84,17 +84,15 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     return a + nbytes / bw
 
 
-def link_for_axis(hw: "Hardware", axis_sizes: Sequence[int], axis: int) -> Link:
-    """The link used by collectives along mesh axis ``axis``.
+def crosses_nodes(hw: "Hardware", axis_sizes: Sequence[int], axis: int) -> bool:
+    """Do the groups along mesh axis ``axis`` span nodes?
 
     Devices are numbered row-major over ``axis_sizes`` (the last axis varies
     fastest) and fill nodes of ``hw.devices_per_node`` consecutive ranks.  A
     group along ``axis`` then spans ``prod(axis_sizes[axis:])`` consecutive
     ranks; the axis is intra-node when that span is <= ``devices_per_node``
     and no group straddles a node boundary (the span divides
-    ``devices_per_node``, or the whole mesh fits in one node).  Otherwise the
-    collective is bottlenecked by the inter-node link (each device uses its own
-    NIC, so the per-device inter-node bandwidth applies).
+    ``devices_per_node``, or the whole mesh fits in one node).
     """
     sizes = [int(s) for s in axis_sizes]
     if not sizes or any(s < 1 for s in sizes):
@@ -102,11 +100,22 @@ def link_for_axis(hw: "Hardware", axis_sizes: Sequence[int], axis: int) -> Link:
     ndim = len(sizes)
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis} out of range for a {ndim}-d mesh {tuple(sizes)}")
-    axis %= ndim
-    span = math.prod(sizes[axis:])
-    total = math.prod(sizes)
+    span = math.prod(sizes[axis % ndim:])
     dpn = hw.devices_per_node
-    intra = span <= dpn and (dpn % span == 0 or total <= dpn)
-    if intra:
-        return Link(bandwidth=hw.intra_node_bandwidth, latency=hw.intra_node_latency)
-    return Link(bandwidth=hw.inter_node_bandwidth, latency=hw.inter_node_latency)
+    return not (span <= dpn and (dpn % span == 0 or math.prod(sizes) <= dpn))
+
+
+def link_for_axis(hw: "Hardware", axis_sizes: Sequence[int], axis: int) -> Link:
+    """The link used by collectives along mesh axis ``axis``: the node's (NVLink) where its
+    groups stay within a node, else the inter-node one (each device uses its own NIC, so the
+    per-device inter-node bandwidth applies: a ring is bound by its slowest link). Its bandwidth
+    is what NCCL's collectives reach of the datasheet's, where the hardware's efficiency table
+    says (``cost_models.efficiency``)."""
+    from cost_models.efficiency import efficiency_of   # efficiency imports this module's package
+
+    eff = efficiency_of(hw)
+    if crosses_nodes(hw, axis_sizes, axis):
+        bandwidth, latency, fraction = hw.inter_node_bandwidth, hw.inter_node_latency, "inter_node"
+    else:
+        bandwidth, latency, fraction = hw.intra_node_bandwidth, hw.intra_node_latency, "intra_node"
+    return Link(bandwidth=bandwidth * (eff.links[fraction] if eff is not None else 1.0), latency=latency)

@@ -66,6 +66,7 @@ class Efficiency:
     attention: dict[str, dict[str, float]]
     attention_half_seq: float
     memory: float
+    links: dict[str, float]
     sustained: float
     source: str
 
@@ -101,8 +102,9 @@ def load_table(path: Path) -> Efficiency:
             tiles=tuple(Tile(*t) for t in data["gemm"]["tiles"]), backward_gemm=float(data["gemm"]["backward"]),
             attention={k: dict(v) for k, v in data["attention"]["peak_fraction"].items()},
             attention_half_seq=float(data["attention"]["half_at_seq"]), memory=float(data["memory"]["bandwidth_fraction"]),
-            sustained=float(data["sustained"]["fraction"]),
-            source=" | ".join(f"{k}: {data[k]['source']}" for k in ("gemm", "attention", "memory", "sustained")))
+            links=dict(data["collectives"]["bandwidth_fraction"]), sustained=float(data["sustained"]["fraction"]),
+            source=" | ".join(f"{k}: {data[k]['source']}" for k in ("gemm", "attention", "memory", "collectives",
+                                                                    "sustained")))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HardwareError(f"efficiency table {str(path)!r} is malformed ({type(e).__name__}: {e}); "
                             f"see the files in {TABLES} for the format") from e

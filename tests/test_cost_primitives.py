@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from autopar.core.errors import HardwareError
-from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time, link_for_axis
+from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time, crosses_nodes, link_for_axis
 from cost_models.compute import compute_time
+from cost_models.efficiency import efficiency_of
 from autopar.core.hardware import PRESETS, Hardware, get_hardware, hardware_from_dict, hardware_to_dict
 
 GiB = 2**30
@@ -97,18 +98,20 @@ def test_collective_bad_inputs():
 
 def test_link_for_axis_128x8_on_h100():
     hw = get_hardware("h100-80gb")
+    links = efficiency_of(hw).links   # what NCCL reaches of each link's datasheet bandwidth
     inner = link_for_axis(hw, (128, 8), 1)
     outer = link_for_axis(hw, (128, 8), 0)
-    assert inner == Link(hw.intra_node_bandwidth, hw.intra_node_latency)
-    assert outer == Link(hw.inter_node_bandwidth, hw.inter_node_latency)
+    assert inner == Link(hw.intra_node_bandwidth * links["intra_node"], hw.intra_node_latency)
+    assert outer == Link(hw.inter_node_bandwidth * links["inter_node"], hw.inter_node_latency)
     assert link_for_axis(hw, (128, 8), -1) == inner
     assert inner.bandwidth > outer.bandwidth
 
 
 def test_link_for_axis_edge_cases():
     hw = get_hardware("h100-80gb")  # 8 devices per node
-    intra = Link(hw.intra_node_bandwidth, hw.intra_node_latency)
-    inter = Link(hw.inter_node_bandwidth, hw.inter_node_latency)
+    links = efficiency_of(hw).links
+    intra = Link(hw.intra_node_bandwidth * links["intra_node"], hw.intra_node_latency)
+    inter = Link(hw.inter_node_bandwidth * links["inter_node"], hw.inter_node_latency)
     # (2, 4): axis 0 spans 8 ranks -> still one node
     assert link_for_axis(hw, (2, 4), 0) == intra
     assert link_for_axis(hw, (4, 2, 4), 1) == intra
@@ -117,6 +120,7 @@ def test_link_for_axis_edge_cases():
     assert link_for_axis(hw, (4, 3), 1) == inter
     # ... but not when the whole mesh is inside one node
     assert link_for_axis(hw, (2, 3), 1) == intra
+    assert [crosses_nodes(hw, (4, 2, 4), a) for a in range(3)] == [True, False, False]
     assert link_for_axis(get_hardware("cpu"), (3,), 0).bandwidth == PRESETS["cpu"].intra_node_bandwidth
     with pytest.raises(ValueError):
         link_for_axis(hw, (128, 8), 2)

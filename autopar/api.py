@@ -17,6 +17,7 @@ from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
 from autopar.core.microbatch import batch_size, microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.together import one_process, together
+from autopar.planning.clock import Clock
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import memoized, plan_captured, priced_workloads
 from autopar.profiling.missing_ops import measure_missing_ops
@@ -34,12 +35,14 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     """Choose a placement for every op of ``model`` on ``mesh``; runs no collective. The model and
     inputs may live on the ``meta`` device. ``options`` and ``option_values`` (``memory_budget=``,
     ``time_limit=``, ``profile=``, ...) steer the planner: see ``autopar.PlanOptions``."""
+    start = time.perf_counter()   # the limit bounds the whole call, the capture included
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
-    t0 = time.perf_counter()
+    clock = Clock(options.time_limit, start=start)
     args = as_args(example_inputs)
-    captured = capture(model, args, example_kwargs, precision=options.precision)
-    return plan_captured(captured, spec, options, timings={"capture": time.perf_counter() - t0},
+    with clock.stage("capture", "capture"):
+        captured = capture(model, args, example_kwargs, precision=options.precision)
+    return plan_captured(captured, spec, options, clock=clock,
                          recapture=microbatch_capture(model, args, example_kwargs, options.precision))
 
 

@@ -717,7 +717,9 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     ``time_limit`` (seconds) covers the whole call, model building included; the solver may
     overrun it by a second or so on very large models. When it is hit, the best solution
     found so far is returned with ``status="feasible"`` and the solver's gap. Solves that
-    finish within the limit are deterministic (fixed seed, deterministic hint).
+    finish within the limit are deterministic (fixed seed, deterministic hint; HiGHS's branch and
+    bound is deterministic, and math_opt refuses ``threads`` for it); one the limit stops ends
+    where the machine's speed let it get.
     """
     start = time.perf_counter()
     if solver not in SOLVERS:

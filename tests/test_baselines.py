@@ -130,29 +130,42 @@ def test_a_solver_plan_must_beat_the_best_hand_plan_by_min_gain(monkeypatch):
 def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     """All hand plans together may take ``share`` of the time left, split evenly; the rest is the
     auto plan's. (Before: each took ``share`` of what the earlier ones left, 75% in all on 3-D.)
-    Each fake solve uses all of its time, on a fake clock."""
+    Each fake solve uses all of its time, on a fake clock; once the share is spent, no hand plan
+    is solved past it (each used to get the least solve time again), and the clock says which."""
     from types import SimpleNamespace
 
     from autopar.planning import baselines
+    from autopar.planning.clock import Clock
     from autopar.core.capture import capture
     from autopar.planning.problem import prepare
 
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     planning = prepare(capture(model, args, kwargs), MeshSpec((2, 2, 2), hardware="h100-80gb"))
-    clock = SimpleNamespace(now=0.0)
+    fake = SimpleNamespace(now=0.0)
     given = []
 
     def fake_solve(planning, *, deadline, **kwargs):
-        given.append(deadline - clock.now)
-        clock.now = deadline
+        given.append(deadline.left())
+        fake.now = deadline.end
         return None, ()
 
     monkeypatch.setattr(baselines, "solve_planning", fake_solve)
-    monkeypatch.setattr(baselines, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    plans = baselines.hand_plans(planning, deadline=100.0, share=0.4)
+    clock = Clock(100.0, now=lambda: fake.now)
+    plans = baselines.hand_plans(planning, deadline=clock.deadline(), share=0.4)
+    left = clock.deadline().end
     assert len(plans) == len(given) == 20
-    assert clock.now == pytest.approx(40.0)                    # all within 40% of the 100 s left
-    assert given == pytest.approx([40.0 / 20] * 20)            # an even part each
+    assert fake.now == pytest.approx(0.4 * left)               # all within 40% of the time left
+    assert given == pytest.approx([0.4 * left / 20] * 20)      # an even part each
+
+    def overrunning(planning, *, deadline, **kwargs):           # the first solve takes the whole share
+        fake.now = deadline.end + 0.4 * left
+        return None, ()
+
+    monkeypatch.setattr(baselines, "solve_planning", overrunning)
+    fake.now = 0.0
+    clock = Clock(100.0, now=lambda: fake.now)
+    assert len(baselines.hand_plans(planning, deadline=clock.deadline(), share=0.4)) == 1
+    assert len(clock.cut_short) == 19 and all("not costed" in c for c in clock.cut_short)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])

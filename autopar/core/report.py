@@ -222,6 +222,12 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     if plan.timings:
         stages = ", ".join(f"{k} {fmt(v, 's')}" for k, v in plan.timings.items())
         add(f"Planning time   {fmt(sum(plan.timings.values()), 's')} ({stages})")
+    limited = s.get("time_limit") if s else None
+    if isinstance(limited, dict):
+        cut = limited.get("cut_short") or []
+        add(f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}: "
+            + (f"it cut short {'; '.join(cut)} (another run may give another plan; raise time_limit)" if cut
+               else "nothing cut short (the same call gives the same plan)"))
     if s or plan.timings:
         add("")
 

@@ -38,10 +38,11 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.capture import as_args, capture
 from autopar.core.capture import CapturedGraph
-from autopar.core.errors import AutoparError, InfeasibleError
+from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
+from autopar.planning.clock import Clock, Deadline
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import (PipelineChoice, job_setting, pipeline_choice, pipeline_layouts, pipelined,
                                       sub_mesh)
@@ -78,7 +79,7 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
     planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0}, microbatches=k,
                        whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,
                        offload=options.offload == "optimizer")
-    deadline = time.perf_counter() + options.time_limit if options.time_limit is not None else None
+    deadline = Clock(options.time_limit, start=t0).deadline()
     plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
     if pipeline_choice(options.pipeline) is not None:
         recapture = microbatch_capture(model, args, example_kwargs, options.precision)
@@ -91,7 +92,7 @@ PIPELINE_SCHEDULES = (("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2))
 
 
 def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions,
-                        recapture: Callable[[int], CapturedGraph], deadline: float | None = None) -> dict[str, Plan]:
+                        recapture: Callable[[int], CapturedGraph], deadline: Deadline | None = None) -> dict[str, Plan]:
     """Megatron's 3-D plans: pipeline stages over a factor of the mesh's first axis (the degrees
     the planner weighs, ``pipeline.pipeline_layouts``: each data-parallel rank's share of a
     microbatch one row), run by 1F1B and by interleaved 1F1B (two stages per rank), each stage one
@@ -164,35 +165,51 @@ def plan_name(mesh: MeshSpec, roles: Sequence[str]) -> str:
     return " x ".join(f"{r}({a})" for a, r in live)
 
 
-def hand_plans(planning: Planning, *, deadline: float | None = None, share: float = HAND_PLAN_TIME_SHARE,
+def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: float = HAND_PLAN_TIME_SHARE,
                cost_unfit: bool = True) -> dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError]:
     """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision). One no choice
     of which fits the budget is costed without it (``cost_unfit``), or stands as the solver's
     error, which says the least memory it needs: the planner only compares plans that fit, and a
-    second solve of every hand plan that cannot was half its time on a 2-D mesh."""
+    second solve of every hand plan that cannot was half its time on a 2-D mesh.
+
+    All together end by ``share`` of the time ``deadline`` leaves, each one solved in an equal part
+    of what the ones before left (those the memory bound rules out take none); those the time does
+    not reach are left out (the deadline's clock says so): a solve past the share would eat the
+    auto plan's time."""
     mesh = planning.space.mesh
     sets = role_sets(mesh)
     on_batch = _on_batch(planning.space)
     traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
     out = {}
-    # All hand plans together end by ``end``; each gets an equal part of what is left of it.
-    end = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) * share if deadline is not None else None
-    for k, roles in enumerate(sets):
-        own = None
-        if end is not None:
-            own = time.perf_counter() + max(end - time.perf_counter(), 0.0) / (len(sets) - k)
-        name = plan_name(mesh, roles)
-        allowed = _allowed(planning, roles, traits)
-        least = planning.bounds().least(allowed)
+    end = deadline.share(share) if deadline is not None else None
+    named = [(plan_name(mesh, roles), _allowed(planning, roles, traits)) for roles in sets]
+    least = [planning.bounds().least(allowed) for _, allowed in named]
+    # known without a solve (which took 0.5 s to say so on Llama-2 70B); the time goes to the rest
+    solved = [k for k in range(len(named)) if cost_unfit or least[k] <= planning.budget]
+    for k, (name, allowed) in enumerate(named):
+        fits = least[k] <= planning.budget
+        if k not in solved:
+            out[name] = InfeasibleError(f"no {name!r} plan fits the memory budget ({fmt(planning.budget, 'B')} per "
+                                        f"device): it needs at least {fmt(least[k], 'B')}", min_memory_bytes=least[k])
+            continue
+        if end is not None and end.passed():
+            end.clock.note(f"hand plan {name!r} (not costed)")
+            continue
+        own = end.share(1 / sum(1 for j in solved if j >= k)) if end is not None else None
         try:
-            if least > planning.budget:   # known without a solve (which took 0.5 s to say so on Llama-2 70B)
-                raise InfeasibleError(f"no {name!r} plan fits the memory budget ({fmt(planning.budget, 'B')} per "
-                                      f"device): it needs at least {fmt(least, 'B')}", min_memory_bytes=least)
-            out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, stage="hand plans")
-        except InfeasibleError as e:   # kept, marked infeasible, with its shortfall
-            out[name] = solve_planning(planning, deadline=own, allowed=allowed, name=name, budget=False,
-                                       stage="hand plans") if cost_unfit else e
+            try:
+                out[name] = _solved(planning, own, allowed, name, fits)
+            except InfeasibleError as e:   # kept, marked infeasible, with its shortfall
+                out[name] = _solved(planning, own, allowed, name, False) if cost_unfit else e
+        except PlanningTimeout:
+            end.clock.note(f"hand plan {name!r} (not costed)")
     return out
+
+
+def _solved(planning: Planning, deadline: Deadline | None, allowed: list[list[int] | None], name: str,
+            budget: bool) -> tuple[Plan, tuple[int, ...]]:
+    """One hand plan's solve (``budget=False``: costed without the memory budget)."""
+    return solve_planning(planning, deadline=deadline, allowed=allowed, name=name, budget=budget, stage="hand plans")
 
 
 def _allowed(planning: Planning, roles: Sequence[str], traits: Sequence[Traits]) -> list[list[int] | None]:

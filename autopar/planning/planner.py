@@ -6,7 +6,6 @@ predicted faster by ``PlanOptions.min_gain``.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -20,15 +19,16 @@ from autopar.core.plan import Plan
 from autopar.core.strategies import Strategy
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
+from autopar.planning.clock import Clock, Deadline, Once
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import (PipelineChoice, pipeline_choice, pipeline_degrees, pipeline_layouts,
                                       pipeline_search, sub_mesh)
 from autopar.planning.problem import Planning, prepare, solve_planning
-from cost_models.comm import link_for_axis
+from cost_models.comm import crosses_nodes
 
 
 def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
-                  timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
+                  clock: Clock | None = None, forced: dict[str, Strategy] | None = None,
                   recapture: Callable[[int], CapturedGraph] | None = None) -> Plan:
     """Choose one strategy per node (``options``: see ``PlanOptions``). ``forced`` pins named nodes
     to a strategy and skips the hand plans (tests, calibration). ``recapture(k)``: the model
@@ -54,48 +54,69 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     Megatron puts its stages: within a node, tensor and data parallelism's collectives run on the
     fast links; ``pipeline.pipeline_degrees``), in the time the plan without leaves
     (``SPMD_SHARE``), and keeps it where predicted faster by ``min_gain``; its plan's mesh then
-    cuts the first axis in two (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so)."""
-    timings = dict(timings or {})   # stages already run (the capture): they count against the time limit
-    deadline = time.perf_counter() + (1 - OVERRUN) * options.time_limit - sum(timings.values()) \
-        if options.time_limit is not None else None
+    cuts the first axis in two (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so).
+
+    ``clock``: the call's ``Clock`` where it began before (``autopar.plan``'s capture counts);
+    ``options.time_limit`` bounds the whole call on it (``autopar.planning.clock``). The plan's
+    ``timings`` add up to the call's wall time; ``solver["time_limit"]`` says what the limit cut
+    short, where it did (another run may then give another plan)."""
+    clock = clock or Clock(options.time_limit)
+    plan = _planned(captured, mesh, options, clock.deadline(), forced,
+                    Once(recapture, clock, "capture") if recapture is not None else None)
+    plan.timings = clock.breakdown()
+    if clock.limit is not None:
+        plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "cut_short": list(clock.cut_short)}
+    return plan
+
+
+def _planned(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,
+             forced: dict[str, Strategy] | None, recapture: Once | None) -> Plan:
+    """``plan_captured``'s search, by ``deadline`` (a pipeline stage's plan is one too)."""
     choice = pipeline_choice(options.pipeline)
-    recapture = memoized(recapture)
     if isinstance(choice, PipelineChoice):
-        plan = pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(timings, recapture))
-        plan.timings = timings
-        return plan
+        return pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(recapture))
     if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
-        return _spmd_plan(captured, mesh, options, timings, forced, recapture, deadline)
-    # the plan without a pipeline first, in most of the time (the search that needs it most), then
-    # the pipeline in what is left: the first of its attempts runs however little is left
-    share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) * SPMD_SHARE
+        return _spmd_plan(captured, mesh, options, deadline, forced, recapture)
+    return _with_or_without_pipeline(captured, mesh, options, deadline, recapture)
+
+
+def _with_or_without_pipeline(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,
+                              recapture: Once) -> Plan:
+    """"auto" pipelines: the plan without a pipeline first, in ``SPMD_SHARE`` of the time (the
+    search that needs it most), then the pipeline in what is left where that is at least
+    ``MIN_PIPELINE_SHARE`` of the limit; the faster by ``min_gain`` is kept."""
     try:
-        best: Plan | None = _spmd_plan(captured, mesh, options, timings, forced, recapture, share)
+        best: Plan | None = _spmd_plan(captured, mesh, options, deadline.share(SPMD_SHARE), None, recapture)
     except (InfeasibleError, PlanningTimeout) as e:   # a pipeline may fit where nothing else does
         best, failed = None, e
-    left = None if deadline is None else deadline - time.perf_counter()
-    if best is not None and left is not None and left < MIN_PIPELINE_SHARE * options.time_limit:
+    left = deadline.left()
+    if best is not None and deadline.limited and left < MIN_PIPELINE_SHARE * options.time_limit:
         piped, why = None, (f"not weighed: {fmt(max(left, 0.0), 's')} of the time limit was left (a stage plan "
                             "takes more; raise time_limit)")
+        deadline.clock.note("the pipeline plans (not weighed)")
     else:
         try:
             piped = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, deadline,
-                                    _stage_plan(timings, recapture))
+                                    _stage_plan(recapture))
         except AutoparError as e:
             piped, why = None, str(e)
     if best is None:
         if piped is None or not piped.feasible:
             raise failed
         piped.solver["pipeline"] = f"kept: no plan without a pipeline was found ({failed})"
-        piped.timings = timings
         return piped
     if piped is None:
         best.solver["pipeline"] = f"none: {why}"
         return best
-    piped.timings = best.timings = timings
+    return _faster(best, piped, options.min_gain)
+
+
+def _faster(best: Plan, piped: Plan, min_gain: float) -> Plan:
+    """The pipeline plan where it fits and is predicted faster than ``best`` by ``min_gain`` (or
+    ``best`` does not fit), else ``best``; each says why."""
     if "hand_plans" in best.solver:   # what the plan was weighed against, pipeline or not
         piped.solver["hand_plans"] = best.solver["hand_plans"]
-    faster = piped.predicted.step_time_s < (1 - options.min_gain) * best.predicted.step_time_s
+    faster = piped.predicted.step_time_s < (1 - min_gain) * best.predicted.step_time_s
     if piped.feasible and (faster or not best.feasible):
         piped.solver["pipeline"] = (f"kept: {fmt(piped.predicted.step_time_s, 's')} a step, the plan without "
                                     f"{fmt(best.predicted.step_time_s, 's')}" + ("" if best.feasible else " (not fitting)"))
@@ -144,24 +165,20 @@ def _pipeline_worth_weighing(captured: CapturedGraph, mesh: MeshSpec, recapture:
     if mesh.ndim < 2 or mesh.shape[0] < 2 or recapture is None:
         return False
     hw = get_hardware(mesh.hardware)
-    if link_for_axis(hw, mesh.shape, 0).bandwidth >= hw.intra_node_bandwidth:
+    if not crosses_nodes(hw, mesh.shape, 0):
         return False
     return bool(pipeline_degrees(mesh.shape[0], len(repeated_blocks(captured.graph))))
 
 
-def _stage_plan(timings: dict[str, float], recapture: Callable[[int], CapturedGraph] | None
-                ) -> Callable[[CapturedGraph, MeshSpec, PlanOptions], Plan]:
-    """The planner itself, for one pipeline stage's sub-mesh; its planning time adds to ``timings``."""
-    def plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions) -> Plan:
-        out = plan_captured(captured, mesh, options, recapture=recapture)
-        _add(timings, out.timings)
-        return out
+def _stage_plan(recapture: Once | None) -> Callable[[CapturedGraph, MeshSpec, PlanOptions, Deadline], Plan]:
+    """The planner itself, for one pipeline stage's sub-mesh, by a deadline on the call's clock."""
+    def plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline) -> Plan:
+        return _planned(captured, mesh, options, deadline, None, recapture)
     return plan
 
 
-def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, timings: dict[str, float],
-               forced: dict[str, Strategy] | None, recapture: Callable[[int], CapturedGraph] | None,
-               deadline: float | None) -> Plan:
+def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,
+               forced: dict[str, Strategy] | None, recapture: Once | None) -> Plan:
     """The plan without pipeline (``plan_captured``'s memory knobs)."""
     rows = captured_rows(captured)
     if options.microbatches != "auto":
@@ -169,8 +186,8 @@ def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, ti
         if options.microbatches > 1 and recapture is None:
             raise AutoparError("microbatches > 1 needs the model to capture one microbatch: plan with autopar.plan "
                                "or autopar.compile")
-    search = _Search(captured, mesh, options, timings, forced, recapture, rows,
-                     offload=options.offload == "optimizer")
+    search = _Search(captured, mesh, options, deadline.clock, forced, recapture, rows,
+                     offload=options.offload == "optimizer", deadline=deadline)
     if search.may_offload() and search.state_exceeds_budget():
         search.offload = True
         search.offload_why = "what no plan avoids holding on the device (parameters, gradients, optimizer states) exceeds the budget"
@@ -187,6 +204,11 @@ def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, ti
         search.offload, search.offload_why = True, "no plan fits the device otherwise"
         try:
             offloaded: Plan | None = _best_mode(search, deadline)
+        except PlanningTimeout:
+            if best is None:
+                raise
+            offloaded = None
+            deadline.clock.note("the plans offloading optimizer states (not weighed)")
         except InfeasibleError as e:
             if best is None:
                 raise InfeasibleError(f"{failed} With optimizer states offloaded to host memory too: {e}",
@@ -197,11 +219,10 @@ def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, ti
     if best.offloaded and search.offload_why:
         best.solver["offload"] = (f"the states of {len(best.offloaded)} parameters are offloaded to host memory: "
                                   f"{search.offload_why}")
-    best.timings = dict(search.timings)   # the whole search's
     return best
 
 
-def _best_mode(search: _Search, deadline: float | None) -> Plan:
+def _best_mode(search: _Search, deadline: Deadline) -> Plan:
     """The best plan over the recomputation modes the options allow (see ``plan_captured``): the
     fastest that fits, else the least bad; raises ``InfeasibleError`` where no mode has a plan."""
     options = search.options
@@ -221,15 +242,15 @@ def _best_mode(search: _Search, deadline: float | None) -> Plan:
     errors: list[tuple[str, InfeasibleError]] = []
     timeouts: list[PlanningTimeout] = []   # modes whose search found no plan in the time left
     for n, mode in enumerate(modes):
-        if plans or errors:
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
+        if plans or errors or timeouts:
             if plans and plans[-1].feasible and not compete:
+                break
+            if deadline.passed():
+                deadline.clock.note(f"recomputation {', '.join(modes[n:])} (not weighed)")
                 break
         # competing modes share the time left (recomputation, first, the larger part); otherwise
         # the next mode is only a fallback
-        until = deadline if deadline is None or not compete or n else \
-            time.perf_counter() + (deadline - time.perf_counter()) * FIRST_MODE_SHARE
+        until = deadline.share(FIRST_MODE_SHARE) if compete and not n else deadline
         try:
             plans.append(search.fit(mode, until))
         except InfeasibleError as e:
@@ -260,14 +281,13 @@ class _Search:
     captured: CapturedGraph
     mesh: MeshSpec
     options: PlanOptions
-    timings: dict[str, float]
+    clock: Clock                                                        # the call's: timings, estimates
     forced: dict[str, Strategy] | None
-    recapture: Callable[[int], CapturedGraph] | None
+    recapture: Once | None
     rows: int
     offload: bool = False                                               # ZeRO-2/3 states in host memory
     offload_why: str = ""                                               # why "auto" offloads
-    deadline: float | None = None                                       # of the fit under way
-    captures: dict[int, CapturedGraph] = field(default_factory=dict)   # microbatch count -> its capture
+    deadline: Deadline | None = None                                    # of the fit under way
     wholes: dict[tuple[str, bool], Planning] = field(default_factory=dict)   # (recompute, offload) -> whole batch's problem
 
     def may_offload(self) -> bool:
@@ -288,7 +308,7 @@ class _Search:
         whole = self._whole(recompute)
         return whole.bounds().least() > whole.budget
 
-    def fit(self, recompute: str, deadline: float | None) -> Plan:
+    def fit(self, recompute: str, deadline: Deadline) -> Plan:
         """The auto plan under ``recompute``, by ``deadline``, in the fewest microbatches that fit
         (or as many as the options say); raises ``InfeasibleError`` when no count does."""
         self.deadline = deadline
@@ -296,15 +316,15 @@ class _Search:
             return self._plan(self._prepare(self.options.microbatches, recompute))
         whole = self._whole(recompute)
         if self.recapture is None or self.rows == 1:
-            started = time.perf_counter()
-            return self._lighter(self._plan(whole), 1, recompute, time.perf_counter() - started)
+            started = self.clock.now()
+            return self._lighter(self._plan(whole), 1, recompute, self.clock.now() - started)
         least, floor = whole.bounds().least(), whole.bounds().quietest()
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
             try:
-                started = time.perf_counter()
+                started = self.clock.now()
                 plan = self._plan(whole)
                 if plan.feasible:
-                    return self._lighter(plan, 1, recompute, time.perf_counter() - started)
+                    return self._lighter(plan, 1, recompute, self.clock.now() - started)
             except InfeasibleError:
                 pass
         elif floor >= whole.budget:
@@ -321,7 +341,7 @@ class _Search:
         k = fewest_at_least(self.rows, max(2.0, BOUND_SLACK * _shrink_needed(least, floor, whole.budget)))
         last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
         while True:
-            started = time.perf_counter()
+            started = self.clock.now()
             try:
                 last = self._plan(self._prepare(k, recompute))
             except PlanningTimeout:
@@ -334,8 +354,8 @@ class _Search:
             else:
                 if last.feasible:
                     fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))
-                    last = self._fewer(last, k, fewest, recompute, time.perf_counter() - started)
-                    last = self._lighter(last, last.microbatches, recompute, time.perf_counter() - started)
+                    last = self._fewer(last, k, fewest, recompute, self.clock.now() - started)
+                    last = self._lighter(last, last.microbatches, recompute, self.clock.now() - started)
                     last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
                                                    f"{last.microbatches} microbatches of {self.rows // last.microbatches} "
                                                    "rows fit")
@@ -343,8 +363,10 @@ class _Search:
                 at_peak = last.predicted.memory_breakdown
                 more = _shrink_needed(last.predicted.peak_memory_bytes,
                                       at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0), whole.budget)
-            out_of_time = self.deadline is not None and time.perf_counter() >= self.deadline
-            if k == self.rows or out_of_time:
+            if k == self.rows:
+                break
+            if self.deadline.passed():
+                self.clock.note(f"more than {k} microbatches (not tried)")
                 break
             k = fewest_at_least(self.rows, k * max(more, 1.5))
         if isinstance(last, Plan):
@@ -389,10 +411,11 @@ class _Search:
         ``attempt_s``) fits in the time left. A plan is in hand: a problem that cannot fit or
         finds no plan in time ends the search."""
         while True:
-            left = self.deadline - time.perf_counter() if self.deadline is not None else float("inf")
-            if left < attempt_s:
+            if not self.deadline.affords(attempt_s):
+                self.clock.note(f"plans beyond {plan.microbatches} microbatch(es), {len(plan.recompute)} blocks "
+                                "recomputed (not tried)")
                 return plan
-            started = time.perf_counter()
+            started = self.clock.now()
             try:
                 problem = next(problems, None)
                 if problem is None:
@@ -400,7 +423,7 @@ class _Search:
                 other = self._plan(problem)
             except (InfeasibleError, PlanningTimeout):
                 return plan
-            attempt_s = time.perf_counter() - started
+            attempt_s = self.clock.now() - started
             if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
                 return plan
             plan = other
@@ -411,31 +434,32 @@ class _Search:
         return self.wholes[(recompute, self.offload)]
 
     def _prepare(self, k: int, recompute: str) -> Planning:
-        """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1)."""
+        """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1),
+        begun only where the call's deadline affords a capture and a build as long as the last
+        (``PlanningTimeout``): the search's own share bounds its solves, but a problem is what any
+        plan needs first."""
+        end = self.clock.deadline()
+        if not end.affords_kind("prepare"):
+            raise PlanningTimeout(f"no time was left to build the problem of {k} microbatch(es) (the last build "
+                                  f"took {self.clock.estimate('prepare'):.1f} s)")
+        captured = self.captured if k == 1 else self.recapture(k, end)   # recomputation modes share it
+        started = self.clock.now()
         if k == 1:
-            planning = prepare(self.captured, self.mesh, self.options, forced=self.forced, recompute=recompute,
+            planning = prepare(captured, self.mesh, self.options, forced=self.forced, recompute=recompute,
                                offload=self.offload)
         else:
-            if k not in self.captures:   # recomputation modes plan the same microbatch
-                t0 = time.perf_counter()
-                self.captures[k] = self.recapture(k)
-                _add(self.timings, {"capture": time.perf_counter() - t0})
-            planning = prepare(self.captures[k], self.mesh, self.options, forced=self.forced, microbatches=k,
+            planning = prepare(captured, self.mesh, self.options, forced=self.forced, microbatches=k,
                                whole=self.captured, recompute=recompute, offload=self.offload)
-        _add(self.timings, planning.timings)
+        self.clock.took["prepare"] = self.clock.now() - started
+        self.clock.add(planning.timings)
         return planning
 
     def _plan(self, planning: Planning) -> Plan:
         before = dict(planning.timings)
-        plan = _plan(planning, self.options, self.forced, self.deadline)
-        _add(self.timings, {k: v - before.get(k, 0.0) for k, v in planning.timings.items()})
-        return plan
-
-
-def _add(total: dict[str, float], more: dict[str, float]) -> None:
-    """Seconds per stage of the whole search: every problem prepared and solved, in any mode."""
-    for stage, seconds in more.items():
-        total[stage] = total.get(stage, 0.0) + seconds
+        try:
+            return _plan(planning, self.options, self.forced, self.deadline)
+        finally:
+            self.clock.add({k: v - before.get(k, 0.0) for k, v in planning.timings.items()})
 
 
 #: Share of the time left that the plan without a pipeline may use where "auto" weighs one too.
@@ -446,12 +470,6 @@ def _add(total: dict[str, float], more: dict[str, float]) -> None:
 SPMD_SHARE = 0.5
 #: The least share of the time limit left after it for which the pipeline is weighed at all.
 MIN_PIPELINE_SHARE = 0.25
-
-
-#: Share of the time limit kept for what runs past the search's deadline: the last solve's least
-#: time (``problem.MIN_SOLVE_S``), costing its plan, and work started before the deadline that
-#: cannot stop (a capture, an ILP build): Llama-2 70B on 16x8 ended 3.3 s (5.5%) past 60 s.
-OVERRUN = 0.06
 
 
 #: Share of the time left that recomputation, priced first where both modes compete, may use: its
@@ -475,18 +493,27 @@ def _shrink_needed(needed: float, fixed: float, budget: float) -> float:
 
 
 def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] | None,
-          deadline: float | None) -> Plan:
-    """The auto plan of one planning problem: the solver's, or the best hand plan it does not beat.
-    Where no plan can fit the budget, the solver says so at once: no hand plan is worth costing."""
+          deadline: Deadline) -> Plan:
+    """The auto plan of one planning problem: the solver's, or the best hand plan it does not beat
+    (kept unsolved where no time was left to solve). Where no plan can fit the budget, the solver
+    says so at once: no hand plan is worth costing."""
     hopeless = planning.budget is not None and planning.bounds().least() > planning.budget
     hands = (standard_plans(planning, deadline=deadline, cost_unfit=False)
              if options.hand_plans and not forced and not hopeless else {})
     fitting = [h for h in hands.values() if not isinstance(h, InfeasibleError) and h[0].feasible]
     best = min(fitting, key=lambda h: h[0].predicted.step_time_s, default=None)
-    plan, _ = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
-    if best is not None and (not plan.feasible or
-                             plan.predicted.step_time_s > (1 - options.min_gain) * best[0].predicted.step_time_s):
-        plan = _renamed(best[0], "auto", plan, options.min_gain)
+    try:
+        plan, _ = solve_planning(planning, deadline=deadline, warm_start=best[1] if best else None)
+    except PlanningTimeout:
+        if best is None:
+            raise
+        deadline.clock.note(f"the auto solve (not begun: keeping the hand plan {best[0].name!r})")
+        plan = replace(best[0], name="auto", solver={"status": "not solved: no time was left",
+                                                     "kept_hand_plan": best[0].name})
+    else:
+        if best is not None and (not plan.feasible or
+                                 plan.predicted.step_time_s > (1 - options.min_gain) * best[0].predicted.step_time_s):
+            plan = _renamed(best[0], "auto", plan, options.min_gain)
     if hands:
         plan.solver["warm_start"] = best[0].name if best else None
         plan.solver["hand_plans"] = {name: _summary(h) for name, h in hands.items()}

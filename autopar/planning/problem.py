@@ -24,6 +24,7 @@ from autopar.core.plan import NodePlan, Plan, Prediction
 from autopar.planning.shrink import Grouping, group
 from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
 from autopar.core.units import fmt
+from autopar.planning.clock import Deadline
 from autopar.planning.options import PlanOptions
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import resolve_profile
@@ -40,10 +41,6 @@ RELATIVE_GAP = 1e-2
 # Cut points of the backward at which the ILP checks memory and exposed communication (the plan's
 # own prediction checks every position).
 CUTS = 8
-# The least time a solve gets past its deadline: enough to return the polished hint (``solver``)
-# and let the solver try to beat it, small enough that 16 hand plans on a 3-D mesh past their
-# share do not eat the auto plan's time.
-MIN_SOLVE_S = 0.25
 # Times the planner adds the moment of a predicted peak above the budget and solves again.
 MAX_MEMORY_REPAIRS = 4
 
@@ -120,7 +117,8 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
                     recompute if isinstance(recompute, dict) else recompute_modes(captured.graph, recompute))
 
 
-def solve_planning(planning: Planning, *, deadline: float | None = None, allowed: Sequence[Sequence[int] | None] | None = None,
+def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
+                   allowed: Sequence[Sequence[int] | None] | None = None,
                    warm_start: Sequence[int] | None = None, name: str = "auto", budget: bool = True,
                    stage: str = "solve") -> tuple[Plan, tuple[int, ...]]:
     """Solve (a restriction of) the planning problem: ``allowed[d]`` lists the choices decision
@@ -129,21 +127,33 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
 
     If the exact schedule (``Timeline.simulate``) finds a moment above the budget that the ILP's
     cuts missed, that moment is added as a constraint (or the overshoot taken off the budget) and
-    the problem solved again, up to ``MAX_MEMORY_REPAIRS`` times, all within ``deadline``."""
+    the problem solved again, up to ``MAX_MEMORY_REPAIRS`` times, all within ``deadline``: a
+    repair begins only before it (``Deadline.solve_seconds``), and none where the whole search's
+    deadline has passed (``PlanningTimeout``: no solve at all). A solve the time limit stops
+    says so on the deadline's clock (``Clock.cut_short``)."""
     full = planning.problem
     limit = planning.budget if budget else None
     problem = replace(full, memory_budget=limit, warm_start=tuple(warm_start) if warm_start is not None else None)
     allowed = list(allowed) if allowed is not None else [None] * len(full.costs)
     cuts = planning.cuts
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
+        seconds = deadline.solve_seconds() if deadline is not None else None
+        if seconds is not None and seconds <= 0:
+            if attempt == 0:
+                raise PlanningTimeout(f"no time was left to solve the {name!r} plan")
+            break
         with _stage(planning.timings, stage):   # the deadline covers every solve of the repair loop together
-            left = max(deadline - time.perf_counter(), MIN_SOLVE_S) if deadline is not None else None
-            solution = _solve(restrict(problem, allowed), left, planning.captured.precision)
+            solution = _solve(restrict(problem, allowed), seconds, planning.captured.precision)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
             plan, sim = _make_plan(planning, choices, solution, name)
+        if solution.status != "optimal" and deadline is not None:
+            deadline.clock.note(f"the {name!r} solve stopped at its time limit "
+                                f"(gap {_percent(solution.gap)})")
         peak = plan.predicted.peak_memory_bytes
-        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        out_of_time = deadline is not None and deadline.passed()
         if limit is None or peak <= limit or attempt == MAX_MEMORY_REPAIRS or out_of_time:
+            if limit is not None and peak > limit and out_of_time and attempt < MAX_MEMORY_REPAIRS:
+                deadline.clock.note(f"the {name!r} plan's memory repairs")
             break
         log.info("autopar: predicted peak %s at %s exceeds the budget; solving again", peak, plan.predicted.peak_at)
         if sim.peak_position not in cuts:
@@ -156,6 +166,10 @@ def solve_planning(planning: Planning, *, deadline: float | None = None, allowed
         plan.warnings.append(f"the plan's predicted peak ({fmt(plan.predicted.peak_memory_bytes, 'B')}) exceeds the "
                              f"budget ({fmt(limit, 'B')}) at {plan.predicted.peak_at}; lower memory_budget a little")
     return plan, choices
+
+
+def _percent(gap: float | None) -> str:
+    return "unknown" if gap is None else f"{100 * gap:.2f}%"
 
 
 def _solve(problem: Problem, time_limit: float | None, precision: str) -> Solution:

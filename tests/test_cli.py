@@ -1,6 +1,8 @@
 """Tests of the ``autopar`` command line (autopar/cli.py) and the planning report (autopar/report.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import io
 import os
@@ -105,10 +107,20 @@ def _synthetic_plan(layers: int) -> Plan:
     predicted = Prediction(step_time_s=0.8, peak_memory_bytes=70 * 2**30, comm_bytes={"dp": 2**30, "tp": 0.0},
                            compute_s=0.5, comm_s=0.25, memory_breakdown={"state": 70 * 2**30},
                            overlapped_comm_s=0.1, exposed_comm_s=0.05, peak_at="backward: linear",
-                           cost_source="no profile: 0% of compute time measured")
+                           cost_source="no profile: 0% of compute time measured", basis="tables",
+                           band_low=0.8, band_high=1.25, model_flops=8e15, hardware_flops=1e16, peak_flops=2e16)
     return Plan(mesh=MeshSpec((8, 8), hardware="h100-80gb"), model_name="Synthetic", fingerprint="0" * 16,
                 nodes=nodes, predicted=predicted, memory_budget=64 * 2**30,
                 warnings=["no sharding rule for aten.foo.default (1 node): it runs replicated"])
+
+
+def test_a_roofline_prediction_says_it_is_a_lower_bound_and_gives_no_band():
+    plan = _synthetic_plan(2)
+    plan.predicted = dataclasses.replace(plan.predicted, basis="roofline", band_low=0.0, band_high=0.0)
+    text = plan.report(top=0)
+    assert "step time       800 ms (a lower bound: see 'rests on')" in text
+    assert "rests on        an uncalibrated roofline (datasheet peaks): a lower bound, not a prediction" in text
+    assert plan.predicted.band_s is None
 
 
 def test_report_groups_layers():
@@ -117,8 +129,10 @@ def test_report_groups_layers():
     assert re.search(r"^  h\.\[0-4,7-8,10-95\]\.mlp\.weight\s+x93\s+batch x column", text, re.M), text
     assert re.search(r"^  h\.\[5-6,9\]\.mlp\.weight\s+x3\s+zero3\s+\(S\(0\), R\)", text, re.M), text
     assert len([ln for ln in text.splitlines() if ln.startswith("  h.")]) == 3
-    assert ("step time       800 ms  (compute 500 ms 62%, blocking communication 250 ms 31%, exposed gradient "
-            "sync 50.0 ms of 100 ms queued during the backward)") in text
+    assert ("step time       800 ms (640 ms-1.00 s)  (compute 500 ms 62%, blocking communication 250 ms 31%, "
+            "exposed gradient sync 50.0 ms of 100 ms queued during the backward)") in text
+    assert "utilisation     MFU 50%, HFU 62%" in text
+    assert "rests on        the preset's efficiency tables" in text
     assert "peak memory     70.0 GiB per device, 109.4% of the budget, at backward: linear" in text
     assert "costs from      no profile: 0% of compute time measured" in text
     assert "dp: 1.00 GiB, tp: 0 B" in text

@@ -101,11 +101,30 @@ def test_a_gpu_plan_is_priced_below_what_real_kernels_reach():
     tokens = torch.empty(64, 2048, dtype=torch.long, device="meta")
     hw = get_hardware("a100-80gb")
     eff = efficiency_of(hw)
-    flops = 6 * cfg.num_params() * tokens.numel()
+    # PaLM's count: 6 per weight used in a matmul (not the embeddings' lookups) and token, and attention's
+    matmul_weights = cfg.num_params() - (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    flops = (6 * matmul_weights + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size) * tokens.numel()
     mfu = {}
     for name, spec_hw in (("table", hw), ("peak", dataclasses.replace(hw, name="a100-peak", efficiency=""))):
         plan = autopar.plan(model, autopar.MeshSpec((8,), hardware=spec_hw), (tokens, tokens), precision="bf16",
                             gather_outputs=False, time_limit=20)
         mfu[name] = flops / (8 * hw.flops_for(torch.bfloat16) * plan.predicted.step_time_s)
+        if name == "table":
+            predicted = plan.predicted
     assert mfu["table"] < eff.gemm["bfloat16"] * eff.sustained
     assert mfu["peak"] > 1.2 * mfu["table"]
+    # the prediction says what it rests on, its band and its MFU (PaLM's count is within a few
+    # percent of the graph's FLOPs)
+    assert predicted.basis == "tables" and predicted.band_s is not None
+    assert predicted.band_s[0] < predicted.step_time_s < predicted.band_s[1]
+    assert predicted.mfu == pytest.approx(mfu["table"], rel=0.1) and predicted.hfu >= predicted.mfu
+
+
+def test_a_cpu_plan_without_a_profile_rests_on_the_roofline_and_has_no_band():
+    import autopar
+    from tests.equivalence import meta_model
+
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    plan = autopar.plan(model, autopar.MeshSpec((2,)), args, kwargs, profile=None, time_limit=20)
+    assert plan.predicted.basis == "roofline" and plan.predicted.band_s is None
+    assert "a lower bound" in plan.report(top=0) and 0 < plan.predicted.mfu < 1

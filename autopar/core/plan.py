@@ -130,11 +130,37 @@ class Prediction:
     exposed_comm_s: float = 0.0       # the part of it no backward compute hides (included in step_time_s)
     peak_at: str = ""                 # the moment of the peak, e.g. "backward: linear_8"
     cost_source: str = ""             # which costs were measured (profile) and which from the roofline
+    basis: str = "roofline"           # what the step time rests on: "profile", "tables" or "roofline" (report.BASES)
+    band_low: float = 0.0             # the step, as validation runs of this basis found it, is between
+    band_high: float = 0.0            # band_low and band_high times the prediction (0: no band known)
+    model_flops: float = 0.0          # FLOPs of a step's forward and backward, all devices (3x the forward's)
+    hardware_flops: float = 0.0       # the same with the forwards recomputed in the backward
+    peak_flops: float = 0.0           # the devices' summed peak FLOP/s in the compute dtype
 
     @property
     def profiled(self) -> bool:
         """Were these costs priced with a measured profile (``cost_source`` names one)?"""
         return self.cost_source.startswith("profile ")
+
+    @property
+    def band_s(self) -> tuple[float, float] | None:
+        """(low, high) seconds of the step, from the spread of validation runs on this basis; None
+        where none is known (an uncalibrated roofline: a lower bound, not a prediction)."""
+        if self.band_high <= 0:
+            return None
+        return self.step_time_s * self.band_low, self.step_time_s * self.band_high
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs over the devices' peak times the step (0: unknown)."""
+        return self.model_flops / (self.peak_flops * self.step_time_s) if self.peak_flops * self.step_time_s else 0.0
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: as ``mfu``, counting the recomputed forwards."""
+        return self.hardware_flops / (self.peak_flops * self.step_time_s) if self.peak_flops * self.step_time_s else 0.0
+
+
 
 
 @dataclass

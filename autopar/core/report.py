@@ -20,9 +20,18 @@ from autopar.core.placements import placements_str
 from autopar.core.units import fmt
 
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
-    from autopar.core.plan import NodePlan, Plan
+    from autopar.core.plan import NodePlan, Plan, Prediction
 
-__all__ = ["format_report", "fmt", "param_pattern"]  # fmt re-exported from autopar.core.units
+__all__ = ["BASES", "format_report", "fmt", "param_pattern"]  # fmt re-exported from autopar.core.units
+
+#: What a prediction rests on (``Prediction.basis``), as the report says it.
+BASES = {
+    "profile": "times measured on this host (autopar profile)",
+    "tables": "the preset's efficiency tables (measured and published kernel and NCCL rates, cost_models/tables)",
+    "roofline": "an uncalibrated roofline (datasheet peaks): a lower bound, not a prediction; run `autopar "
+                "profile` on this machine, or plan for a preset with efficiency tables",
+}
+
 
 def _op_name(op: str) -> str:
     """``aten.linear.default`` -> ``linear``; ``<built-in function getitem>`` -> ``getitem``."""
@@ -160,6 +169,15 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     return lines + [""]
 
 
+def _step_with_band(p: Prediction) -> str:
+    """The step time with the band validation runs found on its basis: "1.9 s (1.6-2.3 s)"."""
+    band = p.band_s
+    if band is None:
+        return f"{fmt(p.step_time_s, 's')} (a lower bound: see 'rests on')" if p.basis == "roofline" else \
+            fmt(p.step_time_s, 's')
+    return f"{fmt(p.step_time_s, 's')} ({fmt(band[0], 's')}-{fmt(band[1], 's')})"
+
+
 def format_report(plan: Plan, top: int | None = 12) -> str:
     """A readable planning report: what was chosen, what it is predicted to cost, and why it is
     slow. ``top``: nodes listed with their costs (``None``: every node)."""
@@ -195,7 +213,7 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add("Predicted training step (forward + backward + optimizer, slowest device)")
     total = p.step_time_s
     share = (lambda x: f"{100 * x / total:.0f}%") if total > 0 else (lambda x: "-")
-    add(f"  step time       {fmt(p.step_time_s, 's')}  (compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, "
+    add(f"  step time       {_step_with_band(p)}  (compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, "
         f"blocking communication {fmt(p.comm_s, 's')} {share(p.comm_s)}, exposed gradient sync "
         f"{fmt(p.exposed_comm_s, 's')} of {fmt(p.overlapped_comm_s, 's')} queued during the backward)")
     used = f", {100 * p.peak_memory_bytes / plan.memory_budget:.1f}% of the budget" if plan.memory_budget > 0 else ""
@@ -206,6 +224,10 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
             add(f"    {k.ljust(width)}  {fmt(v, 'B').rjust(10)}")
     comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
     add(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
+    if p.mfu > 0:
+        add(f"  utilisation     MFU {100 * p.mfu:.0f}%, HFU {100 * p.hfu:.0f}% (model FLOPs, and with recomputed "
+            f"forwards, over the devices' peak in the compute dtype)")
+    add(f"  rests on        {BASES.get(p.basis, p.basis)}")
     add(f"  costs from      {p.cost_source or '?'}")
     add("")
 

@@ -110,7 +110,8 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
         memory_breakdown={"state": state, "activations": step.peak_activation_bytes[worst], "working": working},
         peak_at=f"pipeline rank {worst} (stage {', '.join(map(str, held[worst]))}), "
                 f"{step.peak_in_flight[worst]} microbatch(es) in flight",
-        cost_source=p.cost_source)
+        cost_source=p.cost_source, basis=p.basis, band_low=p.band_low, band_high=p.band_high,
+        model_flops=p.model_flops, hardware_flops=p.hardware_flops, peak_flops=p.peak_flops * ranks)
     pipeline = PipelinePlan(axis=mesh.axis_names[axis], schedule=schedule, num_microbatches=microbatches,
                             virtual_stages=per_rank, stages=stage_plans, bubble_fraction=step.bubble_fraction,
                             microbatch_fingerprint=captured.fingerprint)

@@ -26,6 +26,7 @@ from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, b
 from autopar.core.units import fmt
 from autopar.planning.clock import Deadline
 from autopar.planning.options import PlanOptions
+from cost_models.confidence import band_of, basis_of, step_flops
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import resolve_profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
@@ -295,7 +296,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
     predicted = Prediction(step_time_s=sim.step_s, peak_memory_bytes=sim.peak_bytes, comm_bytes=comm_bytes,
                            compute_s=sim.compute_s, comm_s=sim.comm_s, memory_breakdown=sim.at_peak,
                            overlapped_comm_s=sim.overlap_s, exposed_comm_s=sim.exposed_s, peak_at=sim.peak_at,
-                           cost_source=_overall_source(costs, model))
+                           cost_source=_overall_source(costs, model), **_confidence(costs, model, captured.precision))
     solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
                    "constraints": solution.num_constraints, "objective_s": solution.objective,
                    "problem": planning.grouping.describe(len(space.nodes))}
@@ -326,12 +327,24 @@ def _source(c: Cost) -> str:
     return ", ".join(parts) or "-"
 
 
-def _overall_source(costs: list[Cost], model: CostModel) -> str:
+def _measured_share(costs: list[Cost]) -> float:
+    """The share of the plan's compute time the profile measured."""
     timed = [c for c in costs if c.compute_s > 0]
     measured = sum(c.compute_s for c in timed if "compute" in c.measured)
-    total = sum(c.compute_s for c in timed) or 1.0
+    return measured / (sum(c.compute_s for c in timed) or 1.0)
+
+
+def _overall_source(costs: list[Cost], model: CostModel) -> str:
     comm = [c for c in costs if c.comm_s + c.overlap_s > 0]
     comm_measured = sum(1 for c in comm if "comm" in c.measured)
     profile = "no profile" if model.profile is None else f"profile {model.profile.fingerprint.get('device_name', '?')}"
-    return (f"{profile}: {100 * measured / total:.0f}% of compute time measured, the rest roofline "
+    rest = "the preset's efficiency tables" if model.efficiency is not None else "roofline"
+    return (f"{profile}: {100 * _measured_share(costs):.0f}% of compute time measured, the rest {rest} "
             f"({model.hw.name}); {comm_measured}/{len(comm)} communicating nodes use measured links")
+
+
+def _confidence(costs: list[Cost], model: CostModel, precision: str) -> dict:
+    """The prediction's basis, band and FLOPs (``cost_models.confidence``)."""
+    basis = basis_of(_measured_share(costs), model.hw)
+    low, high = band_of(basis)
+    return {"basis": basis, "band_low": low, "band_high": high, **step_flops(model, precision)}

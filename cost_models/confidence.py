@@ -22,11 +22,13 @@ __all__ = ["MEASURED_SHARE", "basis_of", "band_of", "step_flops"]
 MEASURED_SHARE = 0.5
 
 
-def basis_of(measured_share: float, hw: Hardware) -> str:
-    """``Prediction.basis``: "profile" where the profile measured most of the compute time, else
-    "tables" where the hardware has efficiency tables, else "roofline"."""
+def basis_of(measured_share: float, hw: Hardware, profile=None) -> str:
+    """``Prediction.basis``: "profile" where a calibrated profile (``autopar profile``: in-step
+    factors fitted on whole training steps) measured most of the compute time, "first-profile"
+    where an uncalibrated one did (what ``compile`` measures on a new machine), else "tables"
+    where the hardware has efficiency tables, else "roofline"."""
     if measured_share >= MEASURED_SHARE:
-        return "profile"
+        return "profile" if profile is not None and "ops" in profile.calibration else "first-profile"
     return "tables" if efficiency_of(hw) is not None else "roofline"
 
 

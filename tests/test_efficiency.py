@@ -128,3 +128,16 @@ def test_a_cpu_plan_without_a_profile_rests_on_the_roofline_and_has_no_band():
     plan = autopar.plan(model, autopar.MeshSpec((2,)), args, kwargs, profile=None, time_limit=20)
     assert plan.predicted.basis == "roofline" and plan.predicted.band_s is None
     assert "a lower bound" in plan.report(top=0) and 0 < plan.predicted.mfu < 1
+
+
+def test_the_basis_of_a_prediction_and_its_band():
+    from cost_models.confidence import band_of, basis_of
+
+    calibrated, first = SimpleNamespace(calibration={"ops": 1.1}), SimpleNamespace(calibration={"overlap": 0.5})
+    cpu, gpu = get_hardware("cpu"), get_hardware("a100-80gb")
+    assert basis_of(0.9, cpu, calibrated) == "profile" and basis_of(0.9, cpu, first) == "first-profile"
+    assert basis_of(0.1, gpu, first) == "tables" and basis_of(0.1, cpu, None) == "roofline"
+    for basis in ("profile", "first-profile", "tables"):
+        low, high = band_of(basis)
+        assert 0 < low < high
+    assert band_of("roofline") == (0.0, 0.0)

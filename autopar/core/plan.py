@@ -130,7 +130,7 @@ class Prediction:
     exposed_comm_s: float = 0.0       # the part of it no backward compute hides (included in step_time_s)
     peak_at: str = ""                 # the moment of the peak, e.g. "backward: linear_8"
     cost_source: str = ""             # which costs were measured (profile) and which from the roofline
-    basis: str = "roofline"           # what the step time rests on: "profile", "tables" or "roofline" (report.BASES)
+    basis: str = "roofline"           # what the step time rests on: a key of report.BASES
     band_low: float = 0.0             # the step, as validation runs of this basis found it, is between
     band_high: float = 0.0            # band_low and band_high times the prediction (0: no band known)
     model_flops: float = 0.0          # FLOPs of a step's forward and backward, all devices (3x the forward's)

@@ -22,11 +22,13 @@ from autopar.core.units import fmt
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.plan import NodePlan, Plan, Prediction
 
-__all__ = ["BASES", "format_report", "fmt", "param_pattern"]  # fmt re-exported from autopar.core.units
+__all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band"]  # fmt re-exported from autopar.core.units
 
 #: What a prediction rests on (``Prediction.basis``), as the report says it.
 BASES = {
-    "profile": "times measured on this host (autopar profile)",
+    "profile": "times measured on this host (autopar profile, calibrated on whole training steps)",
+    "first-profile": "times measured on this host by a first compile (not calibrated on whole steps: "
+                     "`autopar profile` does it)",
     "tables": "the preset's efficiency tables (measured and published kernel and NCCL rates, cost_models/tables)",
     "roofline": "an uncalibrated roofline (datasheet peaks): a lower bound, not a prediction; run `autopar "
                 "profile` on this machine, or plan for a preset with efficiency tables",
@@ -169,13 +171,10 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     return lines + [""]
 
 
-def _step_with_band(p: Prediction) -> str:
+def step_with_band(p: Prediction) -> str:
     """The step time with the band validation runs found on its basis: "1.9 s (1.6-2.3 s)"."""
     band = p.band_s
-    if band is None:
-        return f"{fmt(p.step_time_s, 's')} (a lower bound: see 'rests on')" if p.basis == "roofline" else \
-            fmt(p.step_time_s, 's')
-    return f"{fmt(p.step_time_s, 's')} ({fmt(band[0], 's')}-{fmt(band[1], 's')})"
+    return fmt(p.step_time_s, "s") + (f" ({fmt(band[0], 's')}-{fmt(band[1], 's')})" if band else "")
 
 
 def format_report(plan: Plan, top: int | None = 12) -> str:
@@ -213,7 +212,8 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     add("Predicted training step (forward + backward + optimizer, slowest device)")
     total = p.step_time_s
     share = (lambda x: f"{100 * x / total:.0f}%") if total > 0 else (lambda x: "-")
-    add(f"  step time       {_step_with_band(p)}  (compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, "
+    lower_bound = " (a lower bound: see 'rests on')" if p.basis == "roofline" else ""
+    add(f"  step time       {step_with_band(p)}{lower_bound}  (compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, "
         f"blocking communication {fmt(p.comm_s, 's')} {share(p.comm_s)}, exposed gradient sync "
         f"{fmt(p.exposed_comm_s, 's')} of {fmt(p.overlapped_comm_s, 's')} queued during the backward)")
     used = f", {100 * p.peak_memory_bytes / plan.memory_budget:.1f}% of the budget" if plan.memory_budget > 0 else ""

@@ -345,6 +345,6 @@ def _overall_source(costs: list[Cost], model: CostModel) -> str:
 
 def _confidence(costs: list[Cost], model: CostModel, precision: str) -> dict:
     """The prediction's basis, band and FLOPs (``cost_models.confidence``)."""
-    basis = basis_of(_measured_share(costs), model.hw)
+    basis = basis_of(_measured_share(costs), model.hw, model.profile)
     low, high = band_of(basis)
     return {"basis": basis, "band_low": low, "band_high": high, **step_flops(model, precision)}

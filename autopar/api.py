@@ -20,7 +20,7 @@ from autopar.core.together import one_process, together
 from autopar.planning.clock import Clock
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import memoized, plan_captured, priced_workloads
-from autopar.profiling.missing_ops import measure_missing_ops
+from autopar.profiling.missing_ops import measure_host, measure_missing_ops
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
 from codegen.pipelined import PipelinedModule
@@ -110,7 +110,9 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     """Every rank must run the same plan, and a time-limited solve can end differently in two
     processes: the first rank plans, the others receive its plan (JSON) and check it. The profile
     is resolved on every rank first, so that a bad one raises everywhere, not on rank 0 alone;
-    then every rank measures the model's ops it lacks (``measure_missing_ops``). ``recapture`` is
+    then every rank measures, with ``profile="auto"``, what the cache lacks of this host (a first
+    profile: collectives and overheads, ``measure_host``) and the model's ops the profile lacks
+    (``measure_missing_ops``), unless ``measure_missing_ops`` is off. ``recapture`` is
     memoized: a microbatch captured for the plan serves the compiled module too."""
     resolved = together("reading the profile", lambda: replace(options, profile=resolve_profile(options.profile, spec)))
     if not one_process() and mesh.size() != dist.get_world_size():
@@ -118,7 +120,10 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
             f"compile shares its plan over the default process group, but the mesh has {mesh.size()} of the "
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
-    if options.measure_missing_ops:   # without a profile nothing is measured: no microbatch captured for it
+    if options.measure_missing_ops:
+        if isinstance(options.profile, str) and options.profile == "auto":   # the cache: fill in what it lacks
+            resolved = replace(resolved, profile=measure_host(mesh, spec, resolved.profile))
+        # without a profile nothing is measured: no microbatch captured for it
         workloads = priced_workloads(captured, spec, resolved, recapture) if resolved.profile is not None \
             else [(captured, spec)]
         measure_missing_ops(workloads, resolved.profile, source=options.profile)

@@ -29,7 +29,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from autopar.core.errors import AutoparError, MeshError
 from autopar.core.precision import PRECISIONS
@@ -345,6 +345,7 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     import autopar
     from autopar.profiling.launch import run_on_gloo_mesh
     from autopar.core.mesh import MeshSpec
+    from autopar.core.report import step_with_band
     from autopar.models.zoo import get_model
 
     say = _progress if verbose else (lambda msg: None)
@@ -362,6 +363,7 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
 
     batch = entry.default_batch if batch is None else batch
     seq = entry.default_seq if seq is None else seq
+    _measure_first_profile(entry, spec, entry.example(batch, seq, device="cpu"), say, timings)
     say(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters, batch {batch} x seq {seq}) "
         f"for a local mesh of {spec.describe()}...")
     t0 = time.perf_counter()
@@ -370,8 +372,9 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     torch.manual_seed(seed)
     plan = autopar.plan(entry.build(), spec, *entry.example(batch, seq, device="cpu"))
     timings["plan"] = time.perf_counter() - t0
-    say(f"planned in {timings['plan']:.1f} s ({_stages(plan.timings)}); predicted step "
-        f"{plan.predicted.step_time_s * 1e3:.2f} ms")
+    figure = "predicted step" if plan.predicted.basis != "roofline" else \
+        "uncalibrated roofline estimate (not a prediction)"
+    say(f"planned in {timings['plan']:.1f} s ({_stages(plan.timings)}); {figure} {step_with_band(plan.predicted)}")
 
     say(f"starting {spec.size} gloo processes (forkserver), mesh {shape} with axes {spec.axis_names}; "
         f"each compiles the plan and trains {steps} steps...")
@@ -389,6 +392,31 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
             "step_s": r0["step_s"], "ddp_step_s": r0["ddp_step_s"]}
 
 
+def _measure_first_profile(entry: Any, spec: Any, example: tuple[tuple, dict], say: Callable[[str], None],
+                           timings: dict[str, float]) -> None:
+    """Measure what the cached profile of this host for ``spec`` lacks to price the demo's model
+    (its ops at every candidate strategy's local shapes, the mesh's collectives, the runtime's
+    overheads; ``autopar profile`` without calibration) on local gloo processes, so that the demo
+    predicts its step from measured costs, not the CPU roofline (5.2 ms predicted against 58 ms
+    measured on 2x2). Off with ``AUTOPAR_MEASURE_FIRST_PROFILE=0``; then the demo says its figure
+    is no prediction."""
+    from autopar.profiling.missing_ops import first_profile_allowed
+    from autopar.profiling.profiler import profile_model
+    from cost_models.profile import find_profile
+
+    if not first_profile_allowed():
+        return
+    cached = find_profile(spec)
+    say(f"{'completing the' if cached is not None else 'no'} profile of this host for {spec.size} processes: measuring "
+        f"the model's ops{'' if cached is not None else ', the collectives and runtime overheads'} on {spec.size} gloo "
+        "processes (once; cached for later runs)...")
+    t0 = time.perf_counter()
+    profile, path = profile_model(entry.build(), spec, *example, progress=None, calibrate=False)
+    timings["profile"] = time.perf_counter() - t0
+    say(f"profiled in {timings['profile']:.1f} s: {len(profile.ops)} op calls, {len(profile.collectives)} collective "
+        f"fits, {len(profile.overheads)} overheads in {path}")
+
+
 def _typical_step(seconds: list[float]) -> float:
     """The median step after the first (which builds optimizer states and warms caches)."""
     later = sorted(seconds[1:] or seconds)
@@ -396,7 +424,7 @@ def _typical_step(seconds: list[float]) -> float:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from autopar.core.report import fmt
+    from autopar.core.report import fmt, step_with_band
 
     t0 = time.perf_counter()
     result = run_demo(args.model, args.mesh, args.steps, args.batch, args.seq, verbose=True)
@@ -419,10 +447,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ok = max_diff <= DEMO_TOLERANCE
     print(f"max abs diff: {max_diff:.2e} ({'OK' if ok else 'MISMATCH'}: tolerance {DEMO_TOLERANCE:g})")
     step, ddp_step = _typical_step(result["step_s"]), _typical_step(result["ddp_step_s"])
-    hint = "" if plan.predicted.profiled else \
-        f"; run `autopar profile --mesh {'x'.join(map(str, plan.mesh.shape))}` once to plan with measured costs"
-    print(f"measured time per sharded step: {fmt(step, 's')} (median after the first step; "
-          f"predicted {fmt(plan.predicted.step_time_s, 's')} from {plan.predicted.cost_source}{hint})")
+    if plan.predicted.basis != "roofline":
+        said = f"predicted {step_with_band(plan.predicted)} from {plan.predicted.cost_source}"
+    else:
+        said = (f"no prediction: nothing measured on this host, the plan's {fmt(plan.predicted.step_time_s, 's')} is an "
+                f"uncalibrated roofline; run `autopar profile --mesh {'x'.join(map(str, plan.mesh.shape))}` once, or "
+                "leave AUTOPAR_MEASURE_FIRST_PROFILE unset, to plan with measured costs")
+    print(f"measured time per sharded step: {fmt(step, 's')} (median after the first step; {said})")
     print(f"torch DDP on the same {plan.mesh.size} processes and batch: {fmt(ddp_step, 's')} per step "
           f"(autopar / DDP = {step / ddp_step:.2f})")
     print()

@@ -1,6 +1,9 @@
 """Settings every test runs under.
 
-* Hermetic: no profile cached by `autopar profile` on this machine may change a plan.
+* Hermetic: no profile cached by `autopar profile` on this machine may change a plan, and no
+  compile measures one on its own (a first profile, cached in the session's folder, would change
+  the plans of every later test on that many processes, and cost each model's first compile its
+  op timings): tests that measure say so (tests/test_missing_ops.py).
 * Strict runtime: a placement mismatch between a plan and what the runtime produces is a rule
   bug, so it fails instead of being silently redistributed; in this process (the fixture) and in
   the gloo processes tests start (the environment variable, read when they import the runtime).
@@ -11,6 +14,7 @@ import tempfile
 import pytest
 
 os.environ["AUTOPAR_PROFILE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-profiles-")
+os.environ["AUTOPAR_MEASURE_FIRST_PROFILE"] = "0"   # autopar.profiling.missing_ops.FIRST_PROFILE_ENV
 os.environ["AUTOPAR_STRICT"] = "1"
 
 

@@ -2,15 +2,20 @@
 (``autopar.profiling.missing_ops``), so a user's own model is planned on measured costs: the
 profile ends up holding every call of the model's strategy space, the plan's compute is all
 measured, and nothing is measured when turned off or without a profile. ``autopar profile
---model pkg.module:factory`` measures a user's model ahead of time."""
+--model pkg.module:factory`` measures a user's model ahead of time. With ``profile="auto"`` and
+an empty cache, compile measures a first profile of the host (collectives, overheads) and caches
+it; turned off, the plan says it rests on an uncalibrated roofline."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+import autopar
 
 from autopar.core.capture import capture
 from autopar.core.mesh import MeshSpec, as_mesh_spec
@@ -150,3 +155,93 @@ def test_profile_command_measures_a_user_factory_model(tmp_path, capsys):
                  "--out", str(path)]) == 0
     saved = Profile.from_json(path)
     assert all(k in saved.ops for k in _model_keys(spec)), capsys.readouterr().err
+
+
+def _first_compiles(mesh: Any, profile_dir: str, first_profile: str, options: list[dict]) -> list[dict[str, Any]]:
+    """Compile the model on ``mesh`` once with each of ``options`` in turn (default options
+    otherwise: ``profile="auto"``), the profile cache at ``profile_dir`` and
+    ``FIRST_PROFILE_ENV`` set to ``first_profile``; per compile, what it measured (op calls
+    timed, collective sweeps, overhead runs) and how its plan was priced."""
+    import autopar
+    import autopar.profiling.missing_ops as missing_ops
+    import autopar.profiling.profile_comm as profile_comm
+
+    os.environ["AUTOPAR_PROFILE_DIR"] = profile_dir
+    os.environ[missing_ops.FIRST_PROFILE_ENV] = first_profile
+    counts = {"ops": 0, "collectives": 0, "overheads": 0}
+    real = {"ops": (missing_ops, "time_op_calls"), "collectives": (profile_comm, "time_collectives"),
+            "overheads": (profile_comm, "time_overheads")}
+    originals = {what: getattr(module, name) for what, (module, name) in real.items()}
+
+    def counting(what: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            counts[what] += len(list(args[0])) if what == "ops" else 1
+            return originals[what](*args, **kwargs)
+        return run
+
+    for what, (module, name) in real.items():
+        setattr(module, name, counting(what))
+    results = []
+    try:
+        for option in options:
+            counts.update(ops=0, collectives=0, overheads=0)
+            torch.manual_seed(0)
+            plan = autopar.compile(factory(), mesh, example_inputs(8, 4, torch.device("cpu")), time_limit=10,
+                                   **option).plan
+            results.append({**counts, "cost_source": plan.predicted.cost_source, "profiled": plan.predicted.profiled,
+                            "report": plan.report(top=0), "files": sorted(os.listdir(profile_dir)),
+                            "roofline_ops": [n.name for n in plan.nodes
+                                             if n.op not in NOT_OPS and n.source.startswith("roofline")]})
+    finally:
+        for what, (module, name) in real.items():
+            setattr(module, name, originals[what])
+    return results
+
+
+def test_compile_with_no_cached_profile_measures_one_and_caches_it(tmp_path):
+    """The first compile with default options measures the collectives, the runtime overheads and
+    every op call of the model on both ranks and caches them; a second compile measures nothing."""
+    spec = MeshSpec((2,), hardware="cpu")
+    results = run_on_gloo_mesh(_first_compiles, (2,), str(tmp_path), "1", [{}, {}], timeout_s=240,
+                               start_method="forkserver")
+    saved = Profile.from_json(tmp_path / os.listdir(tmp_path)[0])
+    assert saved.fingerprint == local_fingerprint(spec)
+    assert {collective_key(kind, 2) for kind in COLLECTIVE_KINDS if kind != "broadcast"} <= saved.collectives.keys()
+    assert set(OVERHEADS) <= saved.overheads.keys() and "overlap" in saved.calibration
+    assert all(k in saved.ops for k in _model_keys(spec))
+    for rank, (first, second) in enumerate(results):
+        assert first["collectives"] == 1 and first["overheads"] == 1, (rank, first)
+        assert first["ops"] == len(_model_keys(spec)), (rank, first)
+        assert first["profiled"] and first["roofline_ops"] == [], (rank, first)
+        assert len(first["files"]) == 1, (rank, first)
+        assert (second["ops"], second["collectives"], second["overheads"]) == (0, 0, 0), (rank, second)
+        assert second["profiled"], (rank, second)
+
+
+def test_turned_off_compile_measures_no_first_profile_and_says_roofline(tmp_path):
+    """With ``AUTOPAR_MEASURE_FIRST_PROFILE=0``, or ``measure_missing_ops=False``, an empty cache
+    stays empty and the plan says it rests on an uncalibrated roofline, not on measurements."""
+    results = run_on_gloo_mesh(_first_compiles, (2,), str(tmp_path), "0", [{}], timeout_s=240,
+                               start_method="forkserver")
+    results += run_on_gloo_mesh(_first_compiles, (2,), str(tmp_path), "1", [{"measure_missing_ops": False}],
+                                timeout_s=240, start_method="forkserver")
+    assert os.listdir(tmp_path) == []
+    for rank, (r,) in enumerate(results):
+        assert (r["ops"], r["collectives"], r["overheads"]) == (0, 0, 0), (rank, r)
+        assert not r["profiled"] and r["cost_source"].startswith("no profile"), (rank, r)
+        _says_uncalibrated_roofline(r["report"], r["cost_source"])
+
+
+def _says_uncalibrated_roofline(report: str, cost_source: str) -> None:
+    """The report of a plan priced without a profile says so: its costs come from the roofline,
+    nothing measured, and it rests on an uncalibrated roofline."""
+    assert "roofline" in cost_source and "0% of compute time measured" in cost_source, cost_source
+    assert f"  costs from      {cost_source}" in report, report
+    assert "uncalibrated roofline" in report, report
+
+
+def test_a_plan_priced_without_a_profile_says_it_is_an_uncalibrated_roofline():
+    plan = autopar.plan(factory(), MeshSpec((2,), hardware="cpu"), example_inputs(8, 4, torch.device("cpu")),
+                        profile=None, time_limit=10)
+    assert not plan.predicted.profiled and plan.predicted.cost_source.startswith("no profile")
+    _says_uncalibrated_roofline(plan.report(top=0), plan.predicted.cost_source)

@@ -61,6 +61,8 @@ def test_plans_at_published_size_on_8x8_h100(arch, published):
     model, args, kwargs = meta_model(published, PLAN_BATCH.get(arch, 8), min(entry.default_seq, PLAN_SEQ))
     assert sum(p.numel() for p in model.parameters()) == entry.num_params
     spec = MeshSpec((8, 8), hardware="h100-80gb")
-    plan = autopar.plan(model, spec, args, kwargs, time_limit=5.0)
+    # the limit bounds the whole call, the capture included (5-20 s for these models on a loaded
+    # 2-core host): this test asks for a fitting plan at published size, not for speed
+    plan = autopar.plan(model, spec, args, kwargs, time_limit=60.0)
     assert plan.feasible and plan.predicted.peak_memory_bytes <= get_hardware(spec.hardware).memory_bytes
     assert _replicated(plan) == REPLICATED.get(arch, set())

@@ -52,8 +52,11 @@ class PlanOptions:
     (at every candidate strategy's local shapes) that the profile lacks, on every rank at once,
     and add them to it (saved to its file; a ``Profile`` object is only updated in memory), so a
     model the profile was not taken for is planned on measured costs, not the roofline
-    (``autopar.profiling.missing_ops``); False plans on the profile as it is. ``autopar.plan``
-    measures nothing (its mesh need not exist). ``precision``: "fp32", or "bf16" to compute in
+    (``autopar.profiling.missing_ops``); with ``profile="auto"`` and no profile of this host
+    cached, it first measures one (the mesh's collectives and the runtime's overheads:
+    ``measure_host``; ``AUTOPAR_MEASURE_FIRST_PROFILE=0`` turns that off); False plans on the
+    profile as it is (or the roofline, which the plan then says). ``autopar.plan`` measures
+    nothing (its mesh need not exist). ``precision``: "fp32", or "bf16" to compute in
     bf16 with fp32 parameters, gradients and optimizer states (``autopar.core.precision``).
     ``reduce_precision``: the dtype gradients are summed over ranks in (FSDP2's ``reduce_dtype``):
     "fp32" (each gradient in its own dtype), or "bf16" for half the bytes of fp32 gradients: each

@@ -108,3 +108,89 @@ def test_a_plan_nothing_was_cut_short_of_is_the_same_on_a_slower_machine(monkeyp
     slow = autopar.plan(model, mesh, args, kwargs, time_limit=60.0)
     assert fast.solver["time_limit"]["cut_short"] == slow.solver["time_limit"]["cut_short"] == []
     assert _decisions(fast) == _decisions(slow)
+
+
+def test_each_planning_problem_is_built_once_in_a_call(monkeypatch):
+    """A pipeline is weighed (the first axis of 2x8 H100 crosses nodes) for each recomputation
+    mode of its layout: every (graph, mesh, microbatches, recomputation, offload) problem is built
+    once in the call, and a stage plan, whose microbatches are fixed, builds no problem of the
+    whole batch on its sub-mesh (before: one per attempt, for its memory bound alone; 2.5-5 s each
+    on GPT-3 175B)."""
+    from autopar.planning import planner
+
+    built = []
+    real = planner.prepare
+
+    def prepare(captured, mesh, options, **kw):
+        recompute = kw.get("recompute", "none")
+        built.append((id(captured), mesh.shape, kw.get("microbatches", 1),
+                      recompute if isinstance(recompute, str) else tuple(sorted(recompute.items())),
+                      kw.get("offload", False)))
+        return real(captured, mesh, options, **kw)
+
+    monkeypatch.setattr(planner, "prepare", prepare)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    plan = autopar.plan(model, MeshSpec((2, 8), hardware="h100-80gb"), args, kwargs, time_limit=None)
+    stages = [b for b in built if b[1] != (2, 8)]                   # on a stage's sub-mesh
+    assert "pipeline" in plan.solver and stages, "the pipeline was not weighed"
+    assert len(built) == len(set(built)), f"problems built twice: {sorted(built, key=str)}"
+    assert not [b for b in stages if b[2] == 1], "a stage plan built the whole batch's problem"
+
+
+def test_a_shared_strategy_space_gives_the_problem_a_fresh_build_gives():
+    """``prepare(space=...)`` reuses another problem's strategy space (recomputation does not
+    change it) and prices the same problem, with warnings of its own."""
+    from autopar.core.capture import capture
+    from autopar.planning.options import PlanOptions
+    from autopar.planning.problem import prepare
+
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    captured = capture(model, args, kwargs)
+    mesh = MeshSpec((2, 2), hardware="h100-80gb")
+    plain = prepare(captured, mesh, PlanOptions(), recompute="none")
+    shared = prepare(captured, mesh, PlanOptions(), recompute="full", space=plain.space)
+    fresh = prepare(captured, mesh, PlanOptions(), recompute="full")
+    assert shared.space.nodes is plain.space.nodes and shared.space.warnings is not plain.space.warnings
+    assert shared.problem.costs == fresh.problem.costs and shared.problem.memory == fresh.problem.memory
+    assert shared.problem.memory_rows == fresh.problem.memory_rows
+
+
+def test_a_search_with_a_plan_in_hand_builds_only_what_its_own_deadline_can_also_solve():
+    """No plan yet: a new problem is begun while the call's deadline affords its capture and build
+    (a plan is what the call needs first). With one: only where the search's own deadline (its
+    share) affords the capture, the build and a solve as long as the build; before, a 175B search
+    under load built a 6-microbatch problem it then had 0.25 s to solve, and the pipeline, which
+    follows the search, was not weighed for want of that time."""
+    from autopar.planning.clock import Deadline
+    from autopar.planning.options import PlanOptions
+    from autopar.planning.planner import Problems, _Search
+
+    fake = FakeTime()
+    clock = Clock(100.0, now=fake)                       # the call's end: 94 s
+    clock.took.update(prepare=10.0, capture=5.0)
+    search = _Search(None, None, PlanOptions(), clock, None, None, 8, Problems(), Deadline(22.0, clock))
+    search._affords_build(2, captured=False)             # 15 s by 94 s: begun
+    search.planned = True
+    search._affords_build(2, captured=True)              # build and solve: 20 s by 22 s
+    with pytest.raises(PlanningTimeout, match="no time was left"):
+        search._affords_build(2, captured=False)         # 25 s: not by 22 s
+
+
+def test_a_layout_whose_pipeline_does_not_fit_is_tried_with_recomputation_before_the_next_layout():
+    """The pipeline search's attempts: each layout without recomputation, first; a layout none of
+    whose plans fit is retried at once with full recomputation (its microbatch is captured
+    already), the next layout's capture after; those that fit are retried last. Before, every
+    layout came first, and Hugging Face's GPT-2 175B on 128x8 A100 (32 stages over the budget)
+    ended its 60 s on the next layout's capture, 40x slower for it."""
+    from autopar.planning.pipeline import _attempts
+
+    a, b = MeshSpec((32, 4, 8), ("pp", "dp", "tp")), MeshSpec((16, 8, 8), ("pp", "dp", "tp"))
+    fitted: set[int] = set()
+    order = []
+    for n, _, _, m, mode in _attempts([(a, 0, [384]), (b, 0, [192])], ["auto", "full"], fitted):
+        order.append((m, mode))
+        if (m, mode) == (192, "auto"):
+            fitted.add(n)                                # the second layout fits without recomputation
+    assert order == [(384, "auto"), (384, "full"), (192, "auto"), (192, "full")]
+    order = [(m, mode) for n, _, _, m, mode in _attempts([(a, 0, [384]), (b, 0, [192])], ["auto", "full"], {0, 1})]
+    assert order == [(384, "auto"), (192, "auto"), (384, "full"), (192, "full")]

@@ -310,9 +310,9 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     and microbatch count, the stage's SPMD plan of one microbatch on the other axes
     (``plan_stage``, the planner itself, with the budget times the pipeline ranks: each holds that
     share of the model), cut into stages under each schedule (``_schedules``). Where recomputation
-    is the planner's, every layout is planned as the stage plan chooses first, then, in the time
-    left, with full recomputation (less memory: more microbatches in flight fit). Each attempt may
-    take half the time left (a stage plan cut short is a poor one): the first are weighed well, the
+    is the planner's, every layout is planned as the stage plan chooses first, then with full
+    recomputation (less memory), at once where none fit (``_attempts``). Each attempt may take
+    half the time left (a stage plan cut short is a poor one): the first are weighed well, the
     last only where time remains; what the deadline does not reach is said on its clock. Raises
     ``InfeasibleError`` where none fits, ``AutoparError`` where the model cannot be pipelined so."""
     layouts = pipeline_layouts(captured, mesh, choice)
@@ -323,35 +323,37 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     # the stage plan is made as if the model's state were split over the ranks (it is) and every
     # microbatch's activations too (they are not: a rank keeps several in flight)
     modes = ["auto", "full"] if options.recompute == "auto" else [options.recompute]
-    attempts = [(shaped, axis, m, mode) for mode in modes for shaped, axis, counts in layouts for m in counts]
+    count = len(modes) * sum(len(counts) for _, _, counts in layouts)
     tried: dict[str, str] = {}
+    fitted: set[int] = set()   # layouts with a pipeline plan that fits
     best: Plan | None = None
-    took = 0.0   # the last attempt's seconds: one that would not end before the deadline is not begun
-    for i, (shaped, axis, m, mode) in enumerate(attempts):
+    took = 0.0   # the last attempt's seconds once captured: one that would end past the deadline is not begun
+    for i, (layout, shaped, axis, m, mode) in enumerate(_attempts(layouts, modes, fitted)):
         ranks = shaped.shape[axis]
         where = f"{shaped.axis_names[axis]}={ranks}, {m} microbatches, recompute {mode}"
-        if best is not None and not deadline.affords(took):
-            deadline.clock.note(f"pipeline layouts from {where} on (not weighed)")
-            break
-        started = deadline.clock.now()
+        capture_s = 0.0 if m == 1 or m in recapture.done else deadline.clock.estimate("capture")
+        if best is not None and not deadline.affords(took + capture_s):
+            deadline.clock.note(f"pipeline layout {where} (not weighed)")
+            continue
         # priced as the stage runs it, m microbatches a step (ZeRO-3 gathers each time, gradient sync
         # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
         stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,
                                 hand_plans=False, profile=profile)
         try:
             micro = captured if m == 1 else recapture(m, deadline)   # a capture the first time
+            started = deadline.clock.now()   # ``took``: what an attempt takes once captured
             stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options,
-                                    deadline.share(1 / min(len(attempts) - i, 2)))
+                                    deadline.share(1 / min(count - i, 2)))
         except (InfeasibleError, PlanningTimeout) as e:
             tried[where] = f"no stage plan: {e}"
             continue
         for key, plan in _schedules(stage_plan, micro, shaped, axis, choice, budget, captured.fingerprint, profile,
                                     deadline):
-            tried[f"{key}, {where}"] = plan if isinstance(plan, str) else (
-                f"{fmt(plan.predicted.step_time_s, 's')}, peak {fmt(plan.predicted.peak_memory_bytes, 'B')}"
-                + ("" if plan.feasible else " (over the budget)"))
-            if not isinstance(plan, str) and (best is None or (plan.feasible, -plan.predicted.step_time_s)
-                                              > (best.feasible, -best.predicted.step_time_s)):
+            tried[f"{key}, {where}"] = _told(plan)
+            if isinstance(plan, str):
+                continue
+            fitted.update([layout] if plan.feasible else [])
+            if best is None or _ranked(plan) > _ranked(best):
                 best = plan
         took = deadline.clock.now() - started
     if best is None:
@@ -361,6 +363,43 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
     return best
 
 
+def _ranked(plan: Plan) -> tuple[bool, float]:
+    """A pipeline plan's rank: fitting first, then the faster."""
+    return plan.feasible, -plan.predicted.step_time_s
+
+
+def _told(plan: Plan | str) -> str:
+    """A pipeline plan as ``solver["pipelines"]`` lists it: its step and peak (or why there is none)."""
+    return plan if isinstance(plan, str) else (
+        f"{fmt(plan.predicted.step_time_s, 's')}, peak {fmt(plan.predicted.peak_memory_bytes, 'B')}"
+        + ("" if plan.feasible else " (over the budget)"))
+
+
+def _attempts(layouts: list[tuple[MeshSpec, int, list[int]]], modes: Sequence[str], fitted: set[int]
+              ) -> Iterator[tuple[int, MeshSpec, int, int, str]]:
+    """(layout number, mesh, axis, microbatches, recomputation) of each attempt, layout by layout
+    in the first mode; a layout none of whose pipeline plans fit (``fitted``, read as each comes)
+    is tried in the other modes (less memory) at once, before the next layout: its capture is in
+    hand, the next layout's is not (GPT-3 175B written with Hugging Face's GPT-2 on 128x8 A100:
+    32 stages over the budget without recomputation, the next layout not reached in 60 s, so the
+    plan without a pipeline, 40x slower, was kept). The other layouts' other modes come last."""
+    later = []
+    for n, (shaped, axis, counts) in enumerate(layouts):
+        yield from ((n, shaped, axis, m, modes[0]) for m in counts)
+        rest = [(n, shaped, axis, m, mode) for mode in modes[1:] for m in counts]
+        if n in fitted:
+            later += rest
+        else:
+            yield from rest
+    yield from later
+
+
+#: The schedule of the fewest activations in flight: where its plan does not fit, "auto" simulates
+#: no other (each 3-7 s on GPT-3 175B, and each above 1F1B's peak on every layout measured:
+#: interleaved, looped and zero-bubble 2-35% above it, GPipe all microbatches; GPipe, as cheap to
+#: simulate, is kept). The simulations left the next layout no time: Hugging Face's GPT-2 175B on
+#: 128x8 A100 spent 13.7 s on schedules over the budget and kept a plan without pipeline 30x slower.
+LEANEST = "Schedule1F1B"
 #: Relative seconds of ``pipelined``'s schedule simulation (``cost_models.pipeline.simulate``),
 #: 1F1B's 1, measured on GPT-3 175B at 384 microbatches over 32 ranks (0.3 s for 1F1B, 3.4-3.6 s
 #: interleaved and looped, 6.6-6.7 s zero-bubble): a schedule is simulated only where the time
@@ -381,8 +420,12 @@ def _schedules(stage_plan: Plan, micro: CapturedGraph, mesh: MeshSpec, axis: int
                      if stages_per_rank(s, choice.virtual_stages) == choice.virtual_stages]
     slowest = max(SIMULATION_WORK.values())
     clock = deadline.clock
+    leanest: Plan | str | None = None   # 1F1B's plan, where "auto" weighs it
     for schedule, virtual in sorted(schedules, key=lambda sv: SIMULATION_WORK.get(sv[0], slowest)):
         work, key = SIMULATION_WORK.get(schedule, slowest), f"{schedule} x{virtual}"
+        if isinstance(leanest, Plan) and not leanest.feasible and schedule != "ScheduleGPipe":
+            yield key, f"not simulated: {LEANEST} does not fit the budget, and this schedule keeps more in flight"
+            continue
         if not deadline.affords(work * clock.estimate("simulation per unit")):
             clock.note(f"pipeline schedule {schedule} (not simulated)")
             yield key, "not simulated: no time was left"
@@ -395,6 +438,7 @@ def _schedules(stage_plan: Plan, micro: CapturedGraph, mesh: MeshSpec, axis: int
         except AutoparError as e:
             plan = str(e)
         clock.took["simulation per unit"] = max(clock.estimate("simulation per unit"), (clock.now() - started) / work)
+        leanest = plan if schedule == LEANEST and choice.schedule == "auto" else leanest
         yield key, plan
 
 

@@ -7,7 +7,8 @@ predicted faster by ``PlanOptions.min_gain``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from pathlib import Path
+from dataclasses import dataclass, replace
 
 from autopar.core.blocks import recompute_modes, repeated_blocks
 from autopar.core.capture import CapturedGraph
@@ -16,7 +17,7 @@ from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.plan import Plan
-from autopar.core.strategies import Strategy
+from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.clock import Clock, Deadline, Once
@@ -62,7 +63,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     short, where it did (another run may then give another plan)."""
     clock = clock or Clock(options.time_limit)
     plan = _planned(captured, mesh, options, clock.deadline(), forced,
-                    Once(recapture, clock, "capture") if recapture is not None else None)
+                    Once(recapture, clock, "capture") if recapture is not None else None, Problems())
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "cut_short": list(clock.cut_short)}
@@ -70,23 +71,24 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
 
 
 def _planned(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,
-             forced: dict[str, Strategy] | None, recapture: Once | None) -> Plan:
-    """``plan_captured``'s search, by ``deadline`` (a pipeline stage's plan is one too)."""
+             forced: dict[str, Strategy] | None, recapture: Once | None, problems: Problems) -> Plan:
+    """``plan_captured``'s search, by ``deadline`` (a pipeline stage's plan is one too), each
+    planning problem built once in the call (``problems``)."""
     choice = pipeline_choice(options.pipeline)
     if isinstance(choice, PipelineChoice):
-        return pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(recapture))
+        return pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(recapture, problems))
     if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
-        return _spmd_plan(captured, mesh, options, deadline, forced, recapture)
-    return _with_or_without_pipeline(captured, mesh, options, deadline, recapture)
+        return _spmd_plan(captured, mesh, options, deadline, forced, recapture, problems)
+    return _with_or_without_pipeline(captured, mesh, options, deadline, recapture, problems)
 
 
 def _with_or_without_pipeline(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,
-                              recapture: Once) -> Plan:
+                              recapture: Once, problems: Problems) -> Plan:
     """"auto" pipelines: the plan without a pipeline first, in ``SPMD_SHARE`` of the time (the
     search that needs it most), then the pipeline in what is left where that is at least
     ``MIN_PIPELINE_SHARE`` of the limit; the faster by ``min_gain`` is kept."""
     try:
-        best: Plan | None = _spmd_plan(captured, mesh, options, deadline.share(SPMD_SHARE), None, recapture)
+        best: Plan | None = _spmd_plan(captured, mesh, options, deadline.share(SPMD_SHARE), None, recapture, problems)
     except (InfeasibleError, PlanningTimeout) as e:   # a pipeline may fit where nothing else does
         best, failed = None, e
     left = deadline.left()
@@ -97,7 +99,7 @@ def _with_or_without_pipeline(captured: CapturedGraph, mesh: MeshSpec, options: 
     else:
         try:
             piped = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, deadline,
-                                    _stage_plan(recapture))
+                                    _stage_plan(recapture, problems))
         except AutoparError as e:
             piped, why = None, str(e)
     if best is None:
@@ -170,15 +172,55 @@ def _pipeline_worth_weighing(captured: CapturedGraph, mesh: MeshSpec, recapture:
     return bool(pipeline_degrees(mesh.shape[0], len(repeated_blocks(captured.graph))))
 
 
-def _stage_plan(recapture: Once | None) -> Callable[[CapturedGraph, MeshSpec, PlanOptions, Deadline], Plan]:
-    """The planner itself, for one pipeline stage's sub-mesh, by a deadline on the call's clock."""
+def _stage_plan(recapture: Once | None, problems: Problems
+                ) -> Callable[[CapturedGraph, MeshSpec, PlanOptions, Deadline], Plan]:
+    """The planner itself, for one pipeline stage's sub-mesh, by a deadline on the call's clock
+    (the problems of the layouts' attempts, each recomputation mode of one layout, built once)."""
     def plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline) -> Plan:
-        return _planned(captured, mesh, options, deadline, None, recapture)
+        return _planned(captured, mesh, options, deadline, None, recapture, problems)
     return plan
 
 
+class Problems:
+    """The planning problems of one ``plan_captured`` call, each built once, and the strategy
+    space of each captured graph on each mesh, built once for all its problems. The searches ask
+    for the same problems again: a pipeline layout's stage plan for each recomputation mode, the
+    whole batch's for the memory bounds and then for its plan; and problems of one graph differ
+    only in their costs (recomputation, offload, the budget), not in their strategies."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple, Planning] = {}
+        self.spaces: dict[tuple, tuple[CapturedGraph, StrategySpace]] = {}
+
+    @staticmethod
+    def key(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, k: int, recompute: str | dict[str, str],
+            offload: bool, forced: dict[str, Strategy] | None = None) -> tuple:
+        """What ``prepare`` reads: the graph (``captured`` at ``k`` microbatches), mesh, count,
+        recomputation, offload, forced nodes and the options that price the problem."""
+        profile = options.profile if isinstance(options.profile, (str, Path, type(None))) else id(options.profile)
+        return (id(captured), mesh, k, recompute if isinstance(recompute, str) else tuple(sorted(recompute.items())),
+                offload, id(forced) if forced else None, options.device_budget(mesh.hardware), profile,
+                options.optimizer, options.gather_outputs, options.reduce_precision, options.share_layers)
+
+    def get(self, key: tuple) -> Planning | None:
+        return self.built.get(key)
+
+    def put(self, key: tuple, planning: Planning) -> Planning:
+        self.built[key] = planning
+        return planning
+
+    def space(self, captured: CapturedGraph, mesh: MeshSpec) -> StrategySpace | None:
+        """The strategy space of ``captured`` on ``mesh`` where a problem built it before (None:
+        build it; it is kept from the problem that does, ``keep_space``)."""
+        held = self.spaces.get((id(captured), mesh))
+        return held[1] if held is not None else None
+
+    def keep_space(self, planning: Planning, mesh: MeshSpec) -> None:
+        self.spaces.setdefault((id(planning.captured), mesh), (planning.captured, planning.space))
+
+
 def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,
-               forced: dict[str, Strategy] | None, recapture: Once | None) -> Plan:
+               forced: dict[str, Strategy] | None, recapture: Once | None, problems: Problems) -> Plan:
     """The plan without pipeline (``plan_captured``'s memory knobs)."""
     rows = captured_rows(captured)
     if options.microbatches != "auto":
@@ -186,8 +228,8 @@ def _spmd_plan(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, de
         if options.microbatches > 1 and recapture is None:
             raise AutoparError("microbatches > 1 needs the model to capture one microbatch: plan with autopar.plan "
                                "or autopar.compile")
-    search = _Search(captured, mesh, options, deadline.clock, forced, recapture, rows,
-                     offload=options.offload == "optimizer", deadline=deadline)
+    search = _Search(captured, mesh, options, deadline.clock, forced, recapture, rows, problems, deadline,
+                     offload=options.offload == "optimizer")
     if search.may_offload() and search.state_exceeds_budget():
         search.offload = True
         search.offload_why = "what no plan avoids holding on the device (parameters, gradients, optimizer states) exceeds the budget"
@@ -248,9 +290,12 @@ def _best_mode(search: _Search, deadline: Deadline) -> Plan:
             if deadline.passed():
                 deadline.clock.note(f"recomputation {', '.join(modes[n:])} (not weighed)")
                 break
-        # competing modes share the time left (recomputation, first, the larger part); otherwise
-        # the next mode is only a fallback
-        until = deadline.share(FIRST_MODE_SHARE) if compete and not n else deadline
+        # competing modes share the time left (recomputation, first, the larger part, all of it
+        # where the second could not build and solve its problem in the rest); otherwise the next
+        # mode is only a fallback
+        until = deadline
+        if compete and not n and deadline.affords(search.new_problem_s(captured=False) / (1 - FIRST_MODE_SHARE)):
+            until = deadline.share(FIRST_MODE_SHARE)
         try:
             plans.append(search.fit(mode, until))
         except InfeasibleError as e:
@@ -285,20 +330,26 @@ class _Search:
     forced: dict[str, Strategy] | None
     recapture: Once | None
     rows: int
+    problems: Problems                                                  # the call's, each built once
+    within: Deadline                                                    # the whole search's
     offload: bool = False                                               # ZeRO-2/3 states in host memory
     offload_why: str = ""                                               # why "auto" offloads
     deadline: Deadline | None = None                                    # of the fit under way
-    wholes: dict[tuple[str, bool], Planning] = field(default_factory=dict)   # (recompute, offload) -> whole batch's problem
+    planned: bool = False                                               # has a fitting plan in hand
 
     def may_offload(self) -> bool:
         """May "auto" still turn offload on: not yet on, and the device has host memory apart?"""
         return self.options.offload == "auto" and not self.offload and get_hardware(self.mesh.hardware).host_bandwidth > 0
 
     def state_exceeds_budget(self) -> bool:
-        """Does what no plan of the whole batch avoids (the state, what every moment holds) exceed
-        the budget, so that neither microbatches nor recomputation can help?"""
-        whole = self._whole("none")
-        return whole.bounds().quietest() > whole.budget
+        """Does what no plan avoids (the state, what every moment holds) exceed the budget, so that
+        neither microbatches nor recomputation can help? Asked of the first problem the search
+        plans anyway: the whole batch's, or the microbatch the options fix (a pipeline stage's: a
+        problem of the whole batch there would be built for this question alone)."""
+        first = self.options.recompute if self.options.recompute != "auto" else "none"
+        base = self._whole(first) if self.options.microbatches == "auto" else \
+            self._prepare(self.options.microbatches, first)
+        return base.bounds().quietest() > base.budget
 
     def needs_microbatches(self, recompute: str) -> bool:
         """Does every plan of the whole batch under ``recompute`` exceed the budget (where the
@@ -429,39 +480,68 @@ class _Search:
             plan = other
 
     def _whole(self, recompute: str) -> Planning:
-        if (recompute, self.offload) not in self.wholes:
-            self.wholes[(recompute, self.offload)] = self._prepare(1, recompute)
-        return self.wholes[(recompute, self.offload)]
+        return self._prepare(1, recompute)
 
-    def _prepare(self, k: int, recompute: str) -> Planning:
+    def _prepare(self, k: int, recompute: str | dict[str, str]) -> Planning:
         """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1),
-        begun only where the call's deadline affords a capture and a build as long as the last
-        (``PlanningTimeout``): the search's own share bounds its solves, but a problem is what any
-        plan needs first."""
-        end = self.clock.deadline()
-        if not end.affords_kind("prepare"):
-            raise PlanningTimeout(f"no time was left to build the problem of {k} microbatch(es) (the last build "
-                                  f"took {self.clock.estimate('prepare'):.1f} s)")
-        captured = self.captured if k == 1 else self.recapture(k, end)   # recomputation modes share it
+        from the call's ``problems`` where built before, else begun only where the search's
+        deadline affords what it needs (``_affords_build``; else ``PlanningTimeout``): what is
+        built past the search's share is taken from what follows it (the pipeline's time)."""
+        key = self.problems.key(self.captured, self.mesh, self.options, k, recompute, self.offload, self.forced)
+        if (planning := self.problems.get(key)) is not None:
+            return planning
+        captured = self.captured if k == 1 else None
+        if captured is None and self.recapture is not None and k in self.recapture.done:
+            captured = self.recapture.done[k]
+        by = self._affords_build(k, captured is not None)
+        if captured is None:
+            captured = self.recapture(k, by)   # recomputation modes share it
         started = self.clock.now()
-        if k == 1:
-            planning = prepare(captured, self.mesh, self.options, forced=self.forced, recompute=recompute,
-                               offload=self.offload)
-        else:
-            planning = prepare(captured, self.mesh, self.options, forced=self.forced, microbatches=k,
-                               whole=self.captured, recompute=recompute, offload=self.offload)
+        space = self.problems.space(captured, self.mesh) if not self.forced else None
+        planning = prepare(captured, self.mesh, self.options, forced=self.forced, microbatches=k,
+                           whole=self.captured if k > 1 else None, recompute=recompute, offload=self.offload,
+                           space=space)
         self.clock.took["prepare"] = self.clock.now() - started
         self.clock.add(planning.timings)
-        return planning
+        if not self.forced:
+            self.problems.keep_space(planning, self.mesh)
+        return self.problems.put(key, planning)
+
+    def new_problem_s(self, captured: bool, solve: bool = True) -> float:
+        """Seconds a new problem likely takes: its capture (unless ``captured``), its build and
+        (``solve``) a solve as long as that build, each kind as long as it last took."""
+        build = self.clock.estimate("prepare")
+        return (build * (1 + (SOLVE_PER_BUILD if solve else 0.0))
+                + (0.0 if captured else self.clock.estimate("capture")))
+
+    def _affords_build(self, k: int, captured: bool) -> Deadline:
+        """The deadline a new problem of ``k`` microbatches is built by, where it affords its
+        capture (unless ``captured``) and build, each as long as the last of its kind took (else
+        ``PlanningTimeout``): the call's while the search has no plan that fits (what the call
+        needs first); once it has one, the search's own, with a solve as long as the build too
+        (``SOLVE_PER_BUILD``): a problem built with no time left to solve it is time taken from
+        what follows. GPT-3 175B on 128x8 under load captured and built 6 microbatches' problem
+        in 18 s, had 0.25 s to solve it, and the pipeline was then not weighed for want of time."""
+        needed = self.new_problem_s(captured, solve=self.planned)
+        within = self.within if self.planned else self.clock.deadline()
+        if not within.affords(needed):
+            raise PlanningTimeout(f"no time was left to build and solve the problem of {k} microbatch(es) "
+                                  f"(about {needed:.1f} s)")
+        return within
 
     def _plan(self, planning: Planning) -> Plan:
         before = dict(planning.timings)
         try:
-            return _plan(planning, self.options, self.forced, self.deadline)
+            plan = _plan(planning, self.options, self.forced, self.deadline)
+            self.planned = self.planned or plan.feasible
+            return plan
         finally:
             self.clock.add({k: v - before.get(k, 0.0) for k, v in planning.timings.items()})
 
 
+#: Seconds of solving a new planning problem must leave room for, per second its build took: the
+#: build and HiGHS's first LP grow together (GPT-3 175B on 128x8: a 2.5-4 s build, a 4 s first LP).
+SOLVE_PER_BUILD = 1.0
 #: Share of the time left that the plan without a pipeline may use where "auto" weighs one too.
 #: At the scale where pipelines are weighed both searches need time: one stage plan of Llama-2 70B
 #: on 16x8 takes a microbatch's capture (6 s) and an ILP build (9 s) before it solves, and GPT-3

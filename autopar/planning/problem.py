@@ -89,18 +89,23 @@ class Planning:
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
             timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
             microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str | dict[str, str] = "none",
-            offload: bool = False) -> Planning:
+            offload: bool = False, space: StrategySpace | None = None) -> Planning:
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
     nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
     step (see ``CostModel``) of the batch ``whole`` was captured at; ``recompute``: "full"
     recomputes every repeated block in the backward, "selective" their attention cores, a dict
     (block path -> mode) the blocks it names; ``offload``: ZeRO-2/3 parameters keep their
-    state in host memory)."""
+    state in host memory; ``space``: ``build_space(captured, mesh)`` built before, for another
+    problem of the same graph (recomputation, offload and the budget do not change it; not with
+    ``forced``, which narrows it)."""
     timings = dict(timings or {})
     with _stage(timings, "strategies"):
-        space = build_space(captured, mesh)
-        if forced:
-            _force(space, forced)
+        if space is not None and not forced:   # its own warnings: the cost model adds to them
+            space = replace(space, warnings=list(space.warnings))
+        else:
+            space = build_space(captured, mesh)
+            if forced:
+                _force(space, forced)
     with _stage(timings, "costs"):
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,

@@ -16,6 +16,7 @@ The passes, in order, and where each lives (every package imports only the ones 
     autopar/planning/    shrink, hand plans, problem building and the planner: -> Plan
     autopar/profiling/   measuring this host: local gloo meshes, op/collective timings, calibration
     autopar/api.py, cli  plan(), compile(), full_state_dict(), the ``autopar`` command
+    autopar/checkpoint.py save(), load(): checkpoints of a compiled module and its optimizer
 
 Importing this package loads none of them: each public name loads its module on first use.
 """
@@ -24,8 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "ComputeIn", "AutoparError", "CaptureError",
-           "HardwareError", "InfeasibleError", "InputMismatchError", "LossWeightError", "MeshError", "PlanFileError"]
+__all__ = ["compile", "plan", "full_state_dict", "save", "load", "PlanOptions", "MeshSpec", "Plan", "ComputeIn",
+           "AutoparError", "CaptureError", "CheckpointError", "HardwareError", "InfeasibleError", "InputMismatchError",
+           "LossWeightError", "MeshError", "PlanFileError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -33,9 +35,9 @@ def __getattr__(name: str) -> Any:
     and must not pull in the planner, ortools and the code generator with it."""
     if name not in __all__:
         raise AttributeError(f"module 'autopar' has no attribute {name!r}")
-    from autopar import api
+    from autopar import api, checkpoint
     from autopar.core import errors, mesh, plan as plan_data, precision
     from autopar.planning import options
-    for module in (api, errors, mesh, plan_data, options, precision):
+    for module in (api, checkpoint, errors, mesh, plan_data, options, precision):
         globals().update({k: getattr(module, k) for k in __all__ if hasattr(module, k)})
     return globals()[name]

@@ -50,3 +50,7 @@ class RankFailedError(AutoparError):
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint cannot be loaded as asked (none at the path, another model's, no optimizer state)."""

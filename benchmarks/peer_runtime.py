@@ -18,16 +18,24 @@ two ran a second apart, so a spell of load on this shared host (rounds of one va
 Torch's wrappers get each rank's part of the global batch (DDP and FSDP2 a quarter, TP ranks their
 dp group's half); autopar gets the global batch, as its API asks. Torch's wrappers return each
 rank's part of the outputs (its rows of the logits); autopar's plans do the same
-(``gather_outputs=False``: DTensor outputs, no communication), and its default, every output
-gathered whole on every rank, is timed once more on the 'ddp' plan ("ddp, outputs gathered").
-Prints each variant's step and the ratios: autopar hand plan / the torch wrapper doing the same (target <= 1.10), auto / fastest
-torch variant (<= 1.05), one process autopar / eager (<= 1.05); saves
+(``gather_outputs=False``: DTensor outputs, no communication), stepped by ``train_step`` and
+AdamW with ``foreach=True``.
+
+The plain loop (", plain loop" variants): the loop most users write, ``loss = model(*args,
+**kwargs).loss; loss.backward(); opt.step(); opt.zero_grad()`` with ``AdamW(lr=...)`` as torch
+defaults it, on torch DDP and on autopar's 'ddp' and auto plans made with default options (every
+output returned whole on every rank; the loss's sum and the logits' gather are launched, waited
+for only when read: the loop reads neither).
+
+Prints each variant's step and the ratios: autopar hand plan / the torch wrapper doing the same
+(target <= 1.10), auto / fastest torch variant (<= 1.05), the plain loop on autopar's 'ddp' and
+auto plans / on torch DDP (<= 1.05), one process autopar / eager (<= 1.05); saves
 benchmarks/results/peer_runtime.json.
 
 Where the auto plan is a hand plan (``kept_hand_plan``), that hand plan's module is timed once for
 both. Where the variants' training states would not fit this host's memory together (gpt2-125m:
 2 GB a rank for each replicated variant), each variant runs in a launch of its own and the
-launches take turns, one round each ("outputs gathered" is left out there).
+launches take turns, one round each (the plain loop's variants are left out there).
 
     python benchmarks/peer_runtime.py                              # every model, mesh 4, 2x2 and 1
     python benchmarks/peer_runtime.py --models gpt-tiny --meshes 4,1
@@ -60,7 +68,9 @@ ROUNDS = 15
 WARMUP_STEPS = {"gpt2-125m": (1, 3)}   # (warmup, timed) steps a round; others (2, 20): its steps take seconds here
 STATE_BYTES_PER_PARAM = 16   # fp32 parameter, gradient and AdamW's two states
 SEED = 1234
-TARGETS = {"hand / torch": 1.10, "auto / fastest torch": 1.05, "autopar (1,) / eager": 1.05}
+TARGETS = {"hand / torch": 1.10, "auto / fastest torch": 1.05, "plain loop / torch DDP": 1.05,
+           "autopar (1,) / eager": 1.05}
+PLAIN = ", plain loop"   # a variant timed in the loop users write (``_PlainLoop``)
 # autopar hand plan -> the torch variant doing the same thing
 PEERS = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "fsdp(dp) x tp(tp)": "torch TP x FSDP2"}
 
@@ -78,17 +88,30 @@ def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], pl
     wrap = {"torch DDP": lambda model: peers.ddp(model, example), "torch FSDP2": lambda model: peers.fsdp2(model, example),
             "torch TP x FSDP2": lambda model: peers.tensor_parallel(model, example, mesh),
             "torch eager": lambda model: (model, example)}
-    runs = {label: wrap[label](build()) for label in torch_variants}
+    runs = {label: wrap[label.removesuffix(PLAIN)](build()) for label in torch_variants}
     for label, text in plans.items():
         runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=autopar.Plan.from_json(text)),
                                     example)
-    # foreach=True for every variant: torch picks its per-tensor loop for DTensor parameters (autopar,
-    # FSDP2) and on the CPU, where the loop costs ~40 us per tensor and op
-    timed = {label: (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), rank_batch)
+    # foreach=True for every variant but the plain loop's: torch picks its per-tensor loop for DTensor
+    # parameters (autopar, FSDP2) and on the CPU, where the loop costs ~40 us per tensor and op
+    timed = {label: (_PlainLoop(model), torch.optim.AdamW(model.parameters(), lr=1e-3), rank_batch)
+             if label.endswith(PLAIN) else (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), rank_batch)
              for label, (model, rank_batch) in runs.items()}
     warmup, steps = WARMUP_STEPS.get(name, (2, 20))
     times = time_in_turns(timed, rounds=rounds, warmup=warmup, steps=steps)
     return {label: [statistics.median(steps) for steps in per_round] for label, per_round in times.items()}
+
+
+class _PlainLoop(nn.Module):
+    """A module called as users call it: its outputs' ``.loss``, then ``backward()`` (it hides a
+    compiled module's ``train_step`` from ``autopar.profiling.measure.forward_backward``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 def _fit_together(variants: int, state_bytes: int, ranks: int) -> bool:
@@ -121,11 +144,13 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     if kept not in plans:   # a hand plan kept as the auto plan is timed once, as that hand plan
         plans["auto"] = auto
     state_bytes = STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
-    gathered = spec.size > 1   # one variant a launch: "outputs gathered" would only repeat 'ddp'
-    together = _fit_together(len(torch_variants) + len(plans) + gathered, state_bytes, spec.size)
-    if gathered and together:
-        plans["ddp, outputs gathered"] = candidates(model, spec, args, kwargs,
-                                                    options=replace(options, gather_outputs=True))["ddp"]
+    plain = spec.size > 1   # one variant a launch: the plain loop is left out (its peers would not share rounds)
+    together = _fit_together(len(torch_variants) + len(plans) + 3 * plain, state_bytes, spec.size)
+    if plain and together:   # the plans users get by default: outputs whole on every rank
+        defaults = replace(options, gather_outputs=True)
+        torch_variants.append("torch DDP" + PLAIN)
+        plans["ddp" + PLAIN] = candidates(model, spec, args, kwargs, options=defaults)["ddp"]
+        plans["auto" + PLAIN] = autopar.plan(model, spec, args, kwargs, options=defaults)
     plan_s = time.perf_counter() - t0
     variants = [*torch_variants, *plans]
     launches = [variants] if together else [[v] for v in variants]
@@ -143,7 +168,11 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     for hand, peer in PEERS.items():
         if f"autopar {hand}" in step and peer in step:
             ratios[f"{hand} / {peer}"] = ("hand / torch", ratio_in_rounds(rounds_s[f"autopar {hand}"], rounds_s[peer]))
-    fastest = min(torch_variants, key=step.__getitem__)
+    for label in ("ddp" + PLAIN, "auto" + PLAIN):
+        if f"autopar {label}" in step:
+            ratios[f"{label} / torch DDP{PLAIN}"] = ("plain loop / torch DDP", ratio_in_rounds(
+                rounds_s[f"autopar {label}"], rounds_s["torch DDP" + PLAIN]))
+    fastest = min((v for v in torch_variants if not v.endswith(PLAIN)), key=step.__getitem__)
     key = "autopar (1,) / eager" if spec.size == 1 else "auto / fastest torch"
     ratios[f"auto / {fastest}"] = (key, ratio_in_rounds(rounds_s[auto_label], rounds_s[fastest]))
     return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,

@@ -32,6 +32,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
 from autopar.core.precision import reduce_dtype
+from autopar.core.together import one_process
+from codegen import outputs
 
 aten = torch.ops.aten
 
@@ -412,9 +414,9 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=Non
     local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
     if reduction == 2 or count is not None:
         summand = local_sum if reduction == 2 else local_sum / count
-        return (_SumOverRanks.apply(summand, mesh, tuple(summed_over)) if summed_over else summand).to(logits.dtype)
+        return (sum_over_ranks(summand, mesh, summed_over) if summed_over else summand).to(logits.dtype)
     counted = (target != ignore_index).sum().to(local_sum.dtype)
-    both = _SumOverRanks.apply(torch.stack([local_sum, counted]), mesh, tuple(summed_over))
+    both = sum_over_ranks(torch.stack([local_sum, counted]), mesh, summed_over)
     return (both[0] / both[1]).to(logits.dtype)
 
 
@@ -516,10 +518,19 @@ def axes_group(mesh: DeviceMesh, axes: Sequence[int]) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
+def sum_over_ranks(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
+    """The sum over mesh ``axes`` of every rank's summand, replicated: launched, waited for when
+    the value is first read (between processes, ``codegen.outputs.summed``: reading nothing waits
+    for nothing). Backward: each summand's gradient is the sum's (Megatron's reduce from the
+    model-parallel region)."""
+    if not torch.compiler.is_compiling() and not one_process() and (len(axes) == 1 or spans_job(mesh, axes)):
+        return outputs.summed(x, axes_group(mesh, axes))
+    return _SumOverRanks.apply(x, mesh, tuple(axes))
+
+
 class _SumOverRanks(torch.autograd.Function):
-    """The sum over mesh axes of every rank's summand, replicated: launched, waited for when the
-    value is first read. Backward: each summand's gradient is the replicated sum's (Megatron's
-    reduce from the model-parallel region)."""
+    """``sum_over_ranks`` as functional collectives (one process, ``torch.compile``, axes that
+    need one collective each)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, axes: tuple[int, ...]) -> torch.Tensor:
@@ -531,11 +542,22 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
-    """The full tensor every rank returns: this rank's part gathered (or summed) over the mesh."""
+    """The full tensor every rank returns: this rank's part gathered (or summed) over the mesh.
+    Between processes, an even split's gather is launched here and waited for where the output
+    is first read (``codegen.outputs``): a loop that reads only the loss never waits for the
+    logits. Other splits, and ranks simulated in one process, gather at once."""
     if not isinstance(x, torch.Tensor) or all(isinstance(p, Replicate) for p in have):
         return x
+    if not torch.compiler.is_compiling() and not one_process() and outputs.gatherable(x, mesh, have, shape):
+        return outputs.gathered(x, mesh, have, shape, lambda grad: _part_of(grad, mesh, have, shape))
     with _planned():
         return as_dtensor(x, mesh, have, shape).full_tensor()
+
+
+def _part_of(whole_value: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> torch.Tensor:
+    """This rank's part, placed ``have`` (never partial), of a tensor every rank holds whole."""
+    with _planned():
+        return as_dtensor(whole_value, mesh, [Replicate()] * mesh.ndim, shape).redistribute(mesh, list(have)).to_local()
 
 
 def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:

@@ -1,0 +1,179 @@
+"""Outputs whose collective is launched in the forward and waited for when first read.
+
+The loop users write (``loss = model(**batch).loss; loss.backward(); opt.step()``) reads the loss
+now and then (``loss.item()`` on rank 0 every few steps) and the logits rarely. The module still
+promises one device's outputs on every rank, so the sum of the loss's summands and the gather of
+a split output are collectives; they are launched in the forward, on every rank (whatever each
+rank later reads, every rank has joined the collective: no rank can wait for another that
+never reads), and waited for only where the value is first read. A step that reads nothing waits
+for nothing, as DDP's; the backward's seed (``ones_like``) reads only the loss's shape.
+
+``Pending`` is the tensor handed out: a wrapper subclass with the output's shape and dtype whose
+every op waits for the value first (as ``AsyncCollectiveTensor`` does). Its collectives are
+c10d's asynchronous ops, not functional ones: an output nobody reads drops its work with it,
+where a functional collective never waited for stays registered, holding its buffers, and warns
+at exit ("unwaited collective calls").
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils import _pytree as pytree
+
+#: ops that read only a tensor's metadata: the backward's seed and its like
+_METADATA_ONLY = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
+                  torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default}
+
+
+class _Cell:
+    """The value a collective is producing: ``finish`` waits for it and makes it, once."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish: Callable[[], torch.Tensor] | None = finish
+        self._value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._value, self._finish = self._finish(), None
+        return self._value
+
+
+class Pending(torch.Tensor):
+    """An output on its way: shape, dtype and device now, the value when an op first reads it."""
+
+    _cell: _Cell
+
+    @staticmethod
+    def __new__(cls, cell: _Cell, like: torch.Tensor, shape: Sequence[int]) -> Pending:
+        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=like.dtype, device=like.device,
+                                                  requires_grad=False)
+        out._cell = cell
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA_ONLY:   # no wait: a plain tensor shaped alike
+            args, kwargs = pytree.tree_map_only(Pending, _blank, (args, kwargs))
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.detach.default:   # the same value on its way, outside autograd
+            return Pending(args[0]._cell, args[0], args[0].shape)
+        args, kwargs = pytree.tree_map_only(Pending, lambda p: p._cell.value(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def wait(self) -> torch.Tensor:
+        """The value, as a plain tensor (outside autograd)."""
+        return self._cell.value()
+
+    def tolist(self) -> Any:
+        return self.wait().tolist()
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wait().numpy(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return repr(self.wait())
+
+
+def _blank(p: Pending) -> torch.Tensor:
+    return torch.empty(p.shape, dtype=p.dtype, device=p.device)
+
+
+class _Launched(torch.autograd.Function):
+    """``cell``'s value as a differentiable ``Pending`` output of ``x``; ``backward`` maps the
+    gradient of the value to ``x``'s."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cell: _Cell, shape: tuple[int, ...],
+                backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.backward_fn = backward
+        return Pending(cell, x, shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward_fn(grad), None, None, None
+
+
+def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ``group``'s ranks of every rank's ``x``, launched now, waited for when read.
+    Backward: each summand's gradient is the sum's (Megatron's reduce from the model-parallel
+    region)."""
+    buffer = x.detach().clone()
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return buffer
+
+    return _Launched.apply(x, _Cell(finish), tuple(x.shape), lambda grad: grad)
+
+
+def gatherable(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> bool:
+    """Can ``gathered`` launch ``x``'s gather: split on one axis or every axis of a mesh spanning
+    the job, evenly, never partial?"""
+    split = [a for a, p in enumerate(have) if isinstance(p, Shard)]
+    if not split or not all(isinstance(p, (Shard, Replicate)) for p in have):
+        return False
+    if len(split) > 1 and not (len(split) == mesh.ndim and mesh.size() == dist.get_world_size()):
+        return False
+    for d, size in enumerate(shape):
+        ways = math.prod(mesh.shape[a] for a in split if have[a].dim == d)
+        if size % ways:
+            return False
+    return True
+
+
+def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int],
+             backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The whole tensor of ``shape`` whose part placed ``have`` this rank holds in ``x``: every
+    rank's part gathered by one collective launched now (``gatherable`` must hold), assembled
+    when first read. ``backward`` maps the whole tensor's gradient to this rank's part."""
+    split = [a for a, p in enumerate(have) if isinstance(p, Shard)]
+    group = mesh.get_group(split[0]) if len(split) == 1 else dist.group.WORLD
+    local = x.detach().contiguous()
+    ranks = dist.get_world_size(group)
+    flat = torch.empty(ranks * local.numel(), dtype=local.dtype, device=local.device)
+    work = dist.all_gather_single(flat, local.view(-1), group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return _assembled(flat.view(ranks, *local.shape), mesh, have, split, shape)
+
+    return _Launched.apply(x, _Cell(finish), tuple(shape), backward)
+
+
+def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], split: Sequence[int],
+               shape: Sequence[int]) -> torch.Tensor:
+    """The whole tensor from the gathered ``pieces`` (one per rank of the group, in its order:
+    mesh order over the ``split`` axes), each put where DTensor's chunking places it."""
+    out = torch.empty(tuple(shape), dtype=pieces.dtype, device=pieces.device)
+    sizes = [mesh.shape[a] for a in split]
+    for index, piece in enumerate(pieces):
+        coords = [0] * mesh.ndim
+        for a, c in zip(split, _unravel(index, sizes)):
+            coords[a] = c
+        region = out
+        for d in range(len(shape)):
+            axes = [a for a in split if have[a].dim == d]
+            chunk = shape[d] // math.prod(mesh.shape[a] for a in axes) if axes else shape[d]
+            start = sum(coords[a] * math.prod(mesh.shape[b] for b in axes[i + 1:]) for i, a in enumerate(axes)) * chunk
+            region = region.narrow(d, start, chunk)
+        region.copy_(piece)
+    return out
+
+
+def _unravel(index: int, sizes: Sequence[int]) -> list[int]:
+    coords = []
+    for size in reversed(sizes):
+        coords.append(index % size)
+        index //= size
+    return coords[::-1]

@@ -1,0 +1,100 @@
+"""The loop users write: ``loss = pmodel(**batch).loss; loss.backward(); opt.step()``.
+
+Outputs' collectives are launched in the forward and waited for where they are read
+(``codegen.outputs``): a loss read on one rank only, logits read or not, an evaluation forward
+nobody reads, must all give one device's values and leave no collective behind."""
+from __future__ import annotations
+
+import torch
+
+import autopar
+from autopar.models.zoo import get_model
+from autopar.planning.baselines import candidates
+from autopar.profiling.launch import run_on_gloo_mesh
+from codegen.outputs import Pending, _Cell, _Launched
+from tests.equivalence import make_batches
+
+NAME, STEPS = "gpt2-tiny", 3
+
+
+def _pending(value: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    waits = []
+
+    def finish() -> torch.Tensor:
+        waits.append(1)
+        return value
+    return _Launched.apply(x, _Cell(finish), tuple(value.shape), lambda grad: grad * 2), waits
+
+
+def test_pending_waits_only_when_read():
+    """The backward's seed and ``detach`` read no value; an op does, once; the gradient goes
+    back through the mapping given."""
+    x = torch.ones(3, requires_grad=True)
+    out, waits = _pending(torch.tensor([1.0, 2.0, 3.0]), x)
+    assert isinstance(out, Pending) and out.shape == (3,) and not waits
+    kept = out.detach()
+    assert torch.ones_like(out).sum().item() == 3 and not waits
+    (out * 1).sum().backward()
+    assert waits == [1]
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert kept.tolist() == [1.0, 2.0, 3.0] and waits == [1]   # the same value, waited for once
+
+
+def _reference(batches) -> list[tuple[float, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = get_model(NAME).build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for args, kwargs in batches:
+        o = model(*args, **kwargs)
+        o.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append((o.loss.item(), o.logits.detach().clone()))
+    return out
+
+
+def _plain_loop(mesh, plans: dict[str, str], batches) -> dict[str, list]:
+    """Each plan's plain loop: the loss read on rank 0 only, the logits read at the last step on
+    every rank; then an evaluation forward nobody reads. Returns what was read and how many
+    collectives were left registered, never waited for."""
+    rank = torch.distributed.get_rank()
+    results = {}
+    for label, text in plans.items():
+        torch.manual_seed(0)
+        pmodel = autopar.compile(get_model(NAME).build(), mesh, *batches[0], plan=autopar.Plan.from_json(text))
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+        read = []
+        for step, (args, kwargs) in enumerate(batches):
+            out = pmodel(*args, **kwargs)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            read.append((out.loss.item() if rank == 0 else None,
+                         out.logits.detach().clone() if step == len(batches) - 1 else None))
+        pmodel.eval()
+        with torch.no_grad():
+            pmodel(*batches[0][0], **batches[0][1])
+        results[label] = (read, torch._C._distributed_c10d._get_work_registry_size())
+    return results
+
+
+def test_plain_loop_equals_one_device_on_2x2():
+    """gpt2-tiny on 2x2, a batch of 6 rows: data parallel over both axes (6 rows on 4 ranks:
+    uneven, the logits gathered at once) and FSDP x TP (3 rows a dp rank, the vocabulary split
+    on tp: the gather launched, waited for where read)."""
+    spec = autopar.MeshSpec((2, 2), ("dp", "tp"), hardware="cpu")
+    batches = make_batches(NAME, 6, 16)
+    torch.manual_seed(0)
+    hands = candidates(get_model(NAME).build(), spec, *batches[0], options=autopar.PlanOptions(profile=None))
+    plans = {k: hands[k].to_json() for k in ("ddp", "fsdp(dp) x tp(tp)")}
+    want = _reference(batches)
+    ranks = run_on_gloo_mesh(_plain_loop, (2, 2), plans, batches, axis_names=("dp", "tp"), start_method="forkserver")
+    for r, results in enumerate(ranks):
+        for label, (read, left) in results.items():
+            assert left == 0, f"{label} rank {r}: {left} collectives never waited for"
+            for step, ((loss, logits), (want_loss, want_logits)) in enumerate(zip(read, want)):
+                if loss is not None:
+                    assert abs(loss - want_loss) <= 1e-5 + 1e-4 * abs(want_loss), (label, step, loss, want_loss)
+                if logits is not None:
+                    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)

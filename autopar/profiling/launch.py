@@ -469,7 +469,9 @@ def run_on_gloo_mesh(
     Raises:
         DistributedRunError: a rank raised (message names the rank and carries its
             traceback), crashed, or the timeout elapsed. All ranks are killed and
-            reaped before this is raised.
+            reaped before this is raised. Every rank imports the main script again as it
+            starts: a script must call this under ``if __name__ == "__main__":`` (one that
+            does not is told so).
     """
     if _starting_rank():   # the parent names the missing guard, once (``_main_guard_hint``)
         os._exit(_NO_MAIN_GUARD)

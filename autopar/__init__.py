@@ -22,7 +22,7 @@ Importing this package loads none of them: each public name loads its module on 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any as _Any
 
 __version__ = "0.1.0"
 __all__ = ["compile", "plan", "full_state_dict", "save", "load", "PlanOptions", "MeshSpec", "Plan", "ComputeIn",
@@ -30,7 +30,7 @@ __all__ = ["compile", "plan", "full_state_dict", "save", "load", "PlanOptions", 
            "LossWeightError", "MeshError", "PlanFileError"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     """The public names load on first use: ``import autopar.core.errors`` runs this file first,
     and must not pull in the planner, ortools and the code generator with it."""
     if name not in __all__:
@@ -41,3 +41,8 @@ def __getattr__(name: str) -> Any:
     for module in (api, checkpoint, errors, mesh, plan_data, options, precision):
         globals().update({k: getattr(module, k) for k in __all__ if hasattr(module, k)})
     return globals()[name]
+
+
+def __dir__() -> list[str]:
+    """The public API (the lazy names included), not this file's imports."""
+    return sorted([*__all__, "__version__"])

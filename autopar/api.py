@@ -1,6 +1,7 @@
 """Public entry points: ``plan``, ``compile``, ``full_state_dict``."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -84,18 +85,14 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
             plan = _plan_shared_by_all_ranks(captured, spec, mesh, options, recapture)
         mesh = _formed_as_planned(mesh, spec, plan)
         spec = as_mesh_spec(mesh, spec.hardware)
-        if plan.pipeline is not None:   # its stages run one microbatch's graph: the batch's is not needed
-            if one_process():
-                raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
-                                "simulates its ranks in one process")
-            rows = batch_size(args, example_kwargs or {})
-            if rows != plan.batch_size:
-                raise PlanFileError(f"this pipeline plan runs batches of {plan.batch_size} rows, the example has "
-                                    f"{rows}; re-plan with autopar.plan()")
-            captured = together("capturing one microbatch", lambda: recapture(plan.microbatches))
-        elif captured is None:
-            captured = whole()
+        # first whether the plan is this model's and this mesh's, then anything else about it
+        rows = batch_size(args, example_kwargs or {})
+        captured = together("capturing the model as the plan runs it",
+                            lambda: _captured_as_planned(plan, captured, whole, recapture, rows))
         together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
+        if plan.pipeline is not None and one_process():
+            raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
+                            "simulates its ranks in one process")
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:
@@ -135,6 +132,20 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
     return together("reading the shared plan", lambda: Plan.from_json(message[0]))   # compile checks it
 
 
+def _captured_as_planned(plan: Plan, captured: CapturedGraph | None, whole: Callable[[], CapturedGraph],
+                         recapture: Callable[[int], CapturedGraph], rows: int) -> CapturedGraph:
+    """The model captured as ``plan`` runs it, for ``Plan.check_matches``: the whole batch
+    (``captured``, where compile planned it), or one microbatch of a pipeline plan (its stages run
+    that graph: the batch's is not needed). A pipeline plan made for batches of other ``rows`` is
+    refused as a plan made for other input shapes: no microbatch of this batch is the planned one."""
+    if plan.pipeline is None:
+        return captured or whole()
+    if rows != plan.batch_size:
+        raise PlanFileError(f"this plan was made for another model or input shapes ({plan.model_name}): it runs "
+                            f"batches of {plan.batch_size} rows, the example has {rows}; re-plan with autopar.plan()")
+    return recapture(plan.microbatches)
+
+
 def _formed_as_planned(mesh: DeviceMesh, spec: MeshSpec, plan: Plan) -> DeviceMesh:
     """``mesh``, or the same ranks formed as the plan's mesh where the plan pipelines over a
     factor of the first axis (``autopar.core.mesh.split_first_axis``): a new mesh, whose process
@@ -142,6 +153,7 @@ def _formed_as_planned(mesh: DeviceMesh, spec: MeshSpec, plan: Plan) -> DeviceMe
     shape = tuple(plan.mesh.shape)
     if shape == tuple(spec.shape) or plan.pipeline is None:
         return mesh
-    if split_first_axis(spec, shape[0], plan.mesh.axis_names[0]).shape != shape:
-        return mesh   # another mesh altogether: check_matches says so
+    if math.prod(shape) != spec.size or spec.shape[0] % shape[0] or \
+            split_first_axis(spec, shape[0], plan.mesh.axis_names[0]).shape != shape:
+        return mesh   # another mesh altogether: check_matches says so, after the model's fingerprint
     return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=tuple(plan.mesh.axis_names))

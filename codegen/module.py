@@ -159,7 +159,9 @@ class ShardedModule(nn.Module):
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
         forward, flat = self._forward_of(args, kwargs, self._outputs)
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
-        return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
+        runtime.wait_handed_over()
+        outputs = runtime.handed_over(self._run(forward, flat, counts[0] if counts else None))
+        return pytree.tree_unflatten(list(outputs), self._out_spec)
 
     def _run(self, forward: Forward, flat: list[Any], loss_count: float | torch.Tensor | None) -> tuple:
         """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
@@ -179,6 +181,7 @@ class ShardedModule(nn.Module):
         over ranks in a gradient bucket's all-reduce (``GradSync.carry``) and read after the last
         backward. The other outputs are not gathered (whatever ``gather_outputs``): nothing reads
         them (``OutputMode`` "loss")."""
+        runtime.wait_handed_over()
         parts = split(args, kwargs, self.plan.microbatch_size)
         forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
         weighting = forwards[0][0].loss

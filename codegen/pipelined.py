@@ -160,6 +160,7 @@ class PipelinedModule(ShardedModule):
         """Forward and backward of one step over the global batch, through the schedule; leaves
         the gradients ready for ``optimizer.step()`` and returns the batch's loss on every rank
         (sent from the last stage as the step ends, waited for where first read)."""
+        runtime.wait_handed_over()
         flat = self._flat(args, kwargs)
         rows = batch_size(args, kwargs)
         n = self.plan.pipeline.num_microbatches
@@ -187,7 +188,8 @@ class PipelinedModule(ShardedModule):
         if self._code.loss_summed_over and last:
             loss = runtime.all_reduce(loss.reshape(1), self._stage_mesh, self._code.loss_summed_over).reshape(())
         # launched, read when the caller reads it (a functional collective): the step does not wait
-        return funcol.broadcast(loss, self._stage_rank(self.plan.pipeline.num_stages - 1), self._pp_group)
+        sent = funcol.broadcast(loss, self._stage_rank(self.plan.pipeline.num_stages - 1), self._pp_group)
+        return runtime.handed_over([sent])[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's unsharded state dict on every rank: each pipeline rank's stages',

@@ -210,7 +210,8 @@ def test_padded_batch_attention_mask_is_honoured():
 
 
 def test_a_kv_cache_output_is_refused_with_what_to_pass():
-    """HF models return their key/value cache by default (use_cache=True); training needs none."""
+    """An HF model asked for its key/value cache (use_cache=True; left out, autopar passes False:
+    tests/test_errors.py); training needs none."""
     ids = torch.randint(0, VOCAB, (2, 8))
     with pytest.raises(CaptureError, match="use_cache=False"):
-        autopar.plan(gpt2(), MeshSpec((2,)), (), {"input_ids": ids, "labels": ids})
+        autopar.plan(gpt2(), MeshSpec((2,)), (), {"input_ids": ids, "labels": ids, "use_cache": True})

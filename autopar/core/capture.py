@@ -11,6 +11,7 @@ import inspect
 import os
 import re
 import traceback
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,11 +67,59 @@ def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         ) from None
 
 
+def _without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The keyword arguments to export with: ``use_cache=False`` added where ``forward`` takes
+    ``use_cache`` and the caller left it unset (Hugging Face decoders return a key/value cache by
+    default, for generation; training keeps none, and the cache is no tensor a plan could place).
+    ``_drop_added_input`` then takes it out of the captured inputs: the caller passes nothing."""
+    signature = inspect.signature(model.forward)
+    if ("use_cache" not in signature.parameters or "use_cache" in signature.bind(*args, **kwargs).arguments
+            or getattr(getattr(model, "config", None), "use_cache", None) is False):
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
+def _drop_added_input(program: ExportedProgram, key: str) -> pytree.TreeSpec:
+    """Remove keyword input ``key`` (a constant autopar added: ``_without_cache``) from the captured
+    program's inputs; returns the inputs' structure without it, as the caller passes them."""
+    in_spec = program.call_spec.in_spec
+    args, kwargs = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)
+    index = kwargs.pop(key)
+    user = [spec for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    spec = user[index]
+    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
+    program.graph.erase_node(node)
+    program.graph_signature.input_specs.remove(spec)
+    program.graph_module.recompile()
+    return pytree.tree_structure((args, kwargs))
+
+
+def _with_added(dynamic_shapes: Any, added: dict) -> Any:
+    """``dynamic_shapes`` by argument name with the arguments autopar added (static) too."""
+    return {**dynamic_shapes, **dict.fromkeys(added)} if isinstance(dynamic_shapes, dict) else dynamic_shapes
+
+
+def _notes(model: torch.nn.Module, added: dict) -> list[str]:
+    """What capture did that the user did not ask for, said in the plan (``Plan.warnings``); the
+    model's own activation checkpointing, which the plan ignores, also as a Python warning."""
+    name = type(model).__name__
+    notes = [f"autopar called {name}.forward with {k}={v!r}, which the inputs left unset: training keeps no "
+             f"key/value cache (pass {k} with the inputs to choose otherwise)" for k, v in added.items()]
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    if model.training and checkpointed:   # Hugging Face's gradient_checkpointing_enable(): traced through
+        ignored = (f"{name} has gradient checkpointing on (gradient_checkpointing_enable()): autopar ignores it and "
+                   "plans recomputation itself (the recompute= option: 'auto' recomputes where memory needs it, "
+                   "'full' every repeated block)")
+        warnings.warn(ignored, stacklevel=3)
+        notes.append(ignored)
+    return notes
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch: the model line that failed to trace."""
     own = os.path.dirname(os.path.abspath(__file__))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and not f.filename.startswith(own)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)   # not code made at run time (<string>)
+              if "/torch/" not in f.filename and not f.filename.startswith((own, "<"))]
     if not frames:
         return ""
     f = frames[-1]
@@ -79,20 +128,39 @@ def _user_frame(exc: BaseException) -> str:
 
 
 
-def _capture_hint(message: str) -> str:
-    """What to do about export's error ``message`` (its first line)."""
+def _capture_hint(message: str) -> str | None:
+    """What to do about export's error ``message`` (its first line), where its cause is known."""
     unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
     if unknown and "Cache" in unknown.group(1):
-        return ("The model returns a key/value cache for generation; training needs none: pass "
-                "use_cache=False with the inputs (or set model.config.use_cache = False).")
+        return ("the model returns a key/value cache, for generation; training keeps none: pass use_cache=False "
+                "with the inputs, or leave use_cache out (autopar then passes False).")
     if unknown:
-        return (f"The model returns a {unknown.group(1)}, which autopar cannot carry: return tensors, "
+        return (f"the model returns a {unknown.group(1)}, which autopar cannot carry: return tensors, "
                 "or tuples, lists and dicts of them (or register the type with torch.utils._pytree).")
+    if "higher order operator" in message.lower():   # torch.cond and the like: untraced, and no sharded form
+        return ("torch.cond (or another control-flow operator) is the cause; autopar cannot shard it: compute both "
+                "branches and pick one with torch.where.")
     if "data-dependent" in message.lower() or "data dependent" in message.lower():
-        return ("Python control flow on tensor values is the cause: rewrite it with torch.cond/torch.where "
-                "or make it depend on shapes only.")
-    return ("Check that the model runs eagerly on these inputs (model(*args, **kwargs)); the line named "
-            "above is where tracing failed.")
+        return ("Python control flow on tensor values is the cause: compute both outcomes and pick one with "
+                "torch.where, or make the condition depend on shapes only.")
+    return None
+
+
+def _capture_error(model: torch.nn.Module, e: Exception) -> CaptureError:
+    """Export's error ``e`` said for the user: where in the model, why, what to do. A known cause
+    comes first, export's words after it, and without export's traceback (raised ``from None``);
+    an unknown one keeps it (its ``__cause__``)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = f"torch.export could not capture {type(model).__name__}{_user_frame(e)}"
+    hint = _capture_hint(first)
+    if hint is None:
+        error = CaptureError(f"{where}: {type(e).__name__}: {first}. Check that the model runs eagerly on these "
+                             "inputs (model(*args, **kwargs)); the line named above is where tracing failed.")
+        error.__cause__ = e
+        return error
+    error = CaptureError(f"{where}: {hint} ({type(e).__name__}: {first.split('. ')[0]})")
+    error.__suppress_context__ = True
+    return error
 
 
 def _inline_grad_regions(program: ExportedProgram) -> None:
@@ -129,18 +197,24 @@ def _inline_grad_regions(program: ExportedProgram) -> None:
     gm.recompile()
 
 
+#: What to do about each higher-order op that has no generated form (others: write the model without it).
+_HIGHER_ORDER_ADVICE = {
+    "cond": "torch.cond: compute both branches and pick one with torch.where",
+    "wrap_with_autocast": "torch.autocast: run the model without it; plan with precision='bf16' to compute in bf16",
+}
+
+
 def _refuse_higher_order_ops(program: ExportedProgram, model_name: str) -> None:
     """Higher-order ops other than grad-mode regions (autocast regions, torch.cond, checkpoint
-    wrappers) have no generated form yet: say which, instead of failing in generated code."""
-    found = sorted({str(n.target) for n in program.graph.nodes
+    wrappers) have no generated form yet: say which, and what to write instead, rather than fail in
+    generated code. (``torch.cond`` is not rewritten as ``torch.where`` here: that would run the
+    branch the model skips, whose ops may fail or give NaN gradients on values it was never meant for.)"""
+    found = sorted({getattr(n.target, "__name__", str(n.target)) for n in program.graph.nodes
                     if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
     if found:
-        raise CaptureError(
-            f"{model_name} contains higher-order ops autopar cannot shard yet: {', '.join(found)} "
-            "(torch.autocast regions, torch.cond, activation checkpointing inside forward). "
-            "Run the model without torch.autocast, replace torch.cond by torch.where, and call "
-            "its layers without torch.utils.checkpoint."
-        )
+        advice = "; ".join(_HIGHER_ORDER_ADVICE.get(op, f"{op}: write the model without it") for op in found)
+        raise CaptureError(f"{model_name} contains higher-order ops autopar cannot shard yet ({', '.join(found)}). "
+                           f"What to do: {advice}.")
 
 
 def fingerprint(program: ExportedProgram, model_name: str) -> str:
@@ -260,17 +334,20 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         args = (args,)
     check_inputs(model, args, kwargs)
     traced = model if check_precision(precision) == "fp32" else ComputeIn(model, precision)
+    exported = _without_cache(model, args, kwargs)
+    added = {k: v for k, v in exported.items() if k not in kwargs}
+    if added and dynamic_shapes is not None:   # shaped as the inputs given: the added one has none
+        dynamic_shapes = _with_added(dynamic_shapes, added)
     try:
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.
         with maybe_disable_local_tensor_mode(), _lean_tracing():
-            program = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            program = torch.export.export(traced, args, exported, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}{_user_frame(e)}: {type(e).__name__}: {first}. "
-            + _capture_hint(first)
-        ) from e
+        raise _capture_error(model, e)  # noqa: B904 - _capture_error chains export's error or not
+    in_spec = program.call_spec.in_spec
+    for key in added:
+        in_spec = _drop_added_input(program, key)
     if traced is not model:
         _unwrap(program, model)
     _inline_grad_regions(program)
@@ -288,9 +365,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             constant_of[name] = spec.target
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
-    warnings = []
+    notes = _notes(model, added)
     if sig.buffers_to_mutate:
-        warnings.append(
+        notes.append(
             f"forward mutates buffers {sorted(sig.buffers_to_mutate.values())}; autopar keeps them replicated and "
             "does not write the mutation back (running statistics are not updated)"
         )
@@ -301,12 +378,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         buffer_of=buffer_of,
         constant_of=constant_of,
         user_inputs=user_inputs,
-        in_spec=program.call_spec.in_spec,
+        in_spec=in_spec,
         out_spec=program.call_spec.out_spec,
         model_name=name,
         fingerprint=fingerprint(program, name),
         precision=precision,
-        warnings=warnings,
+        warnings=notes,
     )
 
 

@@ -45,7 +45,8 @@ class LossWeightError(AutoparError):
 
 
 class RankFailedError(AutoparError):
-    """Another rank failed during ``compile``: carries that rank's number and message."""
+    """Another rank failed during ``compile``: carries that rank's number (``rank``) and the first
+    line of its error, which that rank prints in full (``autopar.core.together``)."""
 
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)

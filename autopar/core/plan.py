@@ -329,7 +329,8 @@ class Plan:
                 f"{wanted}); the model given has fingerprint {fingerprint}. Re-plan with autopar.plan()."
             )
         if tuple(mesh.shape) != tuple(self.mesh.shape):
-            raise PlanFileError(f"this plan is for mesh {self.mesh.shape}, not {mesh.shape}; re-plan for this mesh")
+            raise PlanFileError(f"this plan is for mesh {self.mesh.shape} ({self.mesh.describe()}), not {mesh.shape}; "
+                                "re-plan for this mesh")
         if tuple(mesh.axis_names) != tuple(self.mesh.axis_names):
             raise PlanFileError(
                 f"this plan names the mesh axes {self.mesh.axis_names}, the mesh given {mesh.axis_names}: axes in "

@@ -4,8 +4,10 @@ Ranks of one job run ``compile`` side by side and meet at collectives (the share
 weights' scatter). A rank that raises on its own (a bad input, an infeasible budget, a profile it
 cannot read) would leave the others waiting at their next collective until the process group
 times out, minutes later. ``together`` runs a step, then every rank tells the others whether it
-failed (one small all-gather): the failing rank raises its own error, every other rank a
-``RankFailedError`` carrying the failing rank's message.
+failed (one small all-gather). The error is printed once, by the first rank that failed (the
+lowest): a rank that failed the same way raises its error too, of its type, but in one line that
+points to that rank and without its traceback; a rank that failed otherwise raises its own, whole
+(something else to fix); a rank that did not fail raises a one-line ``RankFailedError``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch.distributed._local_tensor import local_tensor_mode
 from autopar.core.errors import RankFailedError
 
 T = TypeVar("T")
+_SAME = "the same error as rank"   # begins the message of a rank that failed as the first did
 
 
 def one_process() -> bool:
@@ -40,11 +43,27 @@ def together(step: str, fn: Callable[[], T]) -> T:
         error = e
     reports: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
+    failed = [rank for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return result  # type: ignore[return-value]
+    first, me = failed[0], dist.get_rank()
+    pointer = _pointer(step, first, reports[first], len(failed))
+    if error is None:
+        raise RankFailedError(pointer, first)
+    if me == first or reports[me] != reports[first]:
         raise error
-    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
-    if failed:
-        rank, report = failed[0]
-        raise RankFailedError(f"compile failed on rank {rank} while {step} ({len(failed)} rank(s) failed); "
-                              f"fix that rank's error and run again. Rank {rank}: {report}", rank)
-    return result  # type: ignore[return-value]
+    error.args = (f"{_SAME} {first}'s: {pointer}",)   # type and attributes kept
+    raise error.with_traceback(None) from None
+
+
+def told_by_another_rank(report: str) -> bool:
+    """Is ``report`` (``"Type: message"``) a rank's pointer to another rank's error, not an error of its own?"""
+    return report.startswith(f"{RankFailedError.__name__}:") or f": {_SAME} " in report
+
+
+def _pointer(step: str, first: int, report: str, failures: int) -> str:
+    """One line: rank ``first`` failed while ``step`` with ``report``, which it prints in full."""
+    headline = report.splitlines()[0] if report.strip() else report
+    headline = headline if len(headline) <= 200 else headline[:197] + "..."
+    return (f"compile failed on rank {first} while {step} ({failures} rank(s) failed; rank {first} prints the "
+            f"error in full): {headline}")

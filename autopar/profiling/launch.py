@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from autopar.core.errors import AutoparError
+from autopar.core.together import told_by_another_rank
 
 __all__ = [
     "DistributedRunError",
@@ -114,6 +115,27 @@ def _check_mesh(
 
 _ERR_SUFFIX = ".err"
 _OK_SUFFIX = ".ok"
+_RANK_NAME = "autopar-gloo-rank"
+#: Exit code of a rank that found, while importing the main module as it started, that this import
+#: starts ranks again: the script has no ``if __name__ == "__main__":`` guard (``_starting_rank``).
+_NO_MAIN_GUARD = 78
+
+
+def _starting_rank() -> bool:
+    """Is this process a rank of ``run_on_gloo_mesh`` still importing the main module as it starts
+    (spawn and forkserver run the script again in every child, under the name ``__mp_main__``)?"""
+    import multiprocessing
+
+    current = multiprocessing.current_process()
+    return getattr(current, "_inheriting", False) and current.name.startswith(_RANK_NAME)
+
+
+def _main_guard_hint() -> str:
+    """What to do when the ranks found the main script starting ranks again as they imported it."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    return (f"{main} calls run_on_gloo_mesh when it is imported, and every rank (started by spawn or "
+            "forkserver) imports it again as it starts, which would start ranks of its own. Put the code "
+            'that runs at the top level of the script under `if __name__ == "__main__":`')
 
 
 def _free_port() -> int:
@@ -239,8 +261,9 @@ _COMM_CONSEQUENCE_MARKERS = (
 
 
 def _is_comm_consequence(exc_text: str) -> bool:
-    """Whether an error looks like a rank noticing that a peer went away."""
-    return any(m in exc_text for m in _COMM_CONSEQUENCE_MARKERS)
+    """Whether an error looks like a rank noticing that a peer went away, or being told that a peer
+    failed (``autopar.core.together``: that peer's error is the one to show)."""
+    return told_by_another_rank(exc_text) or any(m in exc_text for m in _COMM_CONSEQUENCE_MARKERS)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -286,7 +309,7 @@ def _run_gloo_once(
                 p = ctx.Process(
                     target=_gloo_worker,
                     args=(r, n, port, shape, names, payload, result_dir, timeout_s),
-                    name=f"autopar-gloo-rank{r}",
+                    name=f"{_RANK_NAME}{r}",
                     daemon=True,
                 )
                 p.start()
@@ -339,6 +362,10 @@ def _run_gloo_once(
         by_time = sorted(errors, key=lambda r: (errors[r]["time"], r))
         causes = [r for r in by_time if not _is_comm_consequence(errors[r]["exc"])]
         first_err = causes[0] if causes else (by_time[0] if by_time else None)
+        if any(exit_codes[r] == _NO_MAIN_GUARD for r in crashed_before_kill):
+            first = next(r for r in crashed_before_kill if exit_codes[r] == _NO_MAIN_GUARD)
+            raise DistributedRunError(f"rank {first} of {n} (mesh {shape}) could not start: {_main_guard_hint()}",
+                                      rank=first, exit_code=_NO_MAIN_GUARD)
         if crashed_before_kill and not causes:
             first = crashed_before_kill[0]
             context = ""
@@ -442,8 +469,12 @@ def run_on_gloo_mesh(
     Raises:
         DistributedRunError: a rank raised (message names the rank and carries its
             traceback), crashed, or the timeout elapsed. All ranks are killed and
-            reaped before this is raised.
+            reaped before this is raised. Every rank imports the main script again as it
+            starts: a script must call this under ``if __name__ == "__main__":`` (one that
+            does not is told so).
     """
+    if _starting_rank():   # the parent names the missing guard, once (``_main_guard_hint``)
+        os._exit(_NO_MAIN_GUARD)
     shape, names, n = _check_mesh(mesh_shape, axis_names)
     if start_method not in ("spawn", "forkserver"):
         raise DistributedRunError(

@@ -213,6 +213,7 @@ pmodel.eval()
 with torch.no_grad():
     pmodel(*args, **kwargs)               # an evaluation whose outputs are not read
 print("done", flush=True)
+dist.destroy_process_group()   # torch warns here of collectives never waited for (and gloo ends cleanly)
 """
 
 

@@ -15,7 +15,8 @@ setup(
         "sympy>=1.12",
     ],
     # The model corpus (tests/test_corpus.py) is Hugging Face 5's models as from_config builds them:
-    # their mask building, and the experts operator that MoE models run.
-    extras_require={"test": ["pytest>=8", "transformers>=5.23,<6"]},
+    # their mask building, and the experts operator that MoE models run. peft: LoRA adapters as
+    # get_peft_model returns them, frozen base weights (tests/test_frozen.py).
+    extras_require={"test": ["pytest>=8", "transformers>=5.23,<6", "peft>=0.21"]},
     entry_points={"console_scripts": ["autopar=autopar.cli:main"]},
 )

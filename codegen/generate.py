@@ -42,10 +42,12 @@ HEADER = '''\
 '''
 
 
-def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes: Passes) -> Placements | None:
+def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes: Passes,
+                trains: bool = True) -> Placements | None:
     """Where a parameter's gradient accumulates when the forward reads its shard as it is stored
-    (``placements.read_as_stored``). None otherwise, or where an op reading it has no plan: it is
-    read through ``runtime.param_shard`` and its gradient synchronised by its own hook."""
+    (``placements.read_as_stored``; its storage for one that does not train). None otherwise, or
+    where an op reading it has no plan: it is read through ``runtime.param_shard`` and its gradient
+    synchronised by its own hook."""
     uses = []
     for user in param.users:
         up = plan.get(user.name)
@@ -53,7 +55,7 @@ def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes
             return None
         uses += [(want, given_grad(want, up, passes.get(user.name, ())))
                  for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param]
-    return read_as_stored(np_.storage, np_.out, uses)
+    return read_as_stored(np_.storage, np_.out, uses, trains)
 
 
 Passes = dict[str, tuple[int, ...]]
@@ -118,8 +120,9 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
     (``codegen.zero3``), in the order the forward first uses them, each group up to ``group_bytes`` gathered. A parameter qualifies when it is stored
     split evenly on one tensor dimension over one mesh axis (or all, ``spans_job``: the mesh is the
     whole job) and used whole there, read as used by every op, its gradient partial on those axes
-    (reduce-scattered back) and as stored elsewhere. The same dimension may also be split on
-    another axis where the ops read it split so (tensor parallel inside ZeRO-3: ``zero3.stored_as``).
+    (reduce-scattered back) and as stored elsewhere (a frozen one has none: ``GatherSpec.frozen``).
+    The same dimension may also be split on another axis where the ops read it split so (tensor
+    parallel inside ZeRO-3: ``zero3.stored_as``).
     The others are gathered one by one (``runtime.redistribute``), as are those that several
     pipeline stages read (``stages``: node name -> the stages it runs in); a group holds one stage's."""
     order: list[tuple[str, tuple[int, ...], int]] = []   # (param node name, axes, dim)
@@ -129,7 +132,8 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
             if inp.name in seen or inp.name not in captured.param_of:
                 continue
             seen.add(inp.name)
-            axes_dim = _gathered_axes(inp, plan, passes, mesh_shape, spans_job)
+            axes_dim = _gathered_axes(inp, plan, passes, mesh_shape, spans_job,
+                                      captured.trains(captured.param_of[inp.name]))
             if axes_dim is not None and len(stages.get(inp.name, ())) <= 1:
                 order.append((inp.name, *axes_dim))
     groups: list[GatherSpec] = []
@@ -143,16 +147,18 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
                 or _zero_stage(plan[order[k + 1][0]]) != _zero_stage(plan[name])
                 or stages.get(order[k + 1][0]) != stages.get(name)
                 or _dtype(captured, order[k + 1][0]) != _dtype(captured, name)):
-            groups.append(GatherSpec(tuple(captured.param_of[n] for n in names), axes,
-                                     tuple(d for n, _, d in order if n in names), *_zero_stage(plan[name])))
+            fqns = tuple(captured.param_of[n] for n in names)
+            groups.append(GatherSpec(fqns, axes, tuple(d for n, _, d in order if n in names), *_zero_stage(plan[name]),
+                                     frozen=frozenset(f for f in fqns if not captured.trains(f))))
             names, nbytes = [], 0
     return groups
 
 
 def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
-                   spans_job: bool) -> tuple[tuple[int, ...], int] | None:
+                   spans_job: bool, trains: bool) -> tuple[tuple[int, ...], int] | None:
     """(mesh axes, tensor dim) a ZeRO-3 parameter is gathered over in a group, or None: one axis,
-    or every axis where the mesh is the whole job (``spans_job``)."""
+    or every axis where the mesh is the whole job (``spans_job``). Where it ``trains``, every
+    read gives its gradient back partial on those axes, as stored on the others."""
     np_ = plan.get(param.name)
     if np_ is None or np_.storage == np_.out:
         return None
@@ -178,8 +184,9 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
         for inp, want in zip(flat_tensor_inputs(user), up.ins):
             if inp is param:
                 grad = given_grad(want, up, passes.get(user.name, ()))
-                if want != np_.out or any(not isinstance(grad[a], Partial) if a in axes else grad[a] != np_.storage[a]
-                                          for a in range(len(grad))):
+                if want != np_.out or trains and any(
+                        not isinstance(grad[a], Partial) if a in axes else grad[a] != np_.storage[a]
+                        for a in range(len(grad))):
                     return None
     return axes, dim
 
@@ -336,14 +343,15 @@ def _pick(start_stop: tuple[int, int], which: int) -> int:
 class GeneratedCode:
     """The forward's source and the per-rank sizes it reads (``sizes``), for ``ShardedModule``;
     ``direct``: the parameters the forward reads as their local shard, by FQN in the order it
-    reads them, with the placement their gradient accumulates in (``grad_sync`` finishes it);
+    reads them, with the placement their gradient accumulates in (``grad_sync`` finishes it; None
+    for a frozen one, which has no gradient);
     ``counts_loss``: its loss divides by the batch's target count, passed as ``loss_count``;
     ``loss_summed_over``: the mesh axes the loss it returns is this rank's summand over (outputs
     "loss": ``train_step`` sums it with the gradients, ``GradSync.carry``)."""
 
     source: str
     sizes: LocalSizes
-    direct: dict[str, Placements]
+    direct: dict[str, Placements | None]
     gathered: tuple[GatherSpec, ...] = ()
     counts_loss: bool = False
     loss_summed_over: tuple[int, ...] = ()
@@ -372,10 +380,9 @@ class _Emitter:
         self.pending: dict[str, list[tuple[str, str]]] = {}   # parameter var -> its read's lines, emitted at first use
         self.state_reads: dict[str, list[tuple[str, str]]] = {}   # every such read (a pipeline stage reads its own)
         self.stage_state: list[set[str]] = [set()]    # per pipeline stage so far, the parameters and buffers it reads
-        self.direct: dict[str, Placements] = {}       # parameter FQN read as its shard -> its gradient's placement
+        self.direct: dict[str, Placements | None] = {}   # parameter FQN read as its shard -> its gradient's placement (None: frozen)
         self.defined: set[str] = set()                 # variables assigned so far
-        params = {n for n in captured.graph.nodes if n.name in captured.param_of}
-        self.with_grad = {n.name for n, grad in needs_grad(captured.graph, params).items() if grad}
+        self.with_grad = {n.name for n, grad in needs_grad(captured.graph, captured.trained_params()).items() if grad}
         self.passes = partial_passes(captured.graph, self.plan, self.with_grad, set(captured.param_of))
         self.groups = gather_groups(captured, self.plan, self.passes, plan.mesh.shape, group_bytes, spans_job,
                                     node_stages(captured.graph, starts))
@@ -571,8 +578,10 @@ class _Emitter:
                 "first, the reduced gradients back)") if spec.offloaded else ""
         stage, reduced = ((1, "summed over the step's microbatches and reduce-scattered once, in one collective")
                           if spec.accumulated else (2 if spec.kept else 3, "reduce-scattered in one collective"))
+        grads = (f"their gradients are {reduced}" if not spec.frozen else "frozen: no gradients"
+                 if len(spec.frozen) == len(names) else f"their gradients ({len(spec.frozen)} frozen: none) are {reduced}")
         self.lines.append(f"    # ZeRO-{stage}, group {k}: {len(names)} parameter(s) stored split "
-                          f"over {axis}, all-gathered {when}; their gradients are {reduced}{host}")
+                          f"over {axis}, all-gathered {when}; {grads}{host}")
         self.stage_state[-1].update(self.captured.param_of[n] for n in names)
         rows = [", ".join(names[i:i + 3]) for i in range(0, len(names), 3)]
         self.lines.append("    (" + ",\n     ".join(rows) + ",) = gather_params(self, " + str(k) + ")")
@@ -580,13 +589,14 @@ class _Emitter:
 
     def placeholder(self, node: fx.Node, np_: NodePlan | None) -> None:
         c = self.captured
+        trains = node.name in c.param_of and c.trains(c.param_of[node.name])
         if node.name in self.group_of:   # gathered where first used
             self.out_of[node.name] = np_.out
-        elif node.name in c.param_of and (grad := direct_grad(node, np_, self.plan, self.passes)) is not None:
-            self.direct[c.param_of[node.name]] = grad
-            partial = [a for a, p in enumerate(grad) if isinstance(p, Partial)]
+        elif node.name in c.param_of and (grad := direct_grad(node, np_, self.plan, self.passes, trains)) is not None:
+            self.direct[c.param_of[node.name]] = grad if trains else None
+            partial = [a for a, p in enumerate(grad) if isinstance(p, Partial) and trains]
             why = (f"; its gradient, partial over {', '.join(self.axes[a] for a in partial)}, is all-reduced by "
-                   "gradient sync" if partial else "")
+                   "gradient sync" if partial else "" if trains else "; frozen: no gradient")
             self.read_where_used(node.name, [(f"{node.name} = shard_of({_attr_path(c.param_of[node.name])})",
                                               f"this rank's shard, stored {placements_str(np_.storage)}{why}")])
             self.out_of[node.name] = np_.out
@@ -598,11 +608,12 @@ class _Emitter:
                 read.append((f"{node.name} = on_device({node.name}, device)", "offloaded: its shard, gradient and "
                              "optimizer states live in host memory; the shard is copied here, the gradient goes back"))
             if np_.storage != np_.out:
-                narrow = reduce_dtype(self.reduce_precision, tensor_val(node).dtype) != tensor_val(node).dtype
+                narrow = trains and reduce_dtype(self.reduce_precision, tensor_val(node).dtype) != tensor_val(node).dtype
                 read.append((f"{node.name} = redistribute({node.name}, {_fmt_placements(np_.out)}"
                              + (f", reduce_in={self.reduce_precision!r})" if narrow else ")"),
                              f"ZeRO-3: {collective_comment(np_.storage, np_.out, self.axes)} to use the parameter; "
-                             "its gradient is reduce-scattered back" + (f" in {self.reduce_precision}" if narrow else "")))
+                             + ("its gradient is reduce-scattered back" if trains else "frozen: no gradient")
+                             + (f" in {self.reduce_precision}" if narrow else "")))
             self.read_where_used(node.name, read)
             self.params.add(node.name)
             self.out_of[node.name] = np_.out

@@ -106,7 +106,8 @@ class ShardedModule(nn.Module):
         them) stays one parameter, stored as planned for the name the graph uses. Those the
         forward reads as their shard (``code.direct``) are returned by FQN: ``GradSync`` gives them
         their gradients; those gathered in groups (``code.gathered``) get theirs from their group,
-        the others from a hook. ``keep``: the FQNs this rank holds (a pipeline stage's); the
+        the others from a hook. Frozen ones (``CapturedGraph.trains``) stay frozen: no gradient,
+        nothing to synchronise. ``keep``: the FQNs this rank holds (a pipeline stage's); the
         others are dropped from the module."""
         direct_grads = code.direct
         gathered = {f: g for g in code.gathered for f in g.fqns}
@@ -129,10 +130,11 @@ class ShardedModule(nn.Module):
                          else runtime.distribute(p.detach(), mesh, storage))
                 if node.offloaded:   # its gradient and optimizer states follow it to host memory
                     shard = runtime.to_host(shard)
-                sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
-                if fqn in direct_grads and p.requires_grad:
+                trains = captured.trains(fqn)
+                sharded[id(p)] = nn.Parameter(shard, requires_grad=trains)
+                if trains and fqn in direct_grads:
                     direct[fqn] = sharded[id(p)]
-                elif fqn not in gathered and not plain:   # plain: read directly, or not at all
+                elif trains and fqn not in gathered and not plain:   # plain: read directly, or not at all
                     runtime.sync_grad_to(sharded[id(p)], plan.reduce_precision)
             setattr(mod, leaf, sharded[id(p)])
         return direct

@@ -124,8 +124,7 @@ class PipelinedModule(ShardedModule):
         """Empty tensors shaped as this rank's part of the values ``names`` (the model's inputs,
         whole, for the first stage), requiring a gradient where the value has one."""
         nodes = {n.name: n for n in self._captured.graph.nodes}
-        params = {nodes[n] for n in self._captured.param_of}
-        grads = needs_grad(self._captured.graph, params)
+        grads = needs_grad(self._captured.graph, self._captured.trained_params())
         placed = {n.name: n.out for n in within.nodes}
         coords = self._stage_mesh.get_coordinate()
         out = []

@@ -332,7 +332,9 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], coords: S
 
 def sum_grad_over(p: torch.Tensor, group: Any) -> None:
     """Sum parameter ``p``'s gradient over the ranks of ``group`` that hold a copy of it (a
-    parameter two pipeline stages read: each has the gradient of its own uses)."""
+    parameter two pipeline stages read: each has the gradient of its own uses). A frozen one has none."""
+    if not p.requires_grad:
+        return
     local = shard_of(p)
     if p.grad is None:
         grad = torch.zeros_like(local)

@@ -65,6 +65,7 @@ class GatherSpec:
     kept: bool = False   # ZeRO-2: gathered once a step, the copy kept until the shards change
     offloaded: bool = False   # shards (their gradients, optimizer states) in host memory: copied to the device to gather
     accumulated: bool = False   # ZeRO-1: gradients summed whole over a step's microbatches, reduce-scattered in the last
+    frozen: frozenset[str] = frozenset()   # those that do not train: gathered with the others, no gradient back
 
 
 def stored_as(storage: Sequence[Placement], spec: GatherSpec, mesh_shape: Sequence[int]) -> list[Placement]:
@@ -104,6 +105,7 @@ class GatheredParams:
         self.groups = list(range(len(specs))) if groups is None else list(groups)
         self.specs = {k: specs[k] for k in self.groups}
         self.params = {k: [module.get_parameter(f) for f in specs[k].fqns] for k in self.groups}
+        self.trains = {k: [f not in specs[k].frozen for f in specs[k].fqns] for k in self.groups}
         self._next = dict(zip(self.groups, self.groups[1:]))
         self.grad_sync = grad_sync
         for group in self.params.values():
@@ -154,7 +156,8 @@ class GatheredParams:
 
 class _Gather(torch.autograd.Function):
     """Unpack a group's all-gathered shards into whole parameters; backward: pack their gradients
-    and launch one reduce-scatter, handed to gradient sync (the shards get no autograd gradient)."""
+    and launch one reduce-scatter, handed to gradient sync (the shards get no autograd gradient).
+    Frozen parameters (``GatherSpec.frozen``) come out without a gradient, and none goes back."""
 
     @staticmethod
     def forward(ctx: Any, owner: GatheredParams, k: int, gathered: torch.Tensor, *shards: torch.Tensor
@@ -170,14 +173,17 @@ class _Gather(torch.autograd.Function):
             whole[dim] *= n
             out.append(piece.movedim(0, dim).reshape(whole))
             offset += shard.numel()
+        ctx.mark_non_differentiable(*[t for t, trains in zip(out, owner.trains[k]) if not trains])
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         owner, k = ctx.owner, ctx.k
         n = owner._size(k)
+        trains = owner.trains[k]
+        grads = _trained(grads, trains)
         packed, like = [], next(g for g in grads if g is not None)
-        for g, shape, dim in zip(grads, ctx.shapes, owner.specs[k].dims):
+        for g, shape, dim in zip(grads, _trained(ctx.shapes, trains), _trained(owner.specs[k].dims, trains)):
             whole = list(shape)
             whole[dim] *= n
             if g is None:
@@ -193,8 +199,13 @@ class _Gather(torch.autograd.Function):
                 return (None, None, None) + (None,) * len(ctx.shapes)
         reduced = funcol.reduce_scatter_single(owner.grad_sync.wire(flat), "sum", 0,
                                                axes_group(owner.mesh, owner.specs[k].axes))
-        owner.grad_sync.later(owner.params[k], reduced, to_host=owner.specs[k].offloaded)
+        owner.grad_sync.later(_trained(owner.params[k], trains), reduced, to_host=owner.specs[k].offloaded)
         return (None, None, None) + (None,) * len(ctx.shapes)
+
+
+def _trained(items: Sequence[Any], trains: Sequence[bool]) -> list[Any]:
+    """The items of a group's parameters that train."""
+    return [x for x, t in zip(items, trains) if t]
 
 
 

@@ -36,10 +36,11 @@ NOTHING = Saved(frozenset(), False, 0.0)
 
 
 def gradients(space: StrategySpace) -> dict[fx.Node, bool]:
-    """``needs_grad`` of the space's graph: which nodes get a gradient when its parameters train."""
+    """``needs_grad`` of the space's graph: which nodes get a gradient from the parameters that
+    train (a frozen one's uses have none, as on one device)."""
     if not space.nodes:
         return {}
-    return needs_grad(space.nodes[0].node.graph, {nc.node for nc in space.nodes if nc.kind == "param"})
+    return needs_grad(space.nodes[0].node.graph, {nc.node for nc in space.nodes if nc.kind == "param" and nc.trains})
 
 
 class SavedTensors:

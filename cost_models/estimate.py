@@ -342,7 +342,7 @@ class CostModel:
         node = nc.node
         saved = self.saved(node) if self.saved is not None and nc.kind == "op" else NOTHING
         counted = self._counted.get(node, frozenset()) & saved.inputs
-        return (id(nc.strategies), nc.kind, node.target, _signature(tensor_val(node)),
+        return (id(nc.strategies), nc.kind, nc.trains, node.target, _signature(tensor_val(node)),
                 tuple(_signature(tensor_val(i)) for i in nc.inputs),
                 tuple(repr(a.meta.get("val")) for a in node.all_input_nodes if tensor_val(a) is None),
                 self.saved.grad.get(node, False) if self.saved is not None else None, saved, counted,
@@ -362,24 +362,30 @@ class CostModel:
         return self.offload and s.storage is not None and s.storage != s.out
 
     def _param(self, nc: NodeChoices, s: Strategy, val: torch.Tensor) -> Cost:
+        """A parameter's storage, gradient, optimizer states and update, and its gathers. A frozen
+        one (``NodeChoices.trains`` false) holds its shard alone: no gradient, no states, no update,
+        and nothing goes back to its storage (``edge``: no gradient flows into it)."""
         local = _bytes(val) * shard_fraction(s.storage, self.mesh.shape)
         whole = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         opt = self.optimizer
-        reductions = 1 if self._accumulates(s) else self.microbatches   # reduce-scatters of its gradient a step
+        # reduce-scatters of its gradient a step
+        reductions = 0 if not nc.trains else 1 if self._accumulates(s) else self.microbatches
         if self.offloads(s) and self.hw.host_bandwidth > 0:
             # the shard copied to the device for each gather (once a step if kept, again for a
             # recomputed block's backward), each reduced gradient back; the update on the host
             gathers = 1 if s.kept else self.microbatches * (2 if nc.node in self.block_of else 1)
             copies = (gathers + reductions) * (local / self.hw.host_bandwidth + self.hw.op_overhead_s)
             update = (opt.update_bytes * local / self.hw.host_memory_bandwidth + self.hw.op_overhead_s
-                      + self.param_overhead())
+                      + self.param_overhead()) if nc.trains else 0.0
             cost = Cost(compute_s=update, comm_s=copies, transient_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
-        else:
+        elif nc.trains:
             update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
             update += self.param_overhead()
             cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
                         transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
-        if self._accumulates(s):   # ZeRO-1: the microbatches' gradients summed whole on the device
+        else:
+            cost = Cost(state_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
+        if self._accumulates(s) and nc.trains:   # ZeRO-1: the microbatches' gradients summed whole on the device
             cost = replace(cost, grad_bytes=whole)
         if s.storage != s.out and s.kept:
             # ZeRO-1/2: gathered once a step (the first forward after the optimizer changed the
@@ -602,15 +608,16 @@ class CostModel:
                         inp: Placements, grad: Placements) -> float:
         """A ZeRO parameter's gather is priced (``_param``) as one in a group of them, paying its
         share of the group's latency; the generated code groups only those read as gathered whose
-        gradient is partial on the gathered axes (reduce-scattered back: data parallel) and
-        gathers the others alone (``codegen.generate.gather_groups``): such a read adds the rest
-        of the latency, shared among the parameter's readers (seconds, blocking)."""
+        gradient is partial on the gathered axes (reduce-scattered back: data parallel), or that
+        do not train (no gradient goes back), and gathers the others alone
+        (``codegen.generate.gather_groups``): such a read adds the rest of the latency, shared
+        among the parameter's readers (seconds, blocking)."""
         if storage in (None, out):
             return 0.0
         axes = [a for a, (st, o) in enumerate(zip(storage, out)) if st != o]
-        if (inp == out and self._grad_flows(src)
-                and all(isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad)))):
-            return 0.0
+        if inp == out and (not src.trains or (self._grad_flows(src) and all(
+                isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad))))):
+            return 0.0   # grouped (a frozen parameter's reads need no gradient placement)
         val = tensor_val(src.node)
         times = 2 if not kept and src.node in self.block_of else 1   # gathered again for a recomputed block's backward
         alone = self.redistribute(val.shape, val.dtype, storage, out, once=kept).comm_s
@@ -732,7 +739,7 @@ class CostModel:
         """What ``edge_grid`` reads of an edge's ends besides their strategies and the value's
         shape: edges with equal signatures share one grid (``schedule.PricedSpace``)."""
         flows = self._grad_flows(src)
-        return (src.kind, dst.kind, src.node.name in self.space.folded, dst.node in self.block_of, flows,
+        return (src.kind, src.trains, dst.kind, src.node.name in self.space.folded, dst.node in self.block_of, flows,
                 self._synced_dtype(src) if flows and self._queued(src) else None)
 
 

@@ -260,7 +260,8 @@ def parameter_saving(space: StrategySpace, chosen: Sequence[Strategy], saving: f
         if i in uses:
             d = chosen[j]
             uses[i].append((d.ins[k], grad_placement(d.ins[k], d.ins, d.out)))
-    plain = all(not u or read_as_stored(chosen[i].storage, chosen[i].out, u) is not None for i, u in uses.items())
+    plain = all(not u or read_as_stored(chosen[i].storage, chosen[i].out, u, space.nodes[i].trains) is not None
+                for i, u in uses.items())
     return saving if plain else 0.0
 
 

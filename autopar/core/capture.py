@@ -50,10 +50,20 @@ class CapturedGraph:
     fingerprint: str                  # identifies model structure + input shapes, for plan files
     precision: str = "fp32"           # policy the graph computes under (``autopar.core.precision``)
     warnings: list[str] = field(default_factory=list)
+    frozen: frozenset[str] = frozenset()   # FQNs of the parameters that do not train (``frozen_parameters``)
 
     @property
     def graph(self) -> fx.Graph:
         return self.program.graph_module.graph
+
+    def trains(self, fqn: str) -> bool:
+        """Does parameter ``fqn`` train? The one notion of trainable that planning and code
+        generation share: it was not frozen (``requires_grad``) when the model was captured."""
+        return fqn not in self.frozen
+
+    def trained_params(self) -> set[fx.Node]:
+        """The placeholders of the parameters that train: where gradients start (``needs_grad``)."""
+        return {n for n in self.graph.nodes if n.name in self.param_of and self.trains(self.param_of[n.name])}
 
 
 def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -215,6 +225,14 @@ def _refuse_higher_order_ops(program: ExportedProgram, model_name: str) -> None:
         advice = "; ".join(_HIGHER_ORDER_ADVICE.get(op, f"{op}: write the model without it") for op in found)
         raise CaptureError(f"{model_name} contains higher-order ops autopar cannot shard yet ({', '.join(found)}). "
                            f"What to do: {advice}.")
+
+
+def frozen_parameters(model: torch.nn.Module) -> frozenset[str]:
+    """The FQNs (every name of a tied one) of ``model``'s parameters with ``requires_grad=False``,
+    as users freeze them (a frozen embedding, a fine-tuned model's base weights under LoRA
+    adapters, Whisper's sinusoidal positions): they get no gradient, no gradient sync and no
+    optimizer state, as on one device."""
+    return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
 def fingerprint(program: ExportedProgram, model_name: str) -> str:
@@ -384,6 +402,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         fingerprint=fingerprint(program, name),
         precision=precision,
         warnings=notes,
+        frozen=frozen_parameters(model),
     )
 
 

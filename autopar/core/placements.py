@@ -88,14 +88,17 @@ def grad_placement(placements: Sequence[Placement], op_inputs: Sequence[Sequence
 
 
 def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
-                   uses: Iterable[tuple[Sequence[Placement], Sequence[Placement]]]) -> tuple[Placement, ...] | None:
+                   uses: Iterable[tuple[Sequence[Placement], Sequence[Placement]]],
+                   trains: bool = True) -> tuple[Placement, ...] | None:
     """Where a parameter's local gradient accumulates when the forward reads its shard as it is
     stored (no move, no autograd wrapper): ``uses`` gives, for each op reading it, the placement
     it reads and the gradient's it gives back. Every use reads it as stored (``out`` too) and gives
     one gradient placement, as stored or partial where stored replicated (gradient sync sums
-    those); None otherwise. The code generator reads such parameters directly
-    (``codegen.generate.direct_grad``); the cost model prices a plan whose parameters are all
-    replicated and read so as plain tensors (``cost_models.schedule.parameter_saving``)."""
+    those); None otherwise. A parameter that does not train (``trains`` false) has no gradient:
+    every use reading it as stored is enough, and its storage is returned. The code generator
+    reads such parameters directly (``codegen.generate.direct_grad``); the cost model prices a
+    plan whose parameters are all replicated and read so as plain tensors
+    (``cost_models.schedule.parameter_saving``)."""
     storage = tuple(storage)
     if tuple(out) != storage:
         return None
@@ -104,6 +107,8 @@ def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
         if tuple(want) != storage:
             return None
         grads.add(tuple(grad))
+    if not trains:
+        return storage
     if len(grads) != 1:
         return None
     grad = grads.pop()

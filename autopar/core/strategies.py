@@ -81,6 +81,7 @@ class NodeChoices:
     # "alias" nodes pick one output of a multi-output op (getitem of split): not a decision of
     # their own, their i-th strategy is the source's i-th.
     source: fx.Node | None = None
+    trains: bool = True                  # a parameter: it trains (``CapturedGraph.trains``), else it has no gradient
 
 
 @dataclass
@@ -228,7 +229,8 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
             shape = tuple(val.shape)
             if node.name in captured.param_of:
                 strategies = param_strategies(shape, mesh) if with_strategies else []
-                nodes.append(NodeChoices(node, "param", [], strategies, captured.param_of[node.name]))
+                fqn = captured.param_of[node.name]
+                nodes.append(NodeChoices(node, "param", [], strategies, fqn, trains=captured.trains(fqn)))
             elif node.name in captured.user_inputs:
                 nodes.append(NodeChoices(node, "input", [], input_strategies(shape, mesh) if with_strategies else []))
             else:

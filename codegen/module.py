@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
@@ -36,6 +37,7 @@ GENERATED_GLOBALS = {
     "full": runtime.full, "kept_sharded": runtime.kept_sharded, "gather_params": gather_params,
     "dropout_mask": runtime.dropout_mask, "recompute": recompute,
     "once": runtime.once, "attention_mask": runtime.attention_mask, "attention": runtime.attention,
+    **batch_norm.generated_globals(),
 }
 
 

@@ -43,7 +43,7 @@ GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
     "redistribute", "move", "param_shard", "shard_of", "on_device", "expect", "uneven_reshape", "sharded_cross_entropy",
     "sharded_embedding", "full", "kept_sharded", "gather_params", "dropout_mask", "recompute", "loss_count",
-    "once", "attention_mask", "attention", "constants",
+    "once", "attention_mask", "attention", "constants", "sync_batch_norm", "write_back",
 })
 
 #: Ops whose second argument is a shape, their output's: generated code passes this rank's local
@@ -57,6 +57,28 @@ def draws_whole_mask(node: fx.Node, out: Placements) -> bool:
     rank keeps its part of the mask one device would draw. The cost model prices the whole draw."""
     return (node.target is aten.dropout.default and bool(node.args[2]) and node.args[1] > 0
             and any(isinstance(p, Shard) for p in out))
+
+
+def batch_statistics(node: fx.Node) -> bool:
+    """Does ``node`` normalise by its input's batch statistics (a batch_norm in training mode)?"""
+    return node.target is aten.batch_norm.default and bool(node.args[5] if len(node.args) > 5 else node.kwargs["training"])
+
+
+def statistics_axes(node: fx.Node, ins: tuple[Placements, ...]) -> tuple[int, ...]:
+    """The mesh axes over which a training batch_norm whose inputs are placed ``ins`` gathers the
+    statistics of the other ranks' parts (``codegen.batch_norm``): those splitting its input on a
+    dim other than the channels (dim 1). Empty for any other op, and in eval mode."""
+    if not batch_statistics(node):
+        return ()
+    return tuple(a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and p.dim != 1)
+
+
+def running_statistics(node: fx.Node) -> list[fx.Node]:
+    """The buffers a training batch_norm updates in place (its running mean and variance); its
+    schema does not say it writes them, so ``writes_in_place`` does not see these writes."""
+    if not batch_statistics(node):
+        return []
+    return [a for a in node.args[3:5] if isinstance(a, fx.Node)]
 
 
 def writes_in_place(node: fx.Node) -> bool:

@@ -20,6 +20,7 @@ from autopar.core.microbatch import batch_size, split
 from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
+from codegen.modes import as_named
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params, stored_as
@@ -67,7 +68,6 @@ class ShardedModule(nn.Module):
         self._forwards = ForwardPerShape(model, captured, self._make_forward, self._outputs)
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
-        self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
@@ -85,11 +85,14 @@ class ShardedModule(nn.Module):
         """How ``forward`` returns outputs: as the plan says (``gather_outputs``)."""
         return "full" if self.plan.gather_outputs else "sharded"
 
-    def _make_forward(self, captured: CapturedGraph, outputs: OutputMode) -> Forward:
-        generated = generate(captured, self.plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
+    def _make_forward(self, captured: CapturedGraph, outputs: OutputMode, names: dict | None = None) -> Forward:
+        """The forward of ``captured`` (``names``: captured in the other training mode, each node's
+        counterpart in the planned graph, ``codegen.modes``)."""
+        plan = self.plan if names is None else as_named(self.plan, captured, names)
+        generated = generate(captured, plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
                              spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
         return Forward(generated, compile_source(generated.source)["forward"], generated.sizes.values(self.mesh),
-                       loss_weighting(captured))
+                       loss_weighting(captured), captured.out_spec)
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
@@ -161,7 +164,7 @@ class ShardedModule(nn.Module):
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
         forward, flat = self._forward_of(args, kwargs, self._outputs)
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
-        return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), self._out_spec)
+        return pytree.tree_unflatten(list(self._run(forward, flat, counts[0] if counts else None)), forward.out_spec)
 
     def _run(self, forward: Forward, flat: list[Any], loss_count: float | torch.Tensor | None) -> tuple:
         """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
@@ -205,7 +208,7 @@ class ShardedModule(nn.Module):
         """The generated forward for these inputs' shapes returning ``outputs`` so, and the inputs
         flattened."""
         flat = self._flat(args, kwargs)
-        return self._forwards.get(flat, args, kwargs, outputs), flat
+        return self._forwards.get(flat, args, kwargs, outputs, self.training), flat
 
     def _flat(self, args: tuple, kwargs: dict) -> list[Any]:
         """The inputs flattened, refused if structured unlike the example inputs."""

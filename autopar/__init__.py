@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "ComputeIn", "AutoparError", "CaptureError",
-           "HardwareError", "InfeasibleError", "InputMismatchError", "LossWeightError", "MeshError", "PlanFileError"]
+__all__ = ["compile", "plan", "full_state_dict", "PlanOptions", "MeshSpec", "Plan", "ComputeIn", "AutoparError", "BufferWriteError",
+           "CaptureError", "HardwareError", "InfeasibleError", "InputMismatchError", "LossWeightError", "MeshError", "PlanFileError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import MeshError, PlanFileError
 from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
@@ -96,6 +97,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         elif captured is None:
             captured = whole()
         together("checking the plan", lambda: plan.check_matches(captured.fingerprint, spec, captured.precision))
+        refuse_split_steps(captured.model_name, whole_batch_state(captured), _in_parts(plan),
+                           "Plan it again with microbatches=1 and pipeline=False.")
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:
@@ -133,6 +136,13 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
                         if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(message, src=0)
     return together("reading the shared plan", lambda: Plan.from_json(message[0]))   # compile checks it
+
+
+def _in_parts(plan: Plan) -> str | None:
+    """How ``plan`` runs a step's forward on parts of the batch, if it does."""
+    if plan.pipeline is not None:
+        return f"this plan pipelines it in {plan.pipeline.num_microbatches} microbatches"
+    return f"this plan runs it in {plan.microbatches} microbatches" if plan.microbatches > 1 else None
 
 
 def _formed_as_planned(mesh: DeviceMesh, spec: MeshSpec, plan: Plan) -> DeviceMesh:

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
+from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
 from autopar.core.loss_weights import loss_weighting
@@ -69,6 +70,7 @@ class ShardedModule(nn.Module):
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
         self._device = torch.device(mesh.device_type)
+        self._whole_batch = whole_batch_state(captured)   # what a step in parts of the batch would not keep
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
     def _adopt(self, model: nn.Module) -> None:
@@ -185,6 +187,11 @@ class ShardedModule(nn.Module):
         backward. The other outputs are not gathered (whatever ``gather_outputs``): nothing reads
         them (``OutputMode`` "loss")."""
         parts = split(args, kwargs, self.plan.microbatch_size)
+        if len(parts) > 1:
+            refuse_split_steps(self.plan.model_name, self._whole_batch, f"a batch of {batch_size(args, kwargs)} rows "
+                               f"runs as {len(parts)} microbatches of the planned {self.plan.microbatch_size}",
+                               f"Pass batches of at most {self.plan.microbatch_size} rows, or compile the model for "
+                               "this batch size.")
         forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
         weighting = forwards[0][0].loss
         if weighting.index is None:

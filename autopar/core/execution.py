@@ -91,13 +91,29 @@ def written_aliases(graph: fx.Graph) -> set[fx.Node]:
     base's views, the in-place ops' own outputs). A write reaches the other aliases only where
     they are one local tensor, so the planner keeps them replicated; generated code also forgets
     the moved copies of them it made before a write."""
-    def base(node: fx.Node) -> fx.Node:
-        while node.op == "call_function" and (node.target in VIEW_OPS or writes_in_place(node)) and node.args:
-            node = node.args[0]
-        return node
+    written = {storage_base(n.args[0]) for n in graph.nodes if n.op == "call_function" and writes_in_place(n)}
+    return {n for n in graph.nodes if storage_base(n) in written}
 
-    written = {base(n.args[0]) for n in graph.nodes if n.op == "call_function" and writes_in_place(n)}
-    return {n for n in graph.nodes if base(n) in written}
+
+def storage_base(node: fx.Node) -> fx.Node:
+    """The value whose storage ``node`` is (through views and in-place ops' outputs)."""
+    while node.op == "call_function" and (node.target in VIEW_OPS or writes_in_place(node)) and node.args:
+        node = node.args[0]
+    return node
+
+
+def written_buffers(graph: fx.Graph, buffer_of: dict[str, str]) -> dict[str, str]:
+    """The buffers the forward writes in place (FQN -> the op that writes it first): by an op
+    whose schema says so (a counter's ``add_``), or a training batch norm's running statistics."""
+    out: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        targets = running_statistics(node) or ([storage_base(node.args[0])] if writes_in_place(node) else [])
+        for target in targets:
+            if target.name in buffer_of:
+                out.setdefault(buffer_of[target.name], str(node.target))
+    return out
 
 
 #: Bytes of gradients the runtime reduces in one collective (DDP's default bucket), and of ZeRO-3

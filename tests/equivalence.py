@@ -170,11 +170,11 @@ def gloo_runner(mesh_shape, name, batches, plan_options):
     return losses, state, results[0][2]
 
 
-def tight_budget(name, batch, seq, mesh_shape) -> float:
+def tight_budget(name, batch, seq, mesh_shape, batches: list | None = None) -> float:
     """Halfway between the least memory any plan needs on this mesh and what full replication
     needs (the planner's own estimates): replicating everything does not fit, so the planner
-    must shard (TP and/or ZeRO-3)."""
-    args, kwargs = make_batches(name, batch, seq, steps=1)[0]
+    must shard (TP and/or ZeRO-3). ``batches``: a model outside the zoo's (its first is planned)."""
+    args, kwargs = (batches or make_batches(name, batch, seq, steps=1))[0]
     replicated = autopar.plan(build(name), MeshSpec((1,)), args, kwargs).predicted.peak_memory_bytes
     with pytest.raises(InfeasibleError) as info:
         autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, memory_budget=1.0)

@@ -70,7 +70,6 @@ class ShardedModule(nn.Module):
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
         self._device = torch.device(mesh.device_type)
-        self._whole_batch = whole_batch_state(captured)   # what a step in parts of the batch would not keep
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
     def _adopt(self, model: nn.Module) -> None:
@@ -94,7 +93,7 @@ class ShardedModule(nn.Module):
         generated = generate(captured, plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
                              spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
         return Forward(generated, compile_source(generated.source)["forward"], generated.sizes.values(self.mesh),
-                       loss_weighting(captured), captured.out_spec)
+                       loss_weighting(captured), captured.out_spec, whole_batch_state(captured))
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
@@ -187,12 +186,13 @@ class ShardedModule(nn.Module):
         backward. The other outputs are not gathered (whatever ``gather_outputs``): nothing reads
         them (``OutputMode`` "loss")."""
         parts = split(args, kwargs, self.plan.microbatch_size)
+        forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
         if len(parts) > 1:
-            refuse_split_steps(self.plan.model_name, self._whole_batch, f"a batch of {batch_size(args, kwargs)} rows "
-                               f"runs as {len(parts)} microbatches of the planned {self.plan.microbatch_size}",
+            refuse_split_steps(self.plan.model_name, forwards[0][0].whole_batch,
+                               f"a batch of {batch_size(args, kwargs)} rows runs as {len(parts)} microbatches of "
+                               f"the planned {self.plan.microbatch_size}",
                                f"Pass batches of at most {self.plan.microbatch_size} rows, or compile the model for "
                                "this batch size.")
-        forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
         weighting = forwards[0][0].loss
         if weighting.index is None:
             raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")

@@ -42,6 +42,7 @@ class Forward:
     sizes: Any
     loss: LossWeighting
     out_spec: pytree.TreeSpec         # how its flat outputs nest (the model's outputs in its mode)
+    whole_batch: list[str]            # why its step must not run in parts of the batch (``autopar.core.buffers``)
 
 
 def signature(values: Sequence[Any]) -> tuple:
@@ -85,7 +86,7 @@ class ForwardPerShape:
             captured, names = self._captured[key]
             forward = self._make(captured, outputs, names)
             if forward.code.direct != self.first.code.direct or forward.code.gathered != self.first.code.gathered:
-                mode = "" if training == self._training else f" (or the module in {'training' if training else 'eval'} mode)"
+                mode = "" if training == self._training else f" (or the module in {('eval', 'train')[training]} mode)"
                 raise InputMismatchError(f"inputs of a new shape{mode} change how the plan reads its parameters; "
                                          "compile again")
             self._forwards[key, outputs] = forward

@@ -25,7 +25,8 @@ def whole_batch_state(captured: CapturedGraph) -> list[str]:
         reasons.append(f"its batch norms ({_some(norms)}) normalise by the batch's statistics")
     written = written_buffers(captured.graph, captured.buffer_of)
     if written:
-        reasons.append(f"its forward writes buffers in place ({_some([f'{fqn} by {op}' for fqn, op in written.items()])})")
+        writes = [f"{fqn} by {op}" for fqn, op in written.items()]
+        reasons.append(f"its forward writes buffers in place ({_some(writes)})")
     return reasons
 
 

@@ -61,7 +61,9 @@ def draws_whole_mask(node: fx.Node, out: Placements) -> bool:
 
 def batch_statistics(node: fx.Node) -> bool:
     """Does ``node`` normalise by its input's batch statistics (a batch_norm in training mode)?"""
-    return node.target is aten.batch_norm.default and bool(node.args[5] if len(node.args) > 5 else node.kwargs["training"])
+    if node.target is not aten.batch_norm.default:
+        return False
+    return bool(node.args[5] if len(node.args) > 5 else node.kwargs["training"])
 
 
 def statistics_axes(node: fx.Node, ins: tuple[Placements, ...]) -> tuple[int, ...]:

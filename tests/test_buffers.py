@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 import autopar
 from autopar import BufferWriteError, MeshSpec
@@ -62,7 +62,8 @@ def hf_resnet() -> nn.Module:
     """Hugging Face's ResNet for image classification, four stages, defaults otherwise (small widths)."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    return ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1]))
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1])
+    return ResNetForImageClassification(config)
 
 
 def _images(batch: int = 4, side: int = 16, as_kwargs: bool = False, steps: int = 3) -> list[tuple[tuple, dict]]:
@@ -82,14 +83,15 @@ def _eval_outputs(model: nn.Module, batch: tuple[tuple, dict]) -> list[torch.Ten
     return [out.logits] if hasattr(out, "logits") else [out]
 
 
-def _runner_with_eval(batch: tuple[tuple, dict], outputs: list):
+def _runner_with_eval(batch: tuple[tuple, dict], outputs: list, compiled_in_eval: bool = False):
     """``local_runner`` that, after training, also runs the module in eval mode on ``batch`` and
-    appends each rank's outputs to ``outputs``."""
+    appends each rank's outputs to ``outputs``; ``compiled_in_eval``: the model is compiled in
+    eval mode and trained after ``train()``."""
     def runner(mesh_shape, name, batches, plan_options):
-        model = build(name)
+        model = build(name).train(not compiled_in_eval)
 
         def body(mesh):
-            pmodel = autopar.compile(model, mesh, *batches[0], **plan_options)
+            pmodel = autopar.compile(model, mesh, *batches[0], **plan_options).train()
             losses = train_steps(pmodel, batches)
             state = {k: [t.clone() for t in per_rank(v)] for k, v in autopar.full_state_dict(pmodel).items()}
             outputs.extend([per_rank(t) for t in _eval_outputs(pmodel, batch)])
@@ -98,13 +100,15 @@ def _runner_with_eval(batch: tuple[tuple, dict], outputs: list):
     return runner
 
 
-def _check(name, batches: list, mesh_shape: tuple[int, ...], plan_options: dict) -> autopar.Plan:
+def _check(name, batches: list, mesh_shape: tuple[int, ...], plan_options: dict,
+           compiled_in_eval: bool = False) -> autopar.Plan:
     """Losses, parameters and buffers after training equal one device's (``check_training``), and
     so do the outputs in eval mode afterwards, on a batch of new values."""
     probe = tuple(a + 0.5 if a.is_floating_point() else a for a in batches[0][0]), {
         k: v + 0.5 if v.is_floating_point() else v for k, v in batches[0][1].items()}
     got: list = []
-    plan = check_training(name, 0, 0, mesh_shape, _runner_with_eval(probe, got), plan_options, batches=batches)
+    plan = check_training(name, 0, 0, mesh_shape, _runner_with_eval(probe, got, compiled_in_eval), plan_options,
+                          batches=batches)
     reference = build(name)
     reference.load_state_dict(train_reference(name, batches)[1])
     for want, ranks in zip(_eval_outputs(reference, probe), got, strict=True):
@@ -129,11 +133,23 @@ def test_hf_resnet_keeps_running_statistics(tight):
         assert any("batch" in s for s in _strategies(plan, BATCH_NORM)), plan.report()
 
 
-@pytest.mark.parametrize("tight", [False, True], ids=["free", "tight"])
-def test_small_cnn_keeps_running_statistics(tight):
-    batches = _images(batch=5, side=8)   # 5 rows: uneven over 2x2
-    options = {"memory_budget": tight_budget(SmallCNN, 0, 0, (2, 2), batches)} if tight else {}
-    _check(SmallCNN, batches, (2, 2), options)
+@pytest.mark.parametrize("mesh_shape, tight", [((2, 2), False), ((2, 2), True), ((3,), True)],
+                         ids=["2x2-free", "2x2-tight", "3-tight"])
+def test_small_cnn_keeps_running_statistics(mesh_shape, tight):
+    batches = _images(batch=5, side=8)   # 5 rows: uneven over 2x2 and 3
+    options = {"memory_budget": tight_budget(SmallCNN, 0, 0, mesh_shape, batches)} if tight else {}
+    plan = _check(SmallCNN, batches, mesh_shape, options)
+    if tight:
+        assert any("batch" in s for s in _strategies(plan, BATCH_NORM)), plan.report()
+
+
+def test_compiled_in_eval_mode_trains_in_training_mode():
+    """The plan of the eval capture (batch norms split by batch, no batch counter) runs the training
+    capture by counterpart: statistics gathered, counters counted."""
+    batches = _images(batch=5, side=8)
+    options = {"memory_budget": tight_budget(SmallCNN, 0, 0, (2, 2), batches)}
+    plan = _check(SmallCNN, batches, (2, 2), options, compiled_in_eval=True)
+    assert any("batch" in s for s in _strategies(plan, BATCH_NORM)), plan.report()
 
 
 def _forced(model_fn, batch, mesh_shape, names: tuple[str, ...]) -> autopar.Plan:
@@ -172,6 +188,8 @@ def test_steps_in_parts_of_the_batch_are_refused():
     model, batch = build(SmallCNN), _images(batch=4, side=4, steps=1)[0]
     with pytest.raises(BufferWriteError, match=r"stem\.1.*microbatches=2"):
         autopar.plan(model, MeshSpec((2,)), *batch, microbatches=2)
+    with pytest.raises(BufferWriteError, match="a pipeline runs it in microbatches"):
+        autopar.plan(model, MeshSpec((2, 2)), *batch, pipeline={"axis": 0})
     plan = autopar.plan(model, MeshSpec((2,)), *batch)
     assert plan.microbatches == 1
 

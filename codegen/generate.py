@@ -511,7 +511,7 @@ class _Emitter:
             names = ", ".join(self.axes[a] for a in over)
             self.emit(f"{node.name} = sync_batch_norm{text[text.index('('):-1]}, mesh=mesh, over={over})",
                       f"{comment}; the whole batch's statistics: every rank's per-channel count, mean and squares "
-                      f"all-gathered over {names} (SyncBatchNorm), their gradients reduce-scattered in the backward")
+                      f"all-gathered over {names} (SyncBatchNorm); the backward all-reduces two per-channel sums there")
         else:
             self.emit(f"{node.name} = {text}", comment)
         inputs = flat_tensor_inputs(node)

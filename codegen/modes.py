@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, readable_name, tensor_val
+from autopar.core.execution import written_aliases
 from autopar.core.plan import NodePlan, Plan
 
 
@@ -51,20 +52,27 @@ def counterparts(planned: fx.Graph, other: fx.Graph) -> dict[str, str | None]:
 
 def as_named(plan: Plan, captured: CapturedGraph, names: dict[str, str | None]) -> Plan:
     """``plan`` for ``captured``: each node's counterpart's placement under the node's own name
-    (``names``: from ``counterparts``), a node without one replicated."""
+    (``names``: from ``counterparts``), a node without one replicated, and so is one this mode
+    writes in place, or an alias of it, that the plan splits (``execution.written_aliases``)."""
     planned = {n.name: n for n in plan.nodes}
+    written = {n.name for n in written_aliases(captured.graph)}
     nodes = []
     for node in captured.graph.nodes:
         counterpart = names.get(node.name, node.name)
-        if counterpart in planned:
+        split_write = node.op == "call_function" and node.name in written and not _replicated(planned.get(counterpart))
+        if counterpart in planned and not split_write:
             nodes.append(replace(planned[counterpart], name=node.name))
         elif node.op == "call_function" and tensor_val(node) is not None:
-            nodes.append(_replicated(node, plan.mesh.ndim))
+            nodes.append(_replicate(node, plan.mesh.ndim))
     return replace(plan, nodes=nodes)
 
 
-def _replicated(node: fx.Node, ndim: int) -> NodePlan:
-    """A replicated placement for an op the plan has no counterpart of."""
+def _replicated(np_: NodePlan | None) -> bool:
+    return np_ is not None and all(isinstance(p, Replicate) for ps in (np_.out, *np_.ins) for p in ps)
+
+
+def _replicate(node: fx.Node, ndim: int) -> NodePlan:
+    """A replicated placement for an op the plan has no counterpart of (or must not split here)."""
     whole = (Replicate(),) * ndim
-    return NodePlan(node.name, str(node.target), readable_name(node), "replicate (this mode alone runs it)",
+    return NodePlan(node.name, str(node.target), readable_name(node), "replicate (not planned in this mode)",
                     whole, tuple(whole for _ in flat_tensor_inputs(node)), None, None, 0.0, 0.0, 0.0)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
 import autopar
-from autopar import BufferWriteError, MeshSpec
+from autopar import BufferWriteError, InputMismatchError, MeshSpec
 from autopar.core.capture import capture
 from autopar.core.execution import batch_statistics
 from autopar.core.strategies import build_space
@@ -56,6 +56,20 @@ class RunningAverage(nn.Module):
         self.average.mul_(0.9).add_(h.detach().mean((0, 1)), alpha=0.1)
         self.calls += 1
         return (self.down(h) - x).pow(2).mean()
+
+
+class TrainingOnlyWrite(nn.Module):
+    """Writes through a view of an activation in training mode only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 6)
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.training:
+            h.view(-1)[::2].add_(1.0)
+        return (self.down(torch.relu(h)) - x).pow(2).mean()
 
 
 def hf_resnet() -> nn.Module:
@@ -150,6 +164,16 @@ def test_compiled_in_eval_mode_trains_in_training_mode():
     options = {"memory_budget": tight_budget(SmallCNN, 0, 0, (2, 2), batches)}
     plan = _check(SmallCNN, batches, (2, 2), options, compiled_in_eval=True)
     assert any("batch" in s for s in _strategies(plan, BATCH_NORM)), plan.report()
+
+
+def test_a_write_the_planned_mode_lacks_on_a_split_value_is_refused():
+    """Compiled in eval mode with the activation split by batch, the training forward's write
+    through a view of it cannot keep that split: refused by name, not run wrong."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [((torch.randn(8, 5, 6, generator=gen),), {}) for _ in range(3)]
+    budget = tight_budget(TrainingOnlyWrite, 0, 0, (2, 2), batches)
+    with pytest.raises(InputMismatchError, match="in train mode"):
+        _check(TrainingOnlyWrite, batches, (2, 2), {"memory_budget": budget}, compiled_in_eval=True)
 
 
 def _forced(model_fn, batch, mesh_shape, names: tuple[str, ...]) -> autopar.Plan:

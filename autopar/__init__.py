@@ -26,7 +26,7 @@ from typing import Any as _Any
 
 __version__ = "0.1.0"
 __all__ = ["compile", "plan", "full_state_dict", "save", "load", "PlanOptions", "MeshSpec", "Plan", "ComputeIn",
-           "AutoparError", "CaptureError", "CheckpointError", "HardwareError", "InfeasibleError", "InputMismatchError",
+           "AutoparError", "BufferWriteError", "CaptureError", "CheckpointError", "HardwareError", "InfeasibleError", "InputMismatchError",
            "LossWeightError", "MeshError", "PlanFileError"]
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import MeshError, PlanFileError
 from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
@@ -93,6 +94,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         if plan.pipeline is not None and one_process():
             raise MeshError("a pipeline plan runs one process per rank (torchrun, gloo or NCCL); this mesh "
                             "simulates its ranks in one process")
+        refuse_split_steps(captured.model_name, whole_batch_state(captured), _in_parts(plan),
+                           "Plan it again with microbatches=1 and pipeline=False.")
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:
@@ -144,6 +147,13 @@ def _captured_as_planned(plan: Plan, captured: CapturedGraph | None, whole: Call
         raise PlanFileError(f"this plan was made for another model or input shapes ({plan.model_name}): it runs "
                             f"batches of {plan.batch_size} rows, the example has {rows}; re-plan with autopar.plan()")
     return recapture(plan.microbatches)
+
+
+def _in_parts(plan: Plan) -> str | None:
+    """How ``plan`` runs a step's forward on parts of the batch, if it does."""
+    if plan.pipeline is not None:
+        return f"this plan pipelines it in {plan.pipeline.num_microbatches} microbatches"
+    return f"this plan runs it in {plan.microbatches} microbatches" if plan.microbatches > 1 else None
 
 
 def _formed_as_planned(mesh: DeviceMesh, spec: MeshSpec, plan: Plan) -> DeviceMesh:

@@ -22,7 +22,7 @@ from torch.export.graph_signature import OutputKind
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val, value_bytes
 from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
-                                    writes_in_place, written_aliases)
+                                    running_statistics, statistics_axes, writes_in_place, written_aliases)
 from autopar.core.blocks import recomputed_regions
 from autopar.core.loss_weights import loss_weighting, reaches_output_alone
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
@@ -506,6 +506,30 @@ class _Emitter:
             self.placed[key] = var
         return self.placed[key]
 
+    def batch_norm(self, node: fx.Node, np_: NodePlan, rename: dict[str, str], comment: str) -> None:
+        """A batch norm. Training on a split batch, it normalises by the whole batch's statistics
+        (``codegen.batch_norm``). Running statistics it reads split (a copy of its channels' part,
+        which it updates in place) are all-gathered back into the replicated buffer: a view of the
+        buffer would do without, but the op saves them for its backward, which a later write to
+        the buffer would invalidate."""
+        text = self._call_text(node, rename)
+        over = statistics_axes(node, np_.ins)
+        if over:
+            names = ", ".join(self.axes[a] for a in over)
+            self.emit(f"{node.name} = sync_batch_norm{text[text.index('('):-1]}, mesh=mesh, over={over})",
+                      f"{comment}; the whole batch's statistics: every rank's per-channel count, mean and squares "
+                      f"all-gathered over {names} (SyncBatchNorm); the backward all-reduces two per-channel sums there")
+        else:
+            self.emit(f"{node.name} = {text}", comment)
+        inputs = flat_tensor_inputs(node)
+        for buffer in running_statistics(node):
+            want = np_.ins[inputs.index(buffer)]
+            split = [self.axes[a] for a, p in enumerate(want) if isinstance(p, Shard)]
+            if split:
+                self.emit(f"write_back({buffer.name}, {rename.get(buffer.name, buffer.name)}, mesh, "
+                          f"{_fmt_placements(want)})", f"this rank's channels of the running statistic, updated in "
+                          f"place, all-gathered over {', '.join(split)} into the whole buffer")
+
     def as_stored(self, name: str, want: Placements, grad: Placements) -> bool:
         """Is this read of a ZeRO-3 parameter (gathered one by one) its shard as stored, with its
         gradient given back as stored? Then it reads the shard, not the gathered copy: through the
@@ -682,6 +706,8 @@ class _Emitter:
             self.emit(f"{node.name} = attention{text[text.index('('):]}",
                       comment + "; its mask, made once, may be causal or let everything through: then SDPA runs "
                       "is_causal or unmasked, as eager Hugging Face calls it")
+        elif inputs and node.target is aten.batch_norm.default:
+            self.batch_norm(node, np_, rename, comment)
         elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
             rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
             self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)

@@ -11,7 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
+from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
 from autopar.core.loss_weights import loss_weighting
@@ -19,6 +21,7 @@ from autopar.core.microbatch import batch_size, split
 from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
+from codegen.modes import as_named
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params, stored_as
@@ -36,6 +39,7 @@ GENERATED_GLOBALS = {
     "full": runtime.full, "kept_sharded": runtime.kept_sharded, "gather_params": gather_params,
     "dropout_mask": runtime.dropout_mask, "recompute": recompute,
     "once": runtime.once, "attention_mask": runtime.attention_mask, "attention": runtime.attention,
+    **batch_norm.generated_globals(),
 }
 
 
@@ -65,7 +69,6 @@ class ShardedModule(nn.Module):
         self._forwards = ForwardPerShape(model, captured, self._make_forward, self._outputs)
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
-        self._out_spec = captured.out_spec
         self._device = torch.device(mesh.device_type)
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
@@ -83,11 +86,14 @@ class ShardedModule(nn.Module):
         """How ``forward`` returns outputs: as the plan says (``gather_outputs``)."""
         return "full" if self.plan.gather_outputs else "sharded"
 
-    def _make_forward(self, captured: CapturedGraph, outputs: OutputMode) -> Forward:
-        generated = generate(captured, self.plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
+    def _make_forward(self, captured: CapturedGraph, outputs: OutputMode, names: dict | None = None) -> Forward:
+        """The forward of ``captured`` (``names``: captured in the other training mode, each node's
+        counterpart in the planned graph, ``codegen.modes``)."""
+        plan = self.plan if names is None else as_named(self.plan, captured, names)
+        generated = generate(captured, plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
                              spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
         return Forward(generated, compile_source(generated.source)["forward"], generated.sizes.values(self.mesh),
-                       loss_weighting(captured))
+                       loss_weighting(captured), captured.out_spec, whole_batch_state(captured))
 
     def _shard_state(self, plan: Plan, captured: CapturedGraph, mesh: DeviceMesh, code: GeneratedCode,
                      bucket_bytes: int) -> None:
@@ -163,7 +169,7 @@ class ShardedModule(nn.Module):
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
         runtime.wait_handed_over()
         outputs = runtime.handed_over(self._run(forward, flat, counts[0] if counts else None))
-        return pytree.tree_unflatten(list(outputs), self._out_spec)
+        return pytree.tree_unflatten(list(outputs), forward.out_spec)
 
     def _run(self, forward: Forward, flat: list[Any], loss_count: float | torch.Tensor | None) -> tuple:
         """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
@@ -186,6 +192,12 @@ class ShardedModule(nn.Module):
         runtime.wait_handed_over()
         parts = split(args, kwargs, self.plan.microbatch_size)
         forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
+        if len(parts) > 1:
+            refuse_split_steps(self.plan.model_name, forwards[0][0].whole_batch,
+                               f"a batch of {batch_size(args, kwargs)} rows runs as {len(parts)} microbatches of "
+                               f"the planned {self.plan.microbatch_size}",
+                               f"Pass batches of at most {self.plan.microbatch_size} rows, or compile the model for "
+                               "this batch size.")
         weighting = forwards[0][0].loss
         if weighting.index is None:
             raise LossWeightError(f"train_step needs the loss: {weighting.how}; call the module and backward yourself")
@@ -208,7 +220,7 @@ class ShardedModule(nn.Module):
         """The generated forward for these inputs' shapes returning ``outputs`` so, and the inputs
         flattened."""
         flat = self._flat(args, kwargs)
-        return self._forwards.get(flat, args, kwargs, outputs), flat
+        return self._forwards.get(flat, args, kwargs, outputs, self.training), flat
 
     def _flat(self, args: tuple, kwargs: dict) -> list[Any]:
         """The inputs flattened, refused if structured unlike the example inputs."""

@@ -8,7 +8,9 @@ generates code for it with the plan's placements, which hold at any size (an une
 exact; a rank may hold an empty part; a flattened value sliced beside the flattened rows of an
 uneven split is cut in whole rows too, ``codegen.generate.row_units``). The forward is cached by the inputs' shapes, and by
 whether it gathers its outputs whole: ``train_step`` reads only the loss, so its forward leaves the
-other outputs (the logits) as they lie, where ``forward`` gathers them if the plan says so.
+other outputs (the logits) as they lie, where ``forward`` gathers them if the plan says so. And by
+the module's training mode: in the mode the model was not compiled in, the copy is captured in
+that mode and runs the plan's placements by counterpart (``codegen.modes``).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from autopar.core.capture import CapturedGraph, capture
 from autopar.core.errors import InputMismatchError
 from autopar.core.loss_weights import LossWeighting
 from codegen.generate import GeneratedCode, OutputMode
+from codegen.modes import counterparts
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class Forward:
     run: Callable[..., Any]
     sizes: Any
     loss: LossWeighting
+    out_spec: pytree.TreeSpec         # how its flat outputs nest (the model's outputs in its mode)
+    whole_batch: list[str]            # why its step must not run in parts of the batch (``autopar.core.buffers``)
 
 
 def signature(values: Sequence[Any]) -> tuple:
@@ -50,45 +55,54 @@ def _structure(captured: CapturedGraph) -> list[tuple[str, str, str]]:
 
 
 class ForwardPerShape:
-    """The generated forwards of one plan, one per input signature and way of returning outputs
-    (``codegen.generate.OutputMode``), generated on first use by ``make`` (which holds the plan;
-    ``make(captured, outputs)``)."""
+    """The generated forwards of one plan, one per input signature, training mode and way of
+    returning outputs (``codegen.generate.OutputMode``), generated on first use by ``make`` (which
+    holds the plan; ``make(captured, outputs, names)``, ``names``: for a capture in the mode the
+    plan was not made in, each node's counterpart in the planned graph, ``codegen.modes``)."""
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, make: Callable[[CapturedGraph, OutputMode], Forward],
-                 outputs: OutputMode) -> None:
+    def __init__(self, model: nn.Module, captured: CapturedGraph,
+                 make: Callable[[CapturedGraph, OutputMode, dict | None], Forward], outputs: OutputMode) -> None:
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         memo: dict[int, Any] = {}
         for t in itertools.chain(model.parameters(), model.buffers()):
             fake = self._mode.from_tensor(t)
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
         self._model = copy.deepcopy(model, memo)   # the structure only: parameters are shapes
-        self._structure = _structure(captured)
+        self._planned, self._training = captured.graph, model.training
+        self._structure = {model.training: _structure(captured)}
         self._precision = captured.precision
         self._make = make
         placeholders = {n.name: n for n in captured.graph.nodes if n.op == "placeholder"}
-        key = signature([placeholders[name].meta.get("val") for name in captured.user_inputs])
-        self._captured = {key: captured}
-        self.first = make(captured, outputs)
+        key = (signature([placeholders[name].meta.get("val") for name in captured.user_inputs]), model.training)
+        self._captured: dict[tuple, tuple[CapturedGraph, dict | None]] = {key: (captured, None)}
+        self.first = make(captured, outputs, None)
         self._forwards = {(key, outputs): self.first}
 
-    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict, outputs: OutputMode) -> Forward:
-        key = signature(flat)
+    def get(self, flat: Sequence[Any], args: tuple, kwargs: dict, outputs: OutputMode, training: bool) -> Forward:
+        key = (signature(flat), training)
         if (key, outputs) not in self._forwards:
             if key not in self._captured:
-                self._captured[key] = self._capture(args, kwargs)
-            forward = self._make(self._captured[key], outputs)
+                self._captured[key] = self._capture(args, kwargs, training)
+            captured, names = self._captured[key]
+            forward = self._make(captured, outputs, names)
             if forward.code.direct != self.first.code.direct or forward.code.gathered != self.first.code.gathered:
-                raise InputMismatchError("inputs of a new shape change how the plan reads its parameters; compile again")
+                mode = "" if training == self._training else f" (or the module in {('eval', 'train')[training]} mode)"
+                raise InputMismatchError(f"inputs of a new shape{mode} change how the plan reads its parameters; "
+                                         "compile again")
             self._forwards[key, outputs] = forward
         return self._forwards[key, outputs]
 
-    def _capture(self, args: tuple, kwargs: dict) -> CapturedGraph:
+    def _capture(self, args: tuple, kwargs: dict, training: bool) -> tuple[CapturedGraph, dict | None]:
+        """The copy captured on these inputs in this mode, and its nodes' counterparts where the
+        mode is not the planned one."""
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, self._mode.from_tensor, (args, kwargs))
+        self._model.train(training)
         captured = capture(self._model, fake_args, fake_kwargs, precision=self._precision)
-        if _structure(captured) != self._structure:
-            changed = next((a, b) for a, b in zip(_structure(captured) + [None], self._structure + [None]) if a != b)
+        planned = self._structure.setdefault(training, _structure(captured))
+        if _structure(captured) != planned:
+            changed = next((a, b) for a, b in zip(_structure(captured) + [None], planned + [None]) if a != b)
             raise InputMismatchError(
                 f"inputs of shapes {[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]} "
                 f"change the model's graph (first difference: {changed[0]} where the plan has {changed[1]}): its "
                 "control flow depends on the shapes. Compile the model again for these inputs (autopar.compile).")
-        return captured
+        return captured, (None if training == self._training else counterparts(self._planned, captured.graph))

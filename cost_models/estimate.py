@@ -31,7 +31,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_fl
 
 from autopar.core.blocks import RECOMPUTE, block_of, recompute_modes, recomputed_regions
 from autopar.core.capture import tensor_val
-from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
+from autopar.core.execution import (BUCKET_BYTES, VIEW_OPS, axis_collective, moves, running_statistics,
+                                    statistics_axes)
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import (Placements, grad_placement, grad_target, is_split, local_shape,
@@ -426,12 +427,38 @@ class CostModel:
     def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
         """Collectives a strategy runs inside its op: a loss over a split batch made whole sums the
         local loss and target count over the split axes (``runtime.sharded_cross_entropy``), but
-        for the mean that ``train_step`` sums in a gradient bucket's all-reduce."""
+        for the mean that ``train_step`` sums in a gradient bucket's all-reduce; a training batch
+        norm, its statistics (``_batch_statistics``)."""
+        if nc.node.target is torch.ops.aten.batch_norm.default:
+            return self._batch_statistics(nc, s)
         if (nc.node.target is not torch.ops.aten.cross_entropy_loss.default
                 or nc.node.name == self.space.loss_with_gradients):
             return Cost()
         summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
         return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
+
+    def _batch_statistics(self, nc: NodeChoices, s: Strategy) -> Cost:
+        """A training batch norm split by batch all-gathers each rank's per-channel count, mean and
+        squares over those axes, and its backward all-reduces two per-channel sums there; the
+        running statistics of its channels, where it splits them, are all-gathered back into the
+        buffer (``codegen.batch_norm``)."""
+        over = statistics_axes(nc.node, s.ins)
+        whole = (Replicate(),) * self.mesh.ndim
+        cost = Cost()
+        if over:
+            k = int(np.prod([self.mesh.shape[a] for a in over]))
+            channels = local_shape(tensor_val(nc.inputs[0]).shape, s.ins[0], self.mesh.shape)[1]
+            split = tuple(Shard(0) if a in over else Replicate() for a in range(self.mesh.ndim))
+            cost = cost + self.redistribute((3 * k, channels), torch.float32, split, whole)
+            if self._grad(nc.node):
+                summed = tuple(Partial() if a in over else Replicate() for a in range(self.mesh.ndim))
+                cost = cost + self.redistribute((2, channels), torch.float32, summed, whole)
+        for buffer in running_statistics(nc.node):
+            want = s.ins[nc.inputs.index(buffer)]
+            if want != whole:
+                val = tensor_val(buffer)
+                cost = cost + self.redistribute(val.shape, val.dtype, want, whole)
+        return cost
 
     def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
         """Local bytes an op's forward reads and writes: its inputs and its output."""

@@ -615,7 +615,7 @@ CASES: list[Case] = [
          (aten.conv2d.default, aten.group_norm.default, aten.batch_norm.default, aten.conv1d.default,
           aten.unflatten.int),
          {aten.conv2d.default: {"batch", "column"}, aten.group_norm.default: {"batch"},
-          aten.batch_norm.default: {"channels"}, aten.conv1d.default: {"batch", "column"},
+          aten.batch_norm.default: {"batch", "channels"}, aten.conv1d.default: {"batch", "column"},
           aten.unflatten.int: {"follow"}}),
     Case("hf-mask-build", HFMaskBuild,
          lambda: (torch.randn(4, 6), (torch.arange(6)[None, :] >= torch.tensor([[0], [2], [1], [4]])).long(),

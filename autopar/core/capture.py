@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
-from autopar.core.errors import CaptureError, InputMismatchError
+from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
 from autopar.core.precision import ComputeIn, check_precision
 
 
@@ -384,12 +384,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
     notes = _notes(model, added)
-    if sig.buffers_to_mutate:
-        notes.append(
-            f"forward mutates buffers {sorted(sig.buffers_to_mutate.values())}; autopar keeps them replicated and "
-            "does not write the mutation back (running statistics are not updated)"
-        )
     name = type(model).__name__
+    if sig.buffers_to_mutate:   # export keeps in-place writes in its graph, which autopar runs as they are
+        raise BufferWriteError(
+            f"torch.export captured {name}'s writes to buffers {sorted(sig.buffers_to_mutate.values())} as outputs "
+            "of a functional graph, which autopar does not write back. Report the model: autopar captures writes "
+            "as the in-place ops torch.export.export(strict=False) records.")
     return CapturedGraph(
         program=program,
         param_of=param_of,

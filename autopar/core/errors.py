@@ -44,6 +44,11 @@ class LossWeightError(AutoparError):
     """``train_step`` cannot find the model's loss, or cannot weigh it exactly over microbatches."""
 
 
+class BufferWriteError(AutoparError):
+    """The forward writes a buffer (running statistics, a counter) in a way this plan cannot keep
+    as one device keeps it: names the buffer and what to do."""
+
+
 class RankFailedError(AutoparError):
     """Another rank failed during ``compile``: carries that rank's number (``rank``) and the first
     line of its error, which that rank prints in full (``autopar.core.together``)."""

@@ -43,7 +43,7 @@ GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
     "redistribute", "move", "param_shard", "shard_of", "on_device", "expect", "uneven_reshape", "sharded_cross_entropy",
     "sharded_embedding", "full", "kept_sharded", "gather_params", "dropout_mask", "recompute", "loss_count",
-    "once", "attention_mask", "attention", "constants",
+    "once", "attention_mask", "attention", "constants", "sync_batch_norm", "write_back",
 })
 
 #: Ops whose second argument is a shape, their output's: generated code passes this rank's local
@@ -59,6 +59,30 @@ def draws_whole_mask(node: fx.Node, out: Placements) -> bool:
             and any(isinstance(p, Shard) for p in out))
 
 
+def batch_statistics(node: fx.Node) -> bool:
+    """Does ``node`` normalise by its input's batch statistics (a batch_norm in training mode)?"""
+    if node.target is not aten.batch_norm.default:
+        return False
+    return bool(node.args[5] if len(node.args) > 5 else node.kwargs["training"])
+
+
+def statistics_axes(node: fx.Node, ins: tuple[Placements, ...]) -> tuple[int, ...]:
+    """The mesh axes over which a training batch_norm whose inputs are placed ``ins`` gathers the
+    statistics of the other ranks' parts (``codegen.batch_norm``): those splitting its input on a
+    dim other than the channels (dim 1). Empty for any other op, and in eval mode."""
+    if not batch_statistics(node):
+        return ()
+    return tuple(a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and p.dim != 1)
+
+
+def running_statistics(node: fx.Node) -> list[fx.Node]:
+    """The buffers a training batch_norm updates in place (its running mean and variance); its
+    schema does not say it writes them, so ``writes_in_place`` does not see these writes."""
+    if not batch_statistics(node):
+        return []
+    return [a for a in node.args[3:5] if isinstance(a, fx.Node)]
+
+
 def writes_in_place(node: fx.Node) -> bool:
     """Does ``node`` write its first argument in place (``copy_``, ``masked_fill_``, ``index_put_``...)?"""
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
@@ -69,13 +93,29 @@ def written_aliases(graph: fx.Graph) -> set[fx.Node]:
     base's views, the in-place ops' own outputs). A write reaches the other aliases only where
     they are one local tensor, so the planner keeps them replicated; generated code also forgets
     the moved copies of them it made before a write."""
-    def base(node: fx.Node) -> fx.Node:
-        while node.op == "call_function" and (node.target in VIEW_OPS or writes_in_place(node)) and node.args:
-            node = node.args[0]
-        return node
+    written = {storage_base(n.args[0]) for n in graph.nodes if n.op == "call_function" and writes_in_place(n)}
+    return {n for n in graph.nodes if storage_base(n) in written}
 
-    written = {base(n.args[0]) for n in graph.nodes if n.op == "call_function" and writes_in_place(n)}
-    return {n for n in graph.nodes if base(n) in written}
+
+def storage_base(node: fx.Node) -> fx.Node:
+    """The value whose storage ``node`` is (through views and in-place ops' outputs)."""
+    while node.op == "call_function" and (node.target in VIEW_OPS or writes_in_place(node)) and node.args:
+        node = node.args[0]
+    return node
+
+
+def written_buffers(graph: fx.Graph, buffer_of: dict[str, str]) -> dict[str, str]:
+    """The buffers the forward writes in place (FQN -> the op that writes it first): by an op
+    whose schema says so (a counter's ``add_``), or a training batch norm's running statistics."""
+    out: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        targets = running_statistics(node) or ([storage_base(node.args[0])] if writes_in_place(node) else [])
+        for target in targets:
+            if target.name in buffer_of:
+                out.setdefault(buffer_of[target.name], str(node.target))
+    return out
 
 
 #: Bytes of gradients the runtime reduces in one collective (DDP's default bucket), and of ZeRO-3

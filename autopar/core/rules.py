@@ -343,10 +343,15 @@ def grouped_mm(v: OpView, n: int) -> list[AxisRule]:
 
 def batch_norm(v: OpView, n: int) -> list[AxisRule]:
     """batch_norm(x, weight, bias, running_mean, running_var, ...): statistics are per channel,
-    so splitting the channels (dim 1; the per-channel tensors by their one dim) is exact. A batch
-    split would need statistics over every rank's samples: not offered."""
+    so splitting the channels (dim 1; the per-channel tensors by their one dim) is exact. Split
+    by batch, a training batch norm gathers every rank's statistics over that axis
+    (``execution.statistics_axes``: SyncBatchNorm's semantics); in eval mode it reads the running
+    statistics, the same for every sample. The running statistics it writes are replicated
+    buffers, or their channels' part."""
     x = v.in_shapes[0]
     rules = [replicate(v)]
+    if _fits(x[0], n, even=False):
+        rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
     if len(x) > 1 and _fits(x[1], n, even=False):
         rules.append(AxisRule(Shard(1), (Shard(1),) + (Shard(0),) * (len(v.in_shapes) - 1), "channels"))
     return rules

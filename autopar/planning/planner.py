@@ -11,6 +11,7 @@ from pathlib import Path
 from dataclasses import dataclass, replace
 
 from autopar.core.blocks import recompute_modes, repeated_blocks
+from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
@@ -62,12 +63,27 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     ``timings`` add up to the call's wall time; ``solver["time_limit"]`` says what the limit cut
     short, where it did (another run may then give another plan)."""
     clock = clock or Clock(options.time_limit)
+    whole_batch = whole_batch_state(captured)
+    if whole_batch:   # batch statistics, buffer writes: never in parts of the batch
+        refuse_split_steps(captured.model_name, whole_batch, _in_parts(options),
+                           'Plan it with microbatches=1 and pipeline=False (or "auto", which then plans the whole '
+                           "batch); where that does not fit, give it more memory or a smaller batch.")
+        recapture = None
     plan = _planned(captured, mesh, options, clock.deadline(), forced,
                     Once(recapture, clock, "capture") if recapture is not None else None, Problems())
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "cut_short": list(clock.cut_short)}
     return plan
+
+
+def _in_parts(options: PlanOptions) -> str | None:
+    """How the options make a step run its forward on parts of the batch, if they do."""
+    if isinstance(options.microbatches, int) and options.microbatches > 1:
+        return f"microbatches={options.microbatches} runs it in {options.microbatches} parts"
+    if isinstance(pipeline_choice(options.pipeline), PipelineChoice):
+        return "a pipeline runs it in microbatches"
+    return None
 
 
 def _planned(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, deadline: Deadline,

@@ -614,9 +614,10 @@ def _renamed(hand: Plan, name: str, solved: Plan, min_gain: float) -> Plan:
     """The hand plan, kept as the auto plan because the solver's plan does not fit the budget or
     is not predicted faster by ``min_gain`` under the exact schedule."""
     gain = 1 - solved.predicted.step_time_s / hand.predicted.step_time_s
+    than = (f"as fast as {hand.name!r}" if abs(gain) < 5e-4 else
+            f"{abs(gain):.1%} {'faster' if gain > 0 else 'slower'} than {hand.name!r}")
     why = (f"exceeds the memory budget by {fmt(solved.shortfall_bytes, 'B')}" if not solved.feasible else
-           f"({fmt(solved.predicted.step_time_s, 's')}) was predicted {abs(gain):.1%} "
-           f"{'faster' if gain > 0 else 'slower'} than {hand.name!r} ({fmt(hand.predicted.step_time_s, 's')}) "
+           f"({fmt(solved.predicted.step_time_s, 's')}) was predicted {than} ({fmt(hand.predicted.step_time_s, 's')}) "
            f"under the exact schedule, not the {min_gain:.0%} (min_gain) worth leaving a standard plan for")
     note = f"the solver's plan {why}: keeping the hand plan {hand.name!r}"
     return replace(hand, name=name, warnings=[*hand.warnings, note], solver={**solved.solver, "kept_hand_plan": hand.name})

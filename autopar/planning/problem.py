@@ -175,7 +175,14 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
 
 
 def _percent(gap: float | None) -> str:
-    return "unknown" if gap is None else f"{100 * gap:.2f}%"
+    """A solve's relative gap; one past ``BIG_GAP`` (the bound near 0, nothing proven) said so."""
+    if gap is None:
+        return "unknown"
+    return f"{100 * gap:.2f}%" if gap < BIG_GAP else f"over {BIG_GAP:.0%}: the bound proves nothing yet"
+
+
+#: A relative gap past which its figure says nothing (the solver's bound still near 0).
+BIG_GAP = 10.0
 
 
 def _solve(problem: Problem, time_limit: float | None, precision: str) -> Solution:

@@ -34,7 +34,9 @@ def planned(tmp_path_factory):
 
 def test_plan_prints_report(planned):
     out, err, _ = planned
-    assert "planning gpt-tiny" in err and "planned in" in err
+    assert "building gpt-tiny" in err and "planning for 4 devices" in err
+    planned_in = re.search(r"^planned in (.+) \(the report's planning time\)$", err, re.M)
+    assert planned_in and f"Planning time   {planned_in.group(1)} (" in out, err   # one figure, said twice
     assert "GPT on 4 devices (dp=2 x tp=2) of h100-80gb" in out
     assert re.search(r"step time\s+[\d.]+ (ns|us|ms|s)\b", out), out
     assert re.search(r"peak memory\s+[\d.]+ (B|KiB|MiB|GiB)\b", out), out

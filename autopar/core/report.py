@@ -22,7 +22,7 @@ from autopar.core.units import fmt
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.plan import NodePlan, Plan, Prediction
 
-__all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band"]  # fmt re-exported from autopar.core.units
+__all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
 #: What a prediction rests on (``Prediction.basis``), as the report says it.
 BASES = {
@@ -366,6 +366,50 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     else:
         add("Warnings: none (every op has a sharding rule)")
     return "\n".join(out)
+
+
+#: What a prediction rests on, in a few words (``summary``).
+SHORT_BASES = {"profile": "from times measured on this host", "first-profile": "from times measured on this host",
+               "tables": "from the preset's efficiency tables", "roofline": "(an uncalibrated roofline: a lower bound)"}
+
+
+def summary(plan: Plan) -> list[str]:
+    """A few lines on ``plan`` for the log (``compile`` says them): what was chosen, the predicted
+    step and peak memory, and where the whole report is."""
+    p = plan.predicted
+    params = [n for n in plan.nodes if n.op == "parameter"]
+    counts = Counter(_strategy_text(n) for n in params).most_common()
+    placed = ", ".join(f"{label} {c}" for label, c in counts[:3]) + (", ..." if len(counts) > 3 else "")
+    over = "" if plan.feasible else f", {fmt(plan.shortfall_bytes, 'B')} OVER the budget"
+    return [f"{plan.model_name} on {plan.mesh.describe()} runs {_chosen(plan)}: parameters {placed} (of "
+            f"{len(params)}){_knobs(plan)}",
+            f"predicted step {step_with_band(p)} {SHORT_BASES.get(p.basis, p.basis)}; peak memory "
+            f"{fmt(p.peak_memory_bytes, 'B')} per device ({_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the "
+            f"{fmt(plan.memory_budget, 'B')} budget{over})",
+            f"planned in {fmt(plan.planning_s, 's')}; the module's plan.report() explains every choice"]
+
+
+def _chosen(plan: Plan) -> str:
+    """Which plan: the solver's, or a hand plan (kept by the planner, or given)."""
+    kept = plan.solver.get("kept_hand_plan")
+    if plan.name != "auto":
+        return f"the hand plan {plan.name!r}"
+    return f"the hand plan {kept!r} (the solver's plan did not beat it)" if kept else "the solver's plan"
+
+
+def _knobs(plan: Plan) -> str:
+    """The memory knobs the plan turns: pipeline, microbatches, recomputation, offload."""
+    said = []
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        said.append(f"a pipeline of {pp.num_stages} stages over {pp.axis} ({pp.schedule})")
+    if plan.microbatches > 1:
+        said.append(f"{plan.microbatches} microbatches of {plan.microbatch_size} rows")
+    if plan.recompute:
+        said.append(f"{plan.recompute_mode} recomputation of {len(plan.recompute)} blocks")
+    if plan.offloaded:
+        said.append(f"the optimizer states of {len(plan.offloaded)} parameters in host memory")
+    return "".join(f"; {s}" for s in said)
 
 
 def _counts(nodes: list[NodePlan]) -> str:

@@ -349,22 +349,23 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
         stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,
                                 hand_plans=False, profile=profile)
-        try:
-            micro = captured if m == 1 else recapture(m, deadline)   # a capture the first time
-            started = deadline.clock.now()   # ``took``: what an attempt takes once captured
-            stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options,
-                                    deadline.share(1 / min(count - i, 2)))
-        except (InfeasibleError, PlanningTimeout) as e:
-            tried[where] = f"no stage plan: {e}"
-            continue
-        for key, plan in _schedules(stage_plan, micro, shaped, axis, choice, budget, captured.fingerprint, profile,
-                                    deadline):
-            tried[f"{key}, {where}"] = _told(plan)
-            if isinstance(plan, str):
+        with deadline.clock.doing(f"pipeline layout {where}"):
+            try:
+                micro = captured if m == 1 else recapture(m, deadline)   # a capture the first time
+                started = deadline.clock.now()   # ``took``: what an attempt takes once captured
+                stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options,
+                                        deadline.share(1 / min(count - i, 2)))
+            except (InfeasibleError, PlanningTimeout) as e:
+                tried[where] = f"no stage plan: {e}"
                 continue
-            fitted.update([layout] if plan.feasible else [])
-            if best is None or _ranked(plan) > _ranked(best):
-                best = plan
+            for key, plan in _schedules(stage_plan, micro, shaped, axis, choice, budget, captured.fingerprint,
+                                        profile, deadline):
+                tried[f"{key}, {where}"] = _told(plan)
+                if isinstance(plan, str):
+                    continue
+                fitted.update([layout] if plan.feasible else [])
+                if best is None or _ranked(plan) > _ranked(best):
+                    best = plan
         took = deadline.clock.now() - started
     if best is None:
         raise InfeasibleError("no pipeline plan: " + "; ".join(f"{k}: {v}" for k, v in tried.items()),
@@ -442,7 +443,7 @@ def _schedules(stage_plan: Plan, micro: CapturedGraph, mesh: MeshSpec, axis: int
             continue
         started = clock.now()
         try:
-            with clock.stage("pipeline schedules"):
+            with clock.stage("pipeline schedules", what=f"simulating {schedule} x{virtual}"):
                 plan: Plan | str = pipelined(stage_plan, micro, mesh, axis, schedule, virtual, budget, fingerprint,
                                              profile)
         except AutoparError as e:

@@ -7,6 +7,7 @@ predicted faster by ``PlanOptions.min_gain``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass, replace
 
@@ -57,13 +58,15 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     (``SPMD_SHARE``), and keeps it where predicted faster by ``min_gain``; its plan's mesh then
     cuts the first axis in two (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so).
 
-    ``clock``: the call's ``Clock`` where it began before (``autopar.plan``'s capture counts);
+    ``clock``: the call's ``Clock`` where it began before (``autopar.plan``'s capture counts; it
+    shows the call's status line), else one of its own, shown where ``options.progress`` says;
     ``options.time_limit`` bounds the whole call on it (``autopar.planning.clock``). The plan's
     ``timings`` add up to the call's wall time; ``solver["time_limit"]`` says what the limit cut
     short, where it did (another run may then give another plan)."""
-    clock = clock or Clock(options.time_limit)
-    plan = _planned(captured, mesh, options, clock.deadline(), forced,
-                    Once(recapture, clock, "capture") if recapture is not None else None, Problems())
+    shown = Clock(options.time_limit).shown("planning", options.progress) if clock is None else nullcontext(clock)
+    with shown as clock:
+        plan = _planned(captured, mesh, options, clock.deadline(), forced,
+                        Once(recapture, clock, "capture") if recapture is not None else None, Problems())
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "cut_short": list(clock.cut_short)}
@@ -500,7 +503,7 @@ class _Search:
         space = self.problems.space(captured, self.mesh) if not self.forced else None
         planning = prepare(captured, self.mesh, self.options, forced=self.forced, microbatches=k,
                            whole=self.captured if k > 1 else None, recompute=recompute, offload=self.offload,
-                           space=space)
+                           space=space, clock=self.clock)
         self.clock.took["prepare"] = self.clock.now() - started
         self.clock.add(planning.timings)
         if not self.forced:

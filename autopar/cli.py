@@ -512,19 +512,25 @@ def _importable_from_here() -> None:
         sys.path.append(os.getcwd())
 
 
+def _talk_flags(parser: argparse.ArgumentParser, default: Any = False) -> None:
+    """``-v`` and ``-q``, before the command or after it (a command's own take ``default``
+    ``SUPPRESS``: not given there, they leave the main parser's value)."""
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("-v", "--verbose", action="store_true", default=default,
+                      help="also log every stage of the work with its seconds: each capture, problem built, hand "
+                           "plan costed, solve and pipeline layout (the autopar logger at DEBUG)")
+    talk.add_argument("-q", "--quiet", action="store_true", default=default,
+                      help="no progress on stderr: neither the progress lines nor the status line that long work "
+                           f"shows on a terminal (as {PROGRESS_ENV}=0); errors and warnings still print")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar",
         description="autopar: an auto-parallelizing compiler for PyTorch training.",
         epilog="Examples: autopar demo | autopar plan --model gpt-13b --mesh 8x8 --hardware h100-80gb | autopar models",
     )
-    talk = parser.add_mutually_exclusive_group()
-    talk.add_argument("-v", "--verbose", action="store_true",
-                      help="also log every stage of the work with its seconds: each capture, problem built, hand "
-                           "plan costed, solve and pipeline layout (the autopar logger at DEBUG)")
-    talk.add_argument("-q", "--quiet", action="store_true",
-                      help="no progress on stderr: neither the progress lines nor the status line that long work "
-                           f"shows on a terminal (as {PROGRESS_ENV}=0); errors and warnings still print")
+    _talk_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -541,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--code-lines", type=int, default=40,
                       help="lines of generated code to print (default 40; 0 prints all)")
     demo.add_argument("--code-out", metavar="FILE", default=None, help="save the generated code to FILE")
+    _talk_flags(demo, argparse.SUPPRESS)
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser("plan", help="plan a model for a mesh that need not exist (built on the meta device)",
@@ -601,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "crosses nodes), none, or a torch.distributed.pipelining schedule class (Schedule1F1B, "
                            "ScheduleInterleaved1F1B, ...) with the axis carrying the stages, the microbatches and "
                            "the stages per rank")
+    _talk_flags(plan, argparse.SUPPRESS)
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",
@@ -616,9 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                       help="time the ops in this compute dtype (default fp32)")
     prof.add_argument("--out", default=None, help="profile file (default: the cache, ~/.cache/autopar/profiles)")
+    _talk_flags(prof, argparse.SUPPRESS)
     prof.set_defaults(func=cmd_profile)
 
     models = sub.add_parser("models", help="list the model zoo")
+    _talk_flags(models, argparse.SUPPRESS)
     models.set_defaults(func=cmd_models)
     return parser
 
@@ -646,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _importable_from_here()
+    if args.verbose and args.quiet:
+        parser.error("-v and -q cannot go together")
     _talk(args.verbose, args.quiet)
     try:
         return args.func(args)

@@ -229,3 +229,18 @@ def test_tiny_parts_of_the_step_are_said_as_such(overlapped, exposed, comm, said
     report = _synthetic(overlapped, exposed, comm).report(top=0)
     assert said in report, report
     assert not re.search(r"\b0 s of", report) and "under 0.1% of the budget" in report
+
+
+def test_the_command_line_is_silent_with_q(monkeypatch, capsys):
+    import autopar.cli as cli
+
+    monkeypatch.setattr(cli, "_quiet", False)            # restored after: -q sets them for the process
+    monkeypatch.setenv(progress.ENV, "1")
+    level = logging.getLogger("autopar").level
+    try:
+        assert cli.main(["plan", "--model", "gpt-tiny", "--mesh", "2", "--no-hand-plans", "--profile", "none",
+                         "--top", "0", "-q"]) == 0
+    finally:
+        logging.getLogger("autopar").setLevel(level)
+    out, err = capsys.readouterr()
+    assert err == "" and "autopar plan: GPT on 2 devices" in out and os.environ[progress.ENV] == "0"

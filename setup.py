@@ -13,6 +13,9 @@ setup(
         "networkx>=3.0",
         "ortools>=9.12,<10",   # solver.ilp calls math_opt's solver binding directly
         "sympy>=1.12",
+        # the status line of long work (autopar.core.progress): terminal width, redraws that log
+        # lines do not tear, and erasing it at the end, as every terminal needs
+        "tqdm>=4.66",
     ],
     # The model corpus (tests/test_corpus.py) is Hugging Face 5's models as from_config builds them:
     # their mask building, and the experts operator that MoE models run. peft: LoRA adapters as

@@ -18,6 +18,7 @@ from autopar.core.errors import MeshError, PlanFileError
 from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
 from autopar.core.microbatch import batch_size, microbatch_capture
 from autopar.core.plan import Plan
+from autopar.core.progress import log_summary
 from autopar.core.together import one_process, together
 from autopar.planning.clock import Clock
 from autopar.planning.options import PlanOptions
@@ -40,12 +41,12 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     start = time.perf_counter()   # the limit bounds the whole call, the capture included
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
-    clock = Clock(options.time_limit, start=start)
     args = as_args(example_inputs)
-    with clock.stage("capture", "capture"):
-        captured = capture(model, args, example_kwargs, precision=options.precision)
-    return plan_captured(captured, spec, options, clock=clock,
-                         recapture=microbatch_capture(model, args, example_kwargs, options.precision))
+    with Clock(options.time_limit, start=start).shown("planning", options.progress) as clock:
+        with clock.stage("capture", "capture"):
+            captured = capture(model, args, example_kwargs, precision=options.precision)
+        return plan_captured(captured, spec, options, clock=clock,
+                             recapture=microbatch_capture(model, args, example_kwargs, options.precision))
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,
@@ -96,6 +97,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
                             "simulates its ranks in one process")
         refuse_split_steps(captured.model_name, whole_batch_state(captured), _in_parts(plan),
                            "Plan it again with microbatches=1 and pipeline=False.")
+        log_summary(plan)
         if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:

@@ -16,7 +16,10 @@
 ``autopar models``
     List the model zoo.
 
-Progress lines go to stderr; reports, tables and code to stdout. Bad input (any
+Progress goes to stderr: a line per step, and during long work (planning, measuring this host) a
+status line saying what runs, for how long and what is left of the time limit, where stderr is a
+terminal (``autopar.core.progress``); ``-q`` silences both, ``-v`` adds every planning stage with its
+seconds (the ``autopar`` logger at DEBUG). Reports, tables and code go to stdout. Bad input (any
 ``AutoparError``) prints ``error: <message>`` to stderr and exits with status 2, like a
 command-line usage error.
 """
@@ -32,6 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from autopar.core.errors import AutoparError, MeshError
+from autopar.core.progress import ENV as PROGRESS_ENV
 from autopar.core.precision import PRECISIONS
 from autopar.core.blocks import RECOMPUTE
 from autopar.planning.options import OFFLOAD, PlanOptions
@@ -51,8 +55,16 @@ DEMO_BATCH, DEMO_SEQ = 32, 64
 DEMO_MAX_PARAMS = 50_000_000
 
 
+#: Set by ``-q``: no progress lines (errors and warnings still print).
+_quiet = False
+
+
 def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A progress line to stderr (above the status line, where one shows), unless ``-q``."""
+    if not _quiet:
+        from autopar.core.progress import say
+
+        say(msg)
 
 
 # --------------------------------------------------------------------------------------- parsing
@@ -103,10 +115,8 @@ def _fmt_count(n: int | None) -> str:
     return str(n)
 
 
-def _stages(timings: dict[str, float]) -> str:
-    from autopar.core.report import fmt
-
-    return ", ".join(f"{k} {fmt(v, 's')}" for k, v in timings.items())
+def _limit(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds:g} s"
 
 
 # --------------------------------------------------------------------------------------- models
@@ -136,6 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.models.zoo import get_model
     from autopar.core.hardware import get_hardware
+    from autopar.core.units import fmt
 
     spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
     get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
@@ -143,14 +154,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     time_limit=args.time_limit)
     options = _plan_options(args)
     entry = get_model(args.model)
-    _progress(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters) for {spec.describe()} in "
-              f"{options.precision}{'' if args.precision else ' (the default for ' + args.hardware + '; --precision to choose)'}...")
     t0 = time.perf_counter()
+    _progress(f"building {entry.name} ({_fmt_count(entry.num_params)} parameters) on the meta device...")
     with torch.device("meta"):
         model = entry.build()
     example_args, example_kwargs = entry.example(args.batch, args.seq, device="meta")
-    plan = autopar.plan(model, spec, example_args, example_kwargs, options=options)
-    _progress(f"planned in {time.perf_counter() - t0:.1f} s ({_stages(plan.timings)})")
+    plan_call = autopar.plan   # the planner's modules load here, not in the time the plan reports
+    _progress(f"built in {time.perf_counter() - t0:.1f} s; planning for {spec.describe()} in {options.precision}"
+              f"{'' if args.precision else ' (the default for ' + args.hardware + '; --precision to choose)'}, "
+              f"time limit {_limit(options.time_limit)}...")
+    plan = plan_call(model, spec, example_args, example_kwargs, options=options)
+    _progress(f"planned in {fmt(plan.planning_s, 's')} (the report's planning time)")
     print(plan.report(top=None if args.all_nodes else args.top))
     if args.scaling:
         from autopar.planning.symbolic import symbolic_plan_costs
@@ -205,6 +219,7 @@ def default_precision(hardware: str) -> str:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autopar.models.zoo import get_model
+    from autopar.profiling.profile_comm import print_progress
     from autopar.profiling.profiler import profile_model
 
     spec = _mesh_spec(args.mesh, args.axis_names, "cpu")
@@ -213,7 +228,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model = entry.build()
     example_args, example_kwargs = entry.example(args.batch, args.seq)
     t0 = time.perf_counter()
-    profile, path = profile_model(model, spec, example_args, example_kwargs, path=args.out, precision=args.precision)
+    profile, path = profile_model(model, spec, example_args, example_kwargs, path=args.out, precision=args.precision,
+                                  progress=None if _quiet else print_progress)
     print(f"profile of {profile.fingerprint['device_name']} ({spec.size} processes x {profile.fingerprint['threads']} "
           f"thread): {len(profile.ops)} op calls, {len(profile.collectives)} collective fits, "
           f"{len(profile.overheads)} overheads; {time.perf_counter() - t0:.1f} s")
@@ -301,6 +317,8 @@ def _demo_worker(mesh: Any, model_name: str, batch: int | None, seq: int | None,
 
     rank = dist.get_rank()
     say = _progress if (verbose and rank == 0) else (lambda msg: None)
+    if not verbose:   # compile's summary of the plan, which the demo reports
+        logging.getLogger("autopar").setLevel(logging.WARNING)
     entry = get_model(model_name)
     torch.manual_seed(seed)
     model = entry.build()
@@ -346,6 +364,7 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     from autopar.profiling.launch import run_on_gloo_mesh
     from autopar.core.mesh import MeshSpec
     from autopar.core.report import step_with_band
+    from autopar.core.units import fmt
     from autopar.models.zoo import get_model
 
     say = _progress if verbose else (lambda msg: None)
@@ -363,18 +382,17 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
 
     batch = entry.default_batch if batch is None else batch
     seq = entry.default_seq if seq is None else seq
-    _measure_first_profile(entry, spec, entry.example(batch, seq, device="cpu"), say, timings)
+    _measure_first_profile(entry, spec, entry.example(batch, seq, device="cpu"), say, timings, verbose)
     say(f"planning {entry.name} ({_fmt_count(entry.num_params)} parameters, batch {batch} x seq {seq}) "
         f"for a local mesh of {spec.describe()}...")
-    t0 = time.perf_counter()
     # On the CPU, not the meta device: the captured graph (and so the plan's fingerprint) must be
     # exactly what the ranks capture from their CPU models.
     torch.manual_seed(seed)
-    plan = autopar.plan(entry.build(), spec, *entry.example(batch, seq, device="cpu"))
-    timings["plan"] = time.perf_counter() - t0
+    plan = autopar.plan(entry.build(), spec, *entry.example(batch, seq, device="cpu"), progress=verbose)
+    timings["plan"] = plan.planning_s
     figure = "predicted step" if plan.predicted.basis != "roofline" else \
         "uncalibrated roofline estimate (not a prediction)"
-    say(f"planned in {timings['plan']:.1f} s ({_stages(plan.timings)}); {figure} {step_with_band(plan.predicted)}")
+    say(f"planned in {fmt(plan.planning_s, 's')}; {figure} {step_with_band(plan.predicted)}")
 
     say(f"starting {spec.size} gloo processes (forkserver), mesh {shape} with axes {spec.axis_names}; "
         f"each compiles the plan and trains {steps} steps...")
@@ -393,13 +411,14 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
 
 
 def _measure_first_profile(entry: Any, spec: Any, example: tuple[tuple, dict], say: Callable[[str], None],
-                           timings: dict[str, float]) -> None:
+                           timings: dict[str, float], shown: bool = True) -> None:
     """Measure what the cached profile of this host for ``spec`` lacks to price the demo's model
     (its ops at every candidate strategy's local shapes, the mesh's collectives, the runtime's
     overheads; ``autopar profile`` without calibration) on local gloo processes, so that the demo
     predicts its step from measured costs, not the CPU roofline (5.2 ms predicted against 58 ms
     measured on 2x2). Off with ``AUTOPAR_MEASURE_FIRST_PROFILE=0``; then the demo says its figure
     is no prediction."""
+    from autopar.core.progress import working
     from autopar.profiling.missing_ops import first_profile_allowed
     from autopar.profiling.profiler import profile_model
     from cost_models.profile import find_profile
@@ -411,7 +430,8 @@ def _measure_first_profile(entry: Any, spec: Any, example: tuple[tuple, dict], s
         f"the model's ops{'' if cached is not None else ', the collectives and runtime overheads'} on {spec.size} gloo "
         "processes (once; cached for later runs)...")
     t0 = time.perf_counter()
-    profile, path = profile_model(entry.build(), spec, *example, progress=None, calibrate=False)
+    with working(f"measuring this host on {spec.size} gloo processes", progress=shown):
+        profile, path = profile_model(entry.build(), spec, *example, progress=None, calibrate=False)
     timings["profile"] = time.perf_counter() - t0
     say(f"profiled in {timings['profile']:.1f} s: {len(profile.ops)} op calls, {len(profile.collectives)} collective "
         f"fits, {len(profile.overheads)} overheads in {path}")
@@ -427,7 +447,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from autopar.core.report import fmt, step_with_band
 
     t0 = time.perf_counter()
-    result = run_demo(args.model, args.mesh, args.steps, args.batch, args.seq, verbose=True)
+    result = run_demo(args.model, args.mesh, args.steps, args.batch, args.seq, verbose=not args.quiet)
     batch, seq = result["batch"], result["seq"]
     plan = result["plan"]
     print()
@@ -492,13 +512,25 @@ def _importable_from_here() -> None:
         sys.path.append(os.getcwd())
 
 
+def _talk_flags(parser: argparse.ArgumentParser, default: Any = False) -> None:
+    """``-v`` and ``-q``, before the command or after it (a command's own take ``default``
+    ``SUPPRESS``: not given there, they leave the main parser's value)."""
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("-v", "--verbose", action="store_true", default=default,
+                      help="also log every stage of the work with its seconds: each capture, problem built, hand "
+                           "plan costed, solve and pipeline layout (the autopar logger at DEBUG)")
+    talk.add_argument("-q", "--quiet", action="store_true", default=default,
+                      help="no progress on stderr: neither the progress lines nor the status line that long work "
+                           f"shows on a terminal (as {PROGRESS_ENV}=0); errors and warnings still print")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar",
         description="autopar: an auto-parallelizing compiler for PyTorch training.",
         epilog="Examples: autopar demo | autopar plan --model gpt-13b --mesh 8x8 --hardware h100-80gb | autopar models",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every planning stage")
+    _talk_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -515,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--code-lines", type=int, default=40,
                       help="lines of generated code to print (default 40; 0 prints all)")
     demo.add_argument("--code-out", metavar="FILE", default=None, help="save the generated code to FILE")
+    _talk_flags(demo, argparse.SUPPRESS)
     demo.set_defaults(func=cmd_demo)
 
     plan = sub.add_parser("plan", help="plan a model for a mesh that need not exist (built on the meta device)",
@@ -575,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "crosses nodes), none, or a torch.distributed.pipelining schedule class (Schedule1F1B, "
                            "ScheduleInterleaved1F1B, ...) with the axis carrying the stages, the microbatches and "
                            "the stages per rank")
+    _talk_flags(plan, argparse.SUPPRESS)
     plan.set_defaults(func=cmd_plan)
 
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",
@@ -590,11 +624,27 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                       help="time the ops in this compute dtype (default fp32)")
     prof.add_argument("--out", default=None, help="profile file (default: the cache, ~/.cache/autopar/profiles)")
+    _talk_flags(prof, argparse.SUPPRESS)
     prof.set_defaults(func=cmd_profile)
 
     models = sub.add_parser("models", help="list the model zoo")
+    _talk_flags(models, argparse.SUPPRESS)
     models.set_defaults(func=cmd_models)
     return parser
+
+
+def _talk(verbose: bool, quiet: bool) -> None:
+    """``-v``: every stage logged (``progress.verbose``); ``-q``: no progress lines, no status line
+    (for this process and the gloo processes it starts, through the environment), no summary."""
+    global _quiet
+    from autopar.core import progress
+
+    _quiet = quiet
+    if verbose:
+        progress.verbose()
+    if quiet:
+        os.environ[progress.ENV] = "0"
+        logging.getLogger("autopar").setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -606,8 +656,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _importable_from_here()
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verbose and args.quiet:
+        parser.error("-v and -q cannot go together")
+    _talk(args.verbose, args.quiet)
     try:
         return args.func(args)
     except AutoparError as e:

@@ -34,7 +34,9 @@ def planned(tmp_path_factory):
 
 def test_plan_prints_report(planned):
     out, err, _ = planned
-    assert "planning gpt-tiny" in err and "planned in" in err
+    assert "building gpt-tiny" in err and "planning for 4 devices" in err
+    planned_in = re.search(r"^planned in (.+) \(the report's planning time\)$", err, re.M)
+    assert planned_in and f"Planning time   {planned_in.group(1)} (" in out, err   # one figure, said twice
     assert "GPT on 4 devices (dp=2 x tp=2) of h100-80gb" in out
     assert re.search(r"step time\s+[\d.]+ (ns|us|ms|s)\b", out), out
     assert re.search(r"peak memory\s+[\d.]+ (B|KiB|MiB|GiB)\b", out), out
@@ -129,8 +131,8 @@ def test_report_groups_layers():
     assert re.search(r"^  h\.\[0-4,7-8,10-95\]\.mlp\.weight\s+x93\s+batch x column", text, re.M), text
     assert re.search(r"^  h\.\[5-6,9\]\.mlp\.weight\s+x3\s+zero3\s+\(S\(0\), R\)", text, re.M), text
     assert len([ln for ln in text.splitlines() if ln.startswith("  h.")]) == 3
-    assert ("step time       800 ms (640 ms-1.00 s)  (compute 500 ms 62%, blocking communication 250 ms 31%, "
-            "exposed gradient sync 50.0 ms of 100 ms queued during the backward)") in text
+    assert ("step time       800 ms (likely 640 ms-1.00 s)  (compute 500 ms (62%), blocking communication 250 ms "
+            "(31%), exposed gradient sync 50.0 ms of 100 ms queued during the backward)") in text
     assert "utilisation     MFU 50%, HFU 62%" in text
     assert "rests on        the preset's efficiency tables" in text
     assert "peak memory     70.0 GiB per device, 109.4% of the budget, at backward: linear" in text

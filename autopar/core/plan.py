@@ -15,8 +15,8 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.report import format_report
 
-PLAN_FORMAT_VERSION = 10   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s;
-                          # 10: pipeline.microbatch_fingerprint
+PLAN_FORMAT_VERSION = 11   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s;
+                          # 10: pipeline.microbatch_fingerprint; 11: the parameters of each pipeline stage
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,20 @@ def rank_of_stage(schedule: str, stage: int, ranks: int, per_rank: int) -> int:
 class StagePlan:
     """One pipeline stage: the run of the model's repeated blocks it computes (the first stage also
     what comes before them, the embedding; the last what comes after, the head and the loss), its
-    module paths for people, and its predicted seconds per microbatch and peak memory per device."""
+    module paths for people, the parameters it holds, its predicted seconds per microbatch and its
+    rank's peak memory per device."""
 
     blocks: tuple[int, int]           # [start, stop) of the repeated blocks (``autopar.core.blocks``)
     modules: tuple[str, ...]          # the module paths it runs, in order
     forward_s: float
     backward_s: float
     peak_memory_bytes: float
+    parameters: tuple[str, ...] = ()  # names of the parameters it holds (a tied one: every stage reading it)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
-        return cls(**{**d, "blocks": tuple(d["blocks"]), "modules": tuple(d["modules"])})
+        return cls(**{**d, "blocks": tuple(d["blocks"]), "modules": tuple(d["modules"]),
+                      "parameters": tuple(d["parameters"])})
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,24 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the pipeline axis."""
+        return self.num_stages // self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank holding ``stage``."""
+        return rank_of_stage(self.schedule, stage, self.ranks, self.virtual_stages)
+
+    def peak_rank(self) -> int:
+        """The pipeline rank whose peak is the plan's (the first of the highest)."""
+        peaks = {self.rank_of(s): stage.peak_memory_bytes for s, stage in enumerate(self.stages)}
+        return max(sorted(peaks), key=peaks.__getitem__)
+
+    def held_by(self, rank: int) -> set[str]:
+        """The parameters pipeline rank ``rank`` holds (those of its stages)."""
+        return {f for s, stage in enumerate(self.stages) if self.rank_of(s) == rank for f in stage.parameters}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,6 +211,11 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
     pipeline: PipelinePlan | None = None  # stages over a mesh axis, or None
     version: int = PLAN_FORMAT_VERSION
+
+    @property
+    def planning_s(self) -> float:
+        """Seconds the planning call took: its stages' ``timings`` add up to its wall time."""
+        return sum(self.timings.values())
 
     @property
     def microbatch_size(self) -> int:

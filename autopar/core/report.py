@@ -22,7 +22,7 @@ from autopar.core.units import fmt
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.plan import NodePlan, Plan, Prediction
 
-__all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band"]  # fmt re-exported from autopar.core.units
+__all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
 #: What a prediction rests on (``Prediction.basis``), as the report says it.
 BASES = {
@@ -78,7 +78,31 @@ class _ParamRow:
     count: int
     strategy: str
     storage: str
-    memory_bytes: float
+    memory_bytes: float | None        # per device (None: none of its parameters on the device reported)
+    stages: str = ""                  # the pipeline stages holding them
+
+
+class _Holding:
+    """Where a pipeline plan's parameters live, for a per-device parameter table: the stages
+    holding each, and the parameters of the one device the table reports (a device of the pipeline
+    rank of the peak). Without a pipeline every device holds every parameter."""
+
+    def __init__(self, plan: Plan) -> None:
+        p = plan.pipeline
+        self.rank = p.peak_rank() if p is not None else None
+        self.held = p.held_by(self.rank) if p is not None else None
+        self.stages: dict[str, list[int]] = {}
+        for k, stage in enumerate(p.stages if p is not None else ()):
+            for f in stage.parameters:
+                self.stages.setdefault(f, []).append(k)
+
+    def row(self, name: str, strategy: str, storage: str, ms: list[NodePlan]) -> _ParamRow:
+        """A row of ``ms``: their memory on the reported device, the stages holding them."""
+        fqns = [m.fqn or m.name for m in ms]
+        mine = [m for m, f in zip(ms, fqns) if self.held is None or f in self.held]
+        stages = _index_ranges([k for f in fqns for k in self.stages.get(f, [])]) if self.held is not None else ""
+        return _ParamRow(name, len(ms), strategy, storage, sum(m.memory_bytes for m in mine) if mine else None,
+                         stages)
 
 
 def _storage_text(n: NodePlan) -> str:
@@ -92,7 +116,7 @@ def _strategy_text(n: NodePlan) -> str:
     return re.sub(r" \(stored .*, gathered on use\)$", "", n.strategy)
 
 
-def _param_rows(params: list[NodePlan]) -> list[_ParamRow]:
+def _param_rows(params: list[NodePlan], holding: _Holding) -> list[_ParamRow]:
     """One row per layer pattern whose members all share a strategy, else one row per
     (pattern, strategy) with the layer indices spelled out (or per parameter)."""
     groups: dict[str, list[NodePlan]] = {}
@@ -105,17 +129,15 @@ def _param_rows(params: list[NodePlan]) -> list[_ParamRow]:
             by_choice.setdefault((_strategy_text(n), _storage_text(n)), []).append(n)
         if len(by_choice) == 1 or "*" not in pattern:
             for (strategy, storage), ms in by_choice.items():
-                name = pattern if len(ms) > 1 else (ms[0].fqn or ms[0].name)
-                rows.append(_ParamRow(name, len(ms), strategy, storage, sum(m.memory_bytes for m in ms)))
+                rows.append(holding.row(pattern if len(ms) > 1 else (ms[0].fqn or ms[0].name), strategy, storage, ms))
             continue
         for (strategy, storage), ms in by_choice.items():
             if pattern.count("*") == 1 and len(ms) > 1:
                 pos = pattern.split(".").index("*")
                 idx = [int((m.fqn or m.name).split(".")[pos]) for m in ms]
-                name = pattern.replace("*", f"[{_index_ranges(idx)}]")
-                rows.append(_ParamRow(name, len(ms), strategy, storage, sum(m.memory_bytes for m in ms)))
+                rows.append(holding.row(pattern.replace("*", f"[{_index_ranges(idx)}]"), strategy, storage, ms))
             else:
-                rows.extend(_ParamRow(m.fqn or m.name, 1, strategy, storage, m.memory_bytes) for m in ms)
+                rows.extend(holding.row(m.fqn or m.name, strategy, storage, [m]) for m in ms)
     return rows
 
 
@@ -160,21 +182,78 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     lines = [f"Pipeline over {p.axis}: {p.num_stages} stages on {ranks} ranks ({p.virtual_stages} per rank), "
              f"{p.schedule}, {p.num_microbatches} microbatches of {plan.microbatch_size} rows; predicted bubble "
              f"{100 * p.bubble_fraction:.1f}% of the busiest rank's step",
-             "  each stage runs the placements below on the other axes; times per microbatch; memory: its "
-             "rank's peak (all its stages, the microbatches in flight)"]
+             "  each stage runs the placements below on the other axes; times per microbatch; memory per device: "
+             "its parameters (with their gradients and optimizer states), its rank's peak (all its stages, the "
+             "microbatches in flight)"]
+    state = {n.fqn or n.name: n.memory_bytes for n in plan.nodes if n.op == "parameter"}
     rows = []
     for k, stage in enumerate(p.stages):
         modules = stage.modules[0] if len(stage.modules) == 1 else f"{stage.modules[0]} ... {stage.modules[-1]}"
-        rows.append([str(k), f"{stage.blocks[0]}-{stage.blocks[1] - 1}", modules, fmt(stage.forward_s, "s"),
-                     fmt(stage.backward_s, "s"), fmt(stage.peak_memory_bytes, "B")])
-    lines += _table(["stage", "blocks", "modules", "forward", "backward", "peak memory"], rows, right={3, 4, 5})
+        rows.append([str(k), str(p.rank_of(k)), f"{stage.blocks[0]}-{stage.blocks[1] - 1}", modules,
+                     fmt(stage.forward_s, "s"), fmt(stage.backward_s, "s"),
+                     fmt(sum(state.get(f, 0.0) for f in stage.parameters), "B"), fmt(stage.peak_memory_bytes, "B")])
+    lines += _table(["stage", "rank", "blocks", "modules", "forward", "backward", "parameters", "rank's peak"], rows,
+                    right={4, 5, 6, 7})
     return lines + [""]
 
 
+def _parameter_lines(plan: Plan, params: list[NodePlan], axes: str) -> list[str]:
+    """The parameters section: one row per layer pattern and choice, memory per device (under a
+    pipeline, a device of the peak's rank, with the stages holding each row)."""
+    holding = _Holding(plan)
+    rows = _param_rows(params, holding)
+    grouped = "" if len(rows) == len(params) else f", {len(rows)} rows: layers with the same choice share one"
+    where = "per device" if holding.rank is None else (
+        f"on one device of pipeline rank {holding.rank}, the rank of the peak ('-': held by other ranks only; "
+        f"each stage's share is in the pipeline table)")
+    lines = [f"Parameters ({len(params)}{grouped})",
+             f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d; "
+             f"memory = parameter + gradient + optimizer state {where}",
+             f"  strategy counts: {_counts(params)}"]
+    headers = ["parameter", "n", "strategy", "storage", "memory"] + (["stages"] if holding.rank is not None else [])
+    table = [[r.name, f"x{r.count}" if r.count > 1 else "", r.strategy, r.storage,
+              fmt(r.memory_bytes, "B") if r.memory_bytes is not None else "-"]
+             + ([r.stages] if holding.rank is not None else []) for r in rows]
+    return lines + _table(headers, table, right={1, 4}) + [""]
+
+
 def step_with_band(p: Prediction) -> str:
-    """The step time with the band validation runs found on its basis: "1.9 s (1.6-2.3 s)"."""
+    """The step time with the band validation runs found on its basis: "1.9 s (likely 1.6 s-2.3 s)"
+    (a band need not hold the prediction: runs on a basis may all take longer than predicted)."""
     band = p.band_s
-    return fmt(p.step_time_s, "s") + (f" ({fmt(band[0], 's')}-{fmt(band[1], 's')})" if band else "")
+    return fmt(p.step_time_s, "s") + (f" (likely {fmt(band[0], 's')}-{fmt(band[1], 's')})" if band else "")
+
+
+#: A part of the step below this share of it is said to be negligible, not given in nanoseconds.
+NEGLIGIBLE = 1e-3
+
+
+def _share(part: float, whole: float, digits: int = 0) -> str:
+    """``part`` as a percentage of ``whole``, a nonzero part too small to show as "under 0.1%"."""
+    if whole <= 0:
+        return "-"
+    share = 100 * part / whole
+    least = 10.0 ** -digits
+    return f"under {least:g}%" if 0 < share < least else f"{share:.{digits}f}%"
+
+
+def _step_parts(p: Prediction) -> str:
+    """What the step time is made of: compute, blocking communication, and the gradient
+    synchronisation queued during the backward with the part of it no compute hides."""
+    total = p.step_time_s
+    parts = [f"compute {fmt(p.compute_s, 's')} ({_share(p.compute_s, total)})",
+             f"blocking communication {fmt(p.comm_s, 's')} ({_share(p.comm_s, total)})" if p.comm_s > 0
+             else "no blocking communication"]
+    queued, exposed = p.overlapped_comm_s, p.exposed_comm_s
+    if queued <= 0:
+        parts.append("no gradient sync")
+    elif queued < NEGLIGIBLE * total:
+        parts.append(f"gradient sync negligible (under {NEGLIGIBLE:.1%} of the step)")
+    elif exposed < NEGLIGIBLE * total:
+        parts.append(f"gradient sync {fmt(queued, 's')} hidden under the backward")
+    else:
+        parts.append(f"exposed gradient sync {fmt(exposed, 's')} of {fmt(queued, 's')} queued during the backward")
+    return ", ".join(parts)
 
 
 def format_report(plan: Plan, top: int | None = 12) -> str:
@@ -210,13 +289,9 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
 
     # ------------------------------------------------------------------ prediction
     add("Predicted training step (forward + backward + optimizer, slowest device)")
-    total = p.step_time_s
-    share = (lambda x: f"{100 * x / total:.0f}%") if total > 0 else (lambda x: "-")
     lower_bound = " (a lower bound: see 'rests on')" if p.basis == "roofline" else ""
-    add(f"  step time       {step_with_band(p)}{lower_bound}  (compute {fmt(p.compute_s, 's')} {share(p.compute_s)}, "
-        f"blocking communication {fmt(p.comm_s, 's')} {share(p.comm_s)}, exposed gradient sync "
-        f"{fmt(p.exposed_comm_s, 's')} of {fmt(p.overlapped_comm_s, 's')} queued during the backward)")
-    used = f", {100 * p.peak_memory_bytes / plan.memory_budget:.1f}% of the budget" if plan.memory_budget > 0 else ""
+    add(f"  step time       {step_with_band(p)}{lower_bound}  ({_step_parts(p)})")
+    used = f", {_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the budget" if plan.memory_budget > 0 else ""
     add(f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}")
     if p.memory_breakdown:
         width = max(len(k) for k in p.memory_breakdown)
@@ -225,7 +300,7 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
     add(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
     if p.mfu > 0:
-        add(f"  utilisation     MFU {100 * p.mfu:.0f}%, HFU {100 * p.hfu:.0f}% (model FLOPs, and with recomputed "
+        add(f"  utilisation     MFU {_share(p.mfu, 1)}, HFU {_share(p.hfu, 1)} (model FLOPs, and with recomputed "
             f"forwards, over the devices' peak in the compute dtype)")
     add(f"  rests on        {BASES.get(p.basis, p.basis)}")
     add(f"  costs from      {p.cost_source or '?'}")
@@ -243,29 +318,20 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
             f"{s.get('constraints', '?')} constraints")
     if plan.timings:
         stages = ", ".join(f"{k} {fmt(v, 's')}" for k, v in plan.timings.items())
-        add(f"Planning time   {fmt(sum(plan.timings.values()), 's')} ({stages})")
+        add(f"Planning time   {fmt(plan.planning_s, 's')} ({stages})")
     limited = s.get("time_limit") if s else None
     if isinstance(limited, dict):
         cut = limited.get("cut_short") or []
-        add(f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}: "
-            + (f"it cut short {'; '.join(cut)} (another run may give another plan; raise time_limit)" if cut
-               else "nothing cut short (the same call gives the same plan)"))
+        add(f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}"
+            + (f", which cut short: {'; '.join(cut)} (another run may give another plan; raise time_limit)" if cut
+               else ": nothing cut short (the same call gives the same plan)"))
     if s or plan.timings:
         add("")
 
     # ------------------------------------------------------------------ parameters
     params = [n for n in plan.nodes if n.op == "parameter"]
     if params:
-        rows = _param_rows(params)
-        grouped = "" if len(rows) == len(params) else f", {len(rows)} rows: layers with the same choice share one"
-        add(f"Parameters ({len(params)}{grouped})")
-        add(f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d; "
-            "memory = parameter + gradient + optimizer state per device")
-        add(f"  strategy counts: {_counts(params)}")
-        table = [[r.name, f"x{r.count}" if r.count > 1 else "", r.strategy, r.storage, fmt(r.memory_bytes, "B")]
-                 for r in rows]
-        out.extend(_table(["parameter", "n", "strategy", "storage", "memory"], table, right={1, 4}))
-        add("")
+        out.extend(_parameter_lines(plan, params, axes))
 
     # ------------------------------------------------------------------ ops
     ops = [n for n in plan.nodes if n.op not in ("parameter", "input", "buffer", "output")]
@@ -300,6 +366,50 @@ def format_report(plan: Plan, top: int | None = 12) -> str:
     else:
         add("Warnings: none (every op has a sharding rule)")
     return "\n".join(out)
+
+
+#: What a prediction rests on, in a few words (``summary``).
+SHORT_BASES = {"profile": "from times measured on this host", "first-profile": "from times measured on this host",
+               "tables": "from the preset's efficiency tables", "roofline": "(an uncalibrated roofline: a lower bound)"}
+
+
+def summary(plan: Plan) -> list[str]:
+    """A few lines on ``plan`` for the log (``compile`` says them): what was chosen, the predicted
+    step and peak memory, and where the whole report is."""
+    p = plan.predicted
+    params = [n for n in plan.nodes if n.op == "parameter"]
+    counts = Counter(_strategy_text(n) for n in params).most_common()
+    placed = ", ".join(f"{label} {c}" for label, c in counts[:3]) + (", ..." if len(counts) > 3 else "")
+    over = "" if plan.feasible else f", {fmt(plan.shortfall_bytes, 'B')} OVER the budget"
+    return [f"{plan.model_name} on {plan.mesh.describe()} runs {_chosen(plan)}: parameters {placed} (of "
+            f"{len(params)}){_knobs(plan)}",
+            f"predicted step {step_with_band(p)} {SHORT_BASES.get(p.basis, p.basis)}; peak memory "
+            f"{fmt(p.peak_memory_bytes, 'B')} per device ({_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the "
+            f"{fmt(plan.memory_budget, 'B')} budget{over})",
+            f"planned in {fmt(plan.planning_s, 's')}; the module's plan.report() explains every choice"]
+
+
+def _chosen(plan: Plan) -> str:
+    """Which plan: the solver's, or a hand plan (kept by the planner, or given)."""
+    kept = plan.solver.get("kept_hand_plan")
+    if plan.name != "auto":
+        return f"the hand plan {plan.name!r}"
+    return f"the hand plan {kept!r} (the solver's plan did not beat it)" if kept else "the solver's plan"
+
+
+def _knobs(plan: Plan) -> str:
+    """The memory knobs the plan turns: pipeline, microbatches, recomputation, offload."""
+    said = []
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        said.append(f"a pipeline of {pp.num_stages} stages over {pp.axis} ({pp.schedule})")
+    if plan.microbatches > 1:
+        said.append(f"{plan.microbatches} microbatches of {plan.microbatch_size} rows")
+    if plan.recompute:
+        said.append(f"{plan.recompute_mode} recomputation of {len(plan.recompute)} blocks")
+    if plan.offloaded:
+        said.append(f"the optimizer states of {len(plan.offloaded)} parameters in host memory")
+    return "".join(f"; {s}" for s in said)
 
 
 def _counts(nodes: list[NodePlan]) -> str:

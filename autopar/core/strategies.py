@@ -263,7 +263,7 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
         msg = (f"in-place writes ({', '.join(ops)}): the {len(written)} values they write or alias run replicated "
                "(a write reaches every alias only in one local tensor)")
         warnings.append(msg)
-        log.info("autopar: %s", msg)
+        log.debug("autopar: %s", msg)
     for op, count in sorted(unknown.items()):
         msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
         warnings.append(msg)

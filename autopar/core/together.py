@@ -30,6 +30,11 @@ def one_process() -> bool:
             or dist.get_backend() == "fake")
 
 
+def first_rank() -> bool:
+    """Is this the job's rank 0 (or its only process), the one that tells the user what runs?"""
+    return one_process() or dist.get_rank() == 0
+
+
 def together(step: str, fn: Callable[[], T]) -> T:
     """``fn()`` on every rank; if it raised on any rank, raise on all (``step``: what it does, for
     the message). Every rank of the default process group must call it with the same ``step``."""

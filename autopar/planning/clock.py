@@ -11,15 +11,21 @@ layout's) that never reaches past its parent's.
 Work that cannot be stopped once begun (a capture, an ILP build, a pipeline schedule's
 simulation) is only begun where the deadline ``affords`` it, judged by the last time the same
 kind of work took (``Clock.estimate``); a solve is stopped by the solver's own time limit.
+
+The clock is also what the call tells the user while it runs: ``Clock.shown`` draws a status line
+(``autopar.core.progress``) for the call, each stage and each ``doing`` says what it does on it
+(and, with ``autopar -v``, in the log with its seconds).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from autopar.core import progress
 from autopar.core.errors import PlanningTimeout
 
 #: Share of the time limit kept after the search's deadline for what runs past it: turning the
@@ -30,6 +36,11 @@ RESERVE = 0.06
 #: the polished hint and let the solver try to beat it), granted only while the whole search's
 #: deadline has not passed: past it, no solve begins.
 MIN_SOLVE_S = 0.25
+#: What each stage of ``Clock.stage`` (and of a planning problem, ``problem._stage``) does, as the
+#: status line and the log say it.
+STAGES = {"capture": "capturing the model (torch.export)", "strategies": "listing the strategies",
+          "costs": "pricing the strategies", "ilp": "building the ILP", "hand plans": "costing the hand plan",
+          "solve": "solving the plan", "pipeline schedules": "simulating the pipeline schedule"}
 
 
 @dataclass
@@ -43,6 +54,7 @@ class Clock:
     timings: dict[str, float] = field(default_factory=dict)
     took: dict[str, float] = field(default_factory=dict)
     cut_short: list[str] = field(default_factory=list)
+    line: progress.StatusLine | None = None   # the call's status line, while ``shown``
 
     def __post_init__(self) -> None:
         if self.start is None:
@@ -62,12 +74,30 @@ class Clock:
         return self.now() - self.start
 
     @contextmanager
-    def stage(self, name: str, kind: str | None = None) -> Iterator[None]:
+    def shown(self, title: str, show: bool = True) -> Iterator[Clock]:
+        """The call, with a status line saying ``title``, its seconds and what is left of the limit
+        (where ``show`` and ``progress.shown`` allow)."""
+        with progress.working(title, progress=show, start=self.start, limit=self.limit, now=self.now) as line:
+            self.line = line
+            try:
+                yield self
+            finally:
+                self.line = None
+
+    def doing(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """``what`` runs for the block (on the status line; logged with its seconds), not timed:
+        the stages inside it are."""
+        return progress.doing(what, self.line)
+
+    @contextmanager
+    def stage(self, name: str, kind: str | None = None, what: str | None = None) -> Iterator[None]:
         """Time a stage into ``timings[name]`` (and its duration into ``took[kind]``: the estimate
-        of the next work of that kind), even where it raises."""
+        of the next work of that kind), even where it raises; ``what`` it does is said
+        (``doing``; default: ``STAGES[name]``)."""
         t0 = self.now()
         try:
-            yield
+            with self.doing(what or STAGES.get(name, name)):
+                yield
         finally:
             seconds = self.now() - t0
             self.timings[name] = self.timings.get(name, 0.0) + seconds
@@ -157,6 +187,6 @@ class Once:
             if deadline is not None and not deadline.affords_kind(self.stage):
                 raise PlanningTimeout(f"no time was left for the {self.stage} of {key} microbatches "
                                       f"(the last took {self.clock.estimate(self.stage):.1f} s)")
-            with self.clock.stage(self.stage, self.stage):
+            with self.clock.stage(self.stage, self.stage, f"capturing one of {key} microbatches"):
                 self.done[key] = self.work(key)
         return self.done[key]

@@ -80,7 +80,10 @@ class PlanOptions:
     first axis of a mesh of two or more against the plans without (kept where predicted faster by
     ``min_gain``), False never; a ``PipelineChoice`` (or a dict of its fields, or a schedule's
     class name) makes the plan a pipeline with the axis, schedule, microbatches and stages per
-    rank it names (its "auto" fields chosen by the planner).
+    rank it names (its "auto" fields chosen by the planner). ``progress``: while planning, a status
+    line on stderr says what runs, for how long and what is left of ``time_limit`` (rank 0, where
+    stderr is a terminal, unless the environment sets ``AUTOPAR_PROGRESS=0``:
+    ``autopar.core.progress``); False draws none.
     """
 
     memory_budget: float | None = None
@@ -98,6 +101,7 @@ class PlanOptions:
     recompute: str = "auto"
     offload: str = "auto"
     pipeline: bool | str | PipelineChoice | dict = "auto"
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:

@@ -95,7 +95,8 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
         finals.append(sum(_final_s(stages[s], after) for s in held[r]))
     rank_of = {s: r for r, ss in held.items() for s in ss}
     stage_plans = tuple(StagePlan(blocks=s.blocks, modules=s.modules, forward_s=c.forward_s, backward_s=c.backward_s,
-                                  peak_memory_bytes=peaks[rank_of[k]])
+                                  peak_memory_bytes=peaks[rank_of[k]],
+                                  parameters=tuple(n.fqn for n in s.nodes if n.op == "parameter"))
                         for k, (s, c) in enumerate(zip(stages, step_costs)))
     worst = max(range(ranks), key=peaks.__getitem__)
     p = stage_plan.predicted
@@ -109,7 +110,7 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
         exposed_comm_s=p.exposed_comm_s / ranks,
         memory_breakdown={"state": state, "activations": step.peak_activation_bytes[worst], "working": working},
         peak_at=f"pipeline rank {worst} (stage {', '.join(map(str, held[worst]))}), "
-                f"{step.peak_in_flight[worst]} microbatch(es) in flight",
+                + _in_flight(step.peak_in_flight[worst], microbatches, per_rank),
         cost_source=p.cost_source, basis=p.basis, band_low=p.band_low, band_high=p.band_high,
         model_flops=p.model_flops, hardware_flops=p.hardware_flops, peak_flops=p.peak_flops * ranks)
     pipeline = PipelinePlan(axis=mesh.axis_names[axis], schedule=schedule, num_microbatches=microbatches,
@@ -121,6 +122,15 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
                    shortfall_bytes=max(0.0, peaks[worst] - budget), pipeline=pipeline,
                    batch_size=stage_plan.microbatch_size * microbatches, microbatches=microbatches,
                    solver=dict(stage_plan.solver), timings=dict(stage_plan.timings))
+
+
+def _in_flight(count: int, microbatches: int, per_rank: int) -> str:
+    """A rank's activations in flight at its peak: ``count`` microbatches' on one stage (of the
+    step's ``microbatches``), or stage-microbatch pairs' over its ``per_rank`` stages."""
+    if per_rank == 1:
+        return f"the activations of {count} of the {microbatches} microbatches in flight"
+    return (f"the activations of {count} microbatches in flight over its {per_rank} stages (at most "
+            f"{microbatches} on each)")
 
 
 def _cut(plan: Plan, graph: fx.Graph, blocks: Sequence[Block], count: int) -> list[_Stage]:
@@ -339,22 +349,23 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         # once); no hand plans: they stand for the stage plans of the Megatron plans it is compared with
         stage_options = replace(options, pipeline=False, microbatches=m, memory_budget=budget * ranks, recompute=mode,
                                 hand_plans=False, profile=profile)
-        try:
-            micro = captured if m == 1 else recapture(m, deadline)   # a capture the first time
-            started = deadline.clock.now()   # ``took``: what an attempt takes once captured
-            stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options,
-                                    deadline.share(1 / min(count - i, 2)))
-        except (InfeasibleError, PlanningTimeout) as e:
-            tried[where] = f"no stage plan: {e}"
-            continue
-        for key, plan in _schedules(stage_plan, micro, shaped, axis, choice, budget, captured.fingerprint, profile,
-                                    deadline):
-            tried[f"{key}, {where}"] = _told(plan)
-            if isinstance(plan, str):
+        with deadline.clock.doing(f"pipeline layout {where}"):
+            try:
+                micro = captured if m == 1 else recapture(m, deadline)   # a capture the first time
+                started = deadline.clock.now()   # ``took``: what an attempt takes once captured
+                stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options,
+                                        deadline.share(1 / min(count - i, 2)))
+            except (InfeasibleError, PlanningTimeout) as e:
+                tried[where] = f"no stage plan: {e}"
                 continue
-            fitted.update([layout] if plan.feasible else [])
-            if best is None or _ranked(plan) > _ranked(best):
-                best = plan
+            for key, plan in _schedules(stage_plan, micro, shaped, axis, choice, budget, captured.fingerprint,
+                                        profile, deadline):
+                tried[f"{key}, {where}"] = _told(plan)
+                if isinstance(plan, str):
+                    continue
+                fitted.update([layout] if plan.feasible else [])
+                if best is None or _ranked(plan) > _ranked(best):
+                    best = plan
         took = deadline.clock.now() - started
     if best is None:
         raise InfeasibleError("no pipeline plan: " + "; ".join(f"{k}: {v}" for k, v in tried.items()),
@@ -432,7 +443,7 @@ def _schedules(stage_plan: Plan, micro: CapturedGraph, mesh: MeshSpec, axis: int
             continue
         started = clock.now()
         try:
-            with clock.stage("pipeline schedules"):
+            with clock.stage("pipeline schedules", what=f"simulating {schedule} x{virtual}"):
                 plan: Plan | str = pipelined(stage_plan, micro, mesh, axis, schedule, virtual, budget, fingerprint,
                                              profile)
         except AutoparError as e:

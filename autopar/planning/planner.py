@@ -7,6 +7,7 @@ predicted faster by ``PlanOptions.min_gain``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass, replace
 
@@ -58,19 +59,21 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     (``SPMD_SHARE``), and keeps it where predicted faster by ``min_gain``; its plan's mesh then
     cuts the first axis in two (``mesh.split_first_axis``: ``compile`` re-forms a live mesh so).
 
-    ``clock``: the call's ``Clock`` where it began before (``autopar.plan``'s capture counts);
+    ``clock``: the call's ``Clock`` where it began before (``autopar.plan``'s capture counts; it
+    shows the call's status line), else one of its own, shown where ``options.progress`` says;
     ``options.time_limit`` bounds the whole call on it (``autopar.planning.clock``). The plan's
     ``timings`` add up to the call's wall time; ``solver["time_limit"]`` says what the limit cut
     short, where it did (another run may then give another plan)."""
-    clock = clock or Clock(options.time_limit)
     whole_batch = whole_batch_state(captured)
     if whole_batch:   # batch statistics, buffer writes: never in parts of the batch
         refuse_split_steps(captured.model_name, whole_batch, _in_parts(options),
                            'Plan it with microbatches=1 and pipeline=False (or "auto", which then plans the whole '
                            "batch); where that does not fit, give it more memory or a smaller batch.")
         recapture = None
-    plan = _planned(captured, mesh, options, clock.deadline(), forced,
-                    Once(recapture, clock, "capture") if recapture is not None else None, Problems())
+    shown = Clock(options.time_limit).shown("planning", options.progress) if clock is None else nullcontext(clock)
+    with shown as clock:
+        plan = _planned(captured, mesh, options, clock.deadline(), forced,
+                        Once(recapture, clock, "capture") if recapture is not None else None, Problems())
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "cut_short": list(clock.cut_short)}
@@ -516,7 +519,7 @@ class _Search:
         space = self.problems.space(captured, self.mesh) if not self.forced else None
         planning = prepare(captured, self.mesh, self.options, forced=self.forced, microbatches=k,
                            whole=self.captured if k > 1 else None, recompute=recompute, offload=self.offload,
-                           space=space)
+                           space=space, clock=self.clock)
         self.clock.took["prepare"] = self.clock.now() - started
         self.clock.add(planning.timings)
         if not self.forced:
@@ -630,9 +633,10 @@ def _renamed(hand: Plan, name: str, solved: Plan, min_gain: float) -> Plan:
     """The hand plan, kept as the auto plan because the solver's plan does not fit the budget or
     is not predicted faster by ``min_gain`` under the exact schedule."""
     gain = 1 - solved.predicted.step_time_s / hand.predicted.step_time_s
+    than = (f"as fast as {hand.name!r}" if abs(gain) < 5e-4 else
+            f"{abs(gain):.1%} {'faster' if gain > 0 else 'slower'} than {hand.name!r}")
     why = (f"exceeds the memory budget by {fmt(solved.shortfall_bytes, 'B')}" if not solved.feasible else
-           f"({fmt(solved.predicted.step_time_s, 's')}) was predicted {abs(gain):.1%} "
-           f"{'faster' if gain > 0 else 'slower'} than {hand.name!r} ({fmt(hand.predicted.step_time_s, 's')}) "
+           f"({fmt(solved.predicted.step_time_s, 's')}) was predicted {than} ({fmt(hand.predicted.step_time_s, 's')}) "
            f"under the exact schedule, not the {min_gain:.0%} (min_gain) worth leaving a standard plan for")
     note = f"the solver's plan {why}: keeping the hand plan {hand.name!r}"
     return replace(hand, name=name, warnings=[*hand.warnings, note], solver={**solved.solver, "kept_hand_plan": hand.name})

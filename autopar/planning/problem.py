@@ -24,7 +24,8 @@ from autopar.core.plan import NodePlan, Plan, Prediction
 from autopar.planning.shrink import Grouping, group
 from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
 from autopar.core.units import fmt
-from autopar.planning.clock import Deadline
+from autopar.core.progress import StatusLine, doing
+from autopar.planning.clock import STAGES, Clock, Deadline
 from autopar.planning.options import PlanOptions
 from cost_models.confidence import band_of, basis_of, step_flops
 from cost_models.estimate import Cost, CostModel, get_optimizer
@@ -46,14 +47,23 @@ CUTS = 8
 MAX_MEMORY_REPAIRS = 4
 
 @contextmanager
-def _stage(timings: dict[str, float], name: str) -> Iterator[None]:
-    log.info("autopar: %s...", name)
+def _stage(timings: dict[str, float], name: str, line: StatusLine | None, what: str) -> Iterator[None]:
+    """Time a stage of a planning problem into ``timings[name]`` (the caller adds them to the
+    call's clock), saying ``what`` it does (on ``line``, the call's status line, and the log)."""
     t0 = time.perf_counter()
     try:
-        yield
+        with doing(f"{STAGES.get(name, name)} {what}", line):
+            yield
     finally:   # a stage that raised (an infeasible hand plan) took its time too
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
-    log.info("autopar: %s done in %.2f s", name, timings[name])
+
+
+def _subject(microbatches: int, recompute: dict[str, str], offload: bool) -> str:
+    """What a problem plans, as progress says it: "of 4 microbatches, 32 blocks recomputed"."""
+    said = "of the whole batch" if microbatches == 1 else f"of one of {microbatches} microbatches"
+    if recompute:
+        said += f", {len(recompute)} blocks recomputed ({next(iter(recompute.values()))})"
+    return said + (", optimizer offloaded" if offload else "")
 
 
 @dataclass
@@ -89,7 +99,7 @@ class Planning:
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
             timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
             microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str | dict[str, str] = "none",
-            offload: bool = False, space: StrategySpace | None = None) -> Planning:
+            offload: bool = False, space: StrategySpace | None = None, clock: Clock | None = None) -> Planning:
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
     nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
     step (see ``CostModel``) of the batch ``whole`` was captured at; ``recompute``: "full"
@@ -97,16 +107,19 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
     (block path -> mode) the blocks it names; ``offload``: ZeRO-2/3 parameters keep their
     state in host memory; ``space``: ``build_space(captured, mesh)`` built before, for another
     problem of the same graph (recomputation, offload and the budget do not change it; not with
-    ``forced``, which narrows it)."""
+    ``forced``, which narrows it); ``clock``: the planning call's, whose status line says what
+    runs."""
     timings = dict(timings or {})
-    with _stage(timings, "strategies"):
+    blocks = recompute if isinstance(recompute, dict) else recompute_modes(captured.graph, recompute)
+    what, line = _subject(microbatches, blocks, offload), clock.line if clock is not None else None
+    with _stage(timings, "strategies", line, what):
         if space is not None and not forced:   # its own warnings: the cost model adds to them
             space = replace(space, warnings=list(space.warnings))
         else:
             space = build_space(captured, mesh)
             if forced:
                 _force(space, forced)
-    with _stage(timings, "costs"):
+    with _stage(timings, "costs", line, what):
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
                           microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision,
@@ -115,12 +128,11 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
                             accumulating=microbatches > 1)
         budget = options.device_budget(mesh.hardware)
         cuts = timeline.cuts(CUTS)
-    with _stage(timings, "ilp"):
+    with _stage(timings, "ilp", line, what):
         problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, options.share_layers)
-        log.info("autopar: %s", grouping.describe(len(space.nodes)))
+        log.debug("autopar: %s", grouping.describe(len(space.nodes)))
     return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings,
-                    microbatches, (whole or captured).fingerprint,
-                    recompute if isinstance(recompute, dict) else recompute_modes(captured.graph, recompute))
+                    microbatches, (whole or captured).fingerprint, blocks)
 
 
 def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
@@ -148,7 +160,10 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
             if attempt == 0:
                 raise PlanningTimeout(f"no time was left to solve the {name!r} plan")
             break
-        with _stage(planning.timings, stage):   # the deadline covers every solve of the repair loop together
+        said = f"{name!r} " + _subject(planning.microbatches, planning.recompute, planning.model.offload) \
+            + (f" (memory repair {attempt})" if attempt else "")
+        # the deadline covers every solve of the repair loop together
+        with _stage(planning.timings, stage, deadline.clock.line if deadline is not None else None, said):
             solution = _solve(restrict(problem, allowed), seconds, planning.captured.precision)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
             plan, sim = _make_plan(planning, choices, solution, name)
@@ -161,7 +176,8 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
             if limit is not None and peak > limit and out_of_time and attempt < MAX_MEMORY_REPAIRS:
                 deadline.clock.note(f"the {name!r} plan's memory repairs")
             break
-        log.info("autopar: predicted peak %s at %s exceeds the budget; solving again", peak, plan.predicted.peak_at)
+        log.debug("autopar: the %r plan's predicted peak %s at %s exceeds the budget; solving again", name,
+                  fmt(peak, "B"), plan.predicted.peak_at)
         if sim.peak_position not in cuts:
             cuts = sorted(set(cuts) | {sim.peak_position})
             problem = replace(problem, memory_rows=planning.timeline.memory_rows(planning.grouping.owner,
@@ -175,7 +191,14 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
 
 
 def _percent(gap: float | None) -> str:
-    return "unknown" if gap is None else f"{100 * gap:.2f}%"
+    """A solve's relative gap; one past ``BIG_GAP`` (the bound near 0, nothing proven) said so."""
+    if gap is None:
+        return "unknown"
+    return f"{100 * gap:.2f}%" if gap < BIG_GAP else f"over {BIG_GAP:.0%}: the bound proves nothing yet"
+
+
+#: A relative gap past which its figure says nothing (the solver's bound still near 0).
+BIG_GAP = 10.0
 
 
 def _solve(problem: Problem, time_limit: float | None, precision: str) -> Solution:

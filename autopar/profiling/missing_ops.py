@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph
 from autopar.core.mesh import MeshSpec
+from autopar.core.progress import note, say, working
 from autopar.core.strategies import build_space
 from autopar.core.together import one_process, together
 from cost_models.comm import COLLECTIVE_KINDS
@@ -62,11 +62,7 @@ FIRST_PROFILE_ENV = "AUTOPAR_MEASURE_FIRST_PROFILE"
 
 def show_progress(line: str) -> None:
     """``compile``'s progress while it measures: one line to stderr (rank 0 only calls it)."""
-    print(f"autopar: {line}", file=sys.stderr, flush=True)
-
-
-def _log_progress(line: str) -> None:
-    log.info("autopar: %s", line)
+    say(f"autopar: {line}")
 
 
 def measure_missing_ops(workloads: Sequence[tuple[CapturedGraph, MeshSpec]], profile: Profile | None,
@@ -97,8 +93,8 @@ def measure_missing_ops(workloads: Sequence[tuple[CapturedGraph, MeshSpec]], pro
             "`autopar profile --model` does it ahead of time)...")
     t0 = time.perf_counter()
     fingerprint = local_fingerprint(spec)
-    times = time_on_every_rank(calls, fingerprint, _log_progress if say is not None else None,
-                               min_time_s=COMPILE_MIN_TIME_S)
+    with working(f"timing {most} op calls the profile lacks"):   # the status line: rank 0 only
+        times = time_on_every_rank(calls, fingerprint, note if say is not None else None, min_time_s=COMPILE_MIN_TIME_S)
     path = None
     if profile is not None and profile.fingerprint == fingerprint:
         profile.merge(Profile(fingerprint, times))
@@ -131,8 +127,9 @@ def measure_host(mesh: DeviceMesh, spec: MeshSpec, profile: Profile | None,
         say(f"{'no profile of this host' if profile is None else 'the profile of this host lacks ' + ', '.join(need)} "
             f"for {spec.size} processes yet: measuring on all {spec.size} ranks at once, once "
             f"(cached in {path}; `autopar profile` adds in-step calibration)...")
-    measured = together("measuring this host's collectives and overheads",
-                        lambda: Profile(fingerprint, **_measure_host_parts(mesh, need, say)))
+    with working(f"measuring this host's {' and '.join(need)}"):
+        measured = together("measuring this host's collectives and overheads",
+                            lambda: Profile(fingerprint, **_measure_host_parts(mesh, need, say)))
     if _rank() == 0:
         _save(measured, path)
     if profile is None or profile.fingerprint != fingerprint:

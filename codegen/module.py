@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
+from codegen.outputs import handed_over, settle
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
@@ -167,9 +168,9 @@ class ShardedModule(nn.Module):
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""
         forward, flat = self._forward_of(args, kwargs, self._outputs)
         counts = forward.loss.counts([(flat, batch_size(args, kwargs))]) if forward.code.counts_loss else None
-        runtime.wait_handed_over()
-        outputs = runtime.handed_over(self._run(forward, flat, counts[0] if counts else None))
-        return pytree.tree_unflatten(list(outputs), forward.out_spec)
+        settle()
+        flat_out = handed_over(self._run(forward, flat, counts[0] if counts else None))
+        return pytree.tree_unflatten(list(flat_out), forward.out_spec)
 
     def _run(self, forward: Forward, flat: list[Any], loss_count: float | torch.Tensor | None) -> tuple:
         """One generated forward on these flattened inputs: its flat outputs. ``loss_count``: the
@@ -189,7 +190,7 @@ class ShardedModule(nn.Module):
         over ranks in a gradient bucket's all-reduce (``GradSync.carry``) and read after the last
         backward. The other outputs are not gathered (whatever ``gather_outputs``): nothing reads
         them (``OutputMode`` "loss")."""
-        runtime.wait_handed_over()
+        settle()
         parts = split(args, kwargs, self.plan.microbatch_size)
         forwards = [(*self._forward_of(a, k, "loss"), batch_size(a, k)) for a, k in parts]
         if len(parts) > 1:

@@ -13,17 +13,26 @@ every op waits for the value first (as ``AsyncCollectiveTensor`` does). Its coll
 c10d's asynchronous ops, not functional ones: an output nobody reads drops its work with it,
 where a functional collective never waited for stays registered, holding its buffers, and warns
 at exit ("unwaited collective calls").
+
+No collective stays in flight past its step: every one launched into an output is waited for
+(``settle``) when the backward through the loss ends, when the next step starts, at once where
+grad is disabled (an evaluation: no backward follows), and at exit. A process group destroyed
+under a collective still running aborts the process (gloo: "terminate called without an active
+exception").
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
@@ -32,16 +41,67 @@ _METADATA_ONLY = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.de
                   torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default}
 
 
-class _Cell:
-    """The value a collective is producing: ``finish`` waits for it and makes it, once."""
+#: the waits of collectives launched into outputs and not waited for yet (``settle``)
+_IN_FLIGHT: list[Callable[[], Any]] = []
 
-    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
-        self._finish: Callable[[], torch.Tensor] | None = finish
+
+def settle() -> None:
+    """Wait for every collective launched into an output so far (long done, at a step's end)."""
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop()()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """Settle, then free what cycles hold before the interpreter tears down: outputs and their
+    autograd records freed that late, after the process group, now and then aborted a gloo
+    process as it ended ("terminate called without an active exception")."""
+    try:
+        settle()
+    except Exception:  # noqa: BLE001 - its process group is gone: nothing is on its way
+        _IN_FLIGHT.clear()
+    gc.collect()
+
+
+def handed_over(values: Sequence[Any]) -> Sequence[Any]:
+    """``values``, a forward's outputs (or a step's loss), as handed to the caller: a functional
+    collective still on its way into one (the paths ``Pending`` does not take) is waited for with
+    the others (``settle``); all of them at once where grad is disabled (no backward follows)."""
+    for value in values:
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if isinstance(local, funcol.AsyncCollectiveTensor) and not local.completed:
+            _IN_FLIGHT.append(lambda elem=local.elem: funcol.wait_tensor(elem))
+    if not torch.is_grad_enabled():
+        settle()
+    return values
+
+
+def _launch(work: Any, make: Callable[[], torch.Tensor]) -> _Cell:
+    """The value ``make`` makes once ``work``, a c10d collective just launched, is done; the work
+    counted in flight until ``settle``."""
+    cell = _Cell(work, make)
+    _IN_FLIGHT.append(cell.wait)
+    return cell
+
+
+class _Cell:
+    """A value on its way: ``work``'s collective, then ``make`` makes the value, once. The work is
+    let go as soon as it is waited for: one kept by an output that outlives the process group
+    could abort the process at exit."""
+
+    def __init__(self, work: Any, make: Callable[[], torch.Tensor]) -> None:
+        self._work, self._make = work, make
         self._value: torch.Tensor | None = None
 
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
     def value(self) -> torch.Tensor:
-        if self._finish is not None:
-            self._value, self._finish = self._finish(), None
+        if self._make is not None:
+            self.wait()
+            self._value, self._make = self._make(), None
         return self._value
 
 
@@ -100,6 +160,7 @@ class _Launched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        torch.autograd.Variable._execution_engine.queue_callback(settle)   # when this backward ends
         return ctx.backward_fn(grad), None, None, None
 
 
@@ -108,13 +169,8 @@ def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Backward: each summand's gradient is the sum's (Megatron's reduce from the model-parallel
     region)."""
     buffer = x.detach().clone()
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return buffer
-
-    return _Launched.apply(x, _Cell(finish), tuple(x.shape), lambda grad: grad)
+    cell = _launch(dist.all_reduce(buffer, group=group, async_op=True), lambda: buffer)
+    return _Launched.apply(x, cell, tuple(x.shape), lambda grad: grad)
 
 
 def gatherable(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> bool:
@@ -142,13 +198,9 @@ def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape
     local = x.detach().contiguous()
     ranks = dist.get_world_size(group)
     flat = torch.empty(ranks * local.numel(), dtype=local.dtype, device=local.device)
-    work = dist.all_gather_single(flat, local.view(-1), group=group, async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return _assembled(flat.view(ranks, *local.shape), mesh, have, split, shape)
-
-    return _Launched.apply(x, _Cell(finish), tuple(shape), backward)
+    cell = _launch(dist.all_gather_single(flat, local.view(-1), group=group, async_op=True),
+                   lambda: _assembled(flat.view(ranks, *local.shape), mesh, have, split, shape))
+    return _Launched.apply(x, cell, tuple(shape), backward)
 
 
 def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], split: Sequence[int],

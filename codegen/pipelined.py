@@ -39,6 +39,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
+from codegen.outputs import handed_over, settle
 from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
 from autopar.core.loss_weights import loss_weighting
@@ -159,7 +160,7 @@ class PipelinedModule(ShardedModule):
         """Forward and backward of one step over the global batch, through the schedule; leaves
         the gradients ready for ``optimizer.step()`` and returns the batch's loss on every rank
         (sent from the last stage as the step ends, waited for where first read)."""
-        runtime.wait_handed_over()
+        settle()
         flat = self._flat(args, kwargs)
         rows = batch_size(args, kwargs)
         n = self.plan.pipeline.num_microbatches
@@ -188,7 +189,7 @@ class PipelinedModule(ShardedModule):
             loss = runtime.all_reduce(loss.reshape(1), self._stage_mesh, self._code.loss_summed_over).reshape(())
         # launched, read when the caller reads it (a functional collective): the step does not wait
         sent = funcol.broadcast(loss, self._stage_rank(self.plan.pipeline.num_stages - 1), self._pp_group)
-        return runtime.handed_over([sent])[0]
+        return handed_over([sent])[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's unsharded state dict on every rank: each pipeline rank's stages',

@@ -12,7 +12,6 @@ plan that replicates every parameter (data parallelism) keeps them plain tensors
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import math
@@ -477,39 +476,6 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.
     for axis in axes:
         x = funcol.all_reduce(x, "sum", (mesh, axis))
     return x
-
-
-#: Collectives into outputs handed to the caller unwaited (``handed_over``): waited for when the
-#: next step starts (long done by then) or when the process ends.
-_HANDED_OVER: list[torch.Tensor] = []
-
-
-def handed_over(values: Sequence[Any]) -> Sequence[Any]:
-    """``values``, a forward's outputs (or a step's loss), as handed to the caller. A collective
-    still on its way into one (the loss's sum over ranks, a gathered output) is waited for now
-    where no backward follows (grad disabled: an evaluation), else when the next step starts or the
-    process ends (``wait_handed_over``): a training forward does not wait for its loss, and an
-    output nobody reads does not end the process with its collective unwaited (torch warns then)."""
-    for value in values:
-        local = value._local_tensor if isinstance(value, DTensor) else value
-        if isinstance(local, funcol.AsyncCollectiveTensor) and not local.completed:
-            if torch.is_grad_enabled():
-                _HANDED_OVER.append(local.elem)   # the tensor the collective writes, without autograd
-            else:
-                local.trigger_wait()
-    return values
-
-
-@atexit.register
-def wait_handed_over() -> None:
-    """Wait for the collectives into outputs handed over before (``handed_over``); a no-op for those
-    the caller has read. At exit, a process group already destroyed leaves nothing to wait for."""
-    while _HANDED_OVER:
-        tensor = _HANDED_OVER.pop()
-        try:
-            funcol.wait_tensor(tensor)
-        except Exception:  # noqa: BLE001 - its process group is gone: no collective is on its way
-            pass
 
 
 class Launched:

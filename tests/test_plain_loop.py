@@ -23,7 +23,7 @@ def _pending(value: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, list[i
     def finish() -> torch.Tensor:
         waits.append(1)
         return value
-    return _Launched.apply(x, _Cell(finish), tuple(value.shape), lambda grad: grad * 2), waits
+    return _Launched.apply(x, _Cell(None, finish), tuple(value.shape), lambda grad: grad * 2), waits
 
 
 def test_pending_waits_only_when_read():

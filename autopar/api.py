@@ -56,8 +56,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     Without ``plan``, plans first with ``options``/``option_values`` (``autopar.PlanOptions``).
     ``bucket_bytes``: size of the buckets gradients are all-reduced in during the backward.
     The module returns outputs as the plan says (``gather_outputs``, a planning option): whole on
-    every rank by default; a training loop that reads only the loss should plan with
-    ``gather_outputs=False`` (DTensor outputs, no gather of the logits every step).
+    every rank by default, their collectives launched in the forward and waited for where first
+    read (``codegen.outputs``), so a loop that reads only the loss does not wait for the logits.
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
     this rank's shard, under the original names (plain tensors, as under DDP, when the plan

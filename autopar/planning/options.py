@@ -43,11 +43,10 @@ class PlanOptions:
     fits; the plan's ``solver["hand_plans"]`` lists them. ``min_gain``: the solver's plan is
     returned only if predicted at least this fraction faster than the best fitting hand plan
     (else that hand plan, saying so). ``gather_outputs``: the compiled module returns every output
-    whole on every rank, as the single-device model does (priced: a gather per split output);
-    False returns them as DTensors placed as the plan leaves them (``.full_tensor()`` gathers
-    one), the choice of a training loop that reads only the loss: a model returning its logits
-    beside the loss would otherwise gather batch x sequence x vocabulary values every step, and
-    the planner would bend the plan to make that gather small. ``measure_missing_ops``: when
+    whole on every rank, as the single-device model does (priced: a gather per split output,
+    launched in the forward, waited for where read: ``codegen.outputs``); False returns them as
+    DTensors placed as the plan leaves them (``.full_tensor()`` gathers one): no gather of batch x
+    sequence x vocabulary logits, and no plan bent to make that gather small. ``measure_missing_ops``: when
     ``compile`` plans on a live mesh with a profile of this host, first time the model's op calls
     (at every candidate strategy's local shapes) that the profile lacks, on every rank at once,
     and add them to it (saved to its file; a ``Profile`` object is only updated in memory), so a

@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
+from autopar.core.together import one_process
+
 #: ops that read only a tensor's metadata: the backward's seed and its like
 _METADATA_ONLY = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default,
                   torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default}
@@ -70,7 +72,10 @@ def handed_over(values: Sequence[Any]) -> Sequence[Any]:
     for value in values:
         local = value._local_tensor if isinstance(value, DTensor) else value
         if isinstance(local, funcol.AsyncCollectiveTensor) and not local.completed:
-            _IN_FLIGHT.append(lambda elem=local.elem: funcol.wait_tensor(elem))
+            if one_process():   # simulated ranks: nothing runs in the background (nor outlives this mesh)
+                local.trigger_wait()
+            else:
+                _IN_FLIGHT.append(lambda elem=local.elem: funcol.wait_tensor(elem))
     if not torch.is_grad_enabled():
         settle()
     return values

@@ -39,7 +39,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
-from codegen.outputs import handed_over, settle
+from codegen.outputs import Pending, handed_over, settle
 from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
 from autopar.core.loss_weights import loss_weighting
@@ -260,7 +260,8 @@ class PipelinedModule(ShardedModule):
 
 
 def _waited(value: Any) -> Any:
-    return value.wait() if isinstance(value, AsyncCollectiveTensor) else value
+    """``value`` with its collective waited for: a plain tensor, which pickles."""
+    return value.wait() if isinstance(value, (AsyncCollectiveTensor, Pending)) else value
 
 
 def _merge(parts: Sequence[Any], weights: Sequence[float], is_loss: bool) -> Any:

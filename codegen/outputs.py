@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
+from autopar.core.placements import shard_range
 from autopar.core.together import one_process
 
 #: ops that read only a tensor's metadata: the backward's seed and its like
@@ -211,26 +213,16 @@ def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape
 def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], split: Sequence[int],
                shape: Sequence[int]) -> torch.Tensor:
     """The whole tensor from the gathered ``pieces`` (one per rank of the group, in its order:
-    mesh order over the ``split`` axes), each put where DTensor's chunking places it."""
+    mesh order over the ``split`` axes), each put where DTensor's chunking places it
+    (``shard_range``)."""
     out = torch.empty(tuple(shape), dtype=pieces.dtype, device=pieces.device)
-    sizes = [mesh.shape[a] for a in split]
-    for index, piece in enumerate(pieces):
+    for piece, split_coords in zip(pieces, itertools.product(*(range(mesh.shape[a]) for a in split))):
         coords = [0] * mesh.ndim
-        for a, c in zip(split, _unravel(index, sizes)):
+        for a, c in zip(split, split_coords):
             coords[a] = c
         region = out
-        for d in range(len(shape)):
-            axes = [a for a in split if have[a].dim == d]
-            chunk = shape[d] // math.prod(mesh.shape[a] for a in axes) if axes else shape[d]
-            start = sum(coords[a] * math.prod(mesh.shape[b] for b in axes[i + 1:]) for i, a in enumerate(axes)) * chunk
-            region = region.narrow(d, start, chunk)
+        for d, size in enumerate(shape):
+            begin, end = shard_range(size, coords, [a for a in split if have[a].dim == d], mesh.shape)
+            region = region.narrow(d, begin, end - begin)
         region.copy_(piece)
     return out
-
-
-def _unravel(index: int, sizes: Sequence[int]) -> list[int]:
-    coords = []
-    for size in reversed(sizes):
-        coords.append(index % size)
-        index //= size
-    return coords[::-1]

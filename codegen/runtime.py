@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import weakref
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
+from autopar.core.placements import shard_range
 from autopar.core.precision import reduce_dtype
 from autopar.core.together import one_process
 from codegen import outputs
@@ -304,17 +304,6 @@ class _LocalShard(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         return DTensor.from_local(grad.contiguous(), ctx.mesh, list(ctx.grad_placements), run_check=False,
                                   shape=ctx.shape, stride=_contiguous_stride(ctx.shape)), None
-
-
-def shard_range(size: int, coords: Sequence[int], axes: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, int]:
-    """[start, stop) of a dimension of ``size`` that the rank at mesh ``coords`` holds when it is
-    split over mesh ``axes`` (as DTensor splits, like torch.chunk, axis by axis in mesh order)."""
-    start, length = 0, size
-    for a in axes:
-        chunk = math.ceil(length / mesh_shape[a])
-        begin = min(coords[a] * chunk, length)
-        start, length = start + begin, max(0, min(chunk, length - begin))
-    return start, start + length
 
 
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], coords: Sequence[int],

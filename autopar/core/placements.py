@@ -6,6 +6,8 @@ the few pure functions on them used by every stage: text form (reports, JSON), l
 """
 from __future__ import annotations
 
+import math
+
 import re
 from collections.abc import Iterable, Sequence
 
@@ -123,3 +125,14 @@ def grad_target(out: Sequence[Placement], storage: Sequence[Placement] | None = 
     if storage is not None:
         return tuple(storage)
     return tuple(Replicate() if isinstance(p, Partial) else p for p in out)
+
+
+def shard_range(size: int, coords: Sequence[int], axes: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, int]:
+    """[start, stop) of a dimension of ``size`` that the rank at mesh ``coords`` holds when it is
+    split over mesh ``axes`` (as DTensor splits, like torch.chunk, axis by axis in mesh order)."""
+    start, length = 0, size
+    for a in axes:
+        chunk = math.ceil(length / mesh_shape[a])
+        begin = min(coords[a] * chunk, length)
+        start, length = start + begin, max(0, min(chunk, length - begin))
+    return start, start + length

@@ -22,6 +22,7 @@ process: autopar / eager <= 1.05, and autopar + torch.compile / torch.compile <=
     python benchmarks/gpu_runtime.py                 # gpt2-125m and pythia-1.4b, planned on the roofline
     python benchmarks/gpu_runtime.py --profile       # planned from ops timed on this GPU first
     python benchmarks/gpu_runtime.py --models gpt2-125m:8x1024 --rounds 3
+    python benchmarks/gpu_runtime.py --variants 'eager;autopar'   # no torch.compile (minutes less)
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ ROUNDS = 5
 WARMUP, STEPS = 3, 10
 SEED = 1234
 TARGETS = {"autopar / eager": 1.05, "autopar + torch.compile / torch.compile": 1.05}
+VARIANTS = ("eager", "eager, autocast", "torch.compile", "autopar", "autopar + torch.compile")
+RATIOS = (("autopar", "eager"), ("autopar + torch.compile", "torch.compile"), ("autopar", "eager, autocast"))
 
 
 class Called(nn.Module):
@@ -125,7 +128,8 @@ def _peak_bytes(module: nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
     return torch.cuda.max_memory_allocated() - before + live_bytes([*module.parameters(), *states])
 
 
-def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, profile: bool) -> dict:
+def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, profile: bool,
+        variants: tuple[str, ...] = VARIANTS) -> dict:
     entry = get_model(name)
     example = entry.example(batch, seq, device="cuda")
 
@@ -149,13 +153,12 @@ def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, p
     predicted = pmodel.plan.predicted
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, foreach=True)
     autopar_opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4, foreach=True)
-    runs = {"eager": (eager, eager_opt, example),
-            "eager, autocast": (Autocast(eager.model), eager_opt, example),
-            "torch.compile": (torch.compile(eager), eager_opt, example),
-            "autopar": (pmodel, autopar_opt, example),
-            "autopar + torch.compile": (Called(torch.compile(pmodel)), autopar_opt, example)}
+    made = {"eager": lambda: eager, "eager, autocast": lambda: Autocast(eager.model),
+            "torch.compile": lambda: torch.compile(eager), "autopar": lambda: pmodel,
+            "autopar + torch.compile": lambda: Called(torch.compile(pmodel))}
+    runs = {v: (made[v](), autopar_opt if v.startswith("autopar") else eager_opt, example) for v in variants}
     graphs = {}
-    for label in ("torch.compile", "autopar + torch.compile"):   # compile outside the timed steps
+    for label in {"torch.compile", "autopar + torch.compile"} & set(variants):   # compile outside the timed steps
         counters.clear()
         t0 = time.perf_counter()
         module, optimizer, b = runs[label]
@@ -166,12 +169,10 @@ def run(name: str, batch: int, seq: int, mesh, rounds: int, peak_flops: float, p
         build_s[label] = time.perf_counter() - t0
         graphs[label] = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
     times = time_in_turns(runs, rounds=rounds, warmup=WARMUP, steps=STEPS)
-    memory = {label: _peak_bytes(*runs[label]) for label in ("eager", "autopar")}
+    memory = {label: _peak_bytes(*runs[label]) for label in ("eager", "autopar") if label in runs}
     rounds_s = {k: [statistics.median(r) for r in v] for k, v in times.items()}
     step = {k: statistics.median(v) for k, v in rounds_s.items()}
-    ratios = {f"{a} / {b}": ratio_in_rounds(rounds_s[a], rounds_s[b])
-              for a, b in (("autopar", "eager"), ("autopar + torch.compile", "torch.compile"),
-                           ("autopar", "eager, autocast"))}
+    ratios = {f"{a} / {b}": ratio_in_rounds(rounds_s[a], rounds_s[b]) for a, b in RATIOS if a in runs and b in runs}
     return {"model": name, "params": params, "batch": batch, "seq": seq, "precision": "bf16",
             "step_flops": flops, "build_s": build_s, "compiled_graphs": graphs, "step_s": step, "rounds_s": rounds_s,
             "mfu": {k: flops / s / peak_flops for k, s in step.items()},
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--profile", action="store_true",
                     help="plan from ops timed on this GPU (autopar.profiling.profile_model) instead of the roofline")
+    ap.add_argument("--variants", default=";".join(VARIANTS),
+                    help="which of %(default)s to time (';'-separated; eager and autopar always are)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -199,12 +202,17 @@ def main() -> None:
     device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     print(f"{device}: bf16 peak {peak / 1e12:.0f} TFLOP/s ({hardware.name} preset), "
           f"8192^3 matmul {ceiling / 1e12:.0f} TFLOP/s", flush=True)
-    command = f"python benchmarks/gpu_runtime.py --models {a.models} --rounds {a.rounds}" + " --profile" * a.profile
+    variants = tuple(dict.fromkeys(("eager", "autopar", *(v.strip() for v in a.variants.split(";")))))
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}; the variants are {', '.join(VARIANTS)}")
+    command = (f"python benchmarks/gpu_runtime.py --models {a.models} --rounds {a.rounds} --variants '{a.variants}'"
+               + " --profile" * a.profile)
     results = []
     for spec in a.models.split(","):
         name, shape = spec.split(":")
         batch, seq = (int(x) for x in shape.split("x"))
-        r = run(name, batch, seq, mesh, a.rounds, peak, a.profile)
+        r = run(name, batch, seq, mesh, a.rounds, peak, a.profile, variants)
         results.append(r)
         p = r["predicted"]
         print(f"\n{name} ({r['params'] / 1e6:.0f}M params), {batch}x{seq} tokens, bf16, "

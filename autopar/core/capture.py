@@ -333,13 +333,16 @@ def _lean_tracing() -> Iterator[None]:
     per op) and the Python code of every intermediate graph module (generated anew after each of
     export's passes; a lazy module generates it when first run). Halves the capture of Llama-2 70B
     (7,377 nodes: 12 s -> 7 s); the graph is the same."""
-    emit = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    config = torch.fx.config
+    emit = getattr(config, "do_not_emit_stack_traces", None)   # None: torch 2.11 (the lent GPUs') lacks it
+    if emit is not None:
+        config.do_not_emit_stack_traces = True
     try:
         with _use_lazy_graph_module(True):
             yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = emit
+        if emit is not None:
+            config.do_not_emit_stack_traces = emit
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,

@@ -15,6 +15,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -40,7 +41,18 @@ def _on_cuda(batches):
     return [(tuple(map(move, a)), {k: move(v) for k, v in kw.items()}) for a, kw in batches]
 
 
+def _older_torch_names() -> None:
+    """The lent GPU machines run torch 2.11, which lacks three names of the collectives autopar
+    calls (torch 2.13's): alias them to 2.11's equivalents there, so that the GPU paths run."""
+    for module, name, older in ((funcol, "all_gather_single", "all_gather_tensor"),
+                                (funcol, "reduce_scatter_single", "reduce_scatter_tensor"),
+                                (dist, "all_gather_single", "all_gather_into_tensor")):
+        if not hasattr(module, name):
+            setattr(module, name, getattr(module, older))
+
+
 def _worker(rank, world, port, backend, name, options, hand_plan, out):
+    _older_torch_names()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
     dist.init_process_group(backend, rank=rank, world_size=world)

@@ -7,7 +7,8 @@
 * Published size: built on ``meta`` and planned for an 8x8 mesh of H100-80GB (``PLAN_BATCH``,
   ``PLAN_SEQ``); the plan fits in memory and the parameter count is the published one.
 * Both: the ops no sharding rule covers (run replicated, with a warning) are exactly those listed
-  in ``REPLICATED``, so an op that gains or loses a rule shows here (the README's corpus table).
+  in ``REPLICATED``, so an op that gains or loses a rule shows here (the corpus table in
+  docs/models.md).
 """
 from __future__ import annotations
 

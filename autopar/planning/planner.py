@@ -390,55 +390,90 @@ class _Search:
             return self._lighter(self._plan(whole), 1, recompute, self.clock.now() - started)
         least, floor = whole.bounds().least(), whole.bounds().quietest()
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
-            try:
-                started = self.clock.now()
-                plan = self._plan(whole)
-                if plan.feasible:
-                    return self._lighter(plan, 1, recompute, self.clock.now() - started)
-            except InfeasibleError:
-                pass
+            plan = self._whole_batch_fitting(whole, recompute)
+            if plan is not None:
+                return plan
         elif floor >= whole.budget:
-            try:
-                return self._plan(whole)
-            except InfeasibleError as e:
-                raise InfeasibleError(f"{e} Microbatches would not help: what does not shrink with the batch "
-                                      f"(parameters, their gradients and optimizer states) needs at least "
-                                      f"{fmt(floor, 'B')}.", min_memory_bytes=e.min_memory_bytes) from None
-        # What shrinks with the microbatch (activations, their gradients, working memory) must fit
-        # beside what does not. The least-memory bound gives each node its leanest choice at once,
-        # which no plan affords: aim it at a fraction of the room (``BOUND_SLACK``); a count whose
-        # plan does not fit says by how much it missed, and the next count is scaled by that.
+            return self._whole_batch_or_why(whole, floor)
+        return self._in_microbatches(whole, recompute, least, floor)
+
+    def _whole_batch_fitting(self, whole: Planning, recompute: str) -> Plan | None:
+        """The plan of the whole batch, if it fits (with as little recomputation as fits); None
+        where it does not or there is none."""
+        try:
+            started = self.clock.now()
+            plan = self._plan(whole)
+            if plan.feasible:
+                return self._lighter(plan, 1, recompute, self.clock.now() - started)
+        except InfeasibleError:
+            pass
+        return None
+
+    def _whole_batch_or_why(self, whole: Planning, floor: float) -> Plan:
+        """The plan of the whole batch where microbatches cannot help: what does not shrink with
+        the batch alone exceeds the budget (its error says so)."""
+        try:
+            return self._plan(whole)
+        except InfeasibleError as e:
+            raise InfeasibleError(f"{e} Microbatches would not help: what does not shrink with the batch "
+                                  f"(parameters, their gradients and optimizer states) needs at least "
+                                  f"{fmt(floor, 'B')}.", min_memory_bytes=e.min_memory_bytes) from None
+
+    def _in_microbatches(self, whole: Planning, recompute: str, least: float, floor: float) -> Plan:
+        """The plan in the fewest microbatches that fit, trying counts from a guess upward.
+
+        What shrinks with the microbatch (activations, their gradients, working memory) must fit
+        beside what does not. The least-memory bound gives each node its leanest choice at once,
+        which no plan affords: the first count aims it at a fraction of the room (``BOUND_SLACK``);
+        a count whose plan does not fit says by how much it missed, and the next count is scaled by
+        that. The search ends at the first count that fits (its plan, made faster in fewer
+        microbatches or with less recomputation where that still fits), at the deadline (the last
+        count's plan, over the budget, as the least bad; ``PlanningTimeout`` where no count was
+        planned), or at one row per microbatch (the last plan, or ``InfeasibleError``).
+        """
         k = fewest_at_least(self.rows, max(2.0, BOUND_SLACK * _shrink_needed(least, floor, whole.budget)))
+        fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))   # if the bound fit
         last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
         while True:
             started = self.clock.now()
-            try:
-                last = self._plan(self._prepare(k, recompute))
-            except PlanningTimeout:
-                if isinstance(last, Plan):   # the last count's plan, over the budget, is the least bad
-                    break
-                raise
-            except InfeasibleError as e:
-                last = e
-                more = _shrink_needed(e.min_memory_bytes, floor, whole.budget) * 2
-            else:
-                if last.feasible:
-                    fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))
-                    last = self._fewer(last, k, fewest, recompute, self.clock.now() - started)
-                    last = self._lighter(last, last.microbatches, recompute, self.clock.now() - started)
-                    last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
-                                                   f"{last.microbatches} microbatches of {self.rows // last.microbatches} "
-                                                   "rows fit")
-                    return last
-                at_peak = last.predicted.memory_breakdown
-                more = _shrink_needed(last.predicted.peak_memory_bytes,
-                                      at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0), whole.budget)
-            if k == self.rows:
-                break
-            if self.deadline.passed():
+            tried = self._try_microbatches(k, recompute, isinstance(last, Plan))
+            if tried is None:   # out of time planning k: the last count's plan is the least bad
+                return last
+            last = tried
+            if isinstance(last, Plan) and last.feasible:
+                return self._fitted(last, k, fewest, recompute, least, started)
+            if k == self.rows:   # one row per microbatch, and still nothing fits
+                return self._least_bad(last, k)
+            if self.deadline.passed():   # no time to try more
                 self.clock.note(f"more than {k} microbatches (not tried)")
-                break
-            k = fewest_at_least(self.rows, k * max(more, 1.5))
+                return self._least_bad(last, k)
+            k = fewest_at_least(self.rows, k * max(_more_microbatches(last, floor, whole.budget), 1.5))
+
+    def _try_microbatches(self, k: int, recompute: str, have_plan: bool) -> Plan | InfeasibleError | None:
+        """The plan in ``k`` microbatches, or why there is none; None where the deadline stopped it
+        and an earlier count's plan is at hand (``have_plan``; else ``PlanningTimeout`` is raised)."""
+        try:
+            return self._plan(self._prepare(k, recompute))
+        except PlanningTimeout:
+            if have_plan:
+                return None
+            raise
+        except InfeasibleError as e:
+            return e
+
+    def _fitted(self, plan: Plan, k: int, fewest: int, recompute: str, least: float, started: float) -> Plan:
+        """``plan`` (``k`` microbatches, the first count that fits) made faster in fewer microbatches
+        (down to ``fewest``) or with less recomputation where either still fits, saying why
+        microbatches were needed (the whole batch needs ``least`` bytes)."""
+        plan = self._fewer(plan, k, fewest, recompute, self.clock.now() - started)
+        plan = self._lighter(plan, plan.microbatches, recompute, self.clock.now() - started)
+        plan.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
+                                       f"{plan.microbatches} microbatches of {self.rows // plan.microbatches} "
+                                       "rows fit")
+        return plan
+
+    def _least_bad(self, last: Plan | InfeasibleError, k: int) -> Plan:
+        """The last count's plan (over the budget), or the error of the last count where it had none."""
         if isinstance(last, Plan):
             return last
         raise InfeasibleError(f"{last} Microbatches were tried up to {k} (of {self.rows // k} rows each).",
@@ -583,6 +618,16 @@ FIRST_MODE_SHARE = 0.6
 #: the budget at a predicted 10% MFU; at 2.5x it plans in 6 microbatches at 24%
 #: (benchmarks/realistic_plans.py).
 BOUND_SLACK = 2.5
+
+
+def _more_microbatches(last: Plan | InfeasibleError, floor: float, budget: float) -> float:
+    """By how much to multiply the microbatch count after a count whose plan did not fit
+    (``last``) or that had none: the shrink its peak needs, twice that of its least memory."""
+    if isinstance(last, InfeasibleError):
+        return _shrink_needed(last.min_memory_bytes, floor, budget) * 2
+    at_peak = last.predicted.memory_breakdown
+    return _shrink_needed(last.predicted.peak_memory_bytes, at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0),
+                          budget)
 
 
 def _shrink_needed(needed: float, fixed: float, budget: float) -> float:

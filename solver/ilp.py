@@ -50,6 +50,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from ortools.math_opt import callback_pb2, model_parameters_pb2, model_pb2, result_pb2, solution_pb2
@@ -59,10 +60,11 @@ from pybind11_abseil.status import StatusNotOk
 
 from solver.errors import InfeasibleProblem, MemoryHog, SolverError, SolverTimeout
 
-__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
+__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS", "SolverName"]
 
 #: Accepted values of ``solve(..., solver=...)``.
-SOLVERS: dict[str, mathopt.SolverType] = {
+SolverName = Literal["highs", "scip"]
+SOLVERS: dict[SolverName, mathopt.SolverType] = {
     "highs": mathopt.SolverType.HIGHS,
     "scip": mathopt.SolverType.GSCIP,
 }
@@ -770,7 +772,7 @@ def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[fl
     return obj + data.exposed_time(choices), data.peak(choices)
 
 
-def solve(problem: Problem, time_limit: float | None = None, solver: str = "highs",
+def solve(problem: Problem, time_limit: float | None = None, solver: SolverName = "highs",
           relative_gap: float = 1e-6) -> Solution:
     """Solve the sharding ILP, to within ``relative_gap`` of the optimum.
 

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
-from autopar.core.precision import ComputeIn, check_precision
+from autopar.core.precision import ComputeIn, Precision, check_precision
 
 
 @dataclass
@@ -48,7 +48,7 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     model_name: str
     fingerprint: str                  # identifies model structure + input shapes, for plan files
-    precision: str = "fp32"           # policy the graph computes under (``autopar.core.precision``)
+    precision: Precision = "fp32"     # policy the graph computes under (``autopar.core.precision``)
     warnings: list[str] = field(default_factory=list)
     frozen: frozenset[str] = frozenset()   # FQNs of the parameters that do not train (``frozen_parameters``)
 
@@ -346,7 +346,7 @@ def _lean_tracing() -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-            dynamic_shapes: Any = None, precision: str = "fp32") -> CapturedGraph:
+            dynamic_shapes: Any = None, precision: Precision = "fp32") -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
     makes dims symbolic (``autopar.planning.symbolic``); ``precision`` other than fp32 records the
     policy's casts in the graph (``autopar.core.precision``)."""

@@ -10,9 +10,11 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from autopar.core.blocks import RecomputeMode
 from autopar.core.errors import PlanFileError
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
+from autopar.core.precision import Precision
 from autopar.core.report import format_report
 
 PLAN_FORMAT_VERSION = 11   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s;
@@ -204,11 +206,11 @@ class Plan:
     shortfall_bytes: float = 0.0          # how far the predicted peak is above the budget
     name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
     gather_outputs: bool = True           # outputs returned whole on every rank (else as DTensors)
-    precision: str = "fp32"               # the policy the model computes under (``autopar.core.precision``)
-    reduce_precision: str = "fp32"        # the dtype gradients are summed over ranks in
+    precision: Precision = "fp32"         # the policy the model computes under (``autopar.core.precision``)
+    reduce_precision: Precision = "fp32"  # the dtype gradients are summed over ranks in
     batch_size: int = 1                   # rows of the global batch planned for (dim 0 of the inputs)
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
-    recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
+    recompute: dict[str, RecomputeMode] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
     pipeline: PipelinePlan | None = None  # stages over a mesh axis, or None
     version: int = PLAN_FORMAT_VERSION
 
@@ -233,7 +235,7 @@ class Plan:
         return {n.fqn: n for n in self.nodes if n.op == "parameter"}
 
     @property
-    def recompute_mode(self) -> str:
+    def recompute_mode(self) -> RecomputeMode:
         """The recomputation mode of every block it recomputes ("selective" or "full"), or "none"."""
         return next(iter(self.recompute.values()), "none")
 

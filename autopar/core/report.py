@@ -21,6 +21,7 @@ from autopar.core.units import fmt
 
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.plan import NodePlan, Plan, Prediction
+    from autopar.core.blocks import RecomputeMode
 
 __all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
@@ -161,7 +162,7 @@ def _hardware_line(name: str) -> str:
             f"{hw.devices_per_node} devices per node)")
 
 
-def _recompute_line(recompute: dict[str, str]) -> str:
+def _recompute_line(recompute: dict[str, RecomputeMode]) -> str:
     """Each recomputation mode with the blocks it applies to (first and last of a run)."""
     if not recompute:
         return "none (every activation the backward needs is kept)"

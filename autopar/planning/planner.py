@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass, replace
 
-from autopar.core.blocks import recompute_modes, repeated_blocks
+from autopar.core.blocks import RecomputeMode, recompute_modes, repeated_blocks
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
@@ -212,7 +212,8 @@ class Problems:
         self.spaces: dict[tuple, tuple[CapturedGraph, StrategySpace]] = {}
 
     @staticmethod
-    def key(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, k: int, recompute: str | dict[str, str],
+    def key(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, k: int,
+            recompute: RecomputeMode | dict[str, RecomputeMode],
             offload: bool, forced: dict[str, Strategy] | None = None) -> tuple:
         """What ``prepare`` reads: the graph (``captured`` at ``k`` microbatches), mesh, count,
         recomputation, offload, forced nodes and the options that price the problem."""
@@ -370,7 +371,7 @@ class _Search:
             self._prepare(self.options.microbatches, first)
         return base.bounds().quietest() > base.budget
 
-    def needs_microbatches(self, recompute: str) -> bool:
+    def needs_microbatches(self, recompute: RecomputeMode) -> bool:
         """Does every plan of the whole batch under ``recompute`` exceed the budget (where the
         batch can be cut)?"""
         if self.options.microbatches != "auto" or self.recapture is None or self.rows == 1:
@@ -378,7 +379,7 @@ class _Search:
         whole = self._whole(recompute)
         return whole.bounds().least() > whole.budget
 
-    def fit(self, recompute: str, deadline: Deadline) -> Plan:
+    def fit(self, recompute: RecomputeMode, deadline: Deadline) -> Plan:
         """The auto plan under ``recompute``, by ``deadline``, in the fewest microbatches that fit
         (or as many as the options say); raises ``InfeasibleError`` when no count does."""
         self.deadline = deadline
@@ -397,7 +398,7 @@ class _Search:
             return self._whole_batch_or_why(whole, floor)
         return self._in_microbatches(whole, recompute, least, floor)
 
-    def _whole_batch_fitting(self, whole: Planning, recompute: str) -> Plan | None:
+    def _whole_batch_fitting(self, whole: Planning, recompute: RecomputeMode) -> Plan | None:
         """The plan of the whole batch, if it fits (with as little recomputation as fits); None
         where it does not or there is none."""
         try:
@@ -419,7 +420,7 @@ class _Search:
                                   f"(parameters, their gradients and optimizer states) needs at least "
                                   f"{fmt(floor, 'B')}.", min_memory_bytes=e.min_memory_bytes) from None
 
-    def _in_microbatches(self, whole: Planning, recompute: str, least: float, floor: float) -> Plan:
+    def _in_microbatches(self, whole: Planning, recompute: RecomputeMode, least: float, floor: float) -> Plan:
         """The plan in the fewest microbatches that fit, trying counts from a guess upward.
 
         What shrinks with the microbatch (activations, their gradients, working memory) must fit
@@ -449,7 +450,7 @@ class _Search:
                 return self._least_bad(last, k)
             k = fewest_at_least(self.rows, k * max(_more_microbatches(last, floor, whole.budget), 1.5))
 
-    def _try_microbatches(self, k: int, recompute: str, have_plan: bool) -> Plan | InfeasibleError | None:
+    def _try_microbatches(self, k: int, recompute: RecomputeMode, have_plan: bool) -> Plan | InfeasibleError | None:
         """The plan in ``k`` microbatches, or why there is none; None where the deadline stopped it
         and an earlier count's plan is at hand (``have_plan``; else ``PlanningTimeout`` is raised)."""
         try:
@@ -461,7 +462,7 @@ class _Search:
         except InfeasibleError as e:
             return e
 
-    def _fitted(self, plan: Plan, k: int, fewest: int, recompute: str, least: float, started: float) -> Plan:
+    def _fitted(self, plan: Plan, k: int, fewest: int, recompute: RecomputeMode, least: float, started: float) -> Plan:
         """``plan`` (``k`` microbatches, the first count that fits) made faster in fewer microbatches
         (down to ``fewest``) or with less recomputation where either still fits, saying why
         microbatches were needed (the whole batch needs ``least`` bytes)."""
@@ -479,7 +480,7 @@ class _Search:
         raise InfeasibleError(f"{last} Microbatches were tried up to {k} (of {self.rows // k} rows each).",
                               min_memory_bytes=last.min_memory_bytes) from None
 
-    def _fewer(self, plan: Plan, k: int, fewest: int, recompute: str, attempt_s: float) -> Plan:
+    def _fewer(self, plan: Plan, k: int, fewest: int, recompute: RecomputeMode, attempt_s: float) -> Plan:
         """``plan`` (``k`` microbatches, fitting), or a faster one in fewer microbatches (about
         half as many each time, down to ``fewest``, where the bound itself fits): larger
         microbatches run more efficiently, as long as the plan need not shard harder to fit them."""
@@ -490,7 +491,7 @@ class _Search:
                 count = smaller
         return self._while_faster(plan, counts(), attempt_s)
 
-    def _lighter(self, plan: Plan, k: int, recompute: str, attempt_s: float) -> Plan:
+    def _lighter(self, plan: Plan, k: int, recompute: RecomputeMode, attempt_s: float) -> Plan:
         """``plan`` (``k`` microbatches, every block recomputed), or a faster one that recomputes
         only the first half of those blocks, then the first quarter, ...: a block not recomputed
         runs its forward once. The first blocks are kept recomputed: their activations wait
@@ -533,10 +534,10 @@ class _Search:
                 return plan
             plan = other
 
-    def _whole(self, recompute: str) -> Planning:
+    def _whole(self, recompute: RecomputeMode) -> Planning:
         return self._prepare(1, recompute)
 
-    def _prepare(self, k: int, recompute: str | dict[str, str]) -> Planning:
+    def _prepare(self, k: int, recompute: RecomputeMode | dict[str, RecomputeMode]) -> Planning:
         """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1),
         from the call's ``problems`` where built before, else begun only where the search's
         deadline affords what it needs (``_affords_build``; else ``PlanningTimeout``): what is

@@ -576,7 +576,7 @@ class _Builder:
         self.mscale = max(float(data.moment(r, i).max()) for r in binding for i in range(len(data.k))) or 1.0
         if data.transient is not None:
             self.t_id = self._variables(1, math.inf, False)   # largest transient (bytes)
-            self._add_largest_transient()
+            self._add_largest_transient(self.t_id)
         budget = self.problem.memory_budget
         for r in binding:
             terms: dict[int, float] = {}
@@ -591,33 +591,34 @@ class _Builder:
                 terms[self.t_id] = 1.0
             self._sparse(terms, -math.inf, (budget - floor) / self.mscale)
 
-    def _add_largest_transient(self) -> None:
-        """``T`` >= the transient of each free node's chosen strategy, and of every fixed node."""
+    def _add_largest_transient(self, t_id: int) -> None:
+        """``T`` (variable ``t_id``) >= the transient of each free node's chosen strategy, and of
+        every fixed node."""
         fixed_work = 0.0
         for i in range(len(self.data.k)):
             transient = self.data.transient[i]
             if i in self.x_ids:
-                self._sparse({**dict(zip(self.x_ids[i], (transient / self.mscale).tolist())), self.t_id: -1.0},
+                self._sparse({**dict(zip(self.x_ids[i], (transient / self.mscale).tolist())), t_id: -1.0},
                              -math.inf, 0.0)
             else:
                 fixed_work = max(fixed_work, float(transient[0]))
-        self.proto.variables.lower_bounds[self.t_id] = fixed_work / self.mscale
+        self.proto.variables.lower_bounds[t_id] = fixed_work / self.mscale
 
     def add_exposed_communication(self) -> None:
         """``E`` (seconds, in the objective) >= each row's queued communication minus the compute
         that hides it."""
         if not self.data.exposed:
             return
-        self.exposed_id = self._variables(1, math.inf, False)
+        self.exposed_id = exposed_id = self._variables(1, math.inf, False)
         scale = self.scale
         for nodes, constant in self.data.exposed:
-            terms = {}
+            terms: dict[int, float] = {}
             for i, v in nodes.items():
                 if i in self.x_ids:
                     terms.update(zip(self.x_ids[i], v.tolist()))
                 else:
                     constant += float(v[0])
-            terms[self.exposed_id] = -1.0
+            terms[exposed_id] = -1.0
             self._sparse({j: c / scale for j, c in terms.items()}, -math.inf, -constant / scale)
 
     def add_objective(self) -> None:

@@ -142,16 +142,18 @@ def role_sets(mesh: MeshSpec) -> list[tuple[Role, ...]]:
     parallelism goes on the last axis only, as in practice: it is the one inside a node; ZeRO-2
     on every axis, or on the data axes of Megatron's plans."""
     live = [a for a, n in enumerate(mesh.shape) if n > 1]
-    out = []
+    out: list[tuple[Role, ...]] = []
     for combo in itertools.product(ROLES, repeat=len(live)):
         if all(not r.startswith("tp") for r in combo[:-1]):
-            roles = ["dp"] * mesh.ndim
+            roles: list[Role] = ["dp"] * mesh.ndim
             for a, r in zip(live, combo):
                 roles[a] = r
             out.append(tuple(roles))
     if live:
-        out += [tuple(zero if n > 1 else "dp" for n in mesh.shape) for zero in ("zero2", "zero1")]
-    for tp in ("tp", "tp+sp") if len(live) > 1 else ():   # Megatron with its distributed optimizer
+        zeros: tuple[Role, ...] = ("zero2", "zero1")
+        out += [tuple(zero if n > 1 else "dp" for n in mesh.shape) for zero in zeros]
+    megatron: tuple[Role, ...] = ("tp", "tp+sp") if len(live) > 1 else ()
+    for tp in megatron:   # Megatron with its distributed optimizer
         out.append(tuple("zero2" if a in live[:-1] else tp if a == live[-1] else "dp" for a in range(mesh.ndim)))
     return out
 

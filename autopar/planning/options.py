@@ -60,7 +60,11 @@ class Flag:
         return self.name or ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
 
 
-def _option(default: Any, doc: str, flag: Flag | None = Flag()) -> Any:
+#: A field on the command line under its own name (``Flag``'s defaults).
+ON_COMMAND_LINE = Flag()
+
+
+def _option(default: Any, doc: str, flag: Flag | None = ON_COMMAND_LINE) -> Any:
     """A ``PlanOptions`` field: its default, its doc (shown by ``help(PlanOptions)`` and as its
     command-line help) and how ``autopar plan`` takes it (None: not on the command line)."""
     return field(default=default, metadata={"doc": doc, "flag": flag})
@@ -85,7 +89,7 @@ def _count(text: str) -> int:
 
 def _microbatches_from_text(text: str) -> Microbatches:
     """``--microbatches``: auto, or a count."""
-    return text if text == "auto" else _count(text)
+    return "auto" if text == "auto" else _count(text)
 
 
 def _pipeline_from_text(text: str) -> str | bool | dict:

@@ -18,7 +18,7 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
-from autopar.core.plan import Plan
+from autopar.core.plan import HandPlanSummary, Plan
 from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
@@ -290,7 +290,8 @@ def _best_mode(search: _Search, deadline: Deadline) -> Plan:
     options = search.options
     # selective recomputation, where the model has attention cores, costs a few percent of compute
     # for most of the activations of long sequences (Korthikanti et al.)
-    selective = ("selective",) if recompute_modes(search.captured.graph, "selective") else ()
+    selective: tuple[RecomputeMode, ...] = ("selective",) if recompute_modes(search.captured.graph, "selective") else ()
+    modes: tuple[RecomputeMode, ...]
     if options.recompute != "auto":
         modes, compete = (options.recompute,), False
     elif search.needs_microbatches("none"):
@@ -429,18 +430,20 @@ class _Search:
         a count whose plan does not fit says by how much it missed, and the next count is scaled by
         that. The search ends at the first count that fits (its plan, made faster in fewer
         microbatches or with less recomputation where that still fits), at the deadline (the last
-        count's plan, over the budget, as the least bad; ``PlanningTimeout`` where no count was
-        planned), or at one row per microbatch (the last plan, or ``InfeasibleError``).
+        count's plan, over the budget, as the least bad; ``PlanningTimeout`` where the last count
+        had none), or at one row per microbatch (the last plan, or ``InfeasibleError``).
         """
         k = fewest_at_least(self.rows, max(2.0, BOUND_SLACK * _shrink_needed(least, floor, whole.budget)))
         fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))   # if the bound fit
         last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
         while True:
             started = self.clock.now()
-            tried = self._try_microbatches(k, recompute, isinstance(last, Plan))
-            if tried is None:   # out of time planning k: the last count's plan is the least bad
-                return last
-            last = tried
+            try:
+                last = self._plan_count(k, recompute)
+            except PlanningTimeout:
+                if isinstance(last, Plan):   # out of time planning k: the last count's plan is the least bad
+                    return last
+                raise
             if isinstance(last, Plan) and last.feasible:
                 return self._fitted(last, k, fewest, recompute, least, started)
             if k == self.rows:   # one row per microbatch, and still nothing fits
@@ -450,15 +453,11 @@ class _Search:
                 return self._least_bad(last, k)
             k = fewest_at_least(self.rows, k * max(_more_microbatches(last, floor, whole.budget), 1.5))
 
-    def _try_microbatches(self, k: int, recompute: RecomputeMode, have_plan: bool) -> Plan | InfeasibleError | None:
-        """The plan in ``k`` microbatches, or why there is none; None where the deadline stopped it
-        and an earlier count's plan is at hand (``have_plan``; else ``PlanningTimeout`` is raised)."""
+    def _plan_count(self, k: int, recompute: RecomputeMode) -> Plan | InfeasibleError:
+        """The plan in ``k`` microbatches, or why there is none (``PlanningTimeout`` where the
+        deadline stops it)."""
         try:
             return self._plan(self._prepare(k, recompute))
-        except PlanningTimeout:
-            if have_plan:
-                return None
-            raise
         except InfeasibleError as e:
             return e
 
@@ -665,7 +664,7 @@ def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] 
     return plan
 
 
-def _summary(hand: tuple[Plan, tuple[int, ...]] | InfeasibleError) -> dict[str, float | bool]:
+def _summary(hand: tuple[Plan, tuple[int, ...]] | InfeasibleError) -> HandPlanSummary:
     """A hand plan as the auto plan lists it: its predicted step and peak, or the least memory any
     plan of its family needs where none fits."""
     if isinstance(hand, InfeasibleError):

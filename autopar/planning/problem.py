@@ -21,7 +21,7 @@ from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows
-from autopar.core.plan import NodePlan, Plan, Prediction
+from autopar.core.plan import NodePlan, Plan, Prediction, SearchLog
 from autopar.planning.shrink import Grouping, group
 from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
 from autopar.core.units import fmt
@@ -326,7 +326,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                            compute_s=sim.compute_s, comm_s=sim.comm_s, memory_breakdown=sim.at_peak,
                            overlapped_comm_s=sim.overlap_s, exposed_comm_s=sim.exposed_s, peak_at=sim.peak_at,
                            cost_source=_overall_source(costs, model), **_confidence(costs, model, captured.precision))
-    solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
+    solver_info: SearchLog = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
                    "constraints": solution.num_constraints, "objective_s": solution.objective,
                    "problem": planning.grouping.describe(len(space.nodes))}
     plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=planning.fingerprint, nodes=nodes,

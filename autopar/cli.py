@@ -32,14 +32,13 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import Field
+from typing import Any, Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
 from autopar.core.errors import AutoparError, MeshError
 from autopar.core.progress import ENV as PROGRESS_ENV
-from autopar.core.precision import PRECISIONS
-from autopar.core.blocks import RECOMPUTE
-from autopar.planning.options import OFFLOAD, PlanOptions
-from cost_models.estimate import OPTIMIZERS
+from autopar.core.precision import Precision
+from autopar.planning.options import AS_FIELD, Flag, PlanOptions, field_doc, option_flags
 
 __all__ = ["main", "parse_mesh", "build_parser"]
 
@@ -150,7 +149,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
     get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
-    _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget_gib,
+    _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget,
                     time_limit=args.time_limit)
     options = _plan_options(args)
     entry = get_model(args.model)
@@ -178,34 +177,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
-    """The ``PlanOptions`` of ``autopar plan``'s flags (validated there, before the slow capture)."""
-    return PlanOptions(memory_budget=args.memory_budget_gib * 2**30 if args.memory_budget_gib is not None else None,
-                       time_limit=args.time_limit, profile=None if args.profile == "none" else args.profile,
-                       optimizer=args.optimizer, share_layers=args.share_layers, hand_plans=args.hand_plans,
-                       min_gain=args.min_gain, gather_outputs=args.gather_outputs,
-                       precision=args.precision or default_precision(args.hardware),
-                       reduce_precision=args.reduce_precision,
-                       microbatches=args.microbatches if args.microbatches == "auto" else _count(args.microbatches),
-                       recompute=args.recompute, offload=args.offload, pipeline=_pipeline(args.pipeline))
-
-
-def _pipeline(text: str) -> str | bool | dict:
-    """``--pipeline``: auto, none, or SCHEDULE[:AXIS[:MICROBATCHES[:STAGES_PER_RANK]]]."""
-    if text in ("auto", "none"):
-        return text
-    parts = text.split(":")
-    fields: dict = {"schedule": parts[0]}
-    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:]):
-        fields[key] = value if key == "axis" or value == "auto" else _count(value)
-    return fields
-
-
-def _count(text: str) -> int:
-    """``--microbatches``: a count (the options refuse one below 1)."""
-    try:
-        return int(text)
-    except ValueError:
-        raise AutoparError(f"--microbatches is 'auto' or a count, got {text!r}") from None
+    """The ``PlanOptions`` of ``autopar plan``'s flags (validated there, before the slow capture);
+    without ``--precision``, the hardware's default (``default_precision``)."""
+    values = {}
+    for f, flag in option_flags():
+        value = getattr(args, f.name)
+        values[f.name] = flag.to_option(value) if flag.to_option is not None and value is not None else value
+    if values["precision"] is None:
+        values["precision"] = default_precision(args.hardware)
+    return PlanOptions(**values)
 
 
 def default_precision(hardware: str) -> str:
@@ -525,6 +505,7 @@ def _talk_flags(parser: argparse.ArgumentParser, default: Any = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``autopar`` parser: ``-v``/``-q`` and the commands ``demo``, ``plan``, ``profile``, ``models``."""
     parser = argparse.ArgumentParser(
         prog="autopar",
         description="autopar: an auto-parallelizing compiler for PyTorch training.",
@@ -533,7 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     _talk_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    for add in (_demo_parser, _plan_parser, _profile_parser, _models_parser):
+        command = add(sub)
+        _talk_flags(command, argparse.SUPPRESS)
+    return parser
 
+
+def _demo_parser(sub: Any) -> argparse.ArgumentParser:
+    """``autopar demo``."""
     demo = sub.add_parser("demo", help="train a tiny GPT on a local CPU mesh and compare with one device",
                           description="Plan a zoo model for a local CPU mesh, train it sharded on gloo processes and "
                                       "on a single device with the same batches, and compare the losses.")
@@ -547,9 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--code-lines", type=int, default=40,
                       help="lines of generated code to print (default 40; 0 prints all)")
     demo.add_argument("--code-out", metavar="FILE", default=None, help="save the generated code to FILE")
-    _talk_flags(demo, argparse.SUPPRESS)
     demo.set_defaults(func=cmd_demo)
+    return demo
 
+
+def _plan_parser(sub: Any) -> argparse.ArgumentParser:
+    """``autopar plan``: what to plan, what to print, and a flag per ``PlanOptions`` field."""
     plan = sub.add_parser("plan", help="plan a model for a mesh that need not exist (built on the meta device)",
                           description="Plan a zoo model (or pkg.module:factory) for a device mesh; nothing is "
                                       "allocated or run, so any cluster size can be planned here.")
@@ -561,56 +552,45 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--axis-names", default=None, help="mesh axis names, e.g. dp,tp (default: dp,tp for 2-D)")
     plan.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    plan.add_argument("--memory-budget-gib", type=float, default=None,
-                      help="memory per device in GiB (default: the hardware's)")
-    plan.add_argument("--time-limit", type=float, default=PlanOptions.time_limit,
-                      help="solver time limit in seconds; the best plan found by then is kept "
-                           f"(default {PlanOptions.time_limit:g})")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
     plan.add_argument("--all-nodes", action="store_true",
                       help="list every node's predicted compute, communication, memory and their source")
     plan.add_argument("--scaling", action="store_true",
                       help="also print step time and memory as formulas of batch size B and sequence length S")
-    plan.add_argument("--profile", default="auto",
-                      help="measured costs: auto (the cached profile of this host when it matches; default), "
-                           "a profile JSON file, or none (roofline presets only)")
-    plan.add_argument("--optimizer", default=PlanOptions.optimizer, choices=tuple(OPTIMIZERS),
-                      help=f"optimizer whose states count in memory (default {PlanOptions.optimizer})")
-    plan.add_argument("--min-gain", type=float, default=PlanOptions.min_gain,
-                      help="keep the best hand plan unless the solver's is predicted this fraction faster "
-                           f"(default {PlanOptions.min_gain:g})")
-    plan.add_argument("--no-hand-plans", dest="hand_plans", action="store_false",
-                      help="do not cost the standard strategies (DDP, FSDP, Megatron TP...) first")
-    plan.add_argument("--no-share-layers", dest="share_layers", action="store_false",
-                      help="let every layer choose on its own (slower to solve), not identical layers together")
-    plan.add_argument("--sharded-outputs", dest="gather_outputs", action="store_false",
-                      help="the compiled module returns outputs as DTensors, not gathered whole on every rank "
-                           "(a training loop that reads only the loss: no gather of the logits)")
-    plan.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
-                      help="compute dtype; parameters, gradients and optimizer states stay fp32 "
-                           "(default: bf16 on GPU presets, fp32 on cpu)")
-    plan.add_argument("--reduce-precision", choices=tuple(PRECISIONS), default="fp32",
-                      help="dtype gradients are summed over ranks in (default fp32; bf16 moves half the bytes)")
-    plan.add_argument("--microbatches", default="auto",
-                      help="gradient accumulation: microbatches per step, a divisor of --batch, or auto (default: the "
-                           "whole batch if a plan fits it, else the fewest microbatches that fit)")
-    plan.add_argument("--recompute", choices=("auto", *RECOMPUTE), default="auto",
-                      help="activation recomputation of the repeated blocks: selective (their attention cores) or "
-                           "full (default auto: priced beside more microbatches where the batch must be cut, else "
-                           "only when nothing fits without it)")
-    plan.add_argument("--offload", choices=OFFLOAD, default="auto",
-                      help="optimizer: ZeRO-sharded parameters keep their shards, gradients and optimizer states in "
-                           "host memory, the optimizer steps there (default auto: only where nothing fits the device "
-                           "otherwise)")
-    plan.add_argument("--pipeline", default="auto", metavar="auto|none|SCHEDULE[:AXIS[:MICROBATCHES[:STAGES]]]",
-                      help="pipeline parallelism: auto (default: weighed over a factor of the first axis where it "
-                           "crosses nodes), none, or a torch.distributed.pipelining schedule class (Schedule1F1B, "
-                           "ScheduleInterleaved1F1B, ...) with the axis carrying the stages, the microbatches and "
-                           "the stages per rank")
-    _talk_flags(plan, argparse.SUPPRESS)
+    options = plan.add_argument_group("planning options", "the fields of autopar.PlanOptions")
+    for f, flag in option_flags():
+        _add_option_flag(options, f, flag)
     plan.set_defaults(func=cmd_plan)
+    return plan
 
+
+def _add_option_flag(parser: Any, f: Field, flag: Flag) -> None:
+    """The flag of ``PlanOptions`` field ``f``: its name, type, choices and default from the field
+    (``flag`` overriding them), its help the field's doc; a switch where the field is True by default."""
+    default = f.default if flag.default is AS_FIELD else flag.default
+    text = field_doc(f).replace("``", "`") + (f" {flag.note}" if flag.note else "")
+    if isinstance(default, bool):
+        parser.add_argument(flag.flag_name(f), dest=f.name, action="store_false",
+                            help=_escape(f"{text} (on by default; this flag turns it off)"))
+        return
+    hint = get_type_hints(PlanOptions)[f.name]
+    choices = flag.choices or (get_args(hint) if get_origin(hint) is Literal else None)
+    kind = flag.type or (float if isinstance(default, float) else None)
+    shown = flag.default_text or (format(default, "g") if isinstance(default, float) else default)
+    name = flag.flag_name(f)
+    metavar = flag.metavar or (None if choices else name.removeprefix("--").replace("-", "_").upper())
+    parser.add_argument(name, dest=f.name, type=kind, choices=choices, default=default, metavar=metavar,
+                        help=_escape(f"{text} (default: {shown})"))
+
+
+def _escape(help_text: str) -> str:
+    """``help_text`` as argparse reads it (which formats ``%``)."""
+    return help_text.replace("%", "%%")
+
+
+def _profile_parser(sub: Any) -> argparse.ArgumentParser:
+    """``autopar profile``."""
     prof = sub.add_parser("profile", help="measure this machine's op, collective and runtime costs for a model",
                           description="Time a model's ops (zoo or pkg.module:factory) at every candidate "
                                       "strategy's local shapes, the collectives of each mesh axis and the runtime "
@@ -621,16 +601,18 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--axis-names", default=None, help="mesh axis names")
     prof.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     prof.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    prof.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+    prof.add_argument("--precision", choices=get_args(Precision), default="fp32",
                       help="time the ops in this compute dtype (default fp32)")
     prof.add_argument("--out", default=None, help="profile file (default: the cache, ~/.cache/autopar/profiles)")
-    _talk_flags(prof, argparse.SUPPRESS)
     prof.set_defaults(func=cmd_profile)
+    return prof
 
+
+def _models_parser(sub: Any) -> argparse.ArgumentParser:
+    """``autopar models``."""
     models = sub.add_parser("models", help="list the model zoo")
-    _talk_flags(models, argparse.SUPPRESS)
     models.set_defaults(func=cmd_models)
-    return parser
+    return models
 
 
 def _talk(verbose: bool, quiet: bool) -> None:

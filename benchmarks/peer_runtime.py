@@ -152,6 +152,22 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
         plans["ddp" + PLAIN] = candidates(model, spec, args, kwargs, options=defaults)["ddp"]
         plans["auto" + PLAIN] = autopar.plan(model, spec, args, kwargs, options=defaults)
     plan_s = time.perf_counter() - t0
+    rounds_s = _time_in_rounds(name, mesh, spec.axis_names, torch_variants, plans, rounds, together)
+    step = {k: statistics.median(v) for k, v in rounds_s.items()}
+    auto_label = f"autopar {kept}" if kept in plans else "autopar auto"
+    ratios = _ratios(rounds_s, torch_variants, auto_label, spec.size)
+    return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
+            "auto_plan": kept or "solver", "launches": "one" if together else "one per variant, in turns",
+            "step_s": step, "rounds_s": rounds_s,
+            "ratios": {k: {"target": kind, "ratio": r, "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
+                       for k, (kind, r) in ratios.items()}}
+
+
+def _time_in_rounds(name: str, mesh: tuple[int, ...], axis_names: tuple[str, ...], torch_variants: list[str],
+                    plans: dict, rounds: int, together: bool) -> dict[str, list[float]]:
+    """Each variant's step times, every round: all variants in one launch (``together``), or one
+    launch per variant, taking turns round by round."""
+    batch, seq = MODELS[name]
     variants = [*torch_variants, *plans]
     launches = [variants] if together else [[v] for v in variants]
     rounds_s: dict[str, list[float]] = {}
@@ -159,27 +175,28 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
         for group in launches[r % len(launches):] + launches[:r % len(launches)]:
             ranks = run_on_gloo_mesh(_worker, mesh, name, batch, seq, [v for v in group if v in torch_variants],
                                      {k: plans[k].to_json() for k in group if k in plans}, rounds if together else 1,
-                                     axis_names=spec.axis_names, start_method="forkserver")
+                                     axis_names=axis_names, start_method="forkserver")
             for k in ranks[0]:
                 rounds_s.setdefault(k, []).extend(slowest_rank_steps([rank[k] for rank in ranks]))
-    step = {k: statistics.median(v) for k, v in rounds_s.items()}
-    auto_label = f"autopar {kept}" if kept in plans else "autopar auto"
+    return rounds_s
+
+
+def _ratios(rounds_s: dict[str, list[float]], torch_variants: list[str], auto_label: str,
+            size: int) -> dict[str, tuple[str, float]]:
+    """Each compared pair's (target, ratio of step times in the same rounds)."""
     ratios = {}
     for hand, peer in PEERS.items():
-        if f"autopar {hand}" in step and peer in step:
+        if f"autopar {hand}" in rounds_s and peer in rounds_s:
             ratios[f"{hand} / {peer}"] = ("hand / torch", ratio_in_rounds(rounds_s[f"autopar {hand}"], rounds_s[peer]))
     for label in ("ddp" + PLAIN, "auto" + PLAIN):
-        if f"autopar {label}" in step:
+        if f"autopar {label}" in rounds_s:
             ratios[f"{label} / torch DDP{PLAIN}"] = ("plain loop / torch DDP", ratio_in_rounds(
                 rounds_s[f"autopar {label}"], rounds_s["torch DDP" + PLAIN]))
+    step = {k: statistics.median(v) for k, v in rounds_s.items()}
     fastest = min((v for v in torch_variants if not v.endswith(PLAIN)), key=step.__getitem__)
-    key = "autopar (1,) / eager" if spec.size == 1 else "auto / fastest torch"
+    key = "autopar (1,) / eager" if size == 1 else "auto / fastest torch"
     ratios[f"auto / {fastest}"] = (key, ratio_in_rounds(rounds_s[auto_label], rounds_s[fastest]))
-    return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
-            "auto_plan": kept or "solver", "launches": "one" if together else "one per variant, in turns",
-            "step_s": step, "rounds_s": rounds_s,
-            "ratios": {k: {"target": kind, "ratio": r, "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
-                       for k, (kind, r) in ratios.items()}}
+    return ratios
 
 
 def main() -> None:

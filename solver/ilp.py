@@ -50,6 +50,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from ortools.math_opt import callback_pb2, model_parameters_pb2, model_pb2, result_pb2, solution_pb2
@@ -59,10 +60,11 @@ from pybind11_abseil.status import StatusNotOk
 
 from solver.errors import InfeasibleProblem, MemoryHog, SolverError, SolverTimeout
 
-__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS"]
+__all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "restrict", "SOLVERS", "SolverName"]
 
 #: Accepted values of ``solve(..., solver=...)``.
-SOLVERS: dict[str, mathopt.SolverType] = {
+SolverName = Literal["highs", "scip"]
+SOLVERS: dict[SolverName, mathopt.SolverType] = {
     "highs": mathopt.SolverType.HIGHS,
     "scip": mathopt.SolverType.GSCIP,
 }
@@ -469,131 +471,192 @@ class _Model:
     exposed_id: int | None  # exposed communication, seconds
 
 
-def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
-    k = data.k
-    free = [i for i in range(len(k)) if k[i] > 1]
-    proto = model_pb2.ModelProto(name="autopar_sharding")
+class _Builder:
+    """The ILP as a math_opt model proto, added part by part (as autoparallel's optimizer adds its
+    variables and constraints). Variables are numbered in the order added and constraint rows
+    written with increasing column ids, as the proto requires, so the parts go in this order:
+    ``add_node_choices``, ``add_edge_costs``, ``add_memory_constraint``,
+    ``add_exposed_communication``; then ``add_objective`` and ``model``.
 
-    x_ids: dict[int, range] = {}
-    nxt = 0
-    for i in free:
-        x_ids[i] = range(nxt, nxt + k[i])
-        nxt += k[i]
-    num_x = nxt
-    e_ids: list[int] = []
-    for pair in red.pairs:
-        e_ids.append(nxt)
-        nxt += pair.core.size
-    budget = problem.memory_budget
-    binding = _binding_moments(problem, data)
-    t_id = nxt if binding and data.transient is not None else None   # largest transient (bytes)
-    nxt += t_id is not None
-    x_id = nxt if data.exposed else None   # exposed communication (seconds)
-    nxt += x_id is not None
-    mscale = 1.0
+    Costs are shifted and scaled (``scale``: the largest coefficient becomes 1) so that solver
+    tolerances mean the same whether costs are microseconds or seconds; memory likewise by
+    ``mscale``.
+    """
 
-    var = proto.variables
-    var.ids.extend(range(nxt))
-    var.lower_bounds.extend([0.0] * nxt)
-    var.upper_bounds.extend([1.0] * (num_x + sum(p.core.size for p in red.pairs)))
-    var.upper_bounds.extend([math.inf] * (nxt - len(var.upper_bounds)))
-    var.integers.extend([True] * num_x + [False] * (nxt - num_x))
+    def __init__(self, problem: Problem, data: _Data, red: _Reduced) -> None:
+        self.problem, self.data, self.red = problem, data, red
+        self.proto = model_pb2.ModelProto(name="autopar_sharding")
+        self.free = [i for i in range(len(data.k)) if data.k[i] > 1]
+        self.x_ids: dict[int, range] = {}
+        self.e_ids: list[int] = []
+        self.t_id: int | None = None
+        self.exposed_id: int | None = None
+        self.mscale = 1.0
+        self.offset = red.offset   # the objective's constant, before scaling
+        self.costs: list[tuple[range, np.ndarray]] = []   # (variable ids, their costs), before scaling
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.coefs: list[float] = []
+        self.lbs: list[float] = []
+        self.ubs: list[float] = []
 
-    # Objective. Each node's linear costs are shifted by their minimum (folding separable
-    # edges can make them negative) and everything is scaled so the largest coefficient is 1:
-    # keeps solver tolerances meaningful whether costs are microseconds or seconds.
-    offset = red.offset
-    blocks: list[tuple[range, np.ndarray]] = []
-    for i in free:
-        lo = float(red.linear[i].min())
-        offset += lo
-        blocks.append((x_ids[i], red.linear[i] - lo))
-    for pair, base in zip(red.pairs, e_ids):
-        blocks.append((range(base, base + pair.core.size), pair.core.ravel()))
-    scale = max((float(vals.max()) for _, vals in blocks), default=0.0) or 1.0
-    obj = proto.objective.linear_coefficients
-    for ids, vals in blocks:
-        nz = np.flatnonzero(vals)
-        obj.ids.extend([ids[j] for j in nz.tolist()])
-        obj.values.extend((vals[nz] / scale).tolist())
-    if x_id is not None:
-        obj.ids.append(x_id)
-        obj.values.append(1.0 / scale)
-    proto.objective.offset = offset / scale
-    proto.objective.maximize = False
+    # ------------------------------------------------------------------ low-level
 
-    # Constraints, emitted row by row with increasing column ids (as the proto requires).
-    rows: list[int] = []
-    cols: list[int] = []
-    coefs: list[float] = []
-    lbs: list[float] = []
-    ubs: list[float] = []
+    def _variables(self, count: int, upper: float, integer: bool) -> int:
+        """Add ``count`` variables in [0, ``upper``]; the id of the first."""
+        var = self.proto.variables
+        first = len(var.ids)
+        var.ids.extend(range(first, first + count))
+        var.lower_bounds.extend([0.0] * count)
+        var.upper_bounds.extend([upper] * count)
+        var.integers.extend([integer] * count)
+        return first
 
-    def add_row(ids: Sequence[int], vals: Sequence[float], lb: float, ub: float) -> None:
-        rows.extend([len(lbs)] * len(ids))
-        cols.extend(ids)
-        coefs.extend(vals)
-        lbs.append(lb)
-        ubs.append(ub)
+    def _row(self, ids: Sequence[int], vals: Sequence[float], lb: float, ub: float) -> None:
+        """Add the constraint ``lb <= sum(vals * x[ids]) <= ub`` (``ids`` increasing)."""
+        self.rows.extend([len(self.lbs)] * len(ids))
+        self.cols.extend(ids)
+        self.coefs.extend(vals)
+        self.lbs.append(lb)
+        self.ubs.append(ub)
 
-    def add_sparse(terms: dict[int, float], lb: float, ub: float) -> None:
+    def _sparse(self, terms: dict[int, float], lb: float, ub: float) -> None:
+        """``_row`` of the nonzero ``{id: coefficient}`` terms, in id order."""
         ids = sorted(j for j, c in terms.items() if c != 0.0)
-        add_row(ids, [terms[j] for j in ids], lb, ub)
+        self._row(ids, [terms[j] for j in ids], lb, ub)
 
-    for i in free:  # one-hot
-        add_row(x_ids[i], [1.0] * k[i], 1.0, 1.0)
-    for pair, base in zip(red.pairs, e_ids):  # marginals of the pair variables (x ids < e ids)
-        u, v = pair.u, pair.v
+    @property
+    def scale(self) -> float:
+        """The largest node or pair cost (1 if none): costs are divided by it."""
+        return max((float(vals.max()) for _, vals in self.costs), default=0.0) or 1.0
+
+    # ------------------------------------------------------------------ parts
+
+    def add_node_choices(self) -> None:
+        """One binary per choice of each free node, exactly one of them set. Each node's linear
+        costs are shifted by their minimum (folding separable edges can make them negative)."""
+        for i in self.free:
+            first = self._variables(self.data.k[i], 1.0, True)
+            self.x_ids[i] = range(first, first + self.data.k[i])
+        for i in self.free:
+            lo = float(self.red.linear[i].min())
+            self.offset += lo
+            self.costs.append((self.x_ids[i], self.red.linear[i] - lo))
+        for i in self.free:
+            self._row(self.x_ids[i], [1.0] * self.data.k[i], 1.0, 1.0)
+
+    def add_edge_costs(self) -> None:
+        """Per pair of an edge's classes (``_Reduced.pairs``) a variable in [0, 1] with the pair's
+        cost, whose marginals equal the classes' choice variables (x ids < e ids)."""
+        for pair in self.red.pairs:
+            self.e_ids.append(self._variables(pair.core.size, 1.0, False))
+        for pair, base in zip(self.red.pairs, self.e_ids):
+            self.costs.append((range(base, base + pair.core.size), pair.core.ravel()))
+        for pair, base in zip(self.red.pairs, self.e_ids):
+            self._pair_marginals(pair, base)
+
+    def _pair_marginals(self, pair: _Pair, base: int) -> None:
+        """Row ``p`` of the pair block sums to the source's class ``p``; column ``q`` to the destination's."""
         nu, nv = pair.core.shape
         for p in range(nu):
-            xs = [x_ids[u][c] for c in np.flatnonzero(pair.rows == p).tolist()]
-            add_row([*xs, *range(base + p * nv, base + (p + 1) * nv)], [-1.0] * len(xs) + [1.0] * nv, 0.0, 0.0)
+            xs = [self.x_ids[pair.u][c] for c in np.flatnonzero(pair.rows == p).tolist()]
+            self._row([*xs, *range(base + p * nv, base + (p + 1) * nv)], [-1.0] * len(xs) + [1.0] * nv, 0.0, 0.0)
         for q in range(nv):
-            xs = [x_ids[v][c] for c in np.flatnonzero(pair.cols == q).tolist()]
-            add_row([*xs, *range(base + q, base + nu * nv, nv)], [-1.0] * len(xs) + [1.0] * nu, 0.0, 0.0)
+            xs = [self.x_ids[pair.v][c] for c in np.flatnonzero(pair.cols == q).tolist()]
+            self._row([*xs, *range(base + q, base + nu * nv, nv)], [-1.0] * len(xs) + [1.0] * nu, 0.0, 0.0)
 
-    if binding:
+    def add_memory_constraint(self) -> None:
+        """Per moment whose worst case could exceed the budget: the memory above each node's
+        minimum, plus the largest transient ``T``, within the slack the minimums leave."""
+        binding = _binding_moments(self.problem, self.data)
+        if not binding:
+            return
+        data = self.data
         # Only memory above each node's minimum competes for the slack of each moment.
-        mscale = max(float(data.moment(r, i).max()) for r in binding for i in range(len(k))) or 1.0
-        fixed_work = 0.0
-        if t_id is not None:
-            for i in range(len(k)):
-                if i in x_ids:   # T >= transient of the chosen strategy
-                    add_sparse({**dict(zip(x_ids[i], (data.transient[i] / mscale).tolist())), t_id: -1.0}, -math.inf, 0.0)
-                else:
-                    fixed_work = max(fixed_work, float(data.transient[i][0]))
-            var.lower_bounds[t_id] = fixed_work / mscale
+        self.mscale = max(float(data.moment(r, i).max()) for r in binding for i in range(len(data.k))) or 1.0
+        if data.transient is not None:
+            self.t_id = self._variables(1, math.inf, False)   # largest transient (bytes)
+            self._add_largest_transient(self.t_id)
+        budget = self.problem.memory_budget
         for r in binding:
             terms: dict[int, float] = {}
             floor = 0.0
-            for i in range(len(k)):
+            for i in range(len(data.k)):
                 vec = data.moment(r, i)
                 floor += float(vec.min())
-                if i in x_ids:
-                    excess = (vec - vec.min()) / mscale
-                    terms.update((x_ids[i][c], float(excess[c])) for c in np.flatnonzero(excess).tolist())
-            if t_id is not None:
-                terms[t_id] = 1.0
-            add_sparse(terms, -math.inf, (budget - floor) / mscale)
+                if i in self.x_ids:
+                    excess = (vec - vec.min()) / self.mscale
+                    terms.update((self.x_ids[i][c], float(excess[c])) for c in np.flatnonzero(excess).tolist())
+            if self.t_id is not None:
+                terms[self.t_id] = 1.0
+            self._sparse(terms, -math.inf, (budget - floor) / self.mscale)
 
-    for nodes, constant in data.exposed:   # E >= queued communication - compute that hides it
-        terms = {}
-        for i, v in nodes.items():
-            if i in x_ids:
-                terms.update(zip(x_ids[i], v.tolist()))
+    def _add_largest_transient(self, t_id: int) -> None:
+        """``T`` (variable ``t_id``) >= the transient of each free node's chosen strategy, and of
+        every fixed node."""
+        fixed_work = 0.0
+        for i in range(len(self.data.k)):
+            transient = self.data.transient[i]
+            if i in self.x_ids:
+                self._sparse({**dict(zip(self.x_ids[i], (transient / self.mscale).tolist())), t_id: -1.0},
+                             -math.inf, 0.0)
             else:
-                constant += float(v[0])
-        terms[x_id] = -1.0
-        add_sparse({j: c / scale for j, c in terms.items()}, -math.inf, -constant / scale)
+                fixed_work = max(fixed_work, float(transient[0]))
+        self.proto.variables.lower_bounds[t_id] = fixed_work / self.mscale
 
-    proto.linear_constraints.ids.extend(range(len(lbs)))
-    proto.linear_constraints.lower_bounds.extend(lbs)
-    proto.linear_constraints.upper_bounds.extend(ubs)
-    mat = proto.linear_constraint_matrix
-    mat.row_ids.extend(rows)
-    mat.column_ids.extend(cols)
-    mat.coefficients.extend(coefs)
-    return _Model(proto, x_ids, e_ids, t_id, mscale, x_id)
+    def add_exposed_communication(self) -> None:
+        """``E`` (seconds, in the objective) >= each row's queued communication minus the compute
+        that hides it."""
+        if not self.data.exposed:
+            return
+        self.exposed_id = exposed_id = self._variables(1, math.inf, False)
+        scale = self.scale
+        for nodes, constant in self.data.exposed:
+            terms: dict[int, float] = {}
+            for i, v in nodes.items():
+                if i in self.x_ids:
+                    terms.update(zip(self.x_ids[i], v.tolist()))
+                else:
+                    constant += float(v[0])
+            terms[exposed_id] = -1.0
+            self._sparse({j: c / scale for j, c in terms.items()}, -math.inf, -constant / scale)
+
+    def add_objective(self) -> None:
+        """Minimise the node and pair costs plus ``E``, scaled."""
+        scale = self.scale
+        obj = self.proto.objective.linear_coefficients
+        for ids, vals in self.costs:
+            nz = np.flatnonzero(vals)
+            obj.ids.extend([ids[j] for j in nz.tolist()])
+            obj.values.extend((vals[nz] / scale).tolist())
+        if self.exposed_id is not None:
+            obj.ids.append(self.exposed_id)
+            obj.values.append(1.0 / scale)
+        self.proto.objective.offset = self.offset / scale
+        self.proto.objective.maximize = False
+
+    def model(self) -> _Model:
+        """The proto with the constraints added so far, and where its variables are."""
+        proto = self.proto
+        proto.linear_constraints.ids.extend(range(len(self.lbs)))
+        proto.linear_constraints.lower_bounds.extend(self.lbs)
+        proto.linear_constraints.upper_bounds.extend(self.ubs)
+        mat = proto.linear_constraint_matrix
+        mat.row_ids.extend(self.rows)
+        mat.column_ids.extend(self.cols)
+        mat.coefficients.extend(self.coefs)
+        return _Model(proto, self.x_ids, self.e_ids, self.t_id, self.mscale, self.exposed_id)
+
+
+def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
+    """The model proto of the reduced problem (``_Builder``'s parts in order)."""
+    builder = _Builder(problem, data, red)
+    builder.add_node_choices()
+    builder.add_edge_costs()
+    builder.add_memory_constraint()
+    builder.add_exposed_communication()
+    builder.add_objective()
+    return builder.model()
 
 
 def _binding_moments(problem: Problem, data: _Data) -> list[int]:
@@ -710,7 +773,7 @@ def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[fl
     return obj + data.exposed_time(choices), data.peak(choices)
 
 
-def solve(problem: Problem, time_limit: float | None = None, solver: str = "highs",
+def solve(problem: Problem, time_limit: float | None = None, solver: SolverName = "highs",
           relative_gap: float = 1e-6) -> Solution:
     """Solve the sharding ILP, to within ``relative_gap`` of the optimum.
 
@@ -722,12 +785,7 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     where the machine's speed let it get.
     """
     start = time.perf_counter()
-    if solver not in SOLVERS:
-        raise SolverError(f"unknown solver {solver!r}; valid choices are {sorted(SOLVERS)}")
-    if time_limit is not None and not (
-        isinstance(time_limit, numbers.Real) and not isinstance(time_limit, bool) and time_limit > 0
-    ):
-        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+    _check_arguments(solver, time_limit)
     data = _validate(problem)
     budget = problem.memory_budget
     if budget is not None and data.min_memory() > budget:
@@ -740,18 +798,6 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
         obj, mem = _evaluate(problem, data, hint)
         return Solution(tuple(hint), obj, mem, "optimal", 0.0, time.perf_counter() - start, 0, 0)
 
-    # HiGHS (through math_opt) uses a hint only if it sets every variable, pair variables
-    # included; a partial hint is silently dropped. SCIP accepts either.
-    hint_values = np.zeros(len(built.proto.variables.ids))
-    for i, ids in built.x_ids.items():
-        hint_values[ids[hint[i]]] = 1.0
-    for pair, base in zip(red.pairs, built.e_ids):
-        hint_values[base + pair.rows[hint[pair.u]] * pair.core.shape[1] + pair.cols[hint[pair.v]]] = 1.0
-    if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
-        hint_values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
-    if built.exposed_id is not None:
-        hint_values[built.exposed_id] = data.exposed_time(hint)
-
     params = mathopt.SolveParameters(
         random_seed=0,  # fixed seed: same problem, same plan
         relative_gap_tolerance=relative_gap,
@@ -760,8 +806,52 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     if time_limit is not None:
         remaining = max(time_limit - (time.perf_counter() - start), 0.01)
         params.time_limit = datetime.timedelta(seconds=remaining)
-    result = _run(built, hint_values, SOLVERS[solver], params)
+    result = _run(built, _hint_values(built, red, data, hint), SOLVERS[solver], params)
+    reason, values = _check_result(result, problem, data, solver, time_limit)
+    choices, obj, mem = _choices(problem, data, built, values, hint)
+    # "optimal" means within relative_gap of the optimum; the gap reported is the proven one.
+    status = "optimal" if reason == mathopt.TerminationReason.OPTIMAL else "feasible"  # else: a limit hit
+    return Solution(
+        choices=tuple(choices),
+        objective=obj,
+        memory=mem,
+        status=status,
+        gap=_gap(result, reason),
+        solve_time_s=time.perf_counter() - start,
+        num_variables=len(built.proto.variables.ids),
+        num_constraints=len(built.proto.linear_constraints.ids),
+    )
 
+
+def _check_arguments(solver: str, time_limit: float | None) -> None:
+    """``solve``'s solver name and time limit, checked."""
+    if solver not in SOLVERS:
+        raise SolverError(f"unknown solver {solver!r}; valid choices are {sorted(SOLVERS)}")
+    if time_limit is not None and not (
+        isinstance(time_limit, numbers.Real) and not isinstance(time_limit, bool) and time_limit > 0
+    ):
+        raise SolverError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
+
+
+def _hint_values(built: _Model, red: _Reduced, data: _Data, hint: list[int]) -> np.ndarray:
+    """The hint as a value of every variable. HiGHS (through math_opt) uses a hint only if it sets
+    every variable, pair variables included; a partial hint is silently dropped. SCIP accepts
+    either."""
+    values = np.zeros(len(built.proto.variables.ids))
+    for i, ids in built.x_ids.items():
+        values[ids[hint[i]]] = 1.0
+    for pair, base in zip(red.pairs, built.e_ids):
+        values[base + pair.rows[hint[pair.u]] * pair.core.shape[1] + pair.cols[hint[pair.v]]] = 1.0
+    if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
+        values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
+    if built.exposed_id is not None:
+        values[built.exposed_id] = data.exposed_time(hint)
+    return values
+
+
+def _check_result(result: result_pb2.SolveResultProto, problem: Problem, data: _Data, solver: str,
+                  time_limit: float | None) -> tuple[mathopt.TerminationReason, np.ndarray]:
+    """Why the solver stopped, and its best solution's variable values; raises where it found none."""
     reason = mathopt.TerminationReason(result.termination.reason)
     TR = mathopt.TerminationReason
     if reason in (TR.INFEASIBLE, TR.INFEASIBLE_OR_UNBOUNDED):
@@ -774,36 +864,36 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
                 f"({result.termination.detail or reason.name}); raise time_limit."
             )
         raise SolverError(f"The {solver} solver failed ({reason.name}): {result.termination.detail}")
+    return reason, values
 
+
+def _choices(problem: Problem, data: _Data, built: _Model, values: np.ndarray,
+             hint: list[int]) -> tuple[list[int], float, float]:
+    """(choices, objective, memory) of the solver's solution, or of the hint where the solver's is
+    worse or overshoots the budget (checked in floating point, not within a solver tolerance), as
+    long as the hint itself fits."""
     choices = list(hint)
     for i, ids in built.x_ids.items():
         # argmax rounds away solver tolerances; first index wins ties.
         choices[i] = int(np.argmax(values[ids.start:ids.stop]))
     obj, mem = _evaluate(problem, data, choices)
-    # Fall back to the hint if the solver's plan is worse or overshoots the budget (checked in
-    # floating point, not within a solver tolerance), as long as the hint itself fits.
     hint_obj, hint_mem = _evaluate(problem, data, hint)
+    budget = problem.memory_budget
     fits = (lambda m: budget is None or m <= budget)
     if fits(hint_mem) and (hint_obj < obj or not fits(mem)):
-        choices, obj, mem = hint, hint_obj, hint_mem
+        return hint, hint_obj, hint_mem
+    return choices, obj, mem
 
-    # "optimal" means within relative_gap of the optimum; the gap reported is the proven one.
-    status = "optimal" if reason == TR.OPTIMAL else "feasible"  # else: a limit hit, incumbent in hand
+
+def _gap(result: result_pb2.SolveResultProto, reason: mathopt.TerminationReason) -> float | None:
+    """The proven relative gap between the solution and the bound (None where unknown)."""
+    optimal = reason == mathopt.TerminationReason.OPTIMAL
     primal, dual = result.termination.objective_bounds.primal_bound, result.termination.objective_bounds.dual_bound
-    gap = 0.0 if reason == TR.OPTIMAL else None
+    gap = 0.0 if optimal else None
     if math.isfinite(primal) and math.isfinite(dual):
         gap = abs(primal - dual) / abs(primal) if abs(primal) > 1e-12 else 0.0
         gap = 0.0 if gap < 1e-9 else gap  # float noise of a closed gap
-    return Solution(
-        choices=tuple(choices),
-        objective=obj,
-        memory=mem,
-        status=status,
-        gap=gap,
-        solve_time_s=time.perf_counter() - start,
-        num_variables=len(built.proto.variables.ids),
-        num_constraints=len(built.proto.linear_constraints.ids),
-    )
+    return gap
 
 
 def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: mathopt.SolveParameters

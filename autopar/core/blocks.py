@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.fx as fx
@@ -25,7 +26,8 @@ aten = torch.ops.aten
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _BATCHED_PRODUCTS = {aten.bmm.default, aten.baddbmm.default, aten.matmul.default}
 #: ``Plan.recompute``'s modes: what of a block its backward runs again.
-RECOMPUTE = ("none", "selective", "full")
+RecomputeMode = Literal["none", "selective", "full"]
+RECOMPUTE: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def _nearest(node: fx.Node, index: dict[fx.Node, int], step, pick) -> fx.Node | 
     return pick(found, key=index.__getitem__) if found else None
 
 
-def recomputed_regions(graph: fx.Graph, recompute: dict[str, str]) -> list[Block]:
+def recomputed_regions(graph: fx.Graph, recompute: dict[str, RecomputeMode]) -> list[Block]:
     """The runs of ops recomputed in the backward, in graph order: each repeated block ``recompute``
     names whole ("full"), or its attention core ("selective")."""
     regions = []
@@ -119,7 +121,7 @@ def recomputed_regions(graph: fx.Graph, recompute: dict[str, str]) -> list[Block
     return regions
 
 
-def recompute_modes(graph: fx.Graph, mode: str, blocks: int | None = None) -> dict[str, str]:
+def recompute_modes(graph: fx.Graph, mode: RecomputeMode, blocks: int | None = None) -> dict[str, RecomputeMode]:
     """``Plan.recompute`` of recomputing ``mode`` wherever it applies: every repeated block's path
     (those with an attention core, for "selective"), or the first ``blocks`` of them, -> ``mode``;
     empty for "none". The first blocks are the ones worth it: their activations wait longest for

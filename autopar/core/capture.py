@@ -23,12 +23,12 @@ import torch.fx.config
 from torch.fx._lazy_graph_module import _use_lazy_graph_module   # private; torch is pinned (setup.py)
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import ExportGraphSignature, InputKind
 from torch.utils import _pytree as pytree
 
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
-from autopar.core.precision import ComputeIn, check_precision
+from autopar.core.precision import ComputeIn, Precision, check_precision
 
 
 @dataclass
@@ -48,7 +48,7 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     model_name: str
     fingerprint: str                  # identifies model structure + input shapes, for plan files
-    precision: str = "fp32"           # policy the graph computes under (``autopar.core.precision``)
+    precision: Precision = "fp32"     # policy the graph computes under (``autopar.core.precision``)
     warnings: list[str] = field(default_factory=list)
     frozen: frozenset[str] = frozenset()   # FQNs of the parameters that do not train (``frozen_parameters``)
 
@@ -346,7 +346,7 @@ def _lean_tracing() -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-            dynamic_shapes: Any = None, precision: str = "fp32") -> CapturedGraph:
+            dynamic_shapes: Any = None, precision: Precision = "fp32") -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
     makes dims symbolic (``autopar.planning.symbolic``); ``precision`` other than fp32 records the
     policy's casts in the graph (``autopar.core.precision``)."""
@@ -359,13 +359,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     added = {k: v for k, v in exported.items() if k not in kwargs}
     if added and dynamic_shapes is not None:   # shaped as the inputs given: the added one has none
         dynamic_shapes = _with_added(dynamic_shapes, added)
-    try:
-        # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
-        # around the caller must not see that tracing.
-        with maybe_disable_local_tensor_mode(), _lean_tracing():
-            program = torch.export.export(traced, args, exported, dynamic_shapes=dynamic_shapes, strict=False)
-    except Exception as e:  # export raises many types; all mean "not traceable"
-        raise _capture_error(model, e)  # noqa: B904 - _capture_error chains export's error or not
+    program = _export(model, traced, args, exported, dynamic_shapes)
     in_spec = program.call_spec.in_spec
     for key in added:
         in_spec = _drop_added_input(program, key)
@@ -374,25 +368,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _inline_grad_regions(program)
     _refuse_higher_order_ops(program, type(model).__name__)
     _free_generated_names(program)
-    sig = program.graph_signature
-    param_of, buffer_of, constant_of, user_inputs = {}, {}, {}, []
-    for spec in sig.input_specs:
-        name = spec.arg.name if hasattr(spec.arg, "name") else None
-        if spec.kind == InputKind.PARAMETER:
-            param_of[name] = spec.target
-        elif spec.kind == InputKind.BUFFER:
-            buffer_of[name] = spec.target
-        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            constant_of[name] = spec.target
-        elif spec.kind == InputKind.USER_INPUT:
-            user_inputs.append(name)
+    param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
     notes = _notes(model, added)
     name = type(model).__name__
-    if sig.buffers_to_mutate:   # export keeps in-place writes in its graph, which autopar runs as they are
-        raise BufferWriteError(
-            f"torch.export captured {name}'s writes to buffers {sorted(sig.buffers_to_mutate.values())} as outputs "
-            "of a functional graph, which autopar does not write back. Report the model: autopar captures writes "
-            "as the in-place ops torch.export.export(strict=False) records.")
+    _refuse_buffer_writes(program.graph_signature, name)
     return CapturedGraph(
         program=program,
         param_of=param_of,
@@ -407,6 +386,46 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         warnings=notes,
         frozen=frozen_parameters(model),
     )
+
+
+def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs: dict,
+            dynamic_shapes: Any) -> torch.export.ExportedProgram:
+    """``torch.export.export(traced, ...)`` (non-strict, lean: ``_lean_tracing``), its failures
+    raised as ``_capture_error`` says about ``model``."""
+    try:
+        # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
+        # around the caller must not see that tracing.
+        with maybe_disable_local_tensor_mode(), _lean_tracing():
+            return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # export raises many types; all mean "not traceable"
+        raise _capture_error(model, e)  # noqa: B904 - _capture_error chains export's error or not
+
+
+def _inputs_by_kind(sig: ExportGraphSignature) -> tuple[dict[str, str], dict[str, str], dict[str, str], list[str]]:
+    """The graph's placeholders by what they are: (parameter, buffer and constant placeholder ->
+    its name in the model, the user inputs' placeholders in order)."""
+    param_of, buffer_of, constant_of, user_inputs = {}, {}, {}, []
+    for spec in sig.input_specs:
+        name = spec.arg.name if hasattr(spec.arg, "name") else None
+        if spec.kind == InputKind.PARAMETER:
+            param_of[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffer_of[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constant_of[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+    return param_of, buffer_of, constant_of, user_inputs
+
+
+def _refuse_buffer_writes(sig: ExportGraphSignature, name: str) -> None:
+    """Export keeps in-place writes to buffers in its graph, which autopar runs as they are; a
+    write it turned into an output of a functional graph would be lost."""
+    if sig.buffers_to_mutate:
+        raise BufferWriteError(
+            f"torch.export captured {name}'s writes to buffers {sorted(sig.buffers_to_mutate.values())} as outputs "
+            "of a functional graph, which autopar does not write back. Report the model: autopar captures writes "
+            "as the in-place ops torch.export.export(strict=False) records.")
 
 
 def readable_name(node: fx.Node) -> str:

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.capture import CapturedGraph, capture
 from autopar.core.errors import AutoparError
+from autopar.core.precision import Precision
 
 
 def batch_size(args: tuple, kwargs: dict) -> int:
@@ -46,7 +47,7 @@ def split(args: tuple, kwargs: dict, rows: int) -> list[tuple[tuple, dict]]:
     return [pytree.tree_map(part(s), (args, kwargs)) for s in starts]
 
 
-def microbatch_capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, precision: str
+def microbatch_capture(model: torch.nn.Module, args: tuple, kwargs: dict | None, precision: Precision
                        ) -> Callable[[int], CapturedGraph]:
     """``capture(k)``: the model captured at one of ``k`` equal microbatches of the example batch
     (its first rows); ``k`` must divide the batch."""

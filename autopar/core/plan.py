@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
+from autopar.core.blocks import RecomputeMode
 from autopar.core.errors import PlanFileError
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
+from autopar.core.precision import Precision
 from autopar.core.report import format_report
 
 PLAN_FORMAT_VERSION = 11   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s;
@@ -182,6 +184,44 @@ class Prediction:
         return self.hardware_flops / (self.peak_flops * self.step_time_s) if self.peak_flops * self.step_time_s else 0.0
 
 
+class HandPlanSummary(TypedDict, total=False):
+    """A hand plan as ``SearchLog.hand_plans`` lists it: its prediction, or where no plan of its
+    family fits, the least memory one needs (not costed)."""
+
+    feasible: bool
+    step_time_s: float
+    peak_memory_bytes: float
+    least_memory_bytes: float | None
+
+
+class TimeLimitLog(TypedDict):
+    """What ``time_limit`` did to the search (``SearchLog.time_limit``)."""
+
+    limit_s: float | None     # the limit (None: none)
+    wall_s: float             # the planning call's seconds
+    cut_short: list[str]      # what the limit stopped or skipped; empty: the same call gives the same plan
+
+
+class SearchLog(TypedDict, total=False):
+    """How a plan was found (``Plan.solver``): a JSON object, each key set by the step of the
+    search that decided it; absent where that step did not run."""
+
+    status: str               # the solver's: "optimal" (within its gap), "feasible" (a limit hit) or "not solved: ..."
+    gap: float | None         # the proven relative optimality gap (None: unknown)
+    variables: int            # the ILP's size
+    constraints: int
+    objective_s: float        # the solver's objective: the predicted step it minimised
+    problem: str              # the problem solved: nodes, decisions, shared blocks (``Grouping.describe``)
+    warm_start: str | None    # the hand plan the solver started from
+    hand_plans: dict[str, HandPlanSummary]   # every hand plan costed, by name
+    kept_hand_plan: str       # the hand plan returned because the solver's did not beat it by ``min_gain``
+    time_limit: TimeLimitLog
+    microbatches: str         # why the batch runs in microbatches
+    recompute: str            # each recomputation mode priced, and the one kept
+    recompute_blocks: str     # how many blocks are recomputed, and why those
+    offload: str              # which parameters' states are in host memory, and why
+    pipeline: str             # whether a pipeline was kept, and why
+    pipelines: dict[str, str]  # each pipeline layout tried: its step and peak, or why there is none
 
 
 @dataclass
@@ -197,18 +237,18 @@ class Plan:
     nodes: list[NodePlan]
     predicted: Prediction
     memory_budget: float
-    solver: dict[str, Any] = field(default_factory=dict)   # status, gap, variables, constraints
+    solver: SearchLog = field(default_factory=SearchLog)   # how the plan was found
     timings: dict[str, float] = field(default_factory=dict)  # seconds per planning stage
     warnings: list[str] = field(default_factory=list)
     feasible: bool = True                 # predicted peak within the memory budget
     shortfall_bytes: float = 0.0          # how far the predicted peak is above the budget
     name: str = "auto"                    # "auto", or the hand plan it is (``autopar.planning.baselines``)
     gather_outputs: bool = True           # outputs returned whole on every rank (else as DTensors)
-    precision: str = "fp32"               # the policy the model computes under (``autopar.core.precision``)
-    reduce_precision: str = "fp32"        # the dtype gradients are summed over ranks in
+    precision: Precision = "fp32"         # the policy the model computes under (``autopar.core.precision``)
+    reduce_precision: Precision = "fp32"  # the dtype gradients are summed over ranks in
     batch_size: int = 1                   # rows of the global batch planned for (dim 0 of the inputs)
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
-    recompute: dict[str, str] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
+    recompute: dict[str, RecomputeMode] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
     pipeline: PipelinePlan | None = None  # stages over a mesh axis, or None
     version: int = PLAN_FORMAT_VERSION
 
@@ -233,7 +273,7 @@ class Plan:
         return {n.fqn: n for n in self.nodes if n.op == "parameter"}
 
     @property
-    def recompute_mode(self) -> str:
+    def recompute_mode(self) -> RecomputeMode:
         """The recomputation mode of every block it recomputes ("selective" or "full"), or "none"."""
         return next(iter(self.recompute.values()), "none")
 

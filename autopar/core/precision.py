@@ -15,7 +15,7 @@ single-device reference a sharded run under the policy equals.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -23,23 +23,25 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["PRECISIONS", "ComputeIn", "check_precision", "compute_dtype", "reduce_dtype"]
+__all__ = ["PRECISIONS", "Precision", "ComputeIn", "check_precision", "compute_dtype", "reduce_dtype"]
 
+#: A precision policy's name (``PlanOptions.precision``, ``reduce_precision``).
+Precision = Literal["fp32", "bf16"]
 #: Policy name -> the dtype ops compute in.
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS: dict[Precision, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_precision(precision: str) -> str:
+def check_precision(precision: str) -> Precision:
     if precision not in PRECISIONS:
         raise AutoparError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return precision
 
 
-def compute_dtype(precision: str) -> torch.dtype:
+def compute_dtype(precision: Precision) -> torch.dtype:
     return PRECISIONS[check_precision(precision)]
 
 
-def reduce_dtype(reduce_precision: str, dtype: torch.dtype) -> torch.dtype:
+def reduce_dtype(reduce_precision: Precision, dtype: torch.dtype) -> torch.dtype:
     """The dtype a gradient of ``dtype`` is summed over ranks in: "fp32" leaves every gradient in
     its own (a bf16 parameter's is not widened), "bf16" narrows floating ones to bf16."""
     if check_precision(reduce_precision) == "fp32" or not dtype.is_floating_point:
@@ -52,7 +54,7 @@ class ComputeIn(nn.Module):
     to the policy's dtype on each call, its parameters stay as they are (fp32 masters, updated by
     the optimizer). Use it as the single-device reference of a plan made with ``precision=``."""
 
-    def __init__(self, model: nn.Module, precision: str) -> None:
+    def __init__(self, model: nn.Module, precision: Precision) -> None:
         super().__init__()
         self.model = model
         self.dtype = compute_dtype(precision)

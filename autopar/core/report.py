@@ -21,6 +21,7 @@ from autopar.core.units import fmt
 
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.plan import NodePlan, Plan, Prediction
+    from autopar.core.blocks import RecomputeMode
 
 __all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
@@ -161,7 +162,7 @@ def _hardware_line(name: str) -> str:
             f"{hw.devices_per_node} devices per node)")
 
 
-def _recompute_line(recompute: dict[str, str]) -> str:
+def _recompute_line(recompute: dict[str, RecomputeMode]) -> str:
     """Each recomputation mode with the blocks it applies to (first and last of a run)."""
     if not recompute:
         return "none (every activation the backward needs is kept)"
@@ -259,113 +260,123 @@ def _step_parts(p: Prediction) -> str:
 def format_report(plan: Plan, top: int | None = 12) -> str:
     """A readable planning report: what was chosen, what it is predicted to cost, and why it is
     slow. ``top``: nodes listed with their costs (``None``: every node)."""
-    p = plan.predicted
-    mesh = plan.mesh
-    axes = ", ".join(mesh.axis_names)
-    out: list[str] = []
-    add = out.append
-
-    # ------------------------------------------------------------------ header
-    add(f"autopar plan: {plan.model_name} on {mesh.describe()}")
-    add(f"  hardware        {_hardware_line(mesh.hardware)}")
-    add(f"  memory budget   {fmt(plan.memory_budget, 'B')} per device")
-    add(f"  fingerprint     {plan.fingerprint} (model structure + input shapes)")
-    add("  precision       " + (plan.precision if plan.precision == "fp32" else f"{plan.precision} compute")
-        + f"; fp32 parameters, gradients (summed over ranks in {plan.reduce_precision}) and optimizer states")
-    add("  batch           " + (f"{plan.batch_size} rows per step" if plan.microbatches == 1 else
-                              f"{plan.batch_size} rows per step in {plan.microbatches} microbatches of "
-                              f"{plan.microbatch_size} (gradient accumulation: train_step; node costs per step, "
-                              f"memory per microbatch)"))
-    add("  recompute       " + _recompute_line(plan.recompute))
-    offloaded = plan.offloaded
-    add("  offload         " + (f"optimizer: {len(offloaded)} ZeRO-sharded parameter(s) keep their shards, gradients "
-                                 "and optimizer states in host memory; the optimizer steps them there" if offloaded
-                                 else "none (parameters, gradients and optimizer states on the device)"))
-    add("  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
-                                 else "returned as DTensors, placed as planned (gather_outputs=False)"))
-    if not plan.feasible:
-        add("  FEASIBLE        no: no plan fits the memory budget; the one below is the least bad")
-    add("")
-
-    # ------------------------------------------------------------------ prediction
-    add("Predicted training step (forward + backward + optimizer, slowest device)")
-    lower_bound = " (a lower bound: see 'rests on')" if p.basis == "roofline" else ""
-    add(f"  step time       {step_with_band(p)}{lower_bound}  ({_step_parts(p)})")
-    used = f", {_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the budget" if plan.memory_budget > 0 else ""
-    add(f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}")
-    if p.memory_breakdown:
-        width = max(len(k) for k in p.memory_breakdown)
-        for k, v in p.memory_breakdown.items():
-            add(f"    {k.ljust(width)}  {fmt(v, 'B').rjust(10)}")
-    comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
-    add(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
-    if p.mfu > 0:
-        add(f"  utilisation     MFU {_share(p.mfu, 1)}, HFU {_share(p.hfu, 1)} (model FLOPs, and with recomputed "
-            f"forwards, over the devices' peak in the compute dtype)")
-    add(f"  rests on        {BASES.get(p.basis, p.basis)}")
-    add(f"  costs from      {p.cost_source or '?'}")
-    add("")
-
+    out = [*_header_lines(plan), *_prediction_lines(plan)]
     if plan.pipeline is not None:
         out.extend(_pipeline_lines(plan))
+    out.extend(_solver_lines(plan))
+    params = [n for n in plan.nodes if n.op == "parameter"]
+    if params:
+        out.extend(_parameter_lines(plan, params, ", ".join(plan.mesh.axis_names)))
+    out.extend(_node_lines(plan, top))
+    out.extend(_warning_lines(plan))
+    return "\n".join(out)
 
-    # ------------------------------------------------------------------ solver and timings
+
+def _header_lines(plan: Plan) -> list[str]:
+    """What the plan is for and the knobs it turns: hardware, budget, precision, batch,
+    recomputation, offload, outputs."""
+    mesh = plan.mesh
+    offloaded = plan.offloaded
+    out = [
+        f"autopar plan: {plan.model_name} on {mesh.describe()}",
+        f"  hardware        {_hardware_line(mesh.hardware)}",
+        f"  memory budget   {fmt(plan.memory_budget, 'B')} per device",
+        f"  fingerprint     {plan.fingerprint} (model structure + input shapes)",
+        "  precision       " + (plan.precision if plan.precision == "fp32" else f"{plan.precision} compute")
+        + f"; fp32 parameters, gradients (summed over ranks in {plan.reduce_precision}) and optimizer states",
+        "  batch           " + (f"{plan.batch_size} rows per step" if plan.microbatches == 1 else
+                                f"{plan.batch_size} rows per step in {plan.microbatches} microbatches of "
+                                f"{plan.microbatch_size} (gradient accumulation: train_step; node costs per step, "
+                                f"memory per microbatch)"),
+        "  recompute       " + _recompute_line(plan.recompute),
+        "  offload         " + (f"optimizer: {len(offloaded)} ZeRO-sharded parameter(s) keep their shards, gradients "
+                                "and optimizer states in host memory; the optimizer steps them there" if offloaded
+                                else "none (parameters, gradients and optimizer states on the device)"),
+        "  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
+                                else "returned as DTensors, placed as planned (gather_outputs=False)"),
+    ]
+    if not plan.feasible:
+        out.append("  FEASIBLE        no: no plan fits the memory budget; the one below is the least bad")
+    return [*out, ""]
+
+
+def _prediction_lines(plan: Plan) -> list[str]:
+    """The predicted step: its time and what it is made of, peak memory and its parts,
+    communication per axis, utilisation, and what the figures rest on."""
+    p = plan.predicted
+    lower_bound = " (a lower bound: see 'rests on')" if p.basis == "roofline" else ""
+    used = f", {_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the budget" if plan.memory_budget > 0 else ""
+    out = ["Predicted training step (forward + backward + optimizer, slowest device)",
+           f"  step time       {step_with_band(p)}{lower_bound}  ({_step_parts(p)})",
+           f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}"]
+    if p.memory_breakdown:
+        width = max(len(k) for k in p.memory_breakdown)
+        out.extend(f"    {k.ljust(width)}  {fmt(v, 'B').rjust(10)}" for k, v in p.memory_breakdown.items())
+    comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
+    out.append(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
+    if p.mfu > 0:
+        out.append(f"  utilisation     MFU {_share(p.mfu, 1)}, HFU {_share(p.hfu, 1)} (model FLOPs, and with "
+                   f"recomputed forwards, over the devices' peak in the compute dtype)")
+    return [*out, f"  rests on        {BASES.get(p.basis, p.basis)}", f"  costs from      {p.cost_source or '?'}", ""]
+
+
+def _solver_lines(plan: Plan) -> list[str]:
+    """How the plan was found: the solver's status and size, planning time per stage, and what
+    the time limit cut short."""
     s = plan.solver
+    out = []
     if s:
         gap = s.get("gap")
         gap_text = f"{100 * gap:.2f}%" if isinstance(gap, (int, float)) and math.isfinite(gap) else str(gap)
-        add(f"Solver          {s.get('status', '?')}, gap {gap_text}, {s.get('variables', '?')} variables, "
-            f"{s.get('constraints', '?')} constraints")
+        out.append(f"Solver          {s.get('status', '?')}, gap {gap_text}, {s.get('variables', '?')} variables, "
+                   f"{s.get('constraints', '?')} constraints")
     if plan.timings:
         stages = ", ".join(f"{k} {fmt(v, 's')}" for k, v in plan.timings.items())
-        add(f"Planning time   {fmt(plan.planning_s, 's')} ({stages})")
+        out.append(f"Planning time   {fmt(plan.planning_s, 's')} ({stages})")
     limited = s.get("time_limit") if s else None
     if isinstance(limited, dict):
         cut = limited.get("cut_short") or []
-        add(f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}"
-            + (f", which cut short: {'; '.join(cut)} (another run may give another plan; raise time_limit)" if cut
-               else ": nothing cut short (the same call gives the same plan)"))
-    if s or plan.timings:
-        add("")
+        out.append(f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}"
+                   + (f", which cut short: {'; '.join(cut)} (another run may give another plan; raise time_limit)"
+                      if cut else ": nothing cut short (the same call gives the same plan)"))
+    return [*out, ""] if s or plan.timings else out
 
-    # ------------------------------------------------------------------ parameters
-    params = [n for n in plan.nodes if n.op == "parameter"]
-    if params:
-        out.extend(_parameter_lines(plan, params, axes))
 
-    # ------------------------------------------------------------------ ops
+def _node_lines(plan: Plan, top: int | None) -> list[str]:
+    """The ops by strategy, and the ``top`` nodes (``None``: all) by predicted time with their costs."""
+    out = []
     ops = [n for n in plan.nodes if n.op not in ("parameter", "input", "buffer", "output")]
     if ops:
-        add(f"Ops ({len(ops)}): {_counts(ops)}")
-        add("")
+        out += [f"Ops ({len(ops)}): {_counts(ops)}", ""]
+    if not (top is None or top > 0):
+        return out
     ranked = sorted(plan.nodes, key=lambda n: n.compute_s + n.comm_s, reverse=True)
     ranked = [n for n in ranked if n.compute_s + n.comm_s + n.memory_bytes > 0]
-    if top is None or top > 0:
-        ranked = ranked if top is None else ranked[:top]
-        title = "All nodes" if top is None else f"Top {len(ranked)} nodes"
-        add(f"{title} by predicted time (compute: forward + backward, and the optimizer for parameters; comm: "
-            "resharding into the node, gathers and gradient sync; memory: held per device, of which kept for the "
-            "backward; source: measured by `autopar profile` or roofline)")
-        table = [[n.name, _op_name(n.op), n.layer or n.fqn or "-",
-                  _strategy_text(n) if n.op == "parameter" else n.strategy,
-                  fmt(n.compute_s, "s"), fmt(n.comm_s, "s") if n.comm_s else "-",
-                  fmt(n.memory_bytes, "B"), fmt(n.saved_bytes, "B") if n.saved_bytes else "-", n.source]
-                 for n in ranked]
-        out.extend(_table(["node", "op", "layer / parameter", "strategy", "compute", "comm", "memory", "kept", "source"],
-                          table, right={4, 5, 6, 7}))
-        add("")
+    ranked = ranked if top is None else ranked[:top]
+    title = "All nodes" if top is None else f"Top {len(ranked)} nodes"
+    out.append(f"{title} by predicted time (compute: forward + backward, and the optimizer for parameters; comm: "
+               "resharding into the node, gathers and gradient sync; memory: held per device, of which kept for the "
+               "backward; source: measured by `autopar profile` or roofline)")
+    table = [[n.name, _op_name(n.op), n.layer or n.fqn or "-",
+              _strategy_text(n) if n.op == "parameter" else n.strategy,
+              fmt(n.compute_s, "s"), fmt(n.comm_s, "s") if n.comm_s else "-",
+              fmt(n.memory_bytes, "B"), fmt(n.saved_bytes, "B") if n.saved_bytes else "-", n.source]
+             for n in ranked]
+    out.extend(_table(["node", "op", "layer / parameter", "strategy", "compute", "comm", "memory", "kept", "source"],
+                      table, right={4, 5, 6, 7}))
+    return [*out, ""]
 
-    # ------------------------------------------------------------------ warnings
+
+def _warning_lines(plan: Plan) -> list[str]:
+    """The plan's warnings, and one where the predicted peak exceeds the budget."""
+    p = plan.predicted
     warnings = list(plan.warnings)
     if plan.memory_budget > 0 and p.peak_memory_bytes > plan.memory_budget:
         warnings.append(f"predicted peak memory {fmt(p.peak_memory_bytes, 'B')} exceeds the budget "
                         f"{fmt(plan.memory_budget, 'B')}")
-    if warnings:
-        add(f"Warnings ({len(warnings)})")
-        out.extend(f"  - {w}" for w in warnings)
-    else:
-        add("Warnings: none (every op has a sharding rule)")
-    return "\n".join(out)
+    if not warnings:
+        return ["Warnings: none (every op has a sharding rule)"]
+    return [f"Warnings ({len(warnings)})", *(f"  - {w}" for w in warnings)]
 
 
 #: What a prediction rests on, in a few words (``summary``).

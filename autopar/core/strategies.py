@@ -17,6 +17,7 @@ import logging
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.fx as fx
@@ -34,7 +35,10 @@ from autopar.core.rules import AxisRule, axis_rules, rule_for
 log = logging.getLogger(__name__)
 R = Replicate()
 #: The ZeRO stages a parameter stored split and used whole may run (``Strategy.kept``, ``accumulated``).
-ZERO = ("zero3", "zero2", "zero1")
+ZeroStage = Literal["zero3", "zero2", "zero1"]
+ZERO: tuple[ZeroStage, ...] = get_args(ZeroStage)
+#: What a graph node is to the planner (``NodeChoices.kind``).
+NodeKind = Literal["param", "buffer", "input", "op", "output", "alias"]
 
 
 
@@ -74,7 +78,7 @@ class NodeChoices:
     """A graph node with its candidate strategies: one decision of the planning problem."""
 
     node: fx.Node
-    kind: str                            # "param", "buffer", "input", "op", "output", "alias"
+    kind: NodeKind
     inputs: list[fx.Node]                # flat tensor inputs (edges come from these)
     strategies: list[Strategy]
     fqn: str | None = None               # parameter/buffer name, for params and buffers

@@ -28,7 +28,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -47,13 +47,16 @@ from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import (PipelineChoice, job_setting, pipeline_choice, pipeline_layouts, pipelined,
                                       sub_mesh)
 from autopar.planning.problem import Planning, prepare, solve_planning
-from autopar.core.strategies import NodeChoices, Strategy
+from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
 
 __all__ = ["candidates", "hand_plans", "ROLES"]
 
-ROLES = ("dp", "fsdp", "tp", "tp+sp")
-DATA_ROLES = ("dp", "fsdp", "zero2", "zero1")   # the batch split, every weight used whole
+#: What a hand plan does on one mesh axis: data parallel (``dp``), FSDP (ZeRO-3), Megatron tensor
+#: parallel without and with sequence parallelism, ZeRO-2 or ZeRO-1.
+Role = Literal["dp", "fsdp", "tp", "tp+sp", "zero2", "zero1"]
+ROLES: tuple[Role, ...] = ("dp", "fsdp", "tp", "tp+sp")   # combined freely over the axes (``role_sets``)
+DATA_ROLES: tuple[Role, ...] = ("dp", "fsdp", "zero2", "zero1")   # the batch split, every weight used whole
 R = Replicate()
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
@@ -134,26 +137,28 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
     return out
 
 
-def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
+def role_sets(mesh: MeshSpec) -> list[tuple[Role, ...]]:
     """Role per axis of every hand plan on ``mesh`` (axes of size 1 take no role: ``dp``). Tensor
     parallelism goes on the last axis only, as in practice: it is the one inside a node; ZeRO-2
     on every axis, or on the data axes of Megatron's plans."""
     live = [a for a, n in enumerate(mesh.shape) if n > 1]
-    out = []
+    out: list[tuple[Role, ...]] = []
     for combo in itertools.product(ROLES, repeat=len(live)):
         if all(not r.startswith("tp") for r in combo[:-1]):
-            roles = ["dp"] * mesh.ndim
+            roles: list[Role] = ["dp"] * mesh.ndim
             for a, r in zip(live, combo):
                 roles[a] = r
             out.append(tuple(roles))
     if live:
-        out += [tuple(zero if n > 1 else "dp" for n in mesh.shape) for zero in ("zero2", "zero1")]
-    for tp in ("tp", "tp+sp") if len(live) > 1 else ():   # Megatron with its distributed optimizer
+        zeros: tuple[Role, ...] = ("zero2", "zero1")
+        out += [tuple(zero if n > 1 else "dp" for n in mesh.shape) for zero in zeros]
+    megatron: tuple[Role, ...] = ("tp", "tp+sp") if len(live) > 1 else ()
+    for tp in megatron:   # Megatron with its distributed optimizer
         out.append(tuple("zero2" if a in live[:-1] else tp if a == live[-1] else "dp" for a in range(mesh.ndim)))
     return out
 
 
-def plan_name(mesh: MeshSpec, roles: Sequence[str]) -> str:
+def plan_name(mesh: MeshSpec, roles: Sequence[Role]) -> str:
     live = [(mesh.axis_names[a], r) for a, r in enumerate(roles) if mesh.shape[a] > 1]
     kinds = {r for _, r in live}
     if kinds <= {"dp"}:
@@ -212,7 +217,7 @@ def _solved(planning: Planning, deadline: Deadline | None, allowed: list[list[in
     return solve_planning(planning, deadline=deadline, allowed=allowed, name=name, budget=budget, stage="hand plans")
 
 
-def _allowed(planning: Planning, roles: Sequence[str], traits: Sequence[Traits]) -> list[list[int] | None]:
+def _allowed(planning: Planning, roles: Sequence[Role], traits: Sequence[Traits]) -> list[list[int] | None]:
     """Per decision, the choices the roles allow: every member node's strategy must obey them.
     A node no strategy of which obeys (an op the role cannot express) is left free."""
     space, grouping = planning.space, planning.grouping
@@ -253,7 +258,7 @@ def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
     return False, False, False, (), ()
 
 
-def _obeys(mesh: MeshSpec, kind: str, traits: Traits, s: Strategy, roles: Sequence[str]) -> bool:
+def _obeys(mesh: MeshSpec, kind: NodeKind, traits: Traits, s: Strategy, roles: Sequence[Role]) -> bool:
     on_batch, matmul_weight, residual_add, weights, tables = traits
     for a, role in enumerate(roles):
         if mesh.shape[a] == 1:

@@ -1,20 +1,23 @@
 """``PlanOptions``: everything that steers planning, declared once. ``autopar.plan``,
 ``autopar.compile``, ``autopar.planning.baselines.candidates`` and the ``autopar plan`` command
 all take these fields by name (``plan(model, mesh, x, memory_budget=...)``) or as one object
-(``options=PlanOptions(...)``)."""
+(``options=PlanOptions(...)``). Each field carries its doc and how the command line takes it
+(``Flag``): ``autopar plan``'s flags and their help are built from them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import textwrap
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from autopar.core.errors import AutoparError
 from autopar.core.hardware import get_hardware
 from autopar.core.microbatch import check_microbatches
-from autopar.core.precision import check_precision
-from autopar.core.blocks import RECOMPUTE
+from autopar.core.precision import Precision, check_precision
+from autopar.core.blocks import RECOMPUTE, RecomputeMode
 from autopar.planning.pipeline import PipelineChoice, pipeline_choice
-from cost_models.estimate import get_optimizer
+from cost_models.estimate import OPTIMIZERS, get_optimizer
 from cost_models.profile import Profile
 
 #: Seconds planning may take (capture, hand plans and the auto plan together) by default.
@@ -25,82 +28,169 @@ DEFAULT_TIME_LIMIT_S = 60.0
 #: DDP ran 11-13% slower on the CPU mesh).
 MIN_GAIN = 0.05
 #: ``PlanOptions.offload``'s values.
-OFFLOAD = ("auto", "none", "optimizer")
+Offload = Literal["auto", "none", "optimizer"]
+OFFLOAD: tuple[Offload, ...] = get_args(Offload)
+#: ``PlanOptions.recompute``'s values: a mode of ``Plan.recompute``, or "auto".
+Recompute = Literal["auto", RecomputeMode]
+#: ``PlanOptions.microbatches``' values: a count, or "auto".
+Microbatches = int | Literal["auto"]
+
+
+#: ``Flag.default`` where the command line's default is the field's.
+AS_FIELD: Any = object()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How ``autopar plan`` takes a ``PlanOptions`` field (``autopar.cli``); its help is the
+    field's doc, then ``note``, then its default."""
+
+    name: str = ""                                  # default: "--" and the field's name, dashed
+    type: Callable[[str], Any] | None = None        # the text's conversion (default: a float field's float)
+    to_option: Callable[[Any], Any] | None = None   # the converted value (not None) -> the field's value
+    choices: tuple = ()                             # default: the values of a Literal field
+    default: Any = AS_FIELD                         # where the command line's differs from the field's
+    default_text: str = ""                          # the help's default, where the value alone does not say it
+    metavar: str | None = None
+    note: str = ""                                  # what the command line changes: a unit, a spelling
+
+    def flag_name(self, f: Field) -> str:
+        """The flag: ``name``, else ``--`` and the field's name (``--no-`` for a switch that
+        turns off a field True by default)."""
+        return self.name or ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
+
+
+#: A field on the command line under its own name (``Flag``'s defaults).
+ON_COMMAND_LINE = Flag()
+
+
+def _option(default: Any, doc: str, flag: Flag | None = ON_COMMAND_LINE) -> Any:
+    """A ``PlanOptions`` field: its default, its doc (shown by ``help(PlanOptions)`` and as its
+    command-line help) and how ``autopar plan`` takes it (None: not on the command line)."""
+    return field(default=default, metadata={"doc": doc, "flag": flag})
+
+
+def _gib_to_bytes(gib: float) -> float:
+    return gib * 2**30
+
+
+def _profile_from_text(text: str) -> str | None:
+    """``--profile``: auto, a profile file, or none (None: the roofline presets only)."""
+    return None if text == "none" else text
+
+
+def _count(text: str) -> int:
+    """``--microbatches``: a count (the options refuse one below 1)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise AutoparError(f"--microbatches is 'auto' or a count, got {text!r}") from None
+
+
+def _microbatches_from_text(text: str) -> Microbatches:
+    """``--microbatches``: auto, or a count."""
+    return "auto" if text == "auto" else _count(text)
+
+
+def _pipeline_from_text(text: str) -> str | bool | dict:
+    """``--pipeline``: auto, none, or SCHEDULE[:AXIS[:MICROBATCHES[:STAGES_PER_RANK]]]."""
+    if text in ("auto", "none"):
+        return text
+    parts = text.split(":")
+    fields: dict = {"schedule": parts[0]}
+    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:]):
+        fields[key] = value if key == "axis" or value == "auto" else _count(value)
+    return fields
 
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How to plan.
+    """How to plan; every field is documented on its own below (``help(PlanOptions)``)."""
 
-    ``memory_budget``: bytes per device (None: the hardware's memory). ``time_limit``: seconds for
-    planning (``autopar.plan``'s capture of the model included), after which the best plan found
-    is returned with its optimality gap (None: solve to optimality). ``profile``: measured costs of this host (``autopar profile``); ``"auto"`` uses
-    the cached one when it matches the mesh, a path or ``Profile`` that one, None the roofline
-    presets only (the plan's ``predicted.cost_source`` says which were used). ``optimizer``:
-    "adamw", "adam", "sgd" or "sgd-momentum" (its states count in memory). ``share_layers``: let
-    identical inner layers share decisions (``autopar.planning.shrink``). ``hand_plans``: cost the
-    standard strategies first (``autopar.planning.baselines``) and warm-start from the best that
-    fits; the plan's ``solver["hand_plans"]`` lists them. ``min_gain``: the solver's plan is
-    returned only if predicted at least this fraction faster than the best fitting hand plan
-    (else that hand plan, saying so). ``gather_outputs``: the compiled module returns every output
-    whole on every rank, as the single-device model does (priced: a gather per split output,
-    launched in the forward, waited for where read: ``codegen.outputs``); False returns them as
-    DTensors placed as the plan leaves them (``.full_tensor()`` gathers one): no gather of batch x
-    sequence x vocabulary logits, and no plan bent to make that gather small. ``measure_missing_ops``: when
-    ``compile`` plans on a live mesh with a profile of this host, first time the model's op calls
-    (at every candidate strategy's local shapes) that the profile lacks, on every rank at once,
-    and add them to it (saved to its file; a ``Profile`` object is only updated in memory), so a
-    model the profile was not taken for is planned on measured costs, not the roofline
-    (``autopar.profiling.missing_ops``); with ``profile="auto"`` and no profile of this host
-    cached, it first measures one (the mesh's collectives and the runtime's overheads:
-    ``measure_host``; ``AUTOPAR_MEASURE_FIRST_PROFILE=0`` turns that off); False plans on the
-    profile as it is (or the roofline, which the plan then says). ``autopar.plan`` measures
-    nothing (its mesh need not exist). ``precision``: "fp32", or "bf16" to compute in
-    bf16 with fp32 parameters, gradients and optimizer states (``autopar.core.precision``).
-    ``reduce_precision``: the dtype gradients are summed over ranks in (FSDP2's ``reduce_dtype``):
-    "fp32" (each gradient in its own dtype), or "bf16" for half the bytes of fp32 gradients: each
-    rank's gradient and the sum rounded to bf16 (the gradient handed to the optimizer is fp32).
-    ``microbatches``: gradient accumulation, the global batch (the example inputs' rows) run as
-    this many equal microbatches a step (``ShardedModule.train_step``; a count that divides the
-    batch), or "auto": the whole batch if a plan fits it, else the fewest microbatches that fit.
-    ``recompute``: activation recomputation of the repeated blocks (transformer layers): "none",
-    "selective" (each block's attention core, from the query-key product to the probability-value
-    product, runs again in the backward: its attention-matrix-sized activations are not kept;
-    blocks computing attention with SDPA have none, their kernel keeps no attention matrix),
-    "full" (each block keeps only its input and runs its forward again in the backward), or
-    "auto": where the whole batch needs microbatches, full and the lighter mode (selective where
-    the model has attention cores, else none) priced and the faster plan kept, else the modes
-    tried lightest first, each only where nothing fits with the ones before. ``offload``: "optimizer" keeps the shard, gradient
-    and optimizer states of every parameter the plan stores split and gathers to use (ZeRO-2/3) in
-    host memory, the optimizer stepping them there (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload);
-    "auto" does so only where no plan fits the device without it and the hardware has host memory
-    of its own (``Hardware.host_bandwidth``); "none" never. ``pipeline``: pipeline parallelism
-    over a mesh axis (``autopar.planning.pipeline``): "auto" lets the planner weigh stages over the
-    first axis of a mesh of two or more against the plans without (kept where predicted faster by
-    ``min_gain``), False never; a ``PipelineChoice`` (or a dict of its fields, or a schedule's
-    class name) makes the plan a pipeline with the axis, schedule, microbatches and stages per
-    rank it names (its "auto" fields chosen by the planner). ``progress``: while planning, a status
-    line on stderr says what runs, for how long and what is left of ``time_limit`` (rank 0, where
-    stderr is a terminal, unless the environment sets ``AUTOPAR_PROGRESS=0``:
-    ``autopar.core.progress``); False draws none.
-    """
-
-    memory_budget: float | None = None
-    time_limit: float | None = DEFAULT_TIME_LIMIT_S
-    profile: Profile | str | Path | None = "auto"
-    optimizer: str = "adamw"
-    share_layers: bool = True
-    hand_plans: bool = True
-    min_gain: float = MIN_GAIN
-    gather_outputs: bool = True
-    measure_missing_ops: bool = True
-    precision: str = "fp32"
-    reduce_precision: str = "fp32"
-    microbatches: int | str = "auto"
-    recompute: str = "auto"
-    offload: str = "auto"
-    pipeline: bool | str | PipelineChoice | dict = "auto"
-    progress: bool = True
+    memory_budget: float | None = _option(
+        None, "Bytes per device a plan may hold (None: the hardware's memory).",
+        Flag(name="--memory-budget-gib", type=float, to_option=_gib_to_bytes, default_text="the hardware's memory",
+             note="Given in GiB here."))
+    time_limit: float | None = _option(
+        DEFAULT_TIME_LIMIT_S,
+        "Seconds for planning (``autopar.plan``'s capture of the model included), after which the best plan "
+        "found is returned with its optimality gap (None: solve to optimality).")
+    profile: Profile | str | Path | None = _option(
+        "auto",
+        "Measured costs of this host (``autopar profile``): \"auto\" uses the cached one when it matches the "
+        "mesh, a path or ``Profile`` that one, None the roofline presets only (the plan's "
+        "``predicted.cost_source`` says which were used).",
+        Flag(to_option=_profile_from_text, note="Here: auto, a profile JSON file, or none."))
+    optimizer: str = _option(
+        "adamw", f"The optimizer whose states count in memory (one of {', '.join(OPTIMIZERS)}).",
+        Flag(choices=tuple(OPTIMIZERS)))
+    share_layers: bool = _option(
+        True, "Let identical inner layers share decisions (``autopar.planning.shrink``), not every layer choose "
+        "on its own (slower to solve).")
+    hand_plans: bool = _option(
+        True, "Cost the standard strategies (DDP, FSDP, Megatron TP...: ``autopar.planning.baselines``) first "
+        "and warm-start from the best that fits; the plan's ``solver[\"hand_plans\"]`` lists them.")
+    min_gain: float = _option(
+        MIN_GAIN, "The solver's plan is returned only if predicted at least this fraction faster than the best "
+        "fitting hand plan (else that hand plan, saying so).")
+    gather_outputs: bool = _option(
+        True, "The compiled module returns every output whole on every rank, as the single-device model does "
+        "(priced: a gather per split output, launched in the forward, waited for where read: "
+        "``codegen.outputs``); False returns them as DTensors placed as the plan leaves them "
+        "(``.full_tensor()`` gathers one): no gather of batch x sequence x vocabulary logits, and no plan bent "
+        "to make that gather small (a training loop that reads only the loss).",
+        Flag(name="--sharded-outputs"))
+    measure_missing_ops: bool = _option(
+        True, "When ``compile`` plans on a live mesh with a profile of this host, first time the model's op "
+        "calls (at every candidate strategy's local shapes) that the profile lacks, on every rank at once, and "
+        "add them to it (saved to its file; a ``Profile`` object is only updated in memory), so a model the "
+        "profile was not taken for is planned on measured costs, not the roofline "
+        "(``autopar.profiling.missing_ops``); with ``profile=\"auto\"`` and no profile of this host cached, it "
+        "first measures one (the mesh's collectives and the runtime's overheads: ``measure_host``; "
+        "``AUTOPAR_MEASURE_FIRST_PROFILE=0`` turns that off); False plans on the profile as it is (or the "
+        "roofline, which the plan then says). ``autopar.plan`` measures nothing (its mesh need not exist).",
+        None)
+    precision: Precision = _option(
+        "fp32", "The compute dtype: \"fp32\", or \"bf16\" to compute in bf16 with fp32 parameters, gradients "
+        "and optimizer states (``autopar.core.precision``).",
+        Flag(default=None, default_text="bf16 on GPU presets, fp32 on cpu"))
+    reduce_precision: Precision = _option(
+        "fp32", "The dtype gradients are summed over ranks in (FSDP2's ``reduce_dtype``): \"fp32\" (each "
+        "gradient in its own dtype), or \"bf16\" for half the bytes of fp32 gradients: each rank's gradient and "
+        "the sum rounded to bf16 (the gradient handed to the optimizer is fp32).")
+    microbatches: Microbatches = _option(
+        "auto", "Gradient accumulation: the global batch (the example inputs' rows) run as this many equal "
+        "microbatches a step (``ShardedModule.train_step``; a count that divides the batch), or \"auto\": the "
+        "whole batch if a plan fits it, else the fewest microbatches that fit.",
+        Flag(to_option=_microbatches_from_text))
+    recompute: Recompute = _option(
+        "auto", "Activation recomputation of the repeated blocks (transformer layers): \"none\", \"selective\" "
+        "(each block's attention core, from the query-key product to the probability-value product, runs again "
+        "in the backward: its attention-matrix-sized activations are not kept; blocks computing attention with "
+        "SDPA have none, their kernel keeps no attention matrix), \"full\" (each block keeps only its input and "
+        "runs its forward again in the backward), or \"auto\": where the whole batch needs microbatches, full "
+        "and the lighter mode (selective where the model has attention cores, else none) priced and the faster "
+        "plan kept, else the modes tried lightest first, each only where nothing fits with the ones before.")
+    offload: Offload = _option(
+        "auto", "\"optimizer\" keeps the shard, gradient and optimizer states of every parameter the plan "
+        "stores split and gathers to use (ZeRO-2/3) in host memory, the optimizer stepping them there (FSDP2's "
+        "``CPUOffloadPolicy``, ZeRO-Offload); \"auto\" does so only where no plan fits the device without it "
+        "and the hardware has host memory of its own (``Hardware.host_bandwidth``); \"none\" never.")
+    pipeline: bool | str | PipelineChoice | dict = _option(
+        "auto", "Pipeline parallelism over a mesh axis (``autopar.planning.pipeline``): \"auto\" lets the "
+        "planner weigh stages over the first axis of a mesh of two or more against the plans without (kept "
+        "where predicted faster by ``min_gain``), False never; a ``PipelineChoice`` (or a dict of its fields, "
+        "or a schedule's class name) makes the plan a pipeline with the axis, schedule, microbatches and stages "
+        "per rank it names (its \"auto\" fields chosen by the planner).",
+        Flag(to_option=_pipeline_from_text, metavar="auto|none|SCHEDULE[:AXIS[:MICROBATCHES[:STAGES]]]",
+             note="Here: auto, none, or a torch.distributed.pipelining schedule class (Schedule1F1B, "
+                  "ScheduleInterleaved1F1B, ...) with the axis carrying the stages, the microbatches and the "
+                  "stages per rank."))
+    progress: bool = _option(
+        True, "While planning, a status line on stderr says what runs, for how long and what is left of "
+        "``time_limit`` (rank 0, where stderr is a terminal, unless the environment sets "
+        "``AUTOPAR_PROGRESS=0``: ``autopar.core.progress``); False draws none.",
+        None)
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -131,3 +221,24 @@ class PlanOptions:
         if unknown:
             raise AutoparError(f"unknown planning option(s) {', '.join(unknown)}; the options are {', '.join(names)}")
         return replace(options or cls(), **values)
+
+
+def option_flags() -> list[tuple[Field, Flag]]:
+    """The ``PlanOptions`` fields ``autopar plan`` takes, each with its ``Flag``, in field order."""
+    return [(f, f.metadata["flag"]) for f in fields(PlanOptions) if f.metadata["flag"] is not None]
+
+
+def field_doc(f: Field) -> str:
+    """A ``PlanOptions`` field's doc."""
+    return f.metadata["doc"]
+
+
+def _with_field_docs(doc: str) -> str:
+    """``doc`` followed by each field, its default and its doc: what ``help(PlanOptions)`` shows."""
+    items = [f"{f.name} (default {f.default!r})\n" + textwrap.fill(field_doc(f), 92, initial_indent="    ",
+                                                                   subsequent_indent="    ")
+             for f in fields(PlanOptions)]
+    return doc + "\n\n" + "\n\n".join(items) + "\n"
+
+
+PlanOptions.__doc__ = _with_field_docs(PlanOptions.__doc__ or "")

@@ -121,7 +121,7 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
                    memory_budget=budget, feasible=peaks[worst] <= budget,
                    shortfall_bytes=max(0.0, peaks[worst] - budget), pipeline=pipeline,
                    batch_size=stage_plan.microbatch_size * microbatches, microbatches=microbatches,
-                   solver=dict(stage_plan.solver), timings=dict(stage_plan.timings))
+                   solver=stage_plan.solver.copy(), timings=dict(stage_plan.timings))
 
 
 def _in_flight(count: int, microbatches: int, per_rank: int) -> str:

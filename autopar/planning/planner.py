@@ -11,14 +11,14 @@ from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass, replace
 
-from autopar.core.blocks import recompute_modes, repeated_blocks
+from autopar.core.blocks import RecomputeMode, recompute_modes, repeated_blocks
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
-from autopar.core.plan import Plan
+from autopar.core.plan import HandPlanSummary, Plan
 from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
@@ -212,7 +212,8 @@ class Problems:
         self.spaces: dict[tuple, tuple[CapturedGraph, StrategySpace]] = {}
 
     @staticmethod
-    def key(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, k: int, recompute: str | dict[str, str],
+    def key(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, k: int,
+            recompute: RecomputeMode | dict[str, RecomputeMode],
             offload: bool, forced: dict[str, Strategy] | None = None) -> tuple:
         """What ``prepare`` reads: the graph (``captured`` at ``k`` microbatches), mesh, count,
         recomputation, offload, forced nodes and the options that price the problem."""
@@ -289,7 +290,8 @@ def _best_mode(search: _Search, deadline: Deadline) -> Plan:
     options = search.options
     # selective recomputation, where the model has attention cores, costs a few percent of compute
     # for most of the activations of long sequences (Korthikanti et al.)
-    selective = ("selective",) if recompute_modes(search.captured.graph, "selective") else ()
+    selective: tuple[RecomputeMode, ...] = ("selective",) if recompute_modes(search.captured.graph, "selective") else ()
+    modes: tuple[RecomputeMode, ...]
     if options.recompute != "auto":
         modes, compete = (options.recompute,), False
     elif search.needs_microbatches("none"):
@@ -370,7 +372,7 @@ class _Search:
             self._prepare(self.options.microbatches, first)
         return base.bounds().quietest() > base.budget
 
-    def needs_microbatches(self, recompute: str) -> bool:
+    def needs_microbatches(self, recompute: RecomputeMode) -> bool:
         """Does every plan of the whole batch under ``recompute`` exceed the budget (where the
         batch can be cut)?"""
         if self.options.microbatches != "auto" or self.recapture is None or self.rows == 1:
@@ -378,7 +380,7 @@ class _Search:
         whole = self._whole(recompute)
         return whole.bounds().least() > whole.budget
 
-    def fit(self, recompute: str, deadline: Deadline) -> Plan:
+    def fit(self, recompute: RecomputeMode, deadline: Deadline) -> Plan:
         """The auto plan under ``recompute``, by ``deadline``, in the fewest microbatches that fit
         (or as many as the options say); raises ``InfeasibleError`` when no count does."""
         self.deadline = deadline
@@ -390,61 +392,94 @@ class _Search:
             return self._lighter(self._plan(whole), 1, recompute, self.clock.now() - started)
         least, floor = whole.bounds().least(), whole.bounds().quietest()
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
-            try:
-                started = self.clock.now()
-                plan = self._plan(whole)
-                if plan.feasible:
-                    return self._lighter(plan, 1, recompute, self.clock.now() - started)
-            except InfeasibleError:
-                pass
+            plan = self._whole_batch_fitting(whole, recompute)
+            if plan is not None:
+                return plan
         elif floor >= whole.budget:
-            try:
-                return self._plan(whole)
-            except InfeasibleError as e:
-                raise InfeasibleError(f"{e} Microbatches would not help: what does not shrink with the batch "
-                                      f"(parameters, their gradients and optimizer states) needs at least "
-                                      f"{fmt(floor, 'B')}.", min_memory_bytes=e.min_memory_bytes) from None
-        # What shrinks with the microbatch (activations, their gradients, working memory) must fit
-        # beside what does not. The least-memory bound gives each node its leanest choice at once,
-        # which no plan affords: aim it at a fraction of the room (``BOUND_SLACK``); a count whose
-        # plan does not fit says by how much it missed, and the next count is scaled by that.
+            return self._whole_batch_or_why(whole, floor)
+        return self._in_microbatches(whole, recompute, least, floor)
+
+    def _whole_batch_fitting(self, whole: Planning, recompute: RecomputeMode) -> Plan | None:
+        """The plan of the whole batch, if it fits (with as little recomputation as fits); None
+        where it does not or there is none."""
+        try:
+            started = self.clock.now()
+            plan = self._plan(whole)
+            if plan.feasible:
+                return self._lighter(plan, 1, recompute, self.clock.now() - started)
+        except InfeasibleError:
+            pass
+        return None
+
+    def _whole_batch_or_why(self, whole: Planning, floor: float) -> Plan:
+        """The plan of the whole batch where microbatches cannot help: what does not shrink with
+        the batch alone exceeds the budget (its error says so)."""
+        try:
+            return self._plan(whole)
+        except InfeasibleError as e:
+            raise InfeasibleError(f"{e} Microbatches would not help: what does not shrink with the batch "
+                                  f"(parameters, their gradients and optimizer states) needs at least "
+                                  f"{fmt(floor, 'B')}.", min_memory_bytes=e.min_memory_bytes) from None
+
+    def _in_microbatches(self, whole: Planning, recompute: RecomputeMode, least: float, floor: float) -> Plan:
+        """The plan in the fewest microbatches that fit, trying counts from a guess upward.
+
+        What shrinks with the microbatch (activations, their gradients, working memory) must fit
+        beside what does not. The least-memory bound gives each node its leanest choice at once,
+        which no plan affords: the first count aims it at a fraction of the room (``BOUND_SLACK``);
+        a count whose plan does not fit says by how much it missed, and the next count is scaled by
+        that. The search ends at the first count that fits (its plan, made faster in fewer
+        microbatches or with less recomputation where that still fits), at the deadline (the last
+        count's plan, over the budget, as the least bad; ``PlanningTimeout`` where the last count
+        had none), or at one row per microbatch (the last plan, or ``InfeasibleError``).
+        """
         k = fewest_at_least(self.rows, max(2.0, BOUND_SLACK * _shrink_needed(least, floor, whole.budget)))
+        fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))   # if the bound fit
         last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
         while True:
             started = self.clock.now()
             try:
-                last = self._plan(self._prepare(k, recompute))
+                last = self._plan_count(k, recompute)
             except PlanningTimeout:
-                if isinstance(last, Plan):   # the last count's plan, over the budget, is the least bad
-                    break
-                raise
-            except InfeasibleError as e:
-                last = e
-                more = _shrink_needed(e.min_memory_bytes, floor, whole.budget) * 2
-            else:
-                if last.feasible:
-                    fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))
-                    last = self._fewer(last, k, fewest, recompute, self.clock.now() - started)
-                    last = self._lighter(last, last.microbatches, recompute, self.clock.now() - started)
-                    last.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
-                                                   f"{last.microbatches} microbatches of {self.rows // last.microbatches} "
-                                                   "rows fit")
+                if isinstance(last, Plan):   # out of time planning k: the last count's plan is the least bad
                     return last
-                at_peak = last.predicted.memory_breakdown
-                more = _shrink_needed(last.predicted.peak_memory_bytes,
-                                      at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0), whole.budget)
-            if k == self.rows:
-                break
-            if self.deadline.passed():
+                raise
+            if isinstance(last, Plan) and last.feasible:
+                return self._fitted(last, k, fewest, recompute, least, started)
+            if k == self.rows:   # one row per microbatch, and still nothing fits
+                return self._least_bad(last, k)
+            if self.deadline.passed():   # no time to try more
                 self.clock.note(f"more than {k} microbatches (not tried)")
-                break
-            k = fewest_at_least(self.rows, k * max(more, 1.5))
+                return self._least_bad(last, k)
+            k = fewest_at_least(self.rows, k * max(_more_microbatches(last, floor, whole.budget), 1.5))
+
+    def _plan_count(self, k: int, recompute: RecomputeMode) -> Plan | InfeasibleError:
+        """The plan in ``k`` microbatches, or why there is none (``PlanningTimeout`` where the
+        deadline stops it)."""
+        try:
+            return self._plan(self._prepare(k, recompute))
+        except InfeasibleError as e:
+            return e
+
+    def _fitted(self, plan: Plan, k: int, fewest: int, recompute: RecomputeMode, least: float, started: float) -> Plan:
+        """``plan`` (``k`` microbatches, the first count that fits) made faster in fewer microbatches
+        (down to ``fewest``) or with less recomputation where either still fits, saying why
+        microbatches were needed (the whole batch needs ``least`` bytes)."""
+        plan = self._fewer(plan, k, fewest, recompute, self.clock.now() - started)
+        plan = self._lighter(plan, plan.microbatches, recompute, self.clock.now() - started)
+        plan.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
+                                       f"{plan.microbatches} microbatches of {self.rows // plan.microbatches} "
+                                       "rows fit")
+        return plan
+
+    def _least_bad(self, last: Plan | InfeasibleError, k: int) -> Plan:
+        """The last count's plan (over the budget), or the error of the last count where it had none."""
         if isinstance(last, Plan):
             return last
         raise InfeasibleError(f"{last} Microbatches were tried up to {k} (of {self.rows // k} rows each).",
                               min_memory_bytes=last.min_memory_bytes) from None
 
-    def _fewer(self, plan: Plan, k: int, fewest: int, recompute: str, attempt_s: float) -> Plan:
+    def _fewer(self, plan: Plan, k: int, fewest: int, recompute: RecomputeMode, attempt_s: float) -> Plan:
         """``plan`` (``k`` microbatches, fitting), or a faster one in fewer microbatches (about
         half as many each time, down to ``fewest``, where the bound itself fits): larger
         microbatches run more efficiently, as long as the plan need not shard harder to fit them."""
@@ -455,7 +490,7 @@ class _Search:
                 count = smaller
         return self._while_faster(plan, counts(), attempt_s)
 
-    def _lighter(self, plan: Plan, k: int, recompute: str, attempt_s: float) -> Plan:
+    def _lighter(self, plan: Plan, k: int, recompute: RecomputeMode, attempt_s: float) -> Plan:
         """``plan`` (``k`` microbatches, every block recomputed), or a faster one that recomputes
         only the first half of those blocks, then the first quarter, ...: a block not recomputed
         runs its forward once. The first blocks are kept recomputed: their activations wait
@@ -498,10 +533,10 @@ class _Search:
                 return plan
             plan = other
 
-    def _whole(self, recompute: str) -> Planning:
+    def _whole(self, recompute: RecomputeMode) -> Planning:
         return self._prepare(1, recompute)
 
-    def _prepare(self, k: int, recompute: str | dict[str, str]) -> Planning:
+    def _prepare(self, k: int, recompute: RecomputeMode | dict[str, RecomputeMode]) -> Planning:
         """The planning problem of one of ``k`` microbatches (the captured batch itself for k = 1),
         from the call's ``problems`` where built before, else begun only where the search's
         deadline affords what it needs (``_affords_build``; else ``PlanningTimeout``): what is
@@ -585,6 +620,16 @@ FIRST_MODE_SHARE = 0.6
 BOUND_SLACK = 2.5
 
 
+def _more_microbatches(last: Plan | InfeasibleError, floor: float, budget: float) -> float:
+    """By how much to multiply the microbatch count after a count whose plan did not fit
+    (``last``) or that had none: the shrink its peak needs, twice that of its least memory."""
+    if isinstance(last, InfeasibleError):
+        return _shrink_needed(last.min_memory_bytes, floor, budget) * 2
+    at_peak = last.predicted.memory_breakdown
+    return _shrink_needed(last.predicted.peak_memory_bytes, at_peak.get("state", 0.0) + at_peak.get("gradients", 0.0),
+                          budget)
+
+
 def _shrink_needed(needed: float, fixed: float, budget: float) -> float:
     """By how much what shrinks with the microbatch must shrink for ``needed`` bytes to fit in 90%
     of ``budget`` beside ``fixed`` bytes that do not shrink."""
@@ -619,7 +664,7 @@ def _plan(planning: Planning, options: PlanOptions, forced: dict[str, Strategy] 
     return plan
 
 
-def _summary(hand: tuple[Plan, tuple[int, ...]] | InfeasibleError) -> dict[str, float | bool]:
+def _summary(hand: tuple[Plan, tuple[int, ...]] | InfeasibleError) -> HandPlanSummary:
     """A hand plan as the auto plan lists it: its predicted step and peak, or the least memory any
     plan of its family needs where none fits."""
     if isinstance(hand, InfeasibleError):

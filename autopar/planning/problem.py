@@ -15,12 +15,13 @@ from typing import Iterator
 import numpy as np
 import torch.fx as fx
 
-from autopar.core.blocks import recompute_modes
+from autopar.core.blocks import RecomputeMode, recompute_modes
+from autopar.core.precision import Precision
 from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows
-from autopar.core.plan import NodePlan, Plan, Prediction
+from autopar.core.plan import NodePlan, Plan, Prediction, SearchLog
 from autopar.planning.shrink import Grouping, group
 from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
 from autopar.core.units import fmt
@@ -58,7 +59,7 @@ def _stage(timings: dict[str, float], name: str, line: StatusLine | None, what: 
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _subject(microbatches: int, recompute: dict[str, str], offload: bool) -> str:
+def _subject(microbatches: int, recompute: dict[str, RecomputeMode], offload: bool) -> str:
     """What a problem plans, as progress says it: "of 4 microbatches, 32 blocks recomputed"."""
     said = "of the whole batch" if microbatches == 1 else f"of one of {microbatches} microbatches"
     if recompute:
@@ -84,7 +85,7 @@ class Planning:
     timings: dict[str, float]
     microbatches: int = 1               # the graph is one of this many microbatches of the step's batch
     fingerprint: str = ""               # what plans carry: the whole batch's capture's (``Plan.check_matches``)
-    recompute: dict[str, str] = field(default_factory=dict)   # recomputed block path -> mode (``Plan.recompute``)
+    recompute: dict[str, RecomputeMode] = field(default_factory=dict)   # recomputed block path -> mode (``Plan.recompute``)
     _bounds: MemoryBounds | None = field(default=None, repr=False)
 
     def bounds(self) -> MemoryBounds:
@@ -98,7 +99,7 @@ class Planning:
 
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
             timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
-            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: str | dict[str, str] = "none",
+            microbatches: int = 1, whole: CapturedGraph | None = None, recompute: RecomputeMode | dict[str, RecomputeMode] = "none",
             offload: bool = False, space: StrategySpace | None = None, clock: Clock | None = None) -> Planning:
     """Strategies, costs and the ILP of one captured graph on one mesh (``forced``: pin named
     nodes to a strategy; ``microbatches``: the graph is one microbatch's, run this many times a
@@ -201,7 +202,7 @@ def _percent(gap: float | None) -> str:
 BIG_GAP = 10.0
 
 
-def _solve(problem: Problem, time_limit: float | None, precision: str) -> Solution:
+def _solve(problem: Problem, time_limit: float | None, precision: Precision) -> Solution:
     """The ILP, its errors told in autopar's terms: how much memory any plan needs and what to do
     (an fp32 plan is told that bf16 compute halves activations)."""
     try:
@@ -325,7 +326,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                            compute_s=sim.compute_s, comm_s=sim.comm_s, memory_breakdown=sim.at_peak,
                            overlapped_comm_s=sim.overlap_s, exposed_comm_s=sim.exposed_s, peak_at=sim.peak_at,
                            cost_source=_overall_source(costs, model), **_confidence(costs, model, captured.precision))
-    solver_info = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
+    solver_info: SearchLog = {"status": solution.status, "gap": solution.gap, "variables": solution.num_variables,
                    "constraints": solution.num_constraints, "objective_s": solution.objective,
                    "problem": planning.grouping.describe(len(space.nodes))}
     plan = Plan(mesh=space.mesh, model_name=captured.model_name, fingerprint=planning.fingerprint, nodes=nodes,
@@ -371,7 +372,7 @@ def _overall_source(costs: list[Cost], model: CostModel) -> str:
             f"({model.hw.name}); {comm_measured}/{len(comm)} communicating nodes use measured links")
 
 
-def _confidence(costs: list[Cost], model: CostModel, precision: str) -> dict:
+def _confidence(costs: list[Cost], model: CostModel, precision: Precision) -> dict:
     """The prediction's basis, band and FLOPs (``cost_models.confidence``)."""
     basis = basis_of(_measured_share(costs), model.hw, model.profile)
     low, high = band_of(basis)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import sympy
 import torch
@@ -490,56 +491,28 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     kwargs = kwargs or {}
     if not isinstance(args, tuple):
         args = (args,)
-    timings: dict[str, float] = {}
-    if type(model).__name__ != plan.model_name:
-        raise GraphMismatchError(f"plan {plan.model_name!r} was made for another model than {type(model).__name__}; "
-                                 "re-plan this model")
-    if plan.microbatches > 1:
-        raise AutoparError(f"plan {plan.model_name!r} runs its batch in {plan.microbatches} microbatches; symbolic "
-                           "costs cover plans of one microbatch (plan with microbatches=1 to see them)")
+    _check_plan_of(model, plan)
     t0 = time.perf_counter()
     cap = _capture_dynamic(model, args, kwargs)
-    timings["capture"] = time.perf_counter() - t0
+    timings = {"capture": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    space = build_space(cap.captured, plan.mesh, with_strategies=False)
-    chosen, names, warnings = align_plan(plan, space)
-    for nc, s in zip(space.nodes, chosen):
-        nc.strategies = [s]
-    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
-                           recompute=plan.recompute, reduce_precision=plan.reduce_precision,
-                           offload=bool(plan.offloaded))
-    costs, queued = step_costs(space, cost_model, chosen)
+    space, chosen, cost_model, timeline, warnings = _planned_space(plan, cap, optimizer)
     swap = dict(cap.symbols)
 
     def sub(x):
         return x.xreplace(swap) if isinstance(x, sympy.Basic) else x
 
+    costs, queued = step_costs(space, cost_model, chosen)
     costs = [_map_cost(c, sub) for c in costs]
     queued = [(i, sub(x)) for i, x in queued]
     flops = _total([sub(cost_model.flops(nc.node)) for nc in space.nodes
                     if nc.kind == "op" and nc.node.target not in VIEW_OPS])
-    sharded = set()
-    for nc, chose in zip(space.nodes, chosen):
-        for val, placements in [(tensor_val(nc.node), chose.out), *((tensor_val(i), p) for i, p in zip(nc.inputs, chose.ins))]:
-            for d in range(val.dim() if val is not None else 0):
-                axes = tuple(isinstance(p, Shard) and p.dim == d for p in placements)
-                size = sub(_dim(val.shape[d]))
-                if any(axes) and isinstance(size, sympy.Basic) and size.free_symbols:
-                    sharded.add((size, axes))
-    timeline = Timeline(space, block_of=cost_model.block_of)
-    timeline.names = names
     # the exposed synchronisation's closed form: the first, the last and the one that binds at the planned size
     at_plan = exposed_terms(*_evaluate(costs, queued, {B: cap.planned[0], S: cap.planned[1]}), timeline)
     picks = sorted({0, len(queued) - 1, max(at_plan, key=at_plan.get)}) if queued else []
     forms = closed_forms(costs, queued, timeline, plan.mesh.axis_names, picks)
     timings["costs"] = time.perf_counter() - t0
-    stray = set()
-    for value in [*forms.values(), *forms["comm_bytes"].values(), flops]:
-        if isinstance(value, sympy.Basic):
-            stray |= value.free_symbols - {B, S}
-    if stray:
-        raise AutoparError(f"{plan.model_name}'s costs depend on sizes other than batch and sequence "
-                           f"({', '.join(sorted(map(str, stray)))}): symbolic costs cover B and S only")
+    _check_batch_and_sequence_only(plan, [*forms.values(), *forms["comm_bytes"].values(), flops])
     if plan.predicted.profiled:
         warnings.append("the plan was costed with a measured profile; symbolic costs are the roofline, so they "
                         "differ from the plan's figures at the planned size")
@@ -548,6 +521,56 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
         model_name=plan.model_name, mesh=plan.mesh, planned=cap.planned,
         **{k: sympy.sympify(v) for k, v in forms.items()},
         comm_bytes={a: sympy.sympify(v) for a, v in comm_bytes.items()},
-        flops=sympy.sympify(flops), limits=cap.limits, sharded=sharded, exposed_picks=tuple(picks), warnings=cap.warnings + warnings, timings=timings,
+        flops=sympy.sympify(flops), limits=cap.limits, sharded=_sharded_sizes(space, chosen, sub),
+        exposed_picks=tuple(picks), warnings=cap.warnings + warnings, timings=timings,
         _nodes=costs, _queued=queued, _timeline=timeline)
+
+
+def _check_plan_of(model: torch.nn.Module, plan: Plan) -> None:
+    """``plan`` was made for ``model``'s class and runs its batch in one microbatch."""
+    if type(model).__name__ != plan.model_name:
+        raise GraphMismatchError(f"plan {plan.model_name!r} was made for another model than {type(model).__name__}; "
+                                 "re-plan this model")
+    if plan.microbatches > 1:
+        raise AutoparError(f"plan {plan.model_name!r} runs its batch in {plan.microbatches} microbatches; symbolic "
+                           "costs cover plans of one microbatch (plan with microbatches=1 to see them)")
+
+
+def _planned_space(plan: Plan, cap: _DynamicCapture, optimizer: str) -> tuple[StrategySpace, list, CostModel, Timeline, list[str]]:
+    """The dynamic capture's strategy space with each node's one strategy the plan's (``align_plan``),
+    the cost model of the plan's knobs, the step's timeline, and the alignment's warnings."""
+    space = build_space(cap.captured, plan.mesh, with_strategies=False)
+    chosen, names, warnings = align_plan(plan, space)
+    for nc, s in zip(space.nodes, chosen):
+        nc.strategies = [s]
+    cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
+                           recompute=plan.recompute, reduce_precision=plan.reduce_precision,
+                           offload=bool(plan.offloaded))
+    timeline = Timeline(space, block_of=cost_model.block_of)
+    timeline.names = names
+    return space, chosen, cost_model, timeline, warnings
+
+
+def _sharded_sizes(space: StrategySpace, chosen: list, sub: Callable[[Any], Any]) -> set:
+    """(symbolic size, which mesh axes split it) of every tensor dim of B or S the plan splits."""
+    sharded = set()
+    for nc, chose in zip(space.nodes, chosen):
+        for val, placements in [(tensor_val(nc.node), chose.out), *((tensor_val(i), p) for i, p in zip(nc.inputs, chose.ins))]:
+            for d in range(val.dim() if val is not None else 0):
+                axes = tuple(isinstance(p, Shard) and p.dim == d for p in placements)
+                size = sub(_dim(val.shape[d]))
+                if any(axes) and isinstance(size, sympy.Basic) and size.free_symbols:
+                    sharded.add((size, axes))
+    return sharded
+
+
+def _check_batch_and_sequence_only(plan: Plan, values: list) -> None:
+    """The closed forms depend on no size but ``B`` and ``S``."""
+    stray = set()
+    for value in values:
+        if isinstance(value, sympy.Basic):
+            stray |= value.free_symbols - {B, S}
+    if stray:
+        raise AutoparError(f"{plan.model_name}'s costs depend on sizes other than batch and sequence "
+                           f"({', '.join(sorted(map(str, stray)))}): symbolic costs cover B and S only")
 

@@ -151,6 +151,85 @@ def _atomic_write(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _rank_environment(rank: int, world_size: int, port: int) -> None:
+    """The variables ``init_process_group`` and torchrun-style code read, for rank ``rank`` of
+    ``world_size`` on this host."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    if sys.platform.startswith("linux"):
+        # All ranks are on this host: keep gloo on the loopback interface even when
+        # the host name resolves to an address that is not reachable.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+class _Phase:
+    """What a rank is doing, so that its error report can say where it failed."""
+
+    def __init__(self) -> None:
+        self.name = "unpickle"
+
+
+def _rank_body(
+    phase: _Phase,
+    rank: int,
+    world_size: int,
+    mesh_shape: tuple[int, ...],
+    axis_names: tuple[str, ...] | None,
+    payload: bytes,
+    timeout_s: float,
+) -> bytes:
+    """Join the process group, build the mesh, run ``fn`` and tear down; ``fn``'s result, pickled."""
+    # Unpickling imports fn's module: do it before the rendezvous.
+    fn, args = pickle.loads(payload)
+    phase.name = "init"
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=max(timeout_s, 1.0)),
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    phase.name = "fn"
+    result = fn(mesh, *args)
+    phase.name = "pickle-result"
+    result_bytes = pickle.dumps(result)
+    phase.name = "teardown"
+    # Nobody tears down (rank 0 owns the TCPStore) before every rank is done.
+    dist.barrier()
+    dist.destroy_process_group()
+    return result_bytes
+
+
+def _exit_now(code: int) -> None:
+    """Leave the rank without interpreter shutdown: it may hang on a wedged process group, and
+    takes ~1-2 s with torch loaded (the result or the error is on disk already)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _report_error(base: str, phase: str, e: BaseException) -> None:
+    """Write the error a rank is handling, with its traceback, for the parent; then exit."""
+    try:
+        _atomic_write(
+            base + _ERR_SUFFIX,
+            {
+                "time": time.time(),
+                "phase": phase,
+                "exc": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            },
+        )
+    finally:
+        _exit_now(1)
+
+
 def _gloo_worker(
     rank: int,
     world_size: int,
@@ -162,61 +241,16 @@ def _gloo_worker(
     timeout_s: float,
 ) -> None:
     """Body of one rank (runs in a spawned child process)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"] = str(rank)
-    os.environ["LOCAL_RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    if sys.platform.startswith("linux"):
-        # All ranks are on this host: keep gloo on the loopback interface even when
-        # the host name resolves to an address that is not reachable.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _rank_environment(rank, world_size, port)
     torch.set_num_threads(1)
-    phase = "unpickle"
+    phase = _Phase()
     base = os.path.join(result_dir, f"rank{rank}")
     try:
-        # Unpickling imports fn's module: do it before the rendezvous.
-        fn, args = pickle.loads(payload)
-        phase = "init"
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=max(timeout_s, 1.0)),
-        )
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
-        phase = "fn"
-        result = fn(mesh, *args)
-        phase = "pickle-result"
-        result_bytes = pickle.dumps(result)
-        phase = "teardown"
-        # Nobody tears down (rank 0 owns the TCPStore) before every rank is done.
-        dist.barrier()
-        dist.destroy_process_group()
+        result_bytes = _rank_body(phase, rank, world_size, mesh_shape, axis_names, payload, timeout_s)
         _atomic_write(base + _OK_SUFFIX, result_bytes)
     except BaseException as e:  # noqa: BLE001 - report everything, incl. SystemExit
-        try:
-            _atomic_write(
-                base + _ERR_SUFFIX,
-                {
-                    "time": time.time(),
-                    "phase": phase,
-                    "exc": f"{type(e).__name__}: {e}",
-                    "traceback": traceback.format_exc(),
-                },
-            )
-        finally:
-            # Do not run interpreter shutdown with a possibly wedged process group.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-    # Skip interpreter finalisation (~1-2 s with torch loaded): the result is on disk.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        _report_error(base, phase.name, e)
+    _exit_now(0)
 
 
 def _read_errors(result_dir: str) -> dict[int, dict[str, Any]]:
@@ -283,15 +317,8 @@ class _PortInUse(Exception):
     pass
 
 
-def _run_gloo_once(
-    payload: bytes,
-    shape: tuple[int, ...],
-    names: tuple[str, ...] | None,
-    n: int,
-    deadline: float,
-    timeout_s: float,
-    start_method: str,
-) -> list[Any]:
+def _gloo_context(start_method: str) -> Any:
+    """The multiprocessing context that starts the ranks."""
     ctx = torch_mp.get_context(start_method)
     if start_method == "forkserver":
         # Children fork from a server that has torch imported already: ~0.1 s per
@@ -301,137 +328,188 @@ def _run_gloo_once(
         ctx.set_forkserver_preload(
             ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", __name__]
         )
+    return ctx
+
+
+def _start_ranks(ctx: Any, procs: list[Any], worker_args: tuple, n: int) -> None:
+    """Start ``n`` rank processes, appending each to ``procs`` as it starts (so that the caller
+    stops those already started if a later one fails to start)."""
+    port, shape, names, payload, result_dir, timeout_s = worker_args
+    for r in range(n):
+        p = ctx.Process(
+            target=_gloo_worker,
+            args=(r, n, port, shape, names, payload, result_dir, timeout_s),
+            name=f"{_RANK_NAME}{r}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+
+
+def _crashed_silently(procs: list[Any], result_dir: str) -> list[int]:
+    """The ranks that exited in failure without reporting an error. A rank that died silently
+    (segfault, OOM kill, os._exit) is given a moment to be seen as dead: its peers' "connection
+    closed" errors are consequences, the silent death is the cause."""
+    time.sleep(0.1)
+    errors = _read_errors(result_dir)
+    return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
+
+
+def _timed_out(procs: list[Any], shape: tuple[int, ...], timeout_s: float) -> DistributedRunError:
+    """Stop every rank; the error saying which ranks were still running at the deadline."""
+    running = [r for r, p in enumerate(procs) if p.exitcode is None]
+    done = [r for r, p in enumerate(procs) if p.exitcode == 0]
+    _stop_all(procs)
+    return DistributedRunError(
+        f"gloo run on mesh {shape} timed out after {timeout_s:g} s; "
+        f"ranks still running: {running}, ranks finished: {done}. "
+        "A collective that not every rank calls hangs; raise timeout_s "
+        "if the work is just slow."
+    )
+
+
+def _wait_for_ranks(
+    procs: list[Any], result_dir: str, shape: tuple[int, ...], deadline: float, timeout_s: float
+) -> list[int]:
+    """Wait until every rank succeeded (returns ``[]``) or one failed (returns the ranks that
+    crashed without a report); past ``deadline``, stop them all and raise."""
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    while True:
+        if _read_errors(result_dir) or any(p.exitcode not in (None, 0) for p in procs):
+            return _crashed_silently(procs, result_dir)
+        if all(p.exitcode == 0 for p in procs):
+            return []
+        if time.monotonic() > deadline:
+            raise _timed_out(procs, shape, timeout_s)
+        live = [s for s, r in sentinels.items() if procs[r].exitcode is None]
+        _mp_wait(live, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def _close(procs: list[Any]) -> dict[int, int | None]:
+    """Each reaped rank's exit code; their process handles released."""
+    exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
+    for p in procs:
+        try:
+            p.close()
+        except Exception:  # noqa: BLE001
+            pass
+    return exit_codes
+
+
+def _raise_silent_death(
+    first: int, first_err: int | None, errors: dict[int, dict[str, Any]], exit_codes: dict, where: str
+) -> None:
+    """Rank ``first`` died without a report: say how it exited, and what rank ``first_err`` raised then."""
+    context = ""
+    if first_err is not None:
+        err = errors[first_err]
+        context = (
+            f"\nrank {first_err} then raised: {err['exc']}\n"
+            f"--- traceback from rank {first_err} ---\n{err['traceback']}"
+        )
+    raise DistributedRunError(
+        f"rank {first} {where} died without reporting an error "
+        f"({_describe_exit(exit_codes[first])}); it may have been killed by the "
+        f"OS (out of memory?), crashed, or called os._exit().{context}",
+        rank=first,
+        child_traceback=None,
+        exit_code=exit_codes[first],
+    )
+
+
+_PHASES = {
+    "init": "while setting up the gloo process group / device mesh",
+    "unpickle": "while unpickling fn and args",
+    "fn": "in fn",
+    "pickle-result": "while pickling fn's result (return picklable values: "
+    "plain tensors such as dtensor.full_tensor() or .to_local(), not DTensors)",
+    "teardown": "while tearing down the process group",
+}
+
+
+def _raise_rank_error(first: int, errors: dict[int, dict[str, Any]], exit_codes: dict, where: str) -> None:
+    """Rank ``first`` raised: its error and traceback (``_PortInUse`` where it could not bind the port)."""
+    err = errors[first]
+    tb = err["traceback"]
+    if err["phase"] == "init" and ("EADDRINUSE" in tb or "ddress already in use" in tb):
+        raise _PortInUse(tb)
+    others = sorted(r for r in errors if r != first)
+    also = f"\n(ranks {others} failed too, later; often as a consequence of the first)" if others else ""
+    phase = _PHASES.get(err["phase"], f"in phase {err['phase']!r}")
+    raise DistributedRunError(
+        f"rank {first} {where} raised {phase}: {err['exc']}{also}\n"
+        f"--- traceback from rank {first} ---\n{tb}",
+        rank=first,
+        child_traceback=tb,
+        exit_code=exit_codes.get(first),
+    )
+
+
+def _raise_failure(errors: dict[int, dict[str, Any]], crashed: list[int], exit_codes: dict, where: str) -> None:
+    """Raise the root cause of a failed run, if any rank failed: the earliest reported error that
+    is not just a peer noticing a dead connection; else a rank that died silently; else the
+    earliest report. ``where``: "of N (mesh S)"."""
+    by_time = sorted(errors, key=lambda r: (errors[r]["time"], r))
+    causes = [r for r in by_time if not _is_comm_consequence(errors[r]["exc"])]
+    first_err = causes[0] if causes else (by_time[0] if by_time else None)
+    unguarded = [r for r in crashed if exit_codes[r] == _NO_MAIN_GUARD]
+    if unguarded:
+        raise DistributedRunError(f"rank {unguarded[0]} {where} could not start: {_main_guard_hint()}",
+                                  rank=unguarded[0], exit_code=_NO_MAIN_GUARD)
+    if crashed and not causes:
+        _raise_silent_death(crashed[0], first_err, errors, exit_codes, where)
+    if first_err is not None:
+        _raise_rank_error(first_err, errors, exit_codes, where)
+    bad = [r for r, c in exit_codes.items() if c != 0]
+    if bad:  # pragma: no cover - every failure path above should catch this
+        raise DistributedRunError(
+            f"rank {bad[0]} {where} failed ({_describe_exit(exit_codes[bad[0]])}) without reporting an error.",
+            rank=bad[0],
+            exit_code=exit_codes[bad[0]],
+        )
+
+
+def _read_results(result_dir: str, n: int) -> list[Any]:
+    """Every rank's result, ordered by rank."""
+    results = []
+    for r in range(n):
+        path = os.path.join(result_dir, f"rank{r}{_OK_SUFFIX}")
+        try:
+            with open(path, "rb") as f:
+                results.append(pickle.loads(pickle.load(f)))
+        except Exception as e:  # noqa: BLE001
+            raise DistributedRunError(
+                f"could not read the result of rank {r} of {n}: {type(e).__name__}: {e}",
+                rank=r,
+            ) from e
+    return results
+
+
+def _run_gloo_once(
+    payload: bytes,
+    shape: tuple[int, ...],
+    names: tuple[str, ...] | None,
+    n: int,
+    deadline: float,
+    timeout_s: float,
+    start_method: str,
+) -> list[Any]:
+    """One try at the run on a fresh port: start the ranks, wait for them, reap them, and return
+    their results or raise the root cause of their failure."""
+    ctx = _gloo_context(start_method)
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="autopar-gloo-") as result_dir:
         procs: list[Any] = []
         try:
-            for r in range(n):
-                p = ctx.Process(
-                    target=_gloo_worker,
-                    args=(r, n, port, shape, names, payload, result_dir, timeout_s),
-                    name=f"{_RANK_NAME}{r}",
-                    daemon=True,
-                )
-                p.start()
-                procs.append(p)
-            sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-            while True:
-                errors = _read_errors(result_dir)
-                failed = errors or any(p.exitcode not in (None, 0) for p in procs)
-                if failed:
-                    # Give a rank that died silently (segfault, OOM kill, os._exit) a
-                    # moment to be seen as dead: its peers' "connection closed" errors
-                    # are consequences, the silent death is the cause.
-                    time.sleep(0.1)
-                    errors = _read_errors(result_dir)
-                    crashed_before_kill = [
-                        r
-                        for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in errors
-                    ]
-                    break
-                if all(p.exitcode == 0 for p in procs):
-                    crashed_before_kill = []
-                    break
-                if time.monotonic() > deadline:
-                    running = [r for r, p in enumerate(procs) if p.exitcode is None]
-                    done = [r for r, p in enumerate(procs) if p.exitcode == 0]
-                    _stop_all(procs)
-                    raise DistributedRunError(
-                        f"gloo run on mesh {shape} timed out after {timeout_s:g} s; "
-                        f"ranks still running: {running}, ranks finished: {done}. "
-                        "A collective that not every rank calls hangs; raise timeout_s "
-                        "if the work is just slow."
-                    )
-                live = [s for s, r in sentinels.items() if procs[r].exitcode is None]
-                _mp_wait(live, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+            _start_ranks(ctx, procs, (port, shape, names, payload, result_dir, timeout_s), n)
+            crashed = _wait_for_ranks(procs, result_dir, shape, deadline, timeout_s)
         finally:
             # Kill everything first so that ranks blocked in collectives do not linger.
             _stop_all(procs)
-
         # All processes have been reaped here.
-        errors = _read_errors(result_dir)
-        exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
-        for p in procs:
-            try:
-                p.close()
-            except Exception:  # noqa: BLE001
-                pass
-        # Root cause: the earliest reported error that is not just a peer noticing a
-        # dead connection; else a rank that died silently; else the earliest report.
-        by_time = sorted(errors, key=lambda r: (errors[r]["time"], r))
-        causes = [r for r in by_time if not _is_comm_consequence(errors[r]["exc"])]
-        first_err = causes[0] if causes else (by_time[0] if by_time else None)
-        if any(exit_codes[r] == _NO_MAIN_GUARD for r in crashed_before_kill):
-            first = next(r for r in crashed_before_kill if exit_codes[r] == _NO_MAIN_GUARD)
-            raise DistributedRunError(f"rank {first} of {n} (mesh {shape}) could not start: {_main_guard_hint()}",
-                                      rank=first, exit_code=_NO_MAIN_GUARD)
-        if crashed_before_kill and not causes:
-            first = crashed_before_kill[0]
-            context = ""
-            if first_err is not None:
-                err = errors[first_err]
-                context = (
-                    f"\nrank {first_err} then raised: {err['exc']}\n"
-                    f"--- traceback from rank {first_err} ---\n{err['traceback']}"
-                )
-            raise DistributedRunError(
-                f"rank {first} of {n} (mesh {shape}) died without reporting an error "
-                f"({_describe_exit(exit_codes[first])}); it may have been killed by the "
-                f"OS (out of memory?), crashed, or called os._exit().{context}",
-                rank=first,
-                child_traceback=None,
-                exit_code=exit_codes[first],
-            )
-        if first_err is not None:
-            first = first_err
-            err = errors[first]
-            tb = err["traceback"]
-            if err["phase"] == "init" and (
-                "EADDRINUSE" in tb or "ddress already in use" in tb
-            ):
-                raise _PortInUse(tb)
-            others = sorted(r for r in errors if r != first)
-            also = (
-                f"\n(ranks {others} failed too, later; often as a consequence of the first)"
-                if others
-                else ""
-            )
-            where = {
-                "init": "while setting up the gloo process group / device mesh",
-                "unpickle": "while unpickling fn and args",
-                "fn": "in fn",
-                "pickle-result": "while pickling fn's result (return picklable values: "
-                "plain tensors such as dtensor.full_tensor() or .to_local(), not DTensors)",
-                "teardown": "while tearing down the process group",
-            }.get(err["phase"], f"in phase {err['phase']!r}")
-            raise DistributedRunError(
-                f"rank {first} of {n} (mesh {shape}) raised {where}: {err['exc']}{also}\n"
-                f"--- traceback from rank {first} ---\n{tb}",
-                rank=first,
-                child_traceback=tb,
-                exit_code=exit_codes.get(first),
-            )
-        bad = [r for r, c in exit_codes.items() if c != 0]
-        if bad:  # pragma: no cover - every failure path above should catch this
-            raise DistributedRunError(
-                f"rank {bad[0]} of {n} (mesh {shape}) failed "
-                f"({_describe_exit(exit_codes[bad[0]])}) without reporting an error.",
-                rank=bad[0],
-                exit_code=exit_codes[bad[0]],
-            )
-        results = []
-        for r in range(n):
-            path = os.path.join(result_dir, f"rank{r}{_OK_SUFFIX}")
-            try:
-                with open(path, "rb") as f:
-                    results.append(pickle.loads(pickle.load(f)))
-            except Exception as e:  # noqa: BLE001
-                raise DistributedRunError(
-                    f"could not read the result of rank {r} of {n}: {type(e).__name__}: {e}",
-                    rank=r,
-                ) from e
-        return results
+        exit_codes = _close(procs)
+        _raise_failure(_read_errors(result_dir), crashed, exit_codes, f"of {n} (mesh {shape})")
+        return _read_results(result_dir, n)
 
 
 def run_on_gloo_mesh(
@@ -476,19 +554,7 @@ def run_on_gloo_mesh(
     if _starting_rank():   # the parent names the missing guard, once (``_main_guard_hint``)
         os._exit(_NO_MAIN_GUARD)
     shape, names, n = _check_mesh(mesh_shape, axis_names)
-    if start_method not in ("spawn", "forkserver"):
-        raise DistributedRunError(
-            f"start_method must be 'spawn' or 'forkserver'; got {start_method!r} "
-            "('fork' is unsafe once torch has started threads)"
-        )
-    try:
-        payload = pickle.dumps((fn, args))
-    except Exception as e:  # noqa: BLE001
-        raise DistributedRunError(
-            "run_on_gloo_mesh needs a picklable fn and args because every rank is a "
-            f"separate process: {type(e).__name__}: {e}. Define fn at module level "
-            "(no lambdas / closures / local functions)."
-        ) from e
+    payload = _gloo_payload(fn, args, start_method)
     deadline = time.monotonic() + timeout_s
     last_error: _PortInUse | None = None
     for _attempt in range(3):
@@ -499,6 +565,23 @@ def run_on_gloo_mesh(
     raise DistributedRunError(
         f"could not bind a free MASTER_PORT for the gloo run after 3 tries:\n{last_error}"
     )
+
+
+def _gloo_payload(fn: Callable[..., Any], args: tuple, start_method: str) -> bytes:
+    """``(fn, args)`` pickled for the ranks, after checking the start method."""
+    if start_method not in ("spawn", "forkserver"):
+        raise DistributedRunError(
+            f"start_method must be 'spawn' or 'forkserver'; got {start_method!r} "
+            "('fork' is unsafe once torch has started threads)"
+        )
+    try:
+        return pickle.dumps((fn, args))
+    except Exception as e:  # noqa: BLE001
+        raise DistributedRunError(
+            "run_on_gloo_mesh needs a picklable fn and args because every rank is a "
+            f"separate process: {type(e).__name__}: {e}. Define fn at module level "
+            "(no lambdas / closures / local functions)."
+        ) from e
 
 
 # ----------------------------------------------------------------------------
@@ -549,14 +632,13 @@ def run_on_local_tensor_mesh(
     process group is initialised, nor nested).
     """
     shape, names, n = _check_mesh(mesh_shape, axis_names)
-    from torch.distributed._local_tensor import (
-        LocalTensorMode,
-        local_tensor_mode,
-        maybe_disable_local_tensor_mode,
-    )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import _random as dtensor_random
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    _check_no_process_group()
+    return _run_in_local_tensor_mode(fn, shape, names, n, args)
+
+
+def _check_no_process_group() -> None:
+    """``run_on_local_tensor_mesh`` makes its own default process group and mode: refuse to nest."""
+    from torch.distributed._local_tensor import local_tensor_mode
 
     if dist.is_initialized():
         raise DistributedRunError(
@@ -569,6 +651,17 @@ def run_on_local_tensor_mesh(
         raise DistributedRunError(
             "run_on_local_tensor_mesh cannot run inside an active LocalTensorMode."
         )
+
+
+def _run_in_local_tensor_mode(
+    fn: Callable[..., T], shape: tuple[int, ...], names: tuple[str, ...] | None, n: int, args: tuple
+) -> T:
+    """``fn(mesh, *args)`` under ``LocalTensorMode(n)`` on a fake process group, which is torn
+    down (and DTensor's RNG tracker reset) even on error."""
+    from torch.distributed._local_tensor import LocalTensorMode, maybe_disable_local_tensor_mode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import _random as dtensor_random
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:

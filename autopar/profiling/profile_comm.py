@@ -292,6 +292,25 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
     """
     step, per_param, per_plain_param = _optimizer_overheads(device_mesh, repeats)
     per_microbatch, pipelined = _pipeline_overheads(device_mesh, repeats)
+    per_move, per_param_read = _move_and_read_overheads(device_mesh, repeats)
+    mine = {
+        "move": per_move,
+        "param_read": per_param_read,
+        "grad_hook": _grad_hook_overhead(device_mesh, repeats),
+        "optimizer_per_param": per_param,
+        "optimizer_per_plain_param": per_plain_param,
+        "step": step,
+        "pipeline_microbatch": per_microbatch,
+        "pipeline_step": pipelined,
+        **_local_copy_rates(),
+    }
+    return dict(zip(OVERHEADS, _slowest([mine[key] if key == "pipeline_step" else max(0.0, mine[key])
+                                         for key in OVERHEADS])))
+
+
+def _move_and_read_overheads(device_mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
+    """Seconds per ``move`` that keeps a placement, and per parameter read through ``param_shard``
+    over adding its plain local tensor (``time_overheads``' ``move`` and ``param_read``)."""
     rep = _replicated(device_mesh)
     x = torch.ones(_TINY, requires_grad=True)
     param = _tiny(device_mesh)
@@ -303,19 +322,7 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
         _chain(lambda y: neg(y) + param_shard(param, rep, rep), x),
         _chain(lambda y: neg(y) + plain_param, x),
     ], repeats)
-    mine = {
-        "move": (moved - bare) / OVERHEAD_CALLS,
-        "param_read": (read - plain_read) / OVERHEAD_CALLS,
-        "grad_hook": _grad_hook_overhead(device_mesh, repeats),
-        "optimizer_per_param": per_param,
-        "optimizer_per_plain_param": per_plain_param,
-        "step": step,
-        "pipeline_microbatch": per_microbatch,
-        "pipeline_step": pipelined,
-        **_local_copy_rates(),
-    }
-    return dict(zip(OVERHEADS, _slowest([mine[key] if key == "pipeline_step" else max(0.0, mine[key])
-                                         for key in OVERHEADS])))
+    return (moved - bare) / OVERHEAD_CALLS, (read - plain_read) / OVERHEAD_CALLS
 
 
 #: Sizes of the copies ``_local_copy_rates`` times: one the allocator reuses, one it maps afresh.

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.microbatch import microbatch_capture
+from autopar.core.precision import Precision
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import hand_plans
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 def profile_model(model: nn.Module, mesh: MeshSpec | tuple[int, ...], example_inputs: Any,
                   example_kwargs: dict | None = None, *, path: str | Path | None = None,
-                  progress: Progress | None = print_progress, calibrate: bool = True, precision: str = "fp32",
+                  progress: Progress | None = print_progress, calibrate: bool = True, precision: Precision = "fp32",
                   options: PlanOptions | None = None) -> tuple[Profile, Path]:
     """Measure the ops ``model`` runs on ``mesh`` (every candidate strategy's local shapes; with
     ``options``, those of every graph and mesh a plan with them prices: its microbatches, its

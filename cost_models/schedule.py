@@ -44,6 +44,23 @@ class StepPrediction:
     at_peak: dict[str, float]   # bytes live at the peak by kind
 
 
+class _Peak:
+    """Memory over a simulated step: what is held now (``check`` adds the moment's working bytes)
+    and the highest total seen, with where it was and what filled it."""
+
+    def __init__(self, state: float) -> None:
+        self.state, self.saved, self.recomputed, self.grads = state, 0.0, 0.0, 0.0
+        self.best: tuple[float, str, dict[str, float], int] = (
+            state, "forward (start)", {"state": state, "activations": 0.0, "recomputed": 0.0, "gradients": 0.0,
+                                       "working": 0.0}, 0)
+
+    def check(self, work: float, where: str, position: int) -> None:
+        total = self.state + self.saved + self.recomputed + self.grads + work
+        if total > self.best[0]:
+            self.best = (total, where, {"state": self.state, "activations": self.saved, "recomputed": self.recomputed,
+                                        "gradients": self.grads, "working": work}, position)
+
+
 class Timeline:
     """Where each node of a strategy space sits in the step."""
 
@@ -89,63 +106,59 @@ class Timeline:
         """``nodes[i]``: node i's cost with its incoming edges' blocking parts; ``queued``:
         (node index, seconds) of gradient synchronisations, queued when node i's gradient is done."""
         kinds = [nc.kind for nc in self.space.nodes]
-        state = sum(c.state_bytes for c in nodes)
         order = sorted(range(len(nodes)), key=lambda i: (self.position[i], i))
-        saved = frontier = recomputed = 0.0
-        grads = sum(c.grad_bytes for c in nodes) if self.accumulating else 0.0
-        peak = (state, "forward (start)", {"state": state, "activations": 0.0, "recomputed": 0.0, "gradients": 0.0,
-                                           "working": 0.0}, 0)
-
-        def check(work: float, where: str, position: int) -> None:
-            nonlocal peak
-            total = state + saved + recomputed + grads + work
-            if total > peak[0]:
-                peak = (total, where, {"state": state, "activations": saved, "recomputed": recomputed,
-                                       "gradients": grads, "working": work}, position)
-
+        mem = _Peak(sum(c.state_bytes for c in nodes))
+        mem.grads = sum(c.grad_bytes for c in nodes) if self.accumulating else 0.0
         for i in order:
-            saved += nodes[i].saved_bytes
+            mem.saved += nodes[i].saved_bytes
             if kinds[i] in ("op", "output"):   # the output's: gathering what the step returns
-                check(nodes[i].transient_bytes, f"forward: {self.names[i]}", self.position[i])
-        at: dict[int, list[float]] = {}
-        for i, seconds in queued:
-            at.setdefault(i, []).append(seconds)
-        born: dict[int, float] = {}   # backward position -> activation gradients it creates
-        for i, c in enumerate(nodes):
-            born[self.last_user[i]] = born.get(self.last_user[i], 0.0) + c.output_grad_bytes
-        rebuilt: dict[int, float] = {}   # per recomputed block: what running its forward again rebuilds
-        for i, c in enumerate(nodes):
-            if self.block[i] is not None:
-                rebuilt[self.block[i]] = rebuilt.get(self.block[i], 0.0) + c.recomputed_bytes
-        t = chan = 0.0
-        current = None
-        for i in reversed(order):
-            if self.block[i] is not None and self.block[i] != current:   # a recomputed block's backward begins
-                current = self.block[i]
-                recomputed = rebuilt[current]
-            if kinds[i] == "param" and not self.accumulating:
-                grads += nodes[i].grad_bytes
-            elif kinds[i] == "op":
-                frontier += born.get(i, 0.0)
-                check(frontier + nodes[i].transient_bytes, f"backward: {self.names[i]}", self.position[i])
-                frontier -= nodes[i].output_grad_bytes
-            saved -= nodes[i].saved_bytes
-            recomputed -= nodes[i].recomputed_bytes
-            t += nodes[i].backward_s * self.overlap
-            for seconds in at.get(i, ()):
-                chan = max(t, chan) + seconds
+                mem.check(nodes[i].transient_bytes, f"forward: {self.names[i]}", self.position[i])
+        t, chan = self._backward(nodes, queued, kinds, order, mem)
         # The backward's end: the last bucket launched. Every gradient all-reduced in a bucket is
         # held twice (the local one and the sum), and that bucket's flattened input once more.
         synced = sum(c.synced_bytes for c in nodes)
-        check(synced + min(synced, BUCKET_BYTES), "backward: gradient buckets", 0)
-        check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step", 0)
+        mem.check(synced + min(synced, BUCKET_BYTES), "backward: gradient buckets", 0)
+        mem.check(max((nodes[i].transient_bytes for i in order if kinds[i] == "param"), default=0.0), "optimizer step", 0)
         exposed = max(0.0, chan - t)
         compute = sum(c.compute_s for c in nodes)
         comm = sum(c.comm_s for c in nodes)
         overlap = sum(s for _, s in queued)
+        peak, where, breakdown, position = mem.best
         return StepPrediction(step_s=compute + comm + exposed + step_overhead_s, compute_s=compute, comm_s=comm,
-                              overlap_s=overlap, exposed_s=exposed, peak_bytes=peak[0], peak_at=peak[1], at_peak=peak[2],
-                              peak_position=peak[3])
+                              overlap_s=overlap, exposed_s=exposed, peak_bytes=peak, peak_at=where, at_peak=breakdown,
+                              peak_position=position)
+
+    def _backward(self, nodes: Sequence[Cost], queued: Sequence[tuple[int, float]], kinds: Sequence[str],
+                  order: Sequence[int], mem: _Peak) -> tuple[float, float]:
+        """Walk the backward in reverse forward order, tracking memory in ``mem``; the backward's
+        compute time and when the gradient channel (``queued``'s syncs, in order) ends."""
+        at: dict[int, list[float]] = {}
+        for i, seconds in queued:
+            at.setdefault(i, []).append(seconds)
+        born: dict[int, float] = {}   # backward position -> activation gradients it creates
+        rebuilt: dict[int, float] = {}   # per recomputed block: what running its forward again rebuilds
+        for i, c in enumerate(nodes):
+            born[self.last_user[i]] = born.get(self.last_user[i], 0.0) + c.output_grad_bytes
+            if self.block[i] is not None:
+                rebuilt[self.block[i]] = rebuilt.get(self.block[i], 0.0) + c.recomputed_bytes
+        t = chan = frontier = 0.0
+        current = None
+        for i in reversed(order):
+            if self.block[i] is not None and self.block[i] != current:   # a recomputed block's backward begins
+                current = self.block[i]
+                mem.recomputed = rebuilt[current]
+            if kinds[i] == "param" and not self.accumulating:
+                mem.grads += nodes[i].grad_bytes
+            elif kinds[i] == "op":
+                frontier += born.get(i, 0.0)
+                mem.check(frontier + nodes[i].transient_bytes, f"backward: {self.names[i]}", self.position[i])
+                frontier -= nodes[i].output_grad_bytes
+            mem.saved -= nodes[i].saved_bytes
+            mem.recomputed -= nodes[i].recomputed_bytes
+            t += nodes[i].backward_s * self.overlap
+            for seconds in at.get(i, ()):
+                chan = max(t, chan) + seconds
+        return t, chan
 
     # ------------------------------------------------------------------ ILP rows
     def cuts(self, count: int) -> list[int]:

@@ -21,17 +21,20 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val, value_bytes
-from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
-                                    running_statistics, statistics_axes, writes_in_place, written_aliases)
+from autopar.core.execution import IDENTITY_OPS, axis_collective, moves, writes_in_place, written_aliases
+from autopar.core.ops import entry_for
+from autopar.core.ops.base import Site
+from autopar.core.ops.shapes import AS_RESHAPE, RESHAPES
 from autopar.core.blocks import recomputed_regions
-from autopar.core.loss_weights import loss_weighting, reaches_output_alone
+from autopar.core.loss_weights import loss_weighting, loss_with_gradients
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from autopar.core.fold import attention_masks, foldable
 from codegen.recompute import checkpointed, statement_names
 from codegen.stages import COMMON_ARGUMENTS, StageCode, node_stages, split_stages, stage_signature, stage_starts
-from codegen.runtime import rank_value, shard_range
+from codegen.runtime import rank_value
 from codegen.zero3 import GatherSpec
-from autopar.core.placements import Placements, grad_placement, grad_target, placements_str, read_as_stored
+from autopar.core.placements import (Placements, grad_placement, grad_target, placements_str, read_as_stored,
+                                     shard_range, split_axes)
 from autopar.core.plan import NodePlan, Plan
 from autopar.core.precision import reduce_dtype
 
@@ -213,12 +216,6 @@ def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) ->
     return ", ".join(steps) or "no communication"
 
 
-def _fmt_placements(ps: Placements) -> str:
-    body = ", ".join("R" if isinstance(p, Replicate) else f"S({p.dim})" if isinstance(p, Shard)
-                     else ("P" if p.reduce_op == "sum" else f"Partial({p.reduce_op!r})") for p in ps)
-    return f"({body},)" if len(ps) == 1 else f"({body})"
-
-
 def _attr_path(fqn: str) -> str:
     """``transformer.h.0.attn`` -> ``self.transformer.h[0].attn``."""
     out = "self"
@@ -267,7 +264,7 @@ class LocalSizes:
         split in whole runs of that many elements, as the flattened rows of an unevenly split
         dimension lie (``row_units``), not as DTensor splits the flat length."""
         for d, n in enumerate(shape):
-            if axes := _split_axes(placements, d):
+            if axes := split_axes(placements, d):
                 unit = (units or {}).get(d, 1)
                 ranges = self._ranges(int(n), axes, unit)
                 at = self._named(int(n), axes, 3, {start for start, _ in ranges}, unit)
@@ -276,7 +273,7 @@ class LocalSizes:
 
     def uneven(self, shape: Sequence[int], placements: Placements) -> bool:
         """Do ranks hold different local shapes of a tensor of global ``shape`` placed ``placements``?"""
-        return any(len({stop - start for start, stop in self._ranges(int(n), _split_axes(placements, d))}) > 1
+        return any(len({stop - start for start, stop in self._ranges(int(n), split_axes(placements, d))}) > 1
                    for d, n in enumerate(shape))
 
     def shape(self, shape: Sequence[int], placements: Placements, infer: bool = False,
@@ -286,10 +283,10 @@ class LocalSizes:
         (the op infers it; per-rank sizes in a view's arguments defeat its backward's checks).
         ``from_uneven``: the view's input is split unevenly, so its split dimension is -1 even
         where the output's looks even (5 rows of 16 split 3 and 2, flattened: 48 and 32, not 40)."""
-        dims = [self.dim(int(n), _split_axes(placements, d)) for d, n in enumerate(shape)]
+        dims = [self.dim(int(n), split_axes(placements, d)) for d, n in enumerate(shape)]
         uneven = [d for d, text in enumerate(dims) if text.startswith("sizes.")]
         if infer and from_uneven and not uneven:
-            uneven = [d for d in range(len(shape)) if _split_axes(placements, d)]
+            uneven = [d for d in range(len(shape)) if split_axes(placements, d)]
         if infer and len(uneven) == 1:
             dims[uneven[0]] = "-1"
         return f"[{', '.join(dims)}]"
@@ -313,7 +310,7 @@ def row_units(node: fx.Node) -> dict[int, int]:
     several input dimensions -> the elements of one of its rows (16). An unevenly split leading
     dimension, flattened, leaves each rank whole rows (``uneven_reshape``: 48 and 32 of 80); a
     value sliced to meet it must be cut the same way. Empty for any other op or reshape."""
-    if node.target not in _AS_RESHAPE | {aten.reshape.default}:
+    if node.target not in RESHAPES:
         return {}
     shape_in, shape_out = list(tensor_val(node.args[0]).shape), list(tensor_val(node).shape)
     units, i = {}, 0
@@ -327,11 +324,6 @@ def row_units(node: fx.Node) -> dict[int, int]:
         if i - first > 1:
             units[d] = n // int(shape_in[first])
     return units if i == len(shape_in) else {}
-
-
-def _split_axes(placements: Placements, dim: int) -> tuple[int, ...]:
-    """The mesh axes that split tensor dimension ``dim``, in mesh order."""
-    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
 
 
 def _pick(start_stop: tuple[int, int], which: int) -> int:
@@ -369,6 +361,7 @@ class _Emitter:
         self.outputs: OutputMode = "full" if plan.gather_outputs else "sharded"
         self.strict = strict
         self.counted_loss = loss_weighting(captured).counted   # its target count comes as ``loss_count``
+        self.loss_with_gradients = loss_with_gradients(captured)   # ... and train_step sums it with the gradients
         self.counts_loss = False                                # ... and the code reads it
         self.loss_summed_over: tuple[int, ...] = ()             # the loss returned is a summand over these axes
         self.masked_attention: set[str] = set()                 # SDPA nodes reading a folded mask
@@ -491,7 +484,7 @@ class _Emitter:
                     fqn = self.captured.param_of[node.name]
                     source, how = _attr_path(fqn), "this rank's shard as stored, not gathered; its gradient lands there"
                     self.stage_state[-1].add(fqn)
-                self.emit(f"{var} = param_shard({source}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
+                self.emit(f"{var} = param_shard({source}, {placements_str(want, code=True)}, grad={placements_str(grad, code=True)})",
                           f"{how}{backward}: {why}")
             else:
                 # Where the producer passes partial gradients on (read as placed, replicated), the
@@ -500,35 +493,11 @@ class _Emitter:
                 kept = self.passes.get(node.name, ())
                 declared = tuple(Replicate() if a in kept else g for a, g in enumerate(grad))
                 shape = list(tensor_val(node).shape)
-                self.emit(f"{var} = move({node.name}, mesh, {_fmt_placements(have)}, {_fmt_placements(want)}, "
-                          f"grad={_fmt_placements(declared)}, shape={shape})",
+                self.emit(f"{var} = move({node.name}, mesh, {placements_str(have, code=True)}, {placements_str(want, code=True)}, "
+                          f"grad={placements_str(declared, code=True)}, shape={shape})",
                           f"{collective_comment(have, want, self.axes)}{backward}: {why}")
             self.placed[key] = var
         return self.placed[key]
-
-    def batch_norm(self, node: fx.Node, np_: NodePlan, rename: dict[str, str], comment: str) -> None:
-        """A batch norm. Training on a split batch, it normalises by the whole batch's statistics
-        (``codegen.batch_norm``). Running statistics it reads split (a copy of its channels' part,
-        which it updates in place) are all-gathered back into the replicated buffer: a view of the
-        buffer would do without, but the op saves them for its backward, which a later write to
-        the buffer would invalidate."""
-        text = self._call_text(node, rename)
-        over = statistics_axes(node, np_.ins)
-        if over:
-            names = ", ".join(self.axes[a] for a in over)
-            self.emit(f"{node.name} = sync_batch_norm{text[text.index('('):-1]}, mesh=mesh, over={over})",
-                      f"{comment}; the whole batch's statistics: every rank's per-channel count, mean and squares "
-                      f"all-gathered over {names} (SyncBatchNorm); the backward all-reduces two per-channel sums there")
-        else:
-            self.emit(f"{node.name} = {text}", comment)
-        inputs = flat_tensor_inputs(node)
-        for buffer in running_statistics(node):
-            want = np_.ins[inputs.index(buffer)]
-            split = [self.axes[a] for a, p in enumerate(want) if isinstance(p, Shard)]
-            if split:
-                self.emit(f"write_back({buffer.name}, {rename.get(buffer.name, buffer.name)}, mesh, "
-                          f"{_fmt_placements(want)})", f"this rank's channels of the running statistic, updated in "
-                          f"place, all-gathered over {', '.join(split)} into the whole buffer")
 
     def as_stored(self, name: str, want: Placements, grad: Placements) -> bool:
         """Is this read of a ZeRO-3 parameter (gathered one by one) its shard as stored, with its
@@ -559,7 +528,7 @@ class _Emitter:
         the move is no local slice of such a flattened dimension."""
         units = row_units(node)
         split = [d for d in range(len(tensor_val(node).shape))
-                 if any(a not in _split_axes(have, d) for a in _split_axes(want, d))]
+                 if any(a not in split_axes(have, d) for a in split_axes(want, d))]
         if (not split or any(d not in units for d in split)
                 or any(h != w and not (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))):
             return None
@@ -633,7 +602,7 @@ class _Emitter:
                              "optimizer states live in host memory; the shard is copied here, the gradient goes back"))
             if np_.storage != np_.out:
                 narrow = trains and reduce_dtype(self.reduce_precision, tensor_val(node).dtype) != tensor_val(node).dtype
-                read.append((f"{node.name} = redistribute({node.name}, {_fmt_placements(np_.out)}"
+                read.append((f"{node.name} = redistribute({node.name}, {placements_str(np_.out, code=True)}"
                              + (f", reduce_in={self.reduce_precision!r})" if narrow else ")"),
                              f"ZeRO-3: {collective_comment(np_.storage, np_.out, self.axes)} to use the parameter; "
                              + ("its gradient is reduce-scattered back" if trains else "frozen: no gradient")
@@ -656,86 +625,54 @@ class _Emitter:
             self.out_of[node.name] = np_.out
 
     def call(self, node: fx.Node, np_: NodePlan | None) -> None:
+        """Emit op ``node`` placed as ``np_`` says: the moves of its inputs, then the op, as its
+        entry in ``autopar.core.ops`` emits it or else as its ATen call on this rank's parts."""
         for inp in node.all_input_nodes:   # parameters, buffers and constants it reads as they are
             if np_ is None or inp.name not in self.params:   # (parameters: where ``operand`` reads them)
                 self.emit_read(inp.name)
-        if node.target is operator.getitem:
-            self.emit(f"{node.name} = {node.args[0].name}[{node.args[1]!r}]")
-            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+        if node.target is operator.getitem or np_ is None:
+            self.unplanned(node)
             return
-        if np_ is None and node.target in IDENTITY_OPS:  # planned on a capture without it
-            self.emit(f"{node.name} = {node.args[0].name}", "value-preserving op the plan does not list")
-            self.out_of[node.name] = self.out_of.get(node.args[0].name)
-            return
-        if np_ is None:  # no tensor output (asserts, symbolic ints): nothing to place
-            if "assert" not in str(node.target):
-                self.emit(f"{node.name} = {self._call_text(node, {})}")
-            return
-        inputs = flat_tensor_inputs(node)
-        rename = self.reads(node, np_)
-        comment = f"{np_.strategy} -> {placements_str(np_.out)}"
-        if node.name in self.passes:
-            comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
-                        " (summed once, later)")
-        args = ", ".join(self.arg(a, rename) for a in node.args)
-        from_uneven = False
-        if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
-            summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
-            over = ", ".join(self.axes[a] for a in summed)
-            counted = node.name == self.counted_loss and bool(summed)
-            self.counts_loss |= counted
-            if counted and self.outputs == "loss" and reaches_output_alone(node):
-                self.loss_summed_over = summed
-                self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over=(), count=loss_count)",
-                          f"{np_.strategy} -> this rank's summand, divided by the "
-                          f"batch's target count: train_step sums it over {over} in a gradient bucket's all-reduce")
-            else:
-                self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed}"
-                          f"{', count=loss_count' if counted else ''})",
-                          comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
-                          + (", divided by the batch's target count (launched: the gradient does not wait for it)"
-                             if counted else ""))
-        elif inputs and draws_whole_mask(node, np_.out):
-            x = rename.get(node.args[0].name, node.args[0].name)
-            shape = list(tensor_val(node).shape)
-            mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {shape})", shape, np_.out)
-            self.emit(f"{node.name} = {x} * {mask}", comment + "; the whole tensor's mask, drawn as one device "
-                      "draws it (every rank's generator alike), cut to this rank's part")
-        elif node.name in self.masked_attention:
-            text = self._call_text(node, rename)
-            self.emit(f"{node.name} = attention{text[text.index('('):]}",
-                      comment + "; its mask, made once, may be causal or let everything through: then SDPA runs "
-                      "is_causal or unmasked, as eager Hugging Face calls it")
-        elif inputs and node.target is aten.batch_norm.default:
-            self.batch_norm(node, np_, rename, comment)
-        elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
-            rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
-            self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)
-        else:
-            from_uneven = node.target in _AS_RESHAPE | {aten.reshape.default} and self.sizes.uneven(
-                tensor_val(node.args[0]).shape, np_.ins[0])
-            shape = (self.sizes.shape(tensor_val(node).shape, np_.out, infer=node.target in VIEW_OPS,
-                                      from_uneven=from_uneven)
-                     if node.target in SHAPE_ARG_OPS else None)
-            if from_uneven:
-                self.emit(f"{node.name} = uneven_reshape({rename.get(node.args[0].name, node.args[0].name)}, {shape})",
-                          comment + "; ranks hold different sizes")
-            else:
-                self.emit(f"{node.name} = {self._call_text(node, rename, shape)}",
-                          comment + ("" if inputs else "; the same on every rank"))
+        site = self.site(node, np_)
+        entry = entry_for(node)
+        if not (site.inputs and entry is not None and entry.emit is not None and entry.emit(self, site)):
+            self.emit(f"{node.name} = {self.call_text(node, site.reads)}",
+                      site.comment + ("" if site.inputs else "; the same on every rank"))
         val = node.meta.get("val")
-        if from_uneven or any(i.name in self.unlike_dtensor for i in node.all_input_nodes):
+        if any(n.name in self.unlike_dtensor for n in (node, *node.all_input_nodes)):
             self.unlike_dtensor.add(node.name)
         elif self.strict and isinstance(val, torch.Tensor):   # (their sizes are not the placement's)
             self.emit(f"{node.name} = expect({node.name}, {self.sizes.shape(val.shape, np_.out)}, {node.name!r})")
         self.out_of[node.name] = np_.out
 
-    def _call_text(self, node: fx.Node, rename: dict[str, str], local_shape: str | None = None) -> str:
-        """The op's call; ``local_shape`` replaces its shape argument (the second), made local."""
-        parts = [self.arg(a, rename) for a in node.args]
-        if local_shape is not None:
-            parts[1] = local_shape
-        parts += [f"{k}={self.arg(v, rename)}" for k, v in node.kwargs.items()]
+    def unplanned(self, node: fx.Node) -> None:
+        """An op the plan does not place: an output of a multi-output op, a value-preserving op
+        of another capture, or one with no tensor output (asserts, symbolic ints)."""
+        if node.target is operator.getitem:
+            self.emit(f"{node.name} = {node.args[0].name}[{node.args[1]!r}]")
+            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+        elif node.target in IDENTITY_OPS:  # planned on a capture without it
+            self.emit(f"{node.name} = {node.args[0].name}", "value-preserving op the plan does not list")
+            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+        elif "assert" not in str(node.target):   # nothing to place
+            self.emit(f"{node.name} = {self.call_text(node, {})}")
+
+    def site(self, node: fx.Node, np_: NodePlan) -> Site:
+        """``node`` as an op's emitter sees it, its inputs' moves emitted (``reads``)."""
+        reads = self.reads(node, np_)
+        comment = f"{np_.strategy} -> {placements_str(np_.out)}"
+        if node.name in self.passes:
+            comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
+                        " (summed once, later)")
+        return Site(node, np_, flat_tensor_inputs(node), reads, comment, ", ".join(self.arg(a, reads) for a in node.args))
+
+    def call_text(self, node: fx.Node, reads: dict[str, str], shape: str | None = None) -> str:
+        """The op's call on the variables ``reads`` names; ``shape`` replaces its shape argument (the
+        second), made local."""
+        parts = [self.arg(a, reads) for a in node.args]
+        if shape is not None:
+            parts[1] = shape
+        parts += [f"{k}={self.arg(v, reads)}" for k, v in node.kwargs.items()]
         return f"{_op_name(node.target)}({', '.join(parts)})"
 
     def output(self, node: fx.Node) -> None:
@@ -749,7 +686,7 @@ class _Emitter:
             if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)
             shape = list(tensor_val(x).shape)
-            return f"{'full' if self.outputs == 'full' else 'kept_sharded'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
+            return f"{'full' if self.outputs == 'full' else 'kept_sharded'}({x.name}, mesh, {placements_str(have, code=True)}, {shape})"
 
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
                   "outputs" + _OUTPUT_COMMENTS[self.outputs])
@@ -764,16 +701,9 @@ _OUTPUT_COMMENTS = {"full": ": gathered to full tensors on every rank", "sharded
                     "loss": ": replicated ones as they are, the others as DTensors (train_step)"}
 
 
-aten = torch.ops.aten
-
-
-# Redistribution can leave a shard non-contiguous where the model's view assumed contiguity:
-# generated code reshapes (a view whenever the layout allows, a copy otherwise).
-_AS_RESHAPE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-
-
 def _op_name(target: Any) -> str:
-    if target in _AS_RESHAPE:
+    """How generated code names an op (views as reshapes: ``autopar.core.ops.shapes``)."""
+    if target in AS_RESHAPE:
         return "aten.reshape.default"
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.__name__}" if target.namespace == "aten" else f"torch.ops.{target.namespace}.{target.__name__}"

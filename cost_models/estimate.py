@@ -27,15 +27,15 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.core.blocks import RECOMPUTE, block_of, recompute_modes, recomputed_regions
 from autopar.core.capture import tensor_val
-from autopar.core.execution import (BUCKET_BYTES, VIEW_OPS, axis_collective, moves, running_statistics,
-                                    statistics_axes)
+from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import (Placements, grad_placement, grad_target, is_split, local_shape,
+from autopar.core.ops import entry_for   # (its attention entry teaches FlopCounterMode CPU fused attention)
+from autopar.core.placements import (Placements, grad_placement, grad_target, is_split, largest_shard_shape,
                                      shard_fraction)
 from autopar.core.precision import reduce_dtype
 from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
@@ -50,16 +50,6 @@ from solver import Term
 
 log = logging.getLogger(__name__)
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
-
-
-def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """CPU fused attention does the same work as the CUDA kernels PyTorch counts."""
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-# FlopCounterMode counts the CUDA attention kernels but not the CPU one a CPU model's SDPA runs.
-if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in flop_registry:
-    register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)(_cpu_flash_attention_flops)
 
 
 @dataclass(frozen=True)
@@ -415,7 +405,7 @@ class CostModel:
         moved = self._working_bytes(nc, s)
         flops = self.flops(nc.node) / split
         if self.efficiency is not None and not (flops == 0 and moved == 0):
-            shapes = [local_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
+            shapes = [largest_shard_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
             fwd, bwd = op_seconds(nc.node, shapes, flops, moved, self.efficiency, self.hw, val.dtype)
         else:
             fwd = compute_time(flops, moved, self.hw, val.dtype)
@@ -425,40 +415,13 @@ class CostModel:
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
     def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
-        """Collectives a strategy runs inside its op: a loss over a split batch made whole sums the
-        local loss and target count over the split axes (``runtime.sharded_cross_entropy``), but
-        for the mean that ``train_step`` sums in a gradient bucket's all-reduce; a training batch
-        norm, its statistics (``_batch_statistics``)."""
-        if nc.node.target is torch.ops.aten.batch_norm.default:
-            return self._batch_statistics(nc, s)
-        if (nc.node.target is not torch.ops.aten.cross_entropy_loss.default
-                or nc.node.name == self.space.loss_with_gradients):
+        """The collectives an op runs inside itself (``autopar.core.ops``: a loss over a split batch
+        made whole sums its local losses, a training batch norm split by batch its statistics)."""
+        entry = entry_for(nc.node)
+        if entry is None or entry.collectives is None:
             return Cost()
-        summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
-        return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
-
-    def _batch_statistics(self, nc: NodeChoices, s: Strategy) -> Cost:
-        """A training batch norm split by batch all-gathers each rank's per-channel count, mean and
-        squares over those axes, and its backward all-reduces two per-channel sums there; the
-        running statistics of its channels, where it splits them, are all-gathered back into the
-        buffer (``codegen.batch_norm``)."""
-        over = statistics_axes(nc.node, s.ins)
-        whole = (Replicate(),) * self.mesh.ndim
-        cost = Cost()
-        if over:
-            k = int(np.prod([self.mesh.shape[a] for a in over]))
-            channels = local_shape(tensor_val(nc.inputs[0]).shape, s.ins[0], self.mesh.shape)[1]
-            split = tuple(Shard(0) if a in over else Replicate() for a in range(self.mesh.ndim))
-            cost = cost + self.redistribute((3 * k, channels), torch.float32, split, whole)
-            if self._grad(nc.node):
-                summed = tuple(Partial() if a in over else Replicate() for a in range(self.mesh.ndim))
-                cost = cost + self.redistribute((2, channels), torch.float32, summed, whole)
-        for buffer in running_statistics(nc.node):
-            want = s.ins[nc.inputs.index(buffer)]
-            if want != whole:
-                val = tensor_val(buffer)
-                cost = cost + self.redistribute(val.shape, val.dtype, want, whole)
-        return cost
+        inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
+        return sum((self.redistribute(c.shape, c.dtype, c.src, c.dst) for c in inside), Cost())
 
     def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
         """Local bytes an op's forward reads and writes: its inputs and its output."""

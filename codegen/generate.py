@@ -29,11 +29,12 @@ from autopar.core.blocks import recomputed_regions
 from autopar.core.loss_weights import loss_weighting, loss_with_gradients
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from autopar.core.fold import attention_masks, foldable
+from autopar.core.gradients import Passes, given_grad, partial_passes
 from codegen.recompute import checkpointed, statement_names
 from codegen.stages import COMMON_ARGUMENTS, StageCode, node_stages, split_stages, stage_signature, stage_starts
 from codegen.runtime import rank_value
 from codegen.zero3 import GatherSpec
-from autopar.core.placements import (Placements, grad_placement, grad_target, placements_str, read_as_stored,
+from autopar.core.placements import (Placements, gathered_in_group, grad_target, placements_str, read_as_stored,
                                      shard_range, split_axes)
 from autopar.core.plan import NodePlan, Plan
 from autopar.core.precision import reduce_dtype
@@ -59,62 +60,6 @@ def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes
         uses += [(want, given_grad(want, up, passes.get(user.name, ())))
                  for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param]
     return read_as_stored(np_.storage, np_.out, uses, trains)
-
-
-Passes = dict[str, tuple[int, ...]]
-
-
-def partial_passes(graph: fx.Graph, plan: dict[str, NodePlan], with_grad: set[str], params: set[str]) -> Passes:
-    """Ops computed whole on every rank of a mesh axis (inputs and output replicated there) whose
-    every consumer gives a partial gradient back on that axis, as a batch-split op gives a
-    replicated input (position embeddings added to the batch), and whose inputs are parameters
-    or such ops: the gradient stays partial through them (each rank's backward is linear in its
-    summand) and is summed once, in gradient sync's buckets with the parameters', instead of
-    all-reduced in the middle of the backward. (Where the gradient would meet an activation that
-    needs it whole, it is all-reduced at that edge instead: no gain, so no pass.) Op name -> those
-    axes (of ops whose value has a gradient: ``with_grad``; ``params``: parameter node names)."""
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.name in with_grad and n.users
-             and plan.get(n.name) is not None]
-    allowed = {n.name: {a for a, o in enumerate(plan[n.name].out) if isinstance(o, Replicate)
-                        and all(isinstance(i[a], Replicate) for i in plan[n.name].ins)} for n in nodes}
-    while True:
-        passes: Passes = {}
-        for node in reversed(nodes):
-            axes = tuple(a for a in sorted(allowed[node.name]) if all(
-                _gives_partial(user, node, a, plan[node.name].out, plan, passes) for user in node.users))
-            if axes:
-                passes[node.name] = axes
-        dropped = False
-        for node in nodes:   # an input that keeps its gradient whole would all-reduce it: no pass
-            for a in passes.get(node.name, ()):
-                if any(i.name in with_grad and i.name not in params and a not in passes.get(i.name, ())
-                       for i in node.all_input_nodes):
-                    allowed[node.name].discard(a)
-                    dropped = True
-        if not dropped:
-            return passes
-
-
-def _gives_partial(user: fx.Node, node: fx.Node, axis: int, out: Placements, plan: dict[str, NodePlan],
-                   passes: Passes) -> bool:
-    """Does ``user`` read ``node`` as placed (no move) and give its gradient back partial on ``axis``?"""
-    up = plan.get(user.name)
-    if user.op == "call_function" and up is None and user.target not in IDENTITY_OPS | {operator.getitem}:
-        return True   # no tensor output (a metadata assert): no gradient
-    if user.op != "call_function" or up is None:   # an output, a getitem of a multi-output op
-        return False
-    return all(want == out and isinstance(given_grad(want, up, passes.get(user.name, ()))[axis], Partial)
-               for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is node)
-
-
-def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Placements:
-    """The placement of the gradient an op gives back for an input it reads placed ``want``
-    (``grad_placement``; partial on the axes where the op passes partial gradients through)."""
-    grad = list(grad_placement(want, np_.ins, np_.out))
-    for a in passing:
-        if isinstance(want[a], Replicate):
-            grad[a] = Partial()
-    return tuple(grad)
 
 
 def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
@@ -184,13 +129,9 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
         up = plan.get(user.name)
         if up is None:
             return None
-        for inp, want in zip(flat_tensor_inputs(user), up.ins):
-            if inp is param:
-                grad = given_grad(want, up, passes.get(user.name, ()))
-                if want != np_.out or trains and any(
-                        not isinstance(grad[a], Partial) if a in axes else grad[a] != np_.storage[a]
-                        for a in range(len(grad))):
-                    return None
+        if not all(gathered_in_group(np_.storage, np_.out, want, given_grad(want, up, passes.get(user.name, ())), trains)
+                   for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param):
+            return None
     return axes, dim
 
 

@@ -126,6 +126,19 @@ def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
     return grad if ok else None
 
 
+def gathered_in_group(storage: Sequence[Placement], out: Sequence[Placement], want: Sequence[Placement],
+                      grad: Sequence[Placement], trains: bool = True) -> bool:
+    """Does this read of a ZeRO parameter (stored ``storage``, gathered to ``out``) fit its group's
+    gather (``codegen.zero3``)? It reads the gathered value (``want`` is ``out``) and, where the
+    parameter trains, gives its gradient (``grad``) back partial on the gathered axes, to be
+    reduce-scattered with the group's, and as stored on the others. The code generator gathers in
+    groups the parameters every read of which fits (``codegen.generate.gather_groups``), the others
+    one by one; the cost model prices a read that does not fit as gathered alone."""
+    axes = [a for a, (s, o) in enumerate(zip(storage, out)) if s != o]
+    return tuple(want) == tuple(out) and (not trains or all(
+        isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad))))
+
+
 def grad_target(out: Sequence[Placement], storage: Sequence[Placement] | None = None) -> tuple[Placement, ...]:
     """Where the gradient of a value placed ``out`` is kept: a parameter's storage placement, else
     the value's own placement, a partial sum's gradient being replicated (every summand has the

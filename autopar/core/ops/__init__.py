@@ -2,19 +2,33 @@
 rule, how generated code runs it, what profiling times for it and the collectives it runs inside
 (``base``: the registry and its decorators; ``docs/ops.md``: how to add one).
 
-The code generator, the cost model and profiling look an op up here (``entry_for``); the planner
-takes its rules from here (``rule_for``, ``axis_rules``), falling back on the rule families of
-``autopar.core.rules``.
+Every module of this package is imported with it, and registers its entries: adding an op's
+handling is adding (or editing) one module. The code generator, the cost model and profiling look
+an op up here (``entry_for``); the planner takes its rules from here (``rule_for``,
+``axis_rules``), falling back on the rule families of ``autopar.core.rules``.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import torch.fx as fx
 
-from autopar.core.ops import attention, batch_norm, cross_entropy, dropout, embedding, shapes  # noqa: F401 (they register)
 from autopar.core.ops.base import REGISTRY, OpEntry
 from autopar.core.rules import AxisRule, RuleFn, apply_rule, family_rule
 
 __all__ = ["OpEntry", "axis_rules", "entry_for", "rule_for"]
+
+
+def _register_all() -> None:
+    """Import every op module of this package (each registers its entries with ``base``'s
+    decorators; they import ``autopar.core.ops.base``, never this package)."""
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_register_all()
 
 
 def entry_for(node: fx.Node) -> OpEntry | None:

@@ -1,15 +1,17 @@
 """Code generation: ``CapturedGraph`` + ``Plan`` -> readable Python source of the sharded forward.
 
 One line per op, in graph order, each with its strategy; one line per collective, with a comment
-saying which collective over which mesh axis and why. The source is compiled into the forward
-of ``ShardedModule`` and kept as ``pmodel.code``.
+saying which collective over which mesh axis and why. An op runs as its ATen call on this rank's
+parts unless its entry in ``autopar.core.ops`` emits it otherwise. The source is compiled into
+the forward of ``ShardedModule`` and kept as ``pmodel.code``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -20,7 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
-from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val, value_bytes
+from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, readable_name, tensor_val, value_bytes
 from autopar.core.execution import IDENTITY_OPS, axis_collective, moves, writes_in_place, written_aliases
 from autopar.core.ops import entry_for
 from autopar.core.ops.base import Site
@@ -660,7 +662,31 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     """The sharded forward's source; ``strict`` adds a check of every op's local shape;
     ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
     mesh holds every rank of the job (a collective over all its axes is one process group);
-    ``outputs``: how outputs are returned (``OutputMode``; None: as the plan says)."""
+    ``outputs``: how outputs are returned (``OutputMode``; None: as the plan says). In three
+    steps: what to emit and in what order (``_analyse``), the lines (``_emit``), the functions
+    (``_assemble``). An error names the node whose code was being generated."""
+    analysis = _analyse(captured, plan)
+    em = _Emitter(captured, analysis.plan, strict, group_bytes, spans_job, analysis.starts)
+    if outputs is not None:
+        em.outputs = outputs
+    return _assemble(captured, analysis, em, _emit(captured, analysis, em))
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    """What code generation decides before it writes a line: the plan within a pipeline stage,
+    the stages' first nodes, the values computed once (``autopar.core.fold``), the order nodes
+    are emitted in (those values first) and each value's last reader (where it is deleted)."""
+
+    plan: Plan
+    header: str
+    starts: list[str]
+    folded: set[str]
+    order: list[fx.Node]
+    last_use: dict[fx.Node, fx.Node]
+
+
+def _analyse(captured: CapturedGraph, plan: Plan) -> _Analysis:
     pipeline = plan.pipeline
     starts = stage_starts(captured.graph, pipeline) if pipeline is not None else []
     plan = plan.within_stage()
@@ -669,81 +695,144 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
         header += (f"# Pipeline stages stage_0 .. stage_{pipeline.num_stages - 1} over mesh axis {pipeline.axis} "
                    f"({pipeline.schedule}): each runs on its pipeline rank's {plan.mesh.describe()} sub-mesh and\n"
                    "# returns this rank's part of what later stages read, which the schedule sends on.\n")
-    em = _Emitter(captured, plan, strict, group_bytes, spans_job, starts)
-    if outputs is not None:
-        em.outputs = outputs
-    inputs = ", ".join(captured.user_inputs)
     nodes = list(captured.graph.nodes)
-    folded = foldable(captured, em.plan, em.written)
+    folded = foldable(captured, {n.name for n in plan.nodes}, {n.name for n in written_aliases(captured.graph)})
     order = [n for n in nodes if n.name in folded] + [n for n in nodes if n.name not in folded]
     last_use: dict[fx.Node, fx.Node] = {}
     for node in order:
         for inp in node.all_input_nodes:
             last_use[inp] = node
+    return _Analysis(plan, header, starts, folded, order, last_use)
 
-    def emit_call(node: fx.Node) -> None:
-        em.call(node, em.plan.get(node.name))
-        if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
-            em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
-        em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
 
-    for node in order[:len(folded)]:   # values computed once (``autopar.core.fold``), their moves, their masks
-        emit_call(node)
-    for node in order[len(folded):]:
+@dataclass(frozen=True)
+class _Lines:
+    """The lines ``_emit`` wrote: the ``constants`` function's body (``once``) and the variables it
+    defines, the forward's signature and body, and the range of body lines of each op."""
+
+    once: list[str]
+    defined_once: set[str]
+    signature: str
+    body: list[str]
+    lines_of: dict[str, tuple[int, int]]
+
+
+def _emit(captured: CapturedGraph, a: _Analysis, em: _Emitter) -> _Lines:
+    """Every line: the values computed once, their moves and their masks, then the forward."""
+    for node in a.order[:len(a.folded)]:
+        _emit_op(em, a, node)
+    for node in a.order[len(a.folded):]:
         if node.op == "call_function" and node.name in em.plan:
-            em.reads(node, em.plan[node.name], only=folded)
-    em.tell_attention(captured.graph, folded)
+            with _generating(node):
+                em.reads(node, em.plan[node.name], only=a.folded)
+    em.tell_attention(captured.graph, a.folded)
     defined_once, em.defined = em.defined, set()   # the cache holds folded values: the forward never deletes them
-    once_lines, em.lines = em.lines, [f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):"]
+    inputs = ", ".join(captured.user_inputs)
+    once, em.lines = em.lines, [f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):"]
     lines_of: dict[str, tuple[int, int]] = {}   # op -> the range of lines it generated
-    for node in order[len(folded):]:
-        np_ = em.plan.get(node.name)
-        if node.name in starts:
+    for node in a.order[len(a.folded):]:
+        if node.name in a.starts:
             em.new_stage()
         if node.op == "placeholder":
-            em.placeholder(node, np_)
+            with _generating(node):
+                em.placeholder(node, em.plan.get(node.name))
         elif node.op == "call_function":
             start = len(em.lines)
-            emit_call(node)
+            _emit_op(em, a, node)
             lines_of[node.name] = (start - 1, len(em.lines) - 1)   # in the body
         elif node.op == "output":
-            em.output(node)
+            with _generating(node):
+                em.output(node)
     signature, *body = em.lines
-    read = {name for line in body for name in statement_names(line)[0]}
-    kept = list(dict.fromkeys(name for line in once_lines for name in sorted(statement_names(line)[1])
-                              if name in read and name in defined_once))
+    return _Lines(once, defined_once, signature, body, lines_of)
+
+
+def _emit_op(em: _Emitter, a: _Analysis, node: fx.Node) -> None:
+    """One op's lines, then the deletion of the values no later line reads."""
+    with _generating(node):
+        em.call(node, em.plan.get(node.name))
+    if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
+        em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
+    em.free([inp for inp in node.all_input_nodes if a.last_use[inp] is node])
+
+
+@contextlib.contextmanager
+def _generating(node: fx.Node) -> Iterator[None]:
+    """An error raised while generating ``node``'s code names it and the line of the model's
+    source it comes from, as ``torch.fx.Interpreter`` names the node it was running."""
+    try:
+        yield
+    except Exception as e:
+        where = f"while generating code for {node.format_node()}" + _source_line(node)
+        if e.args and isinstance(e.args[0], str) and not isinstance(e, KeyError):
+            e.args = (f"{e.args[0]}\n\n{where}", *e.args[1:])
+        else:
+            e.add_note(where)
+        raise
+
+
+def _source_line(node: fx.Node) -> str:
+    """Where the model's source made ``node``: its line where export kept stack traces (capture
+    skips them, for speed: ``capture._lean_tracing``), else its module and the function called."""
+    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(trace) if line.startswith("File ")]
+    if frames:
+        code = trace[frames[-1] + 1] if frames[-1] + 1 < len(trace) else ""
+        return f"\n  from {trace[frames[-1]][5:]}" + (f": {code}" if code else "")
+    fn = node.meta.get("torch_fn")
+    if fn is None:
+        return ""
+    layer = readable_name(node)
+    return f"\n  made by {fn[1]} in {f'module {layer}' if layer else 'the model forward'}"
+
+
+def _assemble(captured: CapturedGraph, a: _Analysis, em: _Emitter, lines: _Lines) -> GeneratedCode:
+    """The module's source: the header, the ``constants`` function where values are computed once,
+    and the forward (or, in a pipeline, one function per stage), recomputed blocks checkpointed."""
+    read = {name for line in lines.body for name in statement_names(line)[0]}
+    kept = list(dict.fromkeys(name for line in lines.once for name in sorted(statement_names(line)[1])
+                              if name in read and name in lines.defined_once))
     constants, once = "", None
     if kept:
         once = (f"    {', '.join(kept)}, = once(self, constants, mesh, device, sizes)  # computed at the first "
                 "call (they depend on no input, parameter or buffer), then reused")
         constants = ("def constants(self, mesh, device, sizes):\n    # values computed from shapes alone, once: "
-                     "autopar.core.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
-    regions = recomputed_regions(captured.graph, plan.recompute)
-
-    def with_regions(lines: list[str], offset: int, arguments: set[str]) -> list[str]:
-        """``lines`` (from ``offset`` of the body on) with their recomputed blocks checkpointed."""
-        for region in reversed(regions):
-            start, end = lines_of[region.nodes[0]][0] - offset, lines_of[region.nodes[-1]][1] - offset
-            if 0 <= start and end <= len(lines):
-                whole = plan.recompute[region.path] == "full"
-                lines = checkpointed(lines, start, end, arguments,
-                                     ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
-                                     f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
-                                     f"({plan.recompute[region.path]} recomputation)")
-        return lines
-
+                     "autopar.core.fold\n" + "\n".join(lines.once) + f"\n    return ({', '.join(kept)},)\n\n\n")
+    regions = _Regions(recomputed_regions(captured.graph, a.plan.recompute), a.plan.recompute, lines.lines_of)
     stages: list[StageCode] = []
-    if starts:
+    if a.starts:
         functions = []
-        cuts = [lines_of[name][0] for name in starts]
-        for (lines, stage, reads_once), offset in zip(split_stages(body, cuts, captured.user_inputs, set(kept)),
-                                                      [0, *cuts]):
-            lines = with_regions(lines, offset, {*COMMON_ARGUMENTS, *stage.inputs})
-            functions.append("\n".join([stage_signature(stage), *([once] if reads_once else []), *lines]))
+        cuts = [lines.lines_of[name][0] for name in a.starts]
+        for (body, stage, reads_once), offset in zip(split_stages(lines.body, cuts, captured.user_inputs, set(kept)),
+                                                     [0, *cuts]):
+            body = regions.checkpointed(body, offset, {*COMMON_ARGUMENTS, *stage.inputs})
+            functions.append("\n".join([stage_signature(stage), *([once] if reads_once else []), *body]))
             stages.append(replace(stage, state=frozenset(em.stage_state[len(stages)])))
         source = "\n\n\n".join(functions)
     else:
-        body = with_regions(body, 0, {*COMMON_ARGUMENTS, *captured.user_inputs})
-        source = "\n".join([signature, *([once] if once else []), *body])
-    return GeneratedCode(header + constants + source + "\n", em.sizes, em.direct, tuple(em.groups),
+        body = regions.checkpointed(lines.body, 0, {*COMMON_ARGUMENTS, *captured.user_inputs})
+        source = "\n".join([lines.signature, *([once] if once else []), *body])
+    return GeneratedCode(a.header + constants + source + "\n", em.sizes, em.direct, tuple(em.groups),
                          em.counts_loss, em.loss_summed_over, tuple(stages))
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """The blocks recomputed in the backward (``autopar.core.blocks``), each mode, and the range of
+    body lines of each op."""
+
+    regions: list
+    modes: dict[str, str]
+    lines_of: dict[str, tuple[int, int]]
+
+    def checkpointed(self, lines: list[str], offset: int, arguments: set[str]) -> list[str]:
+        """``lines`` (from ``offset`` of the body on) with their recomputed blocks checkpointed."""
+        for region in reversed(self.regions):
+            start, end = self.lines_of[region.nodes[0]][0] - offset, self.lines_of[region.nodes[-1]][1] - offset
+            if 0 <= start and end <= len(lines):
+                whole = self.modes[region.path] == "full"
+                lines = checkpointed(lines, start, end, arguments,
+                                     ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
+                                     f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
+                                     f"({self.modes[region.path]} recomputation)")
+        return lines

@@ -1,8 +1,9 @@
-"""How each op executes in generated code, and which collective each placement change is.
+"""How ops execute in generated code, and which collective each placement change is.
 
 One statement read by the code generator (what it emits), the cost model (what it prices) and
 profiling (what it times), so that they cannot drift apart: if codegen changes how an op runs,
-the cost model's price changes with it.
+the cost model's price changes with it. What sets one op apart (cross-entropy split by batch, a
+batch norm's statistics, a dropout's whole mask...) is declared with that op in ``autopar.core.ops``.
 """
 from __future__ import annotations
 

@@ -8,9 +8,10 @@ The passes, in order, and where each lives (every package imports only the ones 
 
     solver/              the ILP over choices and costs: no torch, no autopar
     autopar/core/        capture (torch.export) -> strategies (rules per mesh axis) -> Plan data;
-                         errors, units, mesh, hardware presets, ``execution``: how each op runs
-                         and which collective each placement change is, and ``progress``: what
-                         runs, told on a status line and the ``autopar`` logger
+                         errors, units, mesh, hardware presets, ``execution``: how ops run and
+                         which collective each placement change is, ``ops``: each op's special
+                         handling in one module (docs/ops.md), and ``progress``: what runs, told
+                         on a status line and the ``autopar`` logger
     cost_models/         seconds and bytes of every choice (profile or roofline), the step schedule
     codegen/             Plan -> readable sharded forward, and the runtime it calls
     autopar/models/      the zoo of models to plan (as their authors build them)

@@ -2,7 +2,7 @@
 semantics): what generated code calls where a training ``batch_norm`` runs split.
 
 Where the batch (or any dim but the channels) is split over some mesh axes
-(``autopar.core.execution.statistics_axes``), each rank's per-channel count, mean and sum of
+(``autopar.core.ops.batch_norm.statistics_axes``), each rank's per-channel count, mean and sum of
 squared deviations are all-gathered over those axes and combined (Chan et al.'s parallel
 variance, stable where a sum of squares less a squared mean is not): every rank normalises by
 the whole batch's statistics and updates the running statistics with them. Its backward sums

@@ -1,15 +1,17 @@
 """Code generation: ``CapturedGraph`` + ``Plan`` -> readable Python source of the sharded forward.
 
 One line per op, in graph order, each with its strategy; one line per collective, with a comment
-saying which collective over which mesh axis and why. The source is compiled into the forward
-of ``ShardedModule`` and kept as ``pmodel.code``.
+saying which collective over which mesh axis and why. An op runs as its ATen call on this rank's
+parts unless its entry in ``autopar.core.ops`` emits it otherwise. The source is compiled into
+the forward of ``ShardedModule`` and kept as ``pmodel.code``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -20,18 +22,22 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import OutputKind
 
-from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, tensor_val, value_bytes
-from autopar.core.execution import (IDENTITY_OPS, SHAPE_ARG_OPS, VIEW_OPS, axis_collective, draws_whole_mask, moves,
-                                    running_statistics, statistics_axes, writes_in_place, written_aliases)
+from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, readable_name, tensor_val, value_bytes
+from autopar.core.execution import IDENTITY_OPS, axis_collective, moves, writes_in_place, written_aliases
+from autopar.core.ops import entry_for
+from autopar.core.ops.base import Site
+from autopar.core.ops.shapes import AS_RESHAPE, RESHAPES
 from autopar.core.blocks import recomputed_regions
-from autopar.core.loss_weights import loss_weighting, reaches_output_alone
+from autopar.core.loss_weights import loss_weighting, loss_with_gradients
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from autopar.core.fold import attention_masks, foldable
+from autopar.core.gradients import Passes, given_grad, partial_passes
 from codegen.recompute import checkpointed, statement_names
 from codegen.stages import COMMON_ARGUMENTS, StageCode, node_stages, split_stages, stage_signature, stage_starts
-from codegen.runtime import rank_value, shard_range
+from codegen.runtime import rank_value
 from codegen.zero3 import GatherSpec
-from autopar.core.placements import Placements, grad_placement, grad_target, placements_str, read_as_stored
+from autopar.core.placements import (Placements, gathered_in_group, grad_target, placements_str, read_as_stored,
+                                     shard_range, split_axes)
 from autopar.core.plan import NodePlan, Plan
 from autopar.core.precision import reduce_dtype
 
@@ -56,62 +62,6 @@ def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes
         uses += [(want, given_grad(want, up, passes.get(user.name, ())))
                  for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param]
     return read_as_stored(np_.storage, np_.out, uses, trains)
-
-
-Passes = dict[str, tuple[int, ...]]
-
-
-def partial_passes(graph: fx.Graph, plan: dict[str, NodePlan], with_grad: set[str], params: set[str]) -> Passes:
-    """Ops computed whole on every rank of a mesh axis (inputs and output replicated there) whose
-    every consumer gives a partial gradient back on that axis, as a batch-split op gives a
-    replicated input (position embeddings added to the batch), and whose inputs are parameters
-    or such ops: the gradient stays partial through them (each rank's backward is linear in its
-    summand) and is summed once, in gradient sync's buckets with the parameters', instead of
-    all-reduced in the middle of the backward. (Where the gradient would meet an activation that
-    needs it whole, it is all-reduced at that edge instead: no gain, so no pass.) Op name -> those
-    axes (of ops whose value has a gradient: ``with_grad``; ``params``: parameter node names)."""
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.name in with_grad and n.users
-             and plan.get(n.name) is not None]
-    allowed = {n.name: {a for a, o in enumerate(plan[n.name].out) if isinstance(o, Replicate)
-                        and all(isinstance(i[a], Replicate) for i in plan[n.name].ins)} for n in nodes}
-    while True:
-        passes: Passes = {}
-        for node in reversed(nodes):
-            axes = tuple(a for a in sorted(allowed[node.name]) if all(
-                _gives_partial(user, node, a, plan[node.name].out, plan, passes) for user in node.users))
-            if axes:
-                passes[node.name] = axes
-        dropped = False
-        for node in nodes:   # an input that keeps its gradient whole would all-reduce it: no pass
-            for a in passes.get(node.name, ()):
-                if any(i.name in with_grad and i.name not in params and a not in passes.get(i.name, ())
-                       for i in node.all_input_nodes):
-                    allowed[node.name].discard(a)
-                    dropped = True
-        if not dropped:
-            return passes
-
-
-def _gives_partial(user: fx.Node, node: fx.Node, axis: int, out: Placements, plan: dict[str, NodePlan],
-                   passes: Passes) -> bool:
-    """Does ``user`` read ``node`` as placed (no move) and give its gradient back partial on ``axis``?"""
-    up = plan.get(user.name)
-    if user.op == "call_function" and up is None and user.target not in IDENTITY_OPS | {operator.getitem}:
-        return True   # no tensor output (a metadata assert): no gradient
-    if user.op != "call_function" or up is None:   # an output, a getitem of a multi-output op
-        return False
-    return all(want == out and isinstance(given_grad(want, up, passes.get(user.name, ()))[axis], Partial)
-               for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is node)
-
-
-def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Placements:
-    """The placement of the gradient an op gives back for an input it reads placed ``want``
-    (``grad_placement``; partial on the axes where the op passes partial gradients through)."""
-    grad = list(grad_placement(want, np_.ins, np_.out))
-    for a in passing:
-        if isinstance(want[a], Replicate):
-            grad[a] = Partial()
-    return tuple(grad)
 
 
 def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Passes, mesh_shape: Sequence[int],
@@ -181,13 +131,9 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
         up = plan.get(user.name)
         if up is None:
             return None
-        for inp, want in zip(flat_tensor_inputs(user), up.ins):
-            if inp is param:
-                grad = given_grad(want, up, passes.get(user.name, ()))
-                if want != np_.out or trains and any(
-                        not isinstance(grad[a], Partial) if a in axes else grad[a] != np_.storage[a]
-                        for a in range(len(grad))):
-                    return None
+        if not all(gathered_in_group(np_.storage, np_.out, want, given_grad(want, up, passes.get(user.name, ())), trains)
+                   for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param):
+            return None
     return axes, dim
 
 
@@ -211,12 +157,6 @@ def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) ->
         elif s != d and not (isinstance(s, Partial) and isinstance(d, Partial)):
             steps.append(f"local {'slice' if isinstance(d, Shard) else 'partial'} on {a}")
     return ", ".join(steps) or "no communication"
-
-
-def _fmt_placements(ps: Placements) -> str:
-    body = ", ".join("R" if isinstance(p, Replicate) else f"S({p.dim})" if isinstance(p, Shard)
-                     else ("P" if p.reduce_op == "sum" else f"Partial({p.reduce_op!r})") for p in ps)
-    return f"({body},)" if len(ps) == 1 else f"({body})"
 
 
 def _attr_path(fqn: str) -> str:
@@ -267,7 +207,7 @@ class LocalSizes:
         split in whole runs of that many elements, as the flattened rows of an unevenly split
         dimension lie (``row_units``), not as DTensor splits the flat length."""
         for d, n in enumerate(shape):
-            if axes := _split_axes(placements, d):
+            if axes := split_axes(placements, d):
                 unit = (units or {}).get(d, 1)
                 ranges = self._ranges(int(n), axes, unit)
                 at = self._named(int(n), axes, 3, {start for start, _ in ranges}, unit)
@@ -276,7 +216,7 @@ class LocalSizes:
 
     def uneven(self, shape: Sequence[int], placements: Placements) -> bool:
         """Do ranks hold different local shapes of a tensor of global ``shape`` placed ``placements``?"""
-        return any(len({stop - start for start, stop in self._ranges(int(n), _split_axes(placements, d))}) > 1
+        return any(len({stop - start for start, stop in self._ranges(int(n), split_axes(placements, d))}) > 1
                    for d, n in enumerate(shape))
 
     def shape(self, shape: Sequence[int], placements: Placements, infer: bool = False,
@@ -286,10 +226,10 @@ class LocalSizes:
         (the op infers it; per-rank sizes in a view's arguments defeat its backward's checks).
         ``from_uneven``: the view's input is split unevenly, so its split dimension is -1 even
         where the output's looks even (5 rows of 16 split 3 and 2, flattened: 48 and 32, not 40)."""
-        dims = [self.dim(int(n), _split_axes(placements, d)) for d, n in enumerate(shape)]
+        dims = [self.dim(int(n), split_axes(placements, d)) for d, n in enumerate(shape)]
         uneven = [d for d, text in enumerate(dims) if text.startswith("sizes.")]
         if infer and from_uneven and not uneven:
-            uneven = [d for d in range(len(shape)) if _split_axes(placements, d)]
+            uneven = [d for d in range(len(shape)) if split_axes(placements, d)]
         if infer and len(uneven) == 1:
             dims[uneven[0]] = "-1"
         return f"[{', '.join(dims)}]"
@@ -313,7 +253,7 @@ def row_units(node: fx.Node) -> dict[int, int]:
     several input dimensions -> the elements of one of its rows (16). An unevenly split leading
     dimension, flattened, leaves each rank whole rows (``uneven_reshape``: 48 and 32 of 80); a
     value sliced to meet it must be cut the same way. Empty for any other op or reshape."""
-    if node.target not in _AS_RESHAPE | {aten.reshape.default}:
+    if node.target not in RESHAPES:
         return {}
     shape_in, shape_out = list(tensor_val(node.args[0]).shape), list(tensor_val(node).shape)
     units, i = {}, 0
@@ -327,11 +267,6 @@ def row_units(node: fx.Node) -> dict[int, int]:
         if i - first > 1:
             units[d] = n // int(shape_in[first])
     return units if i == len(shape_in) else {}
-
-
-def _split_axes(placements: Placements, dim: int) -> tuple[int, ...]:
-    """The mesh axes that split tensor dimension ``dim``, in mesh order."""
-    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
 
 
 def _pick(start_stop: tuple[int, int], which: int) -> int:
@@ -369,6 +304,7 @@ class _Emitter:
         self.outputs: OutputMode = "full" if plan.gather_outputs else "sharded"
         self.strict = strict
         self.counted_loss = loss_weighting(captured).counted   # its target count comes as ``loss_count``
+        self.loss_with_gradients = loss_with_gradients(captured)   # ... and train_step sums it with the gradients
         self.counts_loss = False                                # ... and the code reads it
         self.loss_summed_over: tuple[int, ...] = ()             # the loss returned is a summand over these axes
         self.masked_attention: set[str] = set()                 # SDPA nodes reading a folded mask
@@ -491,7 +427,7 @@ class _Emitter:
                     fqn = self.captured.param_of[node.name]
                     source, how = _attr_path(fqn), "this rank's shard as stored, not gathered; its gradient lands there"
                     self.stage_state[-1].add(fqn)
-                self.emit(f"{var} = param_shard({source}, {_fmt_placements(want)}, grad={_fmt_placements(grad)})",
+                self.emit(f"{var} = param_shard({source}, {placements_str(want, code=True)}, grad={placements_str(grad, code=True)})",
                           f"{how}{backward}: {why}")
             else:
                 # Where the producer passes partial gradients on (read as placed, replicated), the
@@ -500,35 +436,11 @@ class _Emitter:
                 kept = self.passes.get(node.name, ())
                 declared = tuple(Replicate() if a in kept else g for a, g in enumerate(grad))
                 shape = list(tensor_val(node).shape)
-                self.emit(f"{var} = move({node.name}, mesh, {_fmt_placements(have)}, {_fmt_placements(want)}, "
-                          f"grad={_fmt_placements(declared)}, shape={shape})",
+                self.emit(f"{var} = move({node.name}, mesh, {placements_str(have, code=True)}, {placements_str(want, code=True)}, "
+                          f"grad={placements_str(declared, code=True)}, shape={shape})",
                           f"{collective_comment(have, want, self.axes)}{backward}: {why}")
             self.placed[key] = var
         return self.placed[key]
-
-    def batch_norm(self, node: fx.Node, np_: NodePlan, rename: dict[str, str], comment: str) -> None:
-        """A batch norm. Training on a split batch, it normalises by the whole batch's statistics
-        (``codegen.batch_norm``). Running statistics it reads split (a copy of its channels' part,
-        which it updates in place) are all-gathered back into the replicated buffer: a view of the
-        buffer would do without, but the op saves them for its backward, which a later write to
-        the buffer would invalidate."""
-        text = self._call_text(node, rename)
-        over = statistics_axes(node, np_.ins)
-        if over:
-            names = ", ".join(self.axes[a] for a in over)
-            self.emit(f"{node.name} = sync_batch_norm{text[text.index('('):-1]}, mesh=mesh, over={over})",
-                      f"{comment}; the whole batch's statistics: every rank's per-channel count, mean and squares "
-                      f"all-gathered over {names} (SyncBatchNorm); the backward all-reduces two per-channel sums there")
-        else:
-            self.emit(f"{node.name} = {text}", comment)
-        inputs = flat_tensor_inputs(node)
-        for buffer in running_statistics(node):
-            want = np_.ins[inputs.index(buffer)]
-            split = [self.axes[a] for a, p in enumerate(want) if isinstance(p, Shard)]
-            if split:
-                self.emit(f"write_back({buffer.name}, {rename.get(buffer.name, buffer.name)}, mesh, "
-                          f"{_fmt_placements(want)})", f"this rank's channels of the running statistic, updated in "
-                          f"place, all-gathered over {', '.join(split)} into the whole buffer")
 
     def as_stored(self, name: str, want: Placements, grad: Placements) -> bool:
         """Is this read of a ZeRO-3 parameter (gathered one by one) its shard as stored, with its
@@ -559,7 +471,7 @@ class _Emitter:
         the move is no local slice of such a flattened dimension."""
         units = row_units(node)
         split = [d for d in range(len(tensor_val(node).shape))
-                 if any(a not in _split_axes(have, d) for a in _split_axes(want, d))]
+                 if any(a not in split_axes(have, d) for a in split_axes(want, d))]
         if (not split or any(d not in units for d in split)
                 or any(h != w and not (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))):
             return None
@@ -633,7 +545,7 @@ class _Emitter:
                              "optimizer states live in host memory; the shard is copied here, the gradient goes back"))
             if np_.storage != np_.out:
                 narrow = trains and reduce_dtype(self.reduce_precision, tensor_val(node).dtype) != tensor_val(node).dtype
-                read.append((f"{node.name} = redistribute({node.name}, {_fmt_placements(np_.out)}"
+                read.append((f"{node.name} = redistribute({node.name}, {placements_str(np_.out, code=True)}"
                              + (f", reduce_in={self.reduce_precision!r})" if narrow else ")"),
                              f"ZeRO-3: {collective_comment(np_.storage, np_.out, self.axes)} to use the parameter; "
                              + ("its gradient is reduce-scattered back" if trains else "frozen: no gradient")
@@ -656,86 +568,54 @@ class _Emitter:
             self.out_of[node.name] = np_.out
 
     def call(self, node: fx.Node, np_: NodePlan | None) -> None:
+        """Emit op ``node`` placed as ``np_`` says: the moves of its inputs, then the op, as its
+        entry in ``autopar.core.ops`` emits it or else as its ATen call on this rank's parts."""
         for inp in node.all_input_nodes:   # parameters, buffers and constants it reads as they are
             if np_ is None or inp.name not in self.params:   # (parameters: where ``operand`` reads them)
                 self.emit_read(inp.name)
-        if node.target is operator.getitem:
-            self.emit(f"{node.name} = {node.args[0].name}[{node.args[1]!r}]")
-            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+        if node.target is operator.getitem or np_ is None:
+            self.unplanned(node)
             return
-        if np_ is None and node.target in IDENTITY_OPS:  # planned on a capture without it
-            self.emit(f"{node.name} = {node.args[0].name}", "value-preserving op the plan does not list")
-            self.out_of[node.name] = self.out_of.get(node.args[0].name)
-            return
-        if np_ is None:  # no tensor output (asserts, symbolic ints): nothing to place
-            if "assert" not in str(node.target):
-                self.emit(f"{node.name} = {self._call_text(node, {})}")
-            return
-        inputs = flat_tensor_inputs(node)
-        rename = self.reads(node, np_)
-        comment = f"{np_.strategy} -> {placements_str(np_.out)}"
-        if node.name in self.passes:
-            comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
-                        " (summed once, later)")
-        args = ", ".join(self.arg(a, rename) for a in node.args)
-        from_uneven = False
-        if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
-            summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
-            over = ", ".join(self.axes[a] for a in summed)
-            counted = node.name == self.counted_loss and bool(summed)
-            self.counts_loss |= counted
-            if counted and self.outputs == "loss" and reaches_output_alone(node):
-                self.loss_summed_over = summed
-                self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over=(), count=loss_count)",
-                          f"{np_.strategy} -> this rank's summand, divided by the "
-                          f"batch's target count: train_step sums it over {over} in a gradient bucket's all-reduce")
-            else:
-                self.emit(f"{node.name} = sharded_cross_entropy({args}, mesh=mesh, summed_over={summed}"
-                          f"{', count=loss_count' if counted else ''})",
-                          comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
-                          + (", divided by the batch's target count (launched: the gradient does not wait for it)"
-                             if counted else ""))
-        elif inputs and draws_whole_mask(node, np_.out):
-            x = rename.get(node.args[0].name, node.args[0].name)
-            shape = list(tensor_val(node).shape)
-            mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {shape})", shape, np_.out)
-            self.emit(f"{node.name} = {x} * {mask}", comment + "; the whole tensor's mask, drawn as one device "
-                      "draws it (every rank's generator alike), cut to this rank's part")
-        elif node.name in self.masked_attention:
-            text = self._call_text(node, rename)
-            self.emit(f"{node.name} = attention{text[text.index('('):]}",
-                      comment + "; its mask, made once, may be causal or let everything through: then SDPA runs "
-                      "is_causal or unmasked, as eager Hugging Face calls it")
-        elif inputs and node.target is aten.batch_norm.default:
-            self.batch_norm(node, np_, rename, comment)
-        elif inputs and node.target is aten.embedding.default and Shard(0) in np_.ins[0]:
-            rows = self.sizes.bounds(int(tensor_val(node.args[0]).shape[0]), _split_axes(np_.ins[0], 0))
-            self.emit(f"{node.name} = sharded_embedding({args}, rows=({rows[0]}, {rows[1]}))", comment)
-        else:
-            from_uneven = node.target in _AS_RESHAPE | {aten.reshape.default} and self.sizes.uneven(
-                tensor_val(node.args[0]).shape, np_.ins[0])
-            shape = (self.sizes.shape(tensor_val(node).shape, np_.out, infer=node.target in VIEW_OPS,
-                                      from_uneven=from_uneven)
-                     if node.target in SHAPE_ARG_OPS else None)
-            if from_uneven:
-                self.emit(f"{node.name} = uneven_reshape({rename.get(node.args[0].name, node.args[0].name)}, {shape})",
-                          comment + "; ranks hold different sizes")
-            else:
-                self.emit(f"{node.name} = {self._call_text(node, rename, shape)}",
-                          comment + ("" if inputs else "; the same on every rank"))
+        site = self.site(node, np_)
+        entry = entry_for(node)
+        if not (site.inputs and entry is not None and entry.emit is not None and entry.emit(self, site)):
+            self.emit(f"{node.name} = {self.call_text(node, site.reads)}",
+                      site.comment + ("" if site.inputs else "; the same on every rank"))
         val = node.meta.get("val")
-        if from_uneven or any(i.name in self.unlike_dtensor for i in node.all_input_nodes):
+        if any(n.name in self.unlike_dtensor for n in (node, *node.all_input_nodes)):
             self.unlike_dtensor.add(node.name)
         elif self.strict and isinstance(val, torch.Tensor):   # (their sizes are not the placement's)
             self.emit(f"{node.name} = expect({node.name}, {self.sizes.shape(val.shape, np_.out)}, {node.name!r})")
         self.out_of[node.name] = np_.out
 
-    def _call_text(self, node: fx.Node, rename: dict[str, str], local_shape: str | None = None) -> str:
-        """The op's call; ``local_shape`` replaces its shape argument (the second), made local."""
-        parts = [self.arg(a, rename) for a in node.args]
-        if local_shape is not None:
-            parts[1] = local_shape
-        parts += [f"{k}={self.arg(v, rename)}" for k, v in node.kwargs.items()]
+    def unplanned(self, node: fx.Node) -> None:
+        """An op the plan does not place: an output of a multi-output op, a value-preserving op
+        of another capture, or one with no tensor output (asserts, symbolic ints)."""
+        if node.target is operator.getitem:
+            self.emit(f"{node.name} = {node.args[0].name}[{node.args[1]!r}]")
+            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+        elif node.target in IDENTITY_OPS:  # planned on a capture without it
+            self.emit(f"{node.name} = {node.args[0].name}", "value-preserving op the plan does not list")
+            self.out_of[node.name] = self.out_of.get(node.args[0].name)
+        elif "assert" not in str(node.target):   # nothing to place
+            self.emit(f"{node.name} = {self.call_text(node, {})}")
+
+    def site(self, node: fx.Node, np_: NodePlan) -> Site:
+        """``node`` as an op's emitter sees it, its inputs' moves emitted (``reads``)."""
+        reads = self.reads(node, np_)
+        comment = f"{np_.strategy} -> {placements_str(np_.out)}"
+        if node.name in self.passes:
+            comment += (f"; its gradient stays partial over {', '.join(self.axes[a] for a in self.passes[node.name])}"
+                        " (summed once, later)")
+        return Site(node, np_, flat_tensor_inputs(node), reads, comment, ", ".join(self.arg(a, reads) for a in node.args))
+
+    def call_text(self, node: fx.Node, reads: dict[str, str], shape: str | None = None) -> str:
+        """The op's call on the variables ``reads`` names; ``shape`` replaces its shape argument (the
+        second), made local."""
+        parts = [self.arg(a, reads) for a in node.args]
+        if shape is not None:
+            parts[1] = shape
+        parts += [f"{k}={self.arg(v, reads)}" for k, v in node.kwargs.items()]
         return f"{_op_name(node.target)}({', '.join(parts)})"
 
     def output(self, node: fx.Node) -> None:
@@ -749,7 +629,7 @@ class _Emitter:
             if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)
             shape = list(tensor_val(x).shape)
-            return f"{'full' if self.outputs == 'full' else 'kept_sharded'}({x.name}, mesh, {_fmt_placements(have)}, {shape})"
+            return f"{'full' if self.outputs == 'full' else 'kept_sharded'}({x.name}, mesh, {placements_str(have, code=True)}, {shape})"
 
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
                   "outputs" + _OUTPUT_COMMENTS[self.outputs])
@@ -764,16 +644,9 @@ _OUTPUT_COMMENTS = {"full": ": gathered to full tensors on every rank", "sharded
                     "loss": ": replicated ones as they are, the others as DTensors (train_step)"}
 
 
-aten = torch.ops.aten
-
-
-# Redistribution can leave a shard non-contiguous where the model's view assumed contiguity:
-# generated code reshapes (a view whenever the layout allows, a copy otherwise).
-_AS_RESHAPE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-
-
 def _op_name(target: Any) -> str:
-    if target in _AS_RESHAPE:
+    """How generated code names an op (views as reshapes: ``autopar.core.ops.shapes``)."""
+    if target in AS_RESHAPE:
         return "aten.reshape.default"
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.__name__}" if target.namespace == "aten" else f"torch.ops.{target.namespace}.{target.__name__}"
@@ -789,7 +662,31 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     """The sharded forward's source; ``strict`` adds a check of every op's local shape;
     ``group_bytes``: the size of ZeRO-3 parameter groups gathered together; ``spans_job``: the
     mesh holds every rank of the job (a collective over all its axes is one process group);
-    ``outputs``: how outputs are returned (``OutputMode``; None: as the plan says)."""
+    ``outputs``: how outputs are returned (``OutputMode``; None: as the plan says). In three
+    steps: what to emit and in what order (``_analyse``), the lines (``_emit``), the functions
+    (``_assemble``). An error names the node whose code was being generated."""
+    analysis = _analyse(captured, plan)
+    em = _Emitter(captured, analysis.plan, strict, group_bytes, spans_job, analysis.starts)
+    if outputs is not None:
+        em.outputs = outputs
+    return _assemble(captured, analysis, em, _emit(captured, analysis, em))
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    """What code generation decides before it writes a line: the plan within a pipeline stage,
+    the stages' first nodes, the values computed once (``autopar.core.fold``), the order nodes
+    are emitted in (those values first) and each value's last reader (where it is deleted)."""
+
+    plan: Plan
+    header: str
+    starts: list[str]
+    folded: set[str]
+    order: list[fx.Node]
+    last_use: dict[fx.Node, fx.Node]
+
+
+def _analyse(captured: CapturedGraph, plan: Plan) -> _Analysis:
     pipeline = plan.pipeline
     starts = stage_starts(captured.graph, pipeline) if pipeline is not None else []
     plan = plan.within_stage()
@@ -798,81 +695,144 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
         header += (f"# Pipeline stages stage_0 .. stage_{pipeline.num_stages - 1} over mesh axis {pipeline.axis} "
                    f"({pipeline.schedule}): each runs on its pipeline rank's {plan.mesh.describe()} sub-mesh and\n"
                    "# returns this rank's part of what later stages read, which the schedule sends on.\n")
-    em = _Emitter(captured, plan, strict, group_bytes, spans_job, starts)
-    if outputs is not None:
-        em.outputs = outputs
-    inputs = ", ".join(captured.user_inputs)
     nodes = list(captured.graph.nodes)
-    folded = foldable(captured, em.plan, em.written)
+    folded = foldable(captured, {n.name for n in plan.nodes}, {n.name for n in written_aliases(captured.graph)})
     order = [n for n in nodes if n.name in folded] + [n for n in nodes if n.name not in folded]
     last_use: dict[fx.Node, fx.Node] = {}
     for node in order:
         for inp in node.all_input_nodes:
             last_use[inp] = node
+    return _Analysis(plan, header, starts, folded, order, last_use)
 
-    def emit_call(node: fx.Node) -> None:
-        em.call(node, em.plan.get(node.name))
-        if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
-            em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
-        em.free([inp for inp in node.all_input_nodes if last_use[inp] is node])
 
-    for node in order[:len(folded)]:   # values computed once (``autopar.core.fold``), their moves, their masks
-        emit_call(node)
-    for node in order[len(folded):]:
+@dataclass(frozen=True)
+class _Lines:
+    """The lines ``_emit`` wrote: the ``constants`` function's body (``once``) and the variables it
+    defines, the forward's signature and body, and the range of body lines of each op."""
+
+    once: list[str]
+    defined_once: set[str]
+    signature: str
+    body: list[str]
+    lines_of: dict[str, tuple[int, int]]
+
+
+def _emit(captured: CapturedGraph, a: _Analysis, em: _Emitter) -> _Lines:
+    """Every line: the values computed once, their moves and their masks, then the forward."""
+    for node in a.order[:len(a.folded)]:
+        _emit_op(em, a, node)
+    for node in a.order[len(a.folded):]:
         if node.op == "call_function" and node.name in em.plan:
-            em.reads(node, em.plan[node.name], only=folded)
-    em.tell_attention(captured.graph, folded)
+            with _generating(node):
+                em.reads(node, em.plan[node.name], only=a.folded)
+    em.tell_attention(captured.graph, a.folded)
     defined_once, em.defined = em.defined, set()   # the cache holds folded values: the forward never deletes them
-    once_lines, em.lines = em.lines, [f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):"]
+    inputs = ", ".join(captured.user_inputs)
+    once, em.lines = em.lines, [f"def forward(self, mesh, device, sizes{', ' if inputs else ''}{inputs}, *, loss_count=None):"]
     lines_of: dict[str, tuple[int, int]] = {}   # op -> the range of lines it generated
-    for node in order[len(folded):]:
-        np_ = em.plan.get(node.name)
-        if node.name in starts:
+    for node in a.order[len(a.folded):]:
+        if node.name in a.starts:
             em.new_stage()
         if node.op == "placeholder":
-            em.placeholder(node, np_)
+            with _generating(node):
+                em.placeholder(node, em.plan.get(node.name))
         elif node.op == "call_function":
             start = len(em.lines)
-            emit_call(node)
+            _emit_op(em, a, node)
             lines_of[node.name] = (start - 1, len(em.lines) - 1)   # in the body
         elif node.op == "output":
-            em.output(node)
+            with _generating(node):
+                em.output(node)
     signature, *body = em.lines
-    read = {name for line in body for name in statement_names(line)[0]}
-    kept = list(dict.fromkeys(name for line in once_lines for name in sorted(statement_names(line)[1])
-                              if name in read and name in defined_once))
+    return _Lines(once, defined_once, signature, body, lines_of)
+
+
+def _emit_op(em: _Emitter, a: _Analysis, node: fx.Node) -> None:
+    """One op's lines, then the deletion of the values no later line reads."""
+    with _generating(node):
+        em.call(node, em.plan.get(node.name))
+    if writes_in_place(node):   # copies moved from the written tensor's aliases are stale now
+        em.placed = {key: var for key, var in em.placed.items() if key[0] not in em.written}
+    em.free([inp for inp in node.all_input_nodes if a.last_use[inp] is node])
+
+
+@contextlib.contextmanager
+def _generating(node: fx.Node) -> Iterator[None]:
+    """An error raised while generating ``node``'s code names it and the line of the model's
+    source it comes from, as ``torch.fx.Interpreter`` names the node it was running."""
+    try:
+        yield
+    except Exception as e:
+        where = f"while generating code for {node.format_node()}" + _source_line(node)
+        if e.args and isinstance(e.args[0], str) and not isinstance(e, KeyError):
+            e.args = (f"{e.args[0]}\n\n{where}", *e.args[1:])
+        else:
+            e.add_note(where)
+        raise
+
+
+def _source_line(node: fx.Node) -> str:
+    """Where the model's source made ``node``: its line where export kept stack traces (capture
+    skips them, for speed: ``capture._lean_tracing``), else its module and the function called."""
+    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(trace) if line.startswith("File ")]
+    if frames:
+        code = trace[frames[-1] + 1] if frames[-1] + 1 < len(trace) else ""
+        return f"\n  from {trace[frames[-1]][5:]}" + (f": {code}" if code else "")
+    fn = node.meta.get("torch_fn")
+    if fn is None:
+        return ""
+    layer = readable_name(node)
+    return f"\n  made by {fn[1]} in {f'module {layer}' if layer else 'the model forward'}"
+
+
+def _assemble(captured: CapturedGraph, a: _Analysis, em: _Emitter, lines: _Lines) -> GeneratedCode:
+    """The module's source: the header, the ``constants`` function where values are computed once,
+    and the forward (or, in a pipeline, one function per stage), recomputed blocks checkpointed."""
+    read = {name for line in lines.body for name in statement_names(line)[0]}
+    kept = list(dict.fromkeys(name for line in lines.once for name in sorted(statement_names(line)[1])
+                              if name in read and name in lines.defined_once))
     constants, once = "", None
     if kept:
         once = (f"    {', '.join(kept)}, = once(self, constants, mesh, device, sizes)  # computed at the first "
                 "call (they depend on no input, parameter or buffer), then reused")
         constants = ("def constants(self, mesh, device, sizes):\n    # values computed from shapes alone, once: "
-                     "autopar.core.fold\n" + "\n".join(once_lines) + f"\n    return ({', '.join(kept)},)\n\n\n")
-    regions = recomputed_regions(captured.graph, plan.recompute)
-
-    def with_regions(lines: list[str], offset: int, arguments: set[str]) -> list[str]:
-        """``lines`` (from ``offset`` of the body on) with their recomputed blocks checkpointed."""
-        for region in reversed(regions):
-            start, end = lines_of[region.nodes[0]][0] - offset, lines_of[region.nodes[-1]][1] - offset
-            if 0 <= start and end <= len(lines):
-                whole = plan.recompute[region.path] == "full"
-                lines = checkpointed(lines, start, end, arguments,
-                                     ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
-                                     f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
-                                     f"({plan.recompute[region.path]} recomputation)")
-        return lines
-
+                     "autopar.core.fold\n" + "\n".join(lines.once) + f"\n    return ({', '.join(kept)},)\n\n\n")
+    regions = _Regions(recomputed_regions(captured.graph, a.plan.recompute), a.plan.recompute, lines.lines_of)
     stages: list[StageCode] = []
-    if starts:
+    if a.starts:
         functions = []
-        cuts = [lines_of[name][0] for name in starts]
-        for (lines, stage, reads_once), offset in zip(split_stages(body, cuts, captured.user_inputs, set(kept)),
-                                                      [0, *cuts]):
-            lines = with_regions(lines, offset, {*COMMON_ARGUMENTS, *stage.inputs})
-            functions.append("\n".join([stage_signature(stage), *([once] if reads_once else []), *lines]))
+        cuts = [lines.lines_of[name][0] for name in a.starts]
+        for (body, stage, reads_once), offset in zip(split_stages(lines.body, cuts, captured.user_inputs, set(kept)),
+                                                     [0, *cuts]):
+            body = regions.checkpointed(body, offset, {*COMMON_ARGUMENTS, *stage.inputs})
+            functions.append("\n".join([stage_signature(stage), *([once] if reads_once else []), *body]))
             stages.append(replace(stage, state=frozenset(em.stage_state[len(stages)])))
         source = "\n\n\n".join(functions)
     else:
-        body = with_regions(body, 0, {*COMMON_ARGUMENTS, *captured.user_inputs})
-        source = "\n".join([signature, *([once] if once else []), *body])
-    return GeneratedCode(header + constants + source + "\n", em.sizes, em.direct, tuple(em.groups),
+        body = regions.checkpointed(lines.body, 0, {*COMMON_ARGUMENTS, *captured.user_inputs})
+        source = "\n".join([lines.signature, *([once] if once else []), *body])
+    return GeneratedCode(a.header + constants + source + "\n", em.sizes, em.direct, tuple(em.groups),
                          em.counts_loss, em.loss_summed_over, tuple(stages))
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """The blocks recomputed in the backward (``autopar.core.blocks``), each mode, and the range of
+    body lines of each op."""
+
+    regions: list
+    modes: dict[str, str]
+    lines_of: dict[str, tuple[int, int]]
+
+    def checkpointed(self, lines: list[str], offset: int, arguments: set[str]) -> list[str]:
+        """``lines`` (from ``offset`` of the body on) with their recomputed blocks checkpointed."""
+        for region in reversed(self.regions):
+            start, end = self.lines_of[region.nodes[0]][0] - offset, self.lines_of[region.nodes[-1]][1] - offset
+            if 0 <= start and end <= len(lines):
+                whole = self.modes[region.path] == "full"
+                lines = checkpointed(lines, start, end, arguments,
+                                     ("block_" if whole else "attention_core_") + region.path.replace(".", "_"),
+                                     f"{region.path}{'' if whole else ' attention core'}: recomputed in the backward "
+                                     f"({self.modes[region.path]} recomputation)")
+        return lines

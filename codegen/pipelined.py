@@ -44,6 +44,7 @@ from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
+from autopar.core.placements import shard_shape_at
 from autopar.core.plan import Plan, rank_of_stage
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
@@ -133,8 +134,7 @@ class PipelinedModule(ShardedModule):
             val = tensor_val(nodes[name])
             if val is None:
                 continue
-            shape = list(val.shape) if first else runtime.local_shape(val.shape, placed[name], coords,
-                                                                      self._stage_mesh.shape)
+            shape = list(val.shape) if first else shard_shape_at(val.shape, placed[name], coords, self._stage_mesh.shape)
             out.append(torch.empty(shape, dtype=val.dtype, device=self._device).requires_grad_(
                 bool(grads.get(nodes[name])) and val.dtype.is_floating_point))
         return tuple(out)

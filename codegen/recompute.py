@@ -55,7 +55,7 @@ def checkpointed(lines: Sequence[str], start: int, end: int, defined_before: set
     region, after = list(lines[start:end]), list(lines[end:])
     before = set(defined_before)
     for line in lines[:start]:
-        before |= statement_names(line)[1]
+        before.update(statement_names(line)[1])
     inputs: list[str] = []
     assigned: list[str] = []
     deleted: set[str] = set()
@@ -99,18 +99,19 @@ def _local_deletes(region: list[str], local: set[str]) -> tuple[list[str], list[
     return kept, outer
 
 
-def statement_names(line: str) -> tuple[list[str], set[str], set[str]]:
-    """Names one statement reads (in order, before its assignments), assigns and deletes."""
+def statement_names(line: str) -> tuple[list[str], list[str], set[str]]:
+    """Names one statement reads (in order, before its assignments), assigns (in order: a
+    checkpointed block returns them so, whatever the hash seed) and deletes."""
     tree = ast.parse(textwrap.dedent(line))
     loads: list[str] = []
-    stores: set[str] = set()
+    stores: list[str] = []
     dels: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             if isinstance(node.ctx, ast.Load) and node.id not in loads:
                 loads.append(node.id)
-            elif isinstance(node.ctx, ast.Store):
-                stores.add(node.id)
+            elif isinstance(node.ctx, ast.Store) and node.id not in stores:
+                stores.append(node.id)
             elif isinstance(node.ctx, ast.Del):
                 dels.add(node.id)
     return loads, stores, dels

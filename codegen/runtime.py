@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, local_tensor_mode,
                                             maybe_disable_local_tensor_mode)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.errors import AutoparError
@@ -36,7 +36,6 @@ try:   # torch 2.13; the GPU machines lent here run 2.11, where only simulated r
 except ImportError:   # pragma: no cover
     def rank_map(cb):
         raise AutoparError("simulated ranks (LocalTensorMode) need torch 2.13 (pip install torch==2.13.0)")
-from autopar.core.placements import shard_range
 from autopar.core.precision import reduce_dtype
 from autopar.core.together import one_process
 from codegen import outputs
@@ -310,18 +309,6 @@ class _LocalShard(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         return DTensor.from_local(grad.contiguous(), ctx.mesh, list(ctx.grad_placements), run_check=False,
                                   shape=ctx.shape, stride=_contiguous_stride(ctx.shape)), None
-
-
-def local_shape(shape: Sequence[int], placements: Sequence[Placement], coords: Sequence[int],
-                mesh_shape: Sequence[int]) -> list[int]:
-    """The shape of the part of a tensor of global ``shape`` placed ``placements`` that the rank
-    at mesh ``coords`` holds."""
-    out = []
-    for d, size in enumerate(shape):
-        axes = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
-        start, stop = shard_range(int(size), coords, axes, mesh_shape)
-        out.append(stop - start)
-    return out
 
 
 def sum_grad_over(p: torch.Tensor, group: Any) -> None:

@@ -83,7 +83,7 @@ def split_stages(body: Sequence[str], cuts: Sequence[int], first_inputs: Sequenc
         for line in lines:
             loads, assigned, _ = statement_names(line)
             read += [n for n in loads if n not in stored and n not in read]
-            stored |= assigned
+            stored.update(assigned)
         reads.append(read)
         stores.append(stored)
     defined = [set(first_inputs) | stores[0]]   # per stage: what exists when it ends

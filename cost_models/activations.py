@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.execution import VIEW_OPS
 from autopar.core.capture import flat_tensor_inputs, needs_grad, tensor_val
+from autopar.core.ops import entry_for
 from autopar.core.strategies import StrategySpace
 from cost_models.compute import as_amount
 
@@ -75,8 +76,10 @@ def _signature(node: fx.Node) -> object:
 
 def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
     val = tensor_val(node)
-    if node.target is torch.ops.aten.scaled_dot_product_attention.default and val.device.type == "meta":
-        return _fused_attention(val, flags)
+    entry = entry_for(node)
+    kept = entry.saved(node, flags) if entry is not None and entry.saved is not None else None
+    if kept is not None:   # the op's own account (``autopar.core.ops``): SDPA's fused kernels on meta
+        return Saved(kept.inputs, kept.output, as_amount(kept.extra_bytes))
     inputs = iter(flags)
 
     def fake(n: fx.Node) -> object:
@@ -115,14 +118,3 @@ def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
         else:
             extra += t.untyped_storage().nbytes()
     return Saved(frozenset(kept_inputs), kept_out, as_amount(extra))
-
-
-def _fused_attention(out: torch.Tensor, flags: tuple[bool, ...]) -> Saved:
-    """On ``meta`` (planning for a cluster that is not here) SDPA takes its math path, which keeps
-    the batch x heads x seq x seq attention matrix; the fused kernels training really runs (flash /
-    memory-efficient on CUDA, flash on CPU) keep q, k, v, the output and one fp32 log-sum-exp per
-    query row instead."""
-    rows = 1
-    for size in out.shape[:-1]:
-        rows *= size
-    return Saved(frozenset(i for i, f in enumerate(flags[:3]) if f), True, as_amount(rows * 4))

@@ -26,6 +26,7 @@ import torch
 
 from autopar.core.errors import HardwareError
 from autopar.core.hardware import Hardware
+from autopar.core.ops.attention import SDPA
 from cost_models.compute import maximum, minimum
 
 __all__ = ["ATTENTION_OPS", "Efficiency", "GEMM_OPS", "GemmShape", "TABLES", "attention_seconds", "efficiency_of",
@@ -175,7 +176,7 @@ GEMM_OPS = {
     aten.addmm.default: lambda bias, a, b: matmul_shapes(a, b),
     aten.baddbmm.default: lambda c, a, b: matmul_shapes(a, b),
 }
-ATTENTION_OPS = frozenset({aten.scaled_dot_product_attention.default})
+ATTENTION_OPS = frozenset({SDPA})   # priced by their fused kernels (``autopar.core.ops.attention``)
 
 
 def _gemm(node: torch.fx.Node, shapes: Sequence[Sequence[int]]) -> GemmShape | None:

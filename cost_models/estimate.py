@@ -27,15 +27,16 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.core.blocks import RECOMPUTE, block_of, recompute_modes, recomputed_regions
 from autopar.core.capture import tensor_val
-from autopar.core.execution import (BUCKET_BYTES, VIEW_OPS, axis_collective, moves, running_statistics,
-                                    statistics_axes)
+from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
+from autopar.core.gradients import computed_from_parameters
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import (Placements, grad_placement, grad_target, is_split, local_shape,
+from autopar.core.ops import entry_for   # (its attention entry teaches FlopCounterMode CPU fused attention)
+from autopar.core.placements import (Placements, gathered_in_group, grad_placement, grad_target, is_split, largest_shard_shape,
                                      shard_fraction)
 from autopar.core.precision import reduce_dtype
 from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
@@ -50,16 +51,6 @@ from solver import Term
 
 log = logging.getLogger(__name__)
 BACKWARD_FACTOR = 2.0   # roofline: backward ~ 2x forward work (a gradient for the input and for the weight)
-
-
-def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """CPU fused attention does the same work as the CUDA kernels PyTorch counts."""
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-# FlopCounterMode counts the CUDA attention kernels but not the CPU one a CPU model's SDPA runs.
-if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in flop_registry:
-    register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)(_cpu_flash_attention_flops)
 
 
 @dataclass(frozen=True)
@@ -224,13 +215,14 @@ class CostModel:
 
     def redistribute_grid(self, shape: Sequence[int], dtype: torch.dtype, srcs: Sequence[Placements],
                           dsts: Sequence[Placements], *, queued: bool = False) -> tuple[Cost, list[Term]]:
-        """``redistribute`` from each of ``srcs`` to each of ``dsts`` (concrete shapes only), as a
-        grid ``Cost``: each field a [source, destination] array, ``measured`` a bool array (the
-        "comm" came from the profile). Each axis is priced once per distinct (source placement,
+        """``redistribute`` from each of ``srcs`` to each of ``dsts``, as a grid ``Cost``: each field a
+        [source, destination] array (of objects where the shape is symbolic), ``measured`` a bool
+        array (the "comm" came from the profile). Each axis is priced once per distinct (source placement,
         bytes, destination placement): a few calls where the pairs are hundreds of thousands.
         Also returns its blocking seconds (``comm_s``) as one ``solver.Term`` per mesh axis; they
         sum to the grid's."""
-        full = float(_numel(shape) * _itemsize(dtype))
+        full = _numel(shape) * _itemsize(dtype)
+        full = full if isinstance(full, sympy.Basic) else float(full)
         mesh, times = self.mesh.shape, self.microbatches
         blocking, waiting = np.zeros((len(srcs), len(dsts))), np.zeros((len(srcs), len(dsts)))
         measured = np.zeros(blocking.shape, dtype=bool)
@@ -243,13 +235,13 @@ class CostModel:
                               for (s, nbytes), r in zip(row_keys, reduced)])
             terms.append(Term(rows, cols, np.where(reduced[:, None], 0.0, table[..., 0]) * self.comm_scale * times))
             table, reduced = table[np.ix_(rows, cols)], reduced[rows][:, None]   # [source, destination, (seconds, bytes, measured)]
-            blocking += np.where(reduced, 0.0, table[..., 0])
-            waiting += np.where(reduced, table[..., 0], 0.0)
+            blocking = blocking + np.where(reduced, 0.0, table[..., 0])
+            waiting = waiting + np.where(reduced, table[..., 0], 0.0)
             sent.append(table[..., 1] * np.where(reduced, 1, times))
             measured |= table[..., 2].astype(bool)
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
-        buffers = np.where(blocking > 0, _collective_buffers(full, largest), 0.0)
+        buffers = np.where(blocking != 0, _collective_buffers(full, largest), 0.0)
         return Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
                     transient_bytes=buffers, measured=measured), terms
 
@@ -415,7 +407,7 @@ class CostModel:
         moved = self._working_bytes(nc, s)
         flops = self.flops(nc.node) / split
         if self.efficiency is not None and not (flops == 0 and moved == 0):
-            shapes = [local_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
+            shapes = [largest_shard_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
             fwd, bwd = op_seconds(nc.node, shapes, flops, moved, self.efficiency, self.hw, val.dtype)
         else:
             fwd = compute_time(flops, moved, self.hw, val.dtype)
@@ -425,40 +417,13 @@ class CostModel:
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
     def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
-        """Collectives a strategy runs inside its op: a loss over a split batch made whole sums the
-        local loss and target count over the split axes (``runtime.sharded_cross_entropy``), but
-        for the mean that ``train_step`` sums in a gradient bucket's all-reduce; a training batch
-        norm, its statistics (``_batch_statistics``)."""
-        if nc.node.target is torch.ops.aten.batch_norm.default:
-            return self._batch_statistics(nc, s)
-        if (nc.node.target is not torch.ops.aten.cross_entropy_loss.default
-                or nc.node.name == self.space.loss_with_gradients):
+        """The collectives an op runs inside itself (``autopar.core.ops``: a loss over a split batch
+        made whole sums its local losses, a training batch norm split by batch its statistics)."""
+        entry = entry_for(nc.node)
+        if entry is None or entry.collectives is None:
             return Cost()
-        summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
-        return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
-
-    def _batch_statistics(self, nc: NodeChoices, s: Strategy) -> Cost:
-        """A training batch norm split by batch all-gathers each rank's per-channel count, mean and
-        squares over those axes, and its backward all-reduces two per-channel sums there; the
-        running statistics of its channels, where it splits them, are all-gathered back into the
-        buffer (``codegen.batch_norm``)."""
-        over = statistics_axes(nc.node, s.ins)
-        whole = (Replicate(),) * self.mesh.ndim
-        cost = Cost()
-        if over:
-            k = int(np.prod([self.mesh.shape[a] for a in over]))
-            channels = local_shape(tensor_val(nc.inputs[0]).shape, s.ins[0], self.mesh.shape)[1]
-            split = tuple(Shard(0) if a in over else Replicate() for a in range(self.mesh.ndim))
-            cost = cost + self.redistribute((3 * k, channels), torch.float32, split, whole)
-            if self._grad(nc.node):
-                summed = tuple(Partial() if a in over else Replicate() for a in range(self.mesh.ndim))
-                cost = cost + self.redistribute((2, channels), torch.float32, summed, whole)
-        for buffer in running_statistics(nc.node):
-            want = s.ins[nc.inputs.index(buffer)]
-            if want != whole:
-                val = tensor_val(buffer)
-                cost = cost + self.redistribute(val.shape, val.dtype, want, whole)
-        return cost
+        inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
+        return sum((self.redistribute(c.shape, c.dtype, c.src, c.dst) for c in inside), Cost())
 
     def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
         """Local bytes an op's forward reads and writes: its inputs and its output."""
@@ -594,31 +559,9 @@ class CostModel:
     # ------------------------------------------------------------ edges
     def edge(self, src: NodeChoices, s: Strategy, dst: NodeChoices, d: Strategy, i: int) -> Cost:
         """Forward redistribution of ``src``'s output into input ``i`` of ``dst``, plus the backward
-        redistribution of that input's gradient into ``src``'s gradient placement. A parameter's
-        gradient redistribution is its synchronisation, queued asynchronously (``overlap_s``)."""
-        val = tensor_val(src.node)
-        if val is None or (src.node.name in self.space.folded and dst.kind != "output"):
-            return Cost()   # a folded value is moved once, with it
-        if dst.kind == "output":
-            return self._returned(val, s.out)
-        fwd = self.redistribute(val.shape, val.dtype, s.out, d.ins[i]) + Cost(compute_s=self.move_overhead(src, s, dst, d, i))
-        if dst.node in self.block_of:   # moved inside a recomputed block: again for its backward
-            fwd = fwd + fwd
-        if not self._grad_flows(src):
-            return fwd
-        grad = grad_placement(d.ins[i], d.ins, d.out)
-        queued = self._queued(src)
-        back = self.redistribute(val.shape, self._synced_dtype(src) if queued else val.dtype, grad,
-                                 grad_target(s.out, s.storage), queued=queued)
-        if src.kind == "param" and s.storage not in (None, s.out):
-            earlier = 0.0 if self._accumulates(s) else self._earlier_reduce_scatters(back.overlap_s)
-            back = back + Cost(comm_s=earlier + self._gathered_alone(src, s.out, s.storage, s.kept, d.ins[i], grad),
-                               transient_bytes=self._local_gradient(val, s.out))
-        elif src.kind == "param" and back.overlap_s:
-            back = back + Cost(synced_bytes=self._local_gradient(val, s.out))
-        if src.kind == "param":
-            back = back + self._joined(src, val, _arrival(grad, grad_target(s.out, s.storage)))
-        return fwd + back
+        redistribution of that input's gradient into ``src``'s gradient placement (a parameter's is
+        its synchronisation, queued asynchronously: ``overlap_s``): ``edge_grid`` of this pair."""
+        return self._grid(src, [s], dst, [d], i)[0, 0]
 
     def _joined(self, src: NodeChoices, val: torch.Tensor, grad: Placements) -> Cost:
         """A parameter several ops read (a tied embedding) sums their gradients: one arriving
@@ -634,17 +577,13 @@ class CostModel:
     def _gathered_alone(self, src: NodeChoices, out: Placements, storage: Placements | None, kept: bool,
                         inp: Placements, grad: Placements) -> float:
         """A ZeRO parameter's gather is priced (``_param``) as one in a group of them, paying its
-        share of the group's latency; the generated code groups only those read as gathered whose
-        gradient is partial on the gathered axes (reduce-scattered back: data parallel), or that
-        do not train (no gradient goes back), and gathers the others alone
-        (``codegen.generate.gather_groups``): such a read adds the rest of the latency, shared
-        among the parameter's readers (seconds, blocking)."""
+        share of the group's latency; a read that does not fit a group's gather
+        (``placements.gathered_in_group``) has the generated code gather the parameter alone: it
+        adds the rest of the latency, shared among the parameter's readers (seconds, blocking)."""
         if storage in (None, out):
             return 0.0
-        axes = [a for a, (st, o) in enumerate(zip(storage, out)) if st != o]
-        if inp == out and (not src.trains or (self._grad_flows(src) and all(
-                isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad))))):
-            return 0.0   # grouped (a frozen parameter's reads need no gradient placement)
+        if gathered_in_group(storage, out, inp, grad, src.trains):
+            return 0.0   # grouped (a parameter that trains has a gradient: ``_grad_flows``)
         val = tensor_val(src.node)
         times = 2 if not kept and src.node in self.block_of else 1   # gathered again for a recomputed block's backward
         alone = self.redistribute(val.shape, val.dtype, storage, out, once=kept).comm_s
@@ -654,7 +593,7 @@ class CostModel:
     def _synced_dtype(self, src: NodeChoices) -> torch.dtype:
         """The dtype a gradient synchronisation (``_queued``) moves: the parameters' gradients it is
         summed with (an op computed from parameters, a bf16 cast of one, passes its partial
-        gradient down to them: ``codegen.generate.partial_passes``), narrowed to bf16 where
+        gradient down to them: ``autopar.core.gradients.partial_passes``), narrowed to bf16 where
         ``reduce_precision`` says so."""
         dtype = tensor_val(src.node).dtype if src.kind == "param" else self._from_params[src.node]
         return reduce_dtype(self.reduce_precision, dtype)
@@ -679,77 +618,95 @@ class CostModel:
 
     def edge_grid(self, src: NodeChoices, dst: NodeChoices, i: int) -> "EdgeGrid":
         """``edge`` for every pair of strategies, priced as grids over their distinct layouts."""
+        return self._grid(src, src.strategies, dst, dst.strategies, i)
+
+    def _grid(self, src: NodeChoices, sources: Sequence[Strategy], dst: NodeChoices, consumers: Sequence[Strategy],
+              i: int) -> "EdgeGrid":
+        """The edge from ``src`` into input ``i`` of ``dst`` (see ``edge``) for every pair of
+        ``sources`` and ``consumers`` strategies: each source's output and storage layout is a row
+        class, each consumer's input and gradient layout a column class, priced once."""
         val = tensor_val(src.node)
-        rows, src_reps = _classes([(s.out, s.storage, self._accumulates(s), s.kept) for s in src.strategies])
-        cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in dst.strategies])
-        if val is None or (src.node.name in self.space.folded and dst.kind != "output"):   # as in ``edge``
-            return EdgeGrid(rows, cols, Cost(), ())
-        outs = [s for s, *_ in src_reps]
-        if dst.kind == "output":   # as in ``edge``
-            if not self.gather_outputs:
-                held = [self._returned(val, out).transient_bytes for out in outs]
-                return EdgeGrid(rows, cols, Cost(transient_bytes=np.repeat(np.array(held)[:, None], len(dst_reps), 1)), ())
-            grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs,
-                                                    [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
-            return EdgeGrid(rows, cols, replace(grid, transient_bytes=grid.transient_bytes + _bytes(val)), tuple(blocking))
-        grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [inp for inp, _ in dst_reps])
-        again = 2.0 if dst.node in self.block_of else 1.0   # as in ``edge``: moved again for the backward
+        rows, src_reps = _classes([(s.out, s.storage, self._accumulates(s), s.kept) for s in sources])
+        cols, dst_reps = _classes([(d.ins[i], grad_placement(d.ins[i], d.ins, d.out)) for d in consumers])
+        if val is None or (src.node.name in self.space.folded and dst.kind != "output"):
+            return EdgeGrid(rows, cols, Cost(), ())   # a folded value is moved once, with it
+        if dst.kind == "output":
+            return EdgeGrid(rows, cols, *self._returned_grid(val, [out for out, *_ in src_reps], len(dst_reps)))
+        grid, blocking = self.redistribute_grid(val.shape, val.dtype, [out for out, *_ in src_reps],
+                                                [inp for inp, _ in dst_reps])
+        again = 2.0 if dst.node in self.block_of else 1.0   # moved inside a recomputed block: again for its backward
         if again != 1.0:
             grid = replace(grid, comm_s=grid.comm_s * again, comm_bytes=tuple(b * again for b in grid.comm_bytes))
             blocking = [Term(t.rows, t.cols, t.core * again) for t in blocking]
         if self._grad_flows(src):
-            queued = self._queued(src)
-            back, terms = self.redistribute_grid(val.shape, self._synced_dtype(src) if queued else val.dtype,
-                                                 [g for _, g in dst_reps],
-                                                   [grad_target(out, storage) for out, storage, *_ in src_reps],
-                                                   queued=queued)
-            back = _transposed(back)
-            if queued and self.microbatches > 1:   # as in ``edge``: ZeRO-2/3 rows reduce-scatter every microbatch
-                zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole, _ in src_reps])[:, None]
-                earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
-                back = replace(back, comm_s=back.comm_s + earlier)
-                blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
-            if queued:
-                packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
-                                   for out, storage, *_ in src_reps])[:, None]
-                back = replace(back, transient_bytes=back.transient_bytes + packed)
-            if src.kind == "param":   # as in ``edge``: the sum of an all-reduced gradient, held beside it
-                summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
-                                   for out, storage, *_ in src_reps])[:, None]
-                back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
-            grid = grid + back
-            blocking += [t.transposed() for t in terms]
-        if src.kind == "param":   # as in ``edge``: gathered alone, gradients joined
+            back, terms = self._gradient_grid(src, val, src_reps, dst_reps)
+            grid, blocking = grid + back, blocking + terms
+        every = (np.arange(len(src_reps)), np.arange(len(dst_reps)))
+        if src.kind == "param":   # gathered alone, gradients joined
             alone = np.array([[self._gathered_alone(src, out, storage, kept, inp, grad)
                                + self._joined(src, val, _arrival(grad, grad_target(out, storage))).comm_s
                                for inp, grad in dst_reps] for out, storage, _, kept in src_reps])
             grid = replace(grid, comm_s=grid.comm_s + alone)
-            blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), alone))
-        if runtime_overhead(self.profile, {"move": 1, "param_read": 1}) and dst.kind != "output":
+            blocking.append(Term(*every, alone))
+        if runtime_overhead(self.profile, {"move": 1, "param_read": 1}):
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
                                          for out, storage, *_ in src_reps])
             grid = replace(grid, compute_s=grid.compute_s + wrapping)
-            blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
+            blocking.append(Term(*every, wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
+    def _returned_grid(self, val: torch.Tensor, outs: list[Placements], columns: int) -> tuple[Cost, tuple[Term, ...]]:
+        """``_returned`` of each of ``outs`` (rows) as a grid of ``columns`` equal columns, with its
+        blocking terms."""
+        if not self.gather_outputs:
+            held = [self._returned(val, out).transient_bytes for out in outs]
+            return Cost(transient_bytes=np.repeat(np.array(held)[:, None], columns, 1)), ()
+        grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [(Replicate(),) * self.mesh.ndim] * columns)
+        return replace(grid, transient_bytes=grid.transient_bytes + _bytes(val)), tuple(blocking)
+
+    def _gradient_grid(self, src: NodeChoices, val: torch.Tensor, src_reps: list, dst_reps: list
+                       ) -> tuple[Cost, list[Term]]:
+        """The backward of an edge's grid: each consumer's gradient (column) redistributed to where
+        ``src`` keeps it (row); a queued sync's ZeRO reduce-scatters of the earlier microbatches,
+        its packed gradient, and an all-reduced parameter gradient's sum, held beside it."""
+        queued = self._queued(src)
+        back, terms = self.redistribute_grid(val.shape, self._synced_dtype(src) if queued else val.dtype,
+                                             [g for _, g in dst_reps],
+                                             [grad_target(out, storage) for out, storage, *_ in src_reps], queued=queued)
+        back, terms = _transposed(back), [t.transposed() for t in terms]
+        if queued and self.microbatches > 1:   # ZeRO-2/3 rows reduce-scatter every microbatch
+            zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole, _ in src_reps])[:, None]
+            earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
+            back = replace(back, comm_s=back.comm_s + earlier)
+            terms.insert(0, Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
+        if queued:
+            packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
+                               for out, storage, *_ in src_reps])[:, None]
+            back = replace(back, transient_bytes=back.transient_bytes + packed)
+        if src.kind == "param":
+            summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
+                               for out, storage, *_ in src_reps])[:, None]
+            back = replace(back, synced_bytes=np.where(back.overlap_s != 0, summed, 0.0))
+        return back, terms
+
     def _computed_from_parameters(self) -> dict[fx.Node, torch.dtype]:
-        """Ops with a gradient computed from parameters alone (and from values that have none and
-        do not depend on the batch: positions, folded masks), as position embeddings are, with the
-        dtype of those parameters (the widest). Run replicated, their gradient can stay partial
-        down to the parameters and be summed with theirs, in gradient sync's buckets
-        (``codegen.generate.partial_passes``): the edge out of such an op into one that splits the
-        batch is priced as that queued sync, not as a blocking all-reduce in the backward."""
+        """Ops whose gradient may stay partial down to the parameters (``core.gradients``), as
+        position embeddings' may, with the dtype of those parameters (the widest). Run replicated,
+        their gradient is summed with the parameters', in gradient sync's buckets: the edge out of
+        such an op into one that splits the batch is priced as that queued sync, not as a
+        blocking all-reduce in the backward. Not knowing the plan, the values with no gradient
+        they may read are those that do not depend on the batch (positions, folded masks)."""
         kind = {nc.node: nc.kind for nc in self.space.nodes}
-        found: dict[fx.Node, torch.dtype] = {}
         data: set[fx.Node] = set()   # what depends on the batch
         for nc in self.space.nodes:
-            inputs = nc.node.all_input_nodes
-            if nc.kind == "input" or any(i in data for i in inputs):
+            if nc.kind == "input" or any(i in data for i in nc.node.all_input_nodes):
                 data.add(nc.node)
-            if nc.kind == "op" and self._grad(nc.node) and all(
-                    kind.get(i) == "param" or i in found or not (self._grad(i) or i in data) for i in inputs):
-                dtypes = [found.get(i) or tensor_val(i).dtype for i in inputs if kind.get(i) == "param" or i in found]
-                found[nc.node] = max(dtypes, key=_itemsize, default=tensor_val(nc.node).dtype)
+        ops = [nc.node for nc in self.space.nodes if nc.kind == "op"]
+        found: dict[fx.Node, torch.dtype] = {}
+        for node in computed_from_parameters(ops, lambda n: kind.get(n) == "param", self._grad, lambda n: n not in data):
+            dtypes = [found.get(i) or tensor_val(i).dtype for i in node.all_input_nodes
+                      if kind.get(i) == "param" or i in found]
+            found[node] = max(dtypes, key=_itemsize, default=tensor_val(node).dtype)
         return found
 
     def _queued(self, src: NodeChoices) -> bool:
@@ -829,6 +786,11 @@ def _transposed(c: Cost) -> Cost:
     return Cost(**{n: t(getattr(c, n)) for n in _SUMMED}, comm_bytes=tuple(map(t, c.comm_bytes)), measured=t(c.measured))
 
 
+def _scalar(x):
+    """A grid's entry as a float (a sympy expression where the shape is symbolic)."""
+    return x if isinstance(x, sympy.Basic) else float(x)
+
+
 def _at(x, r: int, c: int):
     return x[r, c] if isinstance(x, np.ndarray) else x
 
@@ -847,8 +809,8 @@ class EdgeGrid:
         """The cost with source strategy ``pair[0]`` and destination strategy ``pair[1]``."""
         r, c, g = self.rows[pair[0]], self.cols[pair[1]], self.classes
         measured = _at(g.measured, r, c)
-        return Cost(**{n: float(_at(getattr(g, n), r, c)) for n in _SUMMED},
-                    comm_bytes=tuple(float(_at(b, r, c)) for b in g.comm_bytes),
+        return Cost(**{n: _scalar(_at(getattr(g, n), r, c)) for n in _SUMMED},
+                    comm_bytes=tuple(_scalar(_at(b, r, c)) for b in g.comm_bytes),
                     measured=measured if isinstance(measured, frozenset) else frozenset({"comm"} if measured else ()))
 
     def matrix(self, what: Callable[[Cost], float]) -> np.ndarray:

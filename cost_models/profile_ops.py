@@ -19,18 +19,17 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core.capture import tensor_val
-from autopar.core.execution import SHAPE_ARG_OPS, draws_whole_mask
-from autopar.core.placements import local_shape
+from autopar.core.ops import entry_for
+from autopar.core.ops.base import LocalCall
+from autopar.core.placements import largest_shard_shape
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import gradients
 from cost_models.profile import OpTime, op_key
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 
 def no_compute(node: fx.Node) -> bool:
     """Nodes with nothing of their own to time: picking an output of a multi-output op. Every other
@@ -86,32 +85,14 @@ def op_call(nc: NodeChoices, s: Strategy, mesh_shape: Sequence[int], grad: Mappi
         val = tensor_val(a)
         if val is None:  # a non-tensor graph value (a symbolic size): its recorded value
             return a.meta.get("val")
-        return torch.empty(local_shape(val.shape, next(placements), mesh_shape), dtype=val.dtype, device="meta",
+        return torch.empty(largest_shard_shape(val.shape, next(placements), mesh_shape), dtype=val.dtype, device="meta",
                            requires_grad=grad.get(a, False))
 
-    args, kwargs = pytree.tree_map(local, (tuple(node.args), dict(node.kwargs)))
-    if node.target in SHAPE_ARG_OPS:   # a view's target shape, made local as generated code makes it
-        args = (args[0], list(local_shape(tensor_val(node).shape, s.out, mesh_shape)), *args[2:])
-    if node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in s.ins[0]):
-        return _sharded_cross_entropy(args)
-    if draws_whole_mask(node, s.out):   # every rank draws the whole tensor's mask: timed as a whole dropout
-        whole = tensor_val(node.args[0])
-        x = torch.empty(whole.shape, dtype=whole.dtype, device="meta", requires_grad=grad.get(node.args[0], False))
-        return OpCall(node.target, (x, *args[1:]), kwargs)
-    return OpCall(node.target, args, kwargs)
-
-
-#: runtime.sharded_cross_entropy's arguments by position, defaults past (logits, target):
-#: weight, reduction, ignore_index.
-_CROSS_ENTROPY_DEFAULTS = (None, None, None, 1, -100)
-
-
-def _sharded_cross_entropy(args: tuple) -> OpCall:
-    """What ``runtime.sharded_cross_entropy`` runs on the local logits: log_softmax then
-    nll_loss_forward summing the local targets, which is cross_entropy_loss with reduction=sum.
-    Codegen passes the node's positional arguments only; the rest take the helper's defaults."""
-    logits, target, weight, _, ignore_index = args[:5] + _CROSS_ENTROPY_DEFAULTS[len(args):]
-    return OpCall(aten.cross_entropy_loss.default, (logits, target, weight, 2, ignore_index), {})
+    call = LocalCall(node.target, *pytree.tree_map(local, (tuple(node.args), dict(node.kwargs))))
+    entry = entry_for(node)
+    if entry is not None and entry.timed is not None:   # the op runs otherwise (``autopar.core.ops``)
+        call = entry.timed(call, node, s, mesh_shape, grad)
+    return OpCall(*call)
 
 
 def op_calls(space: StrategySpace, mesh_shape: Sequence[int]) -> list[OpCall]:

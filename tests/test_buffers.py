@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate
 import autopar
 from autopar import BufferWriteError, InputMismatchError, MeshSpec
 from autopar.core.capture import capture
-from autopar.core.execution import batch_statistics
+from autopar.core.ops.batch_norm import batch_statistics
 from autopar.core.strategies import build_space
 from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh

@@ -206,7 +206,7 @@ def test_no_backward_collective_for_a_tensor_without_gradient():
 def test_the_gradient_of_position_embeddings_is_summed_with_the_parameters():
     """Position embeddings (computed from a parameter and positions alone) run whole on every
     rank and are added to the batch split: their partial gradient is summed in gradient sync's
-    buckets with the parameters' (``codegen.generate.partial_passes``), not all-reduced blocking in
+    buckets with the parameters' (``autopar.core.gradients.partial_passes``), not all-reduced blocking in
     the backward; the token embeddings, computed from the batch, are not."""
     entry = get_model("gpt-tiny")
     args, kwargs = entry.example(4, 16)
@@ -589,8 +589,9 @@ def test_attention_flops_counted_for_cpu_models():
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2)])
 def test_edge_grids_price_every_pair_as_edge_does(mesh):
     """The planner prices edges as grids over distinct layouts (``CostModel.edge_grid``, every
-    axis once per distinct move); each pair must cost exactly what ``edge`` gives it alone, with
-    a profiled link on one collective (its pairs marked measured) and in-step factors."""
+    axis once per distinct move, strategies in classes); each pair must cost exactly what
+    ``edge``, the grid of that one pair, gives it: the classes merge no pairs that differ. With a
+    profiled link on one collective (its pairs marked measured) and in-step factors."""
     space = _space(mesh=mesh, hardware="cpu")
     shape = "x".join(map(str, mesh))
     profile = Profile({"device": "cpu"}, collectives={collective_key("all_gather", 2): Link(bandwidth=1e8, latency=1e-4)},

@@ -11,9 +11,12 @@ statistics and writing the buffers once more. Such plans are refused by name
 """
 from __future__ import annotations
 
+import torch.fx as fx
+
 from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import BufferWriteError
-from autopar.core.execution import batch_statistics, written_buffers
+from autopar.core.execution import storage_base, writes_in_place
+from autopar.core.ops.batch_norm import batch_statistics, running_statistics
 
 
 def whole_batch_state(captured: CapturedGraph) -> list[str]:
@@ -28,6 +31,20 @@ def whole_batch_state(captured: CapturedGraph) -> list[str]:
         writes = [f"{fqn} by {op}" for fqn, op in written.items()]
         reasons.append(f"its forward writes buffers in place ({_some(writes)})")
     return reasons
+
+
+def written_buffers(graph: fx.Graph, buffer_of: dict[str, str]) -> dict[str, str]:
+    """The buffers the forward writes in place (FQN -> the op that writes it first): by an op
+    whose schema says so (a counter's ``add_``), or a training batch norm's running statistics."""
+    out: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        targets = running_statistics(node) or ([storage_base(node.args[0])] if writes_in_place(node) else [])
+        for target in targets:
+            if target.name in buffer_of:
+                out.setdefault(buffer_of[target.name], str(node.target))
+    return out
 
 
 def refuse_split_steps(model_name: str, reasons: list[str], how: str | None, what_to_do: str) -> None:

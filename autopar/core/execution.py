@@ -1,8 +1,9 @@
-"""How each op executes in generated code, and which collective each placement change is.
+"""How ops execute in generated code, and which collective each placement change is.
 
 One statement read by the code generator (what it emits), the cost model (what it prices) and
 profiling (what it times), so that they cannot drift apart: if codegen changes how an op runs,
-the cost model's price changes with it.
+the cost model's price changes with it. What sets one op apart (cross-entropy split by batch, a
+batch norm's statistics, a dropout's whole mask...) is declared with that op in ``autopar.core.ops``.
 """
 from __future__ import annotations
 
@@ -46,43 +47,6 @@ GENERATED_NAMES = frozenset({
     "once", "attention_mask", "attention", "constants", "sync_batch_norm", "write_back",
 })
 
-#: Ops whose second argument is a shape, their output's: generated code passes this rank's local
-#: shape instead (every op runs on this rank's part, as the ATen op itself).
-SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-                 aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
-
-def draws_whole_mask(node: fx.Node, out: Placements) -> bool:
-    """Does generated code run this node as a dropout drawing the whole tensor's mask on every
-    rank (``runtime.dropout_mask``)? A training dropout with p > 0 whose output is split: each
-    rank keeps its part of the mask one device would draw. The cost model prices the whole draw."""
-    return (node.target is aten.dropout.default and bool(node.args[2]) and node.args[1] > 0
-            and any(isinstance(p, Shard) for p in out))
-
-
-def batch_statistics(node: fx.Node) -> bool:
-    """Does ``node`` normalise by its input's batch statistics (a batch_norm in training mode)?"""
-    if node.target is not aten.batch_norm.default:
-        return False
-    return bool(node.args[5] if len(node.args) > 5 else node.kwargs["training"])
-
-
-def statistics_axes(node: fx.Node, ins: tuple[Placements, ...]) -> tuple[int, ...]:
-    """The mesh axes over which a training batch_norm whose inputs are placed ``ins`` gathers the
-    statistics of the other ranks' parts (``codegen.batch_norm``): those splitting its input on a
-    dim other than the channels (dim 1). Empty for any other op, and in eval mode."""
-    if not batch_statistics(node):
-        return ()
-    return tuple(a for a, p in enumerate(ins[0]) if isinstance(p, Shard) and p.dim != 1)
-
-
-def running_statistics(node: fx.Node) -> list[fx.Node]:
-    """The buffers a training batch_norm updates in place (its running mean and variance); its
-    schema does not say it writes them, so ``writes_in_place`` does not see these writes."""
-    if not batch_statistics(node):
-        return []
-    return [a for a in node.args[3:5] if isinstance(a, fx.Node)]
-
-
 def writes_in_place(node: fx.Node) -> bool:
     """Does ``node`` write its first argument in place (``copy_``, ``masked_fill_``, ``index_put_``...)?"""
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
@@ -102,20 +66,6 @@ def storage_base(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and (node.target in VIEW_OPS or writes_in_place(node)) and node.args:
         node = node.args[0]
     return node
-
-
-def written_buffers(graph: fx.Graph, buffer_of: dict[str, str]) -> dict[str, str]:
-    """The buffers the forward writes in place (FQN -> the op that writes it first): by an op
-    whose schema says so (a counter's ``add_``), or a training batch norm's running statistics."""
-    out: dict[str, str] = {}
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        targets = running_statistics(node) or ([storage_base(node.args[0])] if writes_in_place(node) else [])
-        for target in targets:
-            if target.name in buffer_of:
-                out.setdefault(buffer_of[target.name], str(node.target))
-    return out
 
 
 #: Bytes of gradients the runtime reduces in one collective (DDP's default bucket), and of ZeRO-3

@@ -23,11 +23,11 @@ import torch
 import torch.fx as fx
 
 from autopar.core.capture import CapturedGraph, value_bytes
+from autopar.core.ops.attention import SDPA
 
 aten = torch.ops.aten
 FOLD_BYTES = 16 * 2**20
 _RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
-_SDPA = aten.scaled_dot_product_attention.default
 
 
 def foldable(captured: CapturedGraph, planned: Container[str], written: Container[str],
@@ -62,7 +62,7 @@ def attention_masks(graph: fx.Graph, folded: set[str]) -> list[str]:
     for node in graph.nodes:
         if node.name in folded:
             users = [u for u in node.users if u.name not in folded]
-            if users and all(u.target is _SDPA and len(u.args) > 3 and u.args[3] is node
+            if users and all(u.target is SDPA and len(u.args) > 3 and u.args[3] is node
                              and node not in u.args[:3] for u in users):
                 masks.append(node.name)
     return masks

@@ -110,6 +110,17 @@ def loss_weighting(captured: CapturedGraph) -> LossWeighting:
                          "weigh per microbatch", exact=False)
 
 
+def loss_with_gradients(captured: CapturedGraph) -> str | None:
+    """The mean cross-entropy whose sum over ranks ``train_step`` adds to a gradient bucket's
+    all-reduce (``codegen.grad_sync.GradSync.carry``): the counted loss (``loss_weighting``) where
+    it reaches the output alone (each rank's summand stays one up to there). It runs no collective
+    of its own: the cost model prices none, generated code returns this rank's summand."""
+    counted = loss_weighting(captured).counted
+    if counted and reaches_output_alone(next(n for n in captured.graph.nodes if n.name == counted)):
+        return counted
+    return None
+
+
 def reaches_output_alone(node: fx.Node) -> bool:
     """Does ``node``'s value reach the graph's output only through ops that leave it what it was
     (``_PASS``), used nowhere else? Then a rank's summand of it stays a summand up to the output."""

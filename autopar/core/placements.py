@@ -18,18 +18,23 @@ from autopar.core.errors import PlanFileError
 
 Placements = tuple[Placement, ...]
 
-def placement_str(p: Placement) -> str:
+def placement_str(p: Placement, code: bool = False) -> str:
+    """``S(d)``, ``R`` or ``P`` (``P(op)`` for a partial other than a sum; ``code``: ``Partial('op')``,
+    as generated code, which binds ``S``, ``R``, ``P`` and ``Partial``, writes it)."""
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Replicate):
         return "R"
     if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+        return "P" if p.reduce_op == "sum" else f"Partial({p.reduce_op!r})" if code else f"P({p.reduce_op})"
     raise PlanFileError(f"placement {p!r} is not one autopar plans with (Shard, Replicate, Partial)")
 
 
-def placements_str(ps: Sequence[Placement]) -> str:
-    return "(" + ", ".join(placement_str(p) for p in ps) + ")"
+def placements_str(ps: Sequence[Placement], code: bool = False) -> str:
+    """A placement per mesh axis, ``(S(0), R)``: in reports and plan files, and (``code``: a Python
+    tuple, ``(R,)`` for one axis) in generated code."""
+    body = ", ".join(placement_str(p, code) for p in ps)
+    return f"({body},)" if code and len(ps) == 1 else f"({body})"
 
 
 _SHARD = re.compile(r"S\((-?\d+)\)")
@@ -53,8 +58,11 @@ def is_split(p: Placement) -> bool:
     return isinstance(p, (Shard, Partial))
 
 
-def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Largest local shape over ranks (ceil division, as DTensor pads uneven shards)."""
+def largest_shard_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]
+                        ) -> tuple[int, ...]:
+    """The largest shape any rank holds of a tensor of global ``shape`` placed ``placements``
+    (ceil division: the slowest rank's, which the cost model prices; ``shard_shape_at`` gives one
+    rank's)."""
     out = list(shape)
     for p, n in zip(placements, mesh_shape):
         if isinstance(p, Shard):
@@ -118,6 +126,19 @@ def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
     return grad if ok else None
 
 
+def gathered_in_group(storage: Sequence[Placement], out: Sequence[Placement], want: Sequence[Placement],
+                      grad: Sequence[Placement], trains: bool = True) -> bool:
+    """Does this read of a ZeRO parameter (stored ``storage``, gathered to ``out``) fit its group's
+    gather (``codegen.zero3``)? It reads the gathered value (``want`` is ``out``) and, where the
+    parameter trains, gives its gradient (``grad``) back partial on the gathered axes, to be
+    reduce-scattered with the group's, and as stored on the others. The code generator gathers in
+    groups the parameters every read of which fits (``codegen.generate.gather_groups``), the others
+    one by one; the cost model prices a read that does not fit as gathered alone."""
+    axes = [a for a, (s, o) in enumerate(zip(storage, out)) if s != o]
+    return tuple(want) == tuple(out) and (not trains or all(
+        isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad))))
+
+
 def grad_target(out: Sequence[Placement], storage: Sequence[Placement] | None = None) -> tuple[Placement, ...]:
     """Where the gradient of a value placed ``out`` is kept: a parameter's storage placement, else
     the value's own placement, a partial sum's gradient being replicated (every summand has the
@@ -125,6 +146,22 @@ def grad_target(out: Sequence[Placement], storage: Sequence[Placement] | None = 
     if storage is not None:
         return tuple(storage)
     return tuple(Replicate() if isinstance(p, Partial) else p for p in out)
+
+
+def split_axes(placements: Sequence[Placement], dim: int) -> tuple[int, ...]:
+    """The mesh axes that split tensor dimension ``dim``, in mesh order."""
+    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
+
+
+def shard_shape_at(shape: Sequence[int], placements: Sequence[Placement], coords: Sequence[int],
+                   mesh_shape: Sequence[int]) -> list[int]:
+    """The shape of the part of a tensor of global ``shape`` placed ``placements`` that the rank
+    at mesh ``coords`` holds (``shard_range`` per dimension)."""
+    out = []
+    for d, size in enumerate(shape):
+        start, stop = shard_range(int(size), coords, split_axes(placements, d), mesh_shape)
+        out.append(stop - start)
+    return out
 
 
 def shard_range(size: int, coords: Sequence[int], axes: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, int]:

@@ -6,11 +6,14 @@ placement the output then has, and a name a reader knows (``batch``, ``column``,
 
 Rules are autopar's own, written per op family from the op's semantics (the families and the
 partial-sum algebra follow DTensor's rules, which the runtime then executes). Every op has at
-least the replicate rule; an op no family knows gets only that, with a warning naming it.
+least the replicate rule; an op no family knows gets only that, with a warning naming it. The
+rules of ops with special handling elsewhere (cross-entropy, attention, batch norm, embedding,
+dropout, views) are declared with that handling, in ``autopar.core.ops``; the families here are
+the ops that run as their ATen call.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +61,8 @@ def _norm(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _fits(size: int, n: int, even: bool) -> bool:
+def fits(size: int, n: int, even: bool) -> bool:
+    """Can a dim of ``size`` be split over ``n`` ranks (``even``: in equal parts)?"""
     return size >= n and (not even or size % n == 0)
 
 
@@ -76,7 +80,7 @@ def pointwise(v: OpView, n: int) -> list[AxisRule]:
     out = v.out_shape
     rules = [replicate(v)]
     for d in range(len(out)):
-        if not _fits(out[d], n, even=False):
+        if not fits(out[d], n, even=False):
             continue
         ins = []
         for shape in v.in_shapes:
@@ -110,7 +114,7 @@ def identity_dims(v: OpView, n: int, keep: Callable[[int], int | None], even: bo
     extra = (R,) * (len(v.in_shapes) - 1)
     for d in range(len(shape)):
         od = keep(d)
-        if od is not None and _fits(shape[d], n, even):
+        if od is not None and fits(shape[d], n, even):
             rules.append(AxisRule(Shard(od), (Shard(d),) + extra, "follow"))
     if partial:
         rules.append(AxisRule(P, (P,) + extra, "partial"))
@@ -186,7 +190,7 @@ def gather_scatter(v: OpView, n: int) -> list[AxisRule]:
         rules.append(AxisRule(P, tuple(R if i == 1 else P for i in range(len(v.in_shapes))), "partial"))
     for d in range(len(shape)):
         agree = all(len(s) == len(shape) and s[d] == shape[d] for s in v.in_shapes) and v.out_shape[d] == shape[d]
-        if d != dim and agree and _fits(shape[d], n, even=False):
+        if d != dim and agree and fits(shape[d], n, even=False):
             rules.append(AxisRule(Shard(d), (Shard(d),) * len(v.in_shapes), "follow"))
     return rules
 
@@ -206,9 +210,9 @@ def conv(v: OpView, n: int) -> list[AxisRule]:
     rules = [replicate(v)]
     if len(x) != len(weight):   # an unbatched input: no sample dim, and its channels come first
         return rules
-    if _fits(x[0], n, even=False):
+    if fits(x[0], n, even=False):
         rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
-    if v.arg(6, "groups", 1) == 1 and _fits(weight[0], n, even=True):   # no empty weights
+    if v.arg(6, "groups", 1) == 1 and fits(weight[0], n, even=True):   # no empty weights
         rules.append(AxisRule(Shard(1), (R,) + (Shard(0),) * (len(v.in_shapes) - 1), "column"))
     return rules
 
@@ -216,7 +220,7 @@ def conv(v: OpView, n: int) -> list[AxisRule]:
 def group_norm(v: OpView, n: int) -> list[AxisRule]:
     """group_norm(x, groups, weight, bias): statistics are per sample, so a batch split is exact."""
     rules = [replicate(v)]
-    if _fits(v.in_shapes[0][0], n, even=False):
+    if fits(v.in_shapes[0][0], n, even=False):
         rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
     return rules
 
@@ -244,25 +248,16 @@ def index(v: OpView, n: int) -> list[AxisRule]:
     rules = [replicate(v), AxisRule(P, (P,) + (R,) * len(idx_shapes), "partial")]
     for d in kept:
         od = (d if d < start else d - len(indexed) + nb) if adjacent else nb + kept.index(d)
-        if _fits(x[d], n, even=False):
+        if fits(x[d], n, even=False):
             rules.append(AxisRule(Shard(od), (Shard(d),) + (R,) * len(idx_shapes), "follow"))
     for j in range(nb):
         size = v.out_shape[start + j]
         ins = [Shard(j - (nb - len(s))) if j >= nb - len(s) and s[j - (nb - len(s))] == size else R for s in idx_shapes]
-        if _fits(size, n, even=False) and any(isinstance(p, Shard) for p in ins):
+        if fits(size, n, even=False) and any(isinstance(p, Shard) for p in ins):
             rules.append(AxisRule(Shard(start + j), (R, *ins), "index"))
     return rules
 
 
-def new_tensor(v: OpView, n: int) -> list[AxisRule]:
-    """``x.new_ones(size)`` and kin: x gives only dtype and device, so it is taken as it is
-    placed, and the output (made at this rank's local size) may be split on any dim."""
-    x = v.in_shapes[0]
-    given = [R] + [Shard(d) for d in range(len(x)) if _fits(x[d], n, even=False)]
-    if tensor_val(v.node.args[0]).dtype.is_floating_point:
-        given.append(P)
-    outs = [R] + [Shard(d) for d in range(len(v.out_shape)) if _fits(v.out_shape[d], n, even=False)]
-    return [AxisRule(o, (g,), "replicate" if o == R and g == R else "fresh") for o in outs for g in given]
 
 
 def baddbmm(v: OpView, n: int) -> list[AxisRule]:
@@ -277,9 +272,9 @@ def baddbmm(v: OpView, n: int) -> list[AxisRule]:
 
     rules = [replicate(v)]
     for d, ins, name in ((0, (Shard(0), Shard(0)), "batch"), (1, (Shard(1), R), "rows"), (2, (R, Shard(2)), "columns")):
-        if _fits(v.out_shape[d], n, even=False):
+        if fits(v.out_shape[d], n, even=False):
             rules.append(AxisRule(Shard(d), (bias_on(d), *ins), name))
-    if _fits(a[2], n, even=False):
+    if fits(a[2], n, even=False):
         rules.append(AxisRule(P, (P, Shard(2), Shard(1)), "reduction"))
     return rules
 
@@ -306,7 +301,7 @@ def stack(v: OpView, n: int) -> list[AxisRule]:
     dim = _norm(v.arg(1, "dim", 0), nd)
     rules = [replicate(v)]
     for d in range(nd - 1):
-        if _fits(v.in_shapes[0][d], n, even=False):
+        if fits(v.in_shapes[0][d], n, even=False):
             rules.append(AxisRule(Shard(d if d < dim else d + 1), tuple(Shard(d) for _ in v.in_shapes), "follow"))
     return rules
 
@@ -324,7 +319,7 @@ def histc(v: OpView, n: int) -> list[AxisRule]:
     if v.arg(2, "min", 0) >= v.arg(3, "max", 0):
         return [replicate(v)]
     return [replicate(v)] + [AxisRule(P, (Shard(d),), "partial-count") for d in range(len(shape))
-                             if _fits(shape[d], n, even=False)]
+                             if fits(shape[d], n, even=False)]
 
 
 def grouped_mm(v: OpView, n: int) -> list[AxisRule]:
@@ -334,27 +329,13 @@ def grouped_mm(v: OpView, n: int) -> list[AxisRule]:
     x, w = v.in_shapes[0], v.in_shapes[1]
     extra = (R,) * (len(v.in_shapes) - 2)
     rules = [replicate(v), AxisRule(P, (P, R) + extra, "partial")]
-    if _fits(w[2], n, even=False):
+    if fits(w[2], n, even=False):
         rules.append(AxisRule(Shard(1), (R, Shard(2)) + extra, "column"))
-    if _fits(x[1], n, even=False):
+    if fits(x[1], n, even=False):
         rules.append(AxisRule(P, (Shard(1), Shard(1)) + extra, "row"))
     return rules
 
 
-def batch_norm(v: OpView, n: int) -> list[AxisRule]:
-    """batch_norm(x, weight, bias, running_mean, running_var, ...): statistics are per channel,
-    so splitting the channels (dim 1; the per-channel tensors by their one dim) is exact. Split
-    by batch, a training batch norm gathers every rank's statistics over that axis
-    (``execution.statistics_axes``: SyncBatchNorm's semantics); in eval mode it reads the running
-    statistics, the same for every sample. The running statistics it writes are replicated
-    buffers, or their channels' part."""
-    x = v.in_shapes[0]
-    rules = [replicate(v)]
-    if _fits(x[0], n, even=False):
-        rules.append(AxisRule(Shard(0), (Shard(0),) + (R,) * (len(v.in_shapes) - 1), "batch"))
-    if len(x) > 1 and _fits(x[1], n, even=False):
-        rules.append(AxisRule(Shard(1), (Shard(1),) + (Shard(0),) * (len(v.in_shapes) - 1), "channels"))
-    return rules
 
 
 def unflatten(v: OpView, n: int) -> list[AxisRule]:
@@ -370,50 +351,15 @@ def cat(v: OpView, n: int) -> list[AxisRule]:
     dim = _norm(v.arg(1, "dim", 0), nd)
     rules = [replicate(v)]
     for d in range(nd):
-        if d != dim and _fits(v.out_shape[d], n, even=False) and all(len(s) == nd for s in v.in_shapes):
+        if d != dim and fits(v.out_shape[d], n, even=False) and all(len(s) == nd for s in v.in_shapes):
             rules.append(AxisRule(Shard(d), tuple(Shard(d) for _ in v.in_shapes), "follow"))
     return rules
 
 
-def expand(v: OpView, n: int) -> list[AxisRule]:
-    shape, out = v.in_shapes[0], v.out_shape
-    off = len(out) - len(shape)
-    return identity_dims(v, n, lambda d: d + off if shape[d] == out[d + off] else None, partial=False)
 
 
-def view(v: OpView, n: int) -> list[AxisRule]:
-    """Reshape: a dim keeps its shard when it maps to one output dim, or is the outer dim of a
-    split/merge group whose division by ``n`` keeps each rank's block contiguous."""
-    src, dst = v.in_shapes[0], v.out_shape
-    rules = [replicate(v)]
-    if v.node.args[0].meta["val"].is_contiguous():  # else reshape copies, and DTensor's copy of a partial reduces it
-        rules.append(AxisRule(P, (P,), "partial"))
-    for in_dim, out_dim, even in _view_groups(src, dst):
-        if _fits(src[in_dim], n, even) and (not even or dst[out_dim] % n == 0):
-            rules.append(AxisRule(Shard(out_dim), (Shard(in_dim),), "follow"))
-    return rules
 
 
-def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, bool]]:
-    """(input dim, output dim, needs even split) for the outer dim of each reshape group."""
-    groups, i, j = [], 0, 0
-    while i < len(src) and j < len(dst):
-        if src[i] == dst[j]:
-            if src[i] != 1:
-                groups.append((i, j, False))
-            i, j = i + 1, j + 1
-            continue
-        gi, gj, a, b = i, j, src[i], dst[j]
-        while a != b:
-            if a < b:
-                i += 1
-                a *= src[i]
-            else:
-                j += 1
-                b *= dst[j]
-        groups.append((gi, gj, True))
-        i, j = i + 1, j + 1
-    return groups
 
 
 def reduction(v: OpView, n: int) -> list[AxisRule]:
@@ -432,7 +378,7 @@ def reduction(v: OpView, n: int) -> list[AxisRule]:
     )
     target = v.node.target
     for d in dims:
-        if target in (aten.sum.dim_IntList, aten.sum.default) and _fits(shape[d], n, even=False):
+        if target in (aten.sum.dim_IntList, aten.sum.default) and fits(shape[d], n, even=False):
             rules.append(AxisRule(P, (Shard(d),), "partial-sum"))
     if target in (aten.sum.dim_IntList, aten.sum.default):
         rules.append(AxisRule(P, (P,), "partial"))
@@ -448,12 +394,12 @@ def linear(v: OpView, n: int) -> list[AxisRule]:
     nd = len(x)
     rules = [replicate(v)]
     for d in range(nd - 1):
-        if _fits(x[d], n, even=False):
+        if fits(x[d], n, even=False):
             name = "batch" if d == 0 else "seq"
             rules.append(AxisRule(Shard(d), (Shard(d), R) + ((R,) if has_bias else ()), name))
-    if _fits(w[0], n, even=False):
+    if fits(w[0], n, even=False):
         rules.append(AxisRule(Shard(nd - 1), (R, Shard(0)) + ((Shard(0),) if has_bias else ()), "column"))
-    if _fits(w[1], n, even=False):  # each rank adds 1/n of the bias to its partial sum
+    if fits(w[1], n, even=False):  # each rank adds 1/n of the bias to its partial sum
         rules.append(AxisRule(P, (Shard(nd - 1), Shard(1)) + ((P,) if has_bias else ()), "row"))
     rules.append(AxisRule(P, (P, R) + ((P,) if has_bias else ()), "partial"))
     return rules
@@ -469,13 +415,13 @@ def matmul(v: OpView, n: int) -> list[AxisRule]:
         da, db = d - (no - na), d - (no - nb)
         ia = Shard(da) if da >= 0 and a[da] == out[d] else R
         ib = Shard(db) if db >= 0 and b[db] == out[d] else R
-        if _fits(out[d], n, even=False):
+        if fits(out[d], n, even=False):
             rules.append(AxisRule(Shard(d), (ia, ib), "batch"))
-    if na >= 2 and _fits(a[-2], n, even=False):
+    if na >= 2 and fits(a[-2], n, even=False):
         rules.append(AxisRule(Shard(no - 2), (Shard(na - 2), R), "rows"))
-    if nb >= 2 and _fits(b[-1], n, even=False):
+    if nb >= 2 and fits(b[-1], n, even=False):
         rules.append(AxisRule(Shard(no - 1), (R, Shard(nb - 1)), "columns"))
-    if _fits(a[-1], n, even=False):
+    if fits(a[-1], n, even=False):
         rules.append(AxisRule(P, (Shard(na - 1), Shard(max(nb - 2, 0))), "reduction"))
     rules += [AxisRule(P, (P, R), "partial"), AxisRule(P, (R, P), "partial")]
     return rules
@@ -486,12 +432,12 @@ def addmm(v: OpView, n: int) -> list[AxisRule]:
     bias, a, b = v.in_shapes
     bias_cols = Shard(len(bias) - 1) if bias and bias[-1] == b[1] and bias[-1] > 1 else R
     rules = [replicate(v)]
-    if _fits(a[0], n, even=False):
+    if fits(a[0], n, even=False):
         bias_rows = Shard(0) if len(bias) == 2 and bias[0] == a[0] else R
         rules.append(AxisRule(Shard(0), (bias_rows, Shard(0), R), "batch"))
-    if _fits(b[1], n, even=False):
+    if fits(b[1], n, even=False):
         rules.append(AxisRule(Shard(1), (bias_cols, R, Shard(1)), "column"))
-    if _fits(a[1], n, even=False):
+    if fits(a[1], n, even=False):
         rules.append(AxisRule(P, (P, Shard(1), Shard(0)), "row"))
     return rules
 
@@ -504,19 +450,6 @@ def pad(v: OpView, n: int) -> list[AxisRule]:
     return identity_dims(v, n, lambda d: None if d in padded else d, partial=False)
 
 
-def embedding(v: OpView, n: int) -> list[AxisRule]:
-    """weight[V, D] indexed by ids: batch (ids), embedding dim (weight cols), vocab (weight rows -> partial)."""
-    w, ids = v.in_shapes
-    out_nd = len(v.out_shape)
-    rules = [replicate(v)]
-    for d in range(len(ids)):
-        if _fits(ids[d], n, even=False):
-            rules.append(AxisRule(Shard(d), (R, Shard(d)), "batch" if d == 0 else "seq"))
-    if _fits(w[1], n, even=False):
-        rules.append(AxisRule(Shard(out_nd - 1), (Shard(1), R), "embed-dim"))
-    if _fits(w[0], n, even=False):
-        rules.append(AxisRule(P, (Shard(0), R), "vocab"))
-    return rules
 
 
 def layer_norm(v: OpView, n: int) -> list[AxisRule]:
@@ -526,7 +459,7 @@ def layer_norm(v: OpView, n: int) -> list[AxisRule]:
     params = (R,) * (len(v.in_shapes) - 1)
     rules = [replicate(v)]
     for d in range(len(x) - norm_nd):
-        if _fits(x[d], n, even=False):
+        if fits(x[d], n, even=False):
             rules.append(AxisRule(Shard(d), (Shard(d),) + params, "batch" if d == 0 else "seq"))
     return rules
 
@@ -538,47 +471,8 @@ def rms_norm(v: OpView, n: int) -> list[AxisRule]:
     return [replicate(v)] + [
         AxisRule(Shard(d), (Shard(d),) + params, "batch" if d == 0 else "seq")
         for d in range(len(x) - norm_nd)
-        if _fits(x[d], n, even=False)
+        if fits(x[d], n, even=False)
     ]
-
-
-def attention(v: OpView, n: int) -> list[AxisRule]:
-    """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads).
-
-    Runs per shard locally, so both need an even split; a mask follows q where it has that dim.
-    """
-    q, k = v.in_shapes[0], v.in_shapes[1]
-    rules = [replicate(v)]
-    for d, name in ((0, "batch"), (1, "heads")):
-        if not (_fits(q[d], n, even=True) and _fits(k[d], n, even=True)):
-            continue
-        ins = [Shard(d), Shard(d), Shard(d)]
-        for extra in v.in_shapes[3:]:
-            de = d - (len(q) - len(extra))
-            if de >= 0 and extra[de] == q[d]:
-                ins.append(Shard(de))
-            elif de < 0 or extra[de] == 1:
-                ins.append(R)
-            else:
-                break
-        else:
-            rules.append(AxisRule(Shard(d), tuple(ins), name))
-    return rules
-
-
-def cross_entropy(v: OpView, n: int) -> list[AxisRule]:
-    """Loss over [N, C] logits: split the batch. The runtime sums the local losses (and, for a
-    mean, the counts of counted targets) over the split in one all-reduce: the loss is exact for
-    uneven splits and ignored targets, and replicated. A sum may also stay a partial sum."""
-    logits = v.in_shapes[0]
-    rules = [replicate(v)]
-    reduction = v.arg(3, "reduction", 1)
-    if (len(v.in_shapes) == 2 and _fits(logits[0], n, even=False) and reduction in (1, 2)
-            and v.arg(5, "label_smoothing", 0.0) == 0.0):
-        rules.append(AxisRule(R, (Shard(0), Shard(0)), "batch"))
-        if reduction == 2:
-            rules.append(AxisRule(P, (Shard(0), Shard(0)), "batch-partial"))
-    return rules
 
 
 RULES: dict[object, RuleFn] = {
@@ -586,21 +480,15 @@ RULES: dict[object, RuleFn] = {
     aten.addmm.default: addmm,
     aten.constant_pad_nd.default: pad, aten.pad.default: pad,
     aten.matmul.default: matmul, aten.mm.default: matmul, aten.bmm.default: matmul,
-    aten.embedding.default: embedding,
     aten.layer_norm.default: layer_norm,
     aten.rms_norm.default: rms_norm,
-    aten.scaled_dot_product_attention.default: attention,
-    aten.cross_entropy_loss.default: cross_entropy,
-    aten.view.default: view, aten.reshape.default: view, aten._unsafe_view.default: view,
-    aten.flatten.using_ints: view,
     aten.conv1d.default: conv, aten.conv2d.default: conv, aten.conv3d.default: conv,
-    aten.group_norm.default: group_norm, aten.batch_norm.default: batch_norm,
+    aten.group_norm.default: group_norm,
     aten.unflatten.int: unflatten,
     aten.transpose.int: transpose, aten.t.default: transpose,
     aten.permute.default: permute,
     aten.unsqueeze.default: unsqueeze,
     aten.squeeze.dim: squeeze, aten.squeeze.dims: squeeze, aten.squeeze.default: squeeze,
-    aten.expand.default: expand,
     aten.slice.Tensor: along_dim(1),
     aten.select.int: along_dim(1),
     aten.split.Tensor: along_dim(2), aten.split_with_sizes.default: along_dim(2), aten.chunk.default: along_dim(2),
@@ -613,8 +501,6 @@ RULES: dict[object, RuleFn] = {
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
     aten.masked_fill.Tensor: pointwise, aten.floor_divide.default: pointwise,
     aten.index.Tensor: index,
-    aten.new_ones.default: new_tensor, aten.new_zeros.default: new_tensor, aten.new_full.default: new_tensor,
-    aten.new_empty.default: new_tensor,
     aten.ones_like.default: same_dims, aten.zeros_like.default: same_dims, aten.full_like.default: same_dims,
     aten.empty_like.default: same_dims,
     aten.lift_fresh_copy.default: constant,
@@ -631,7 +517,7 @@ RULES: dict[object, RuleFn] = {
     aten.amax.default: reduction,
     aten.contiguous.default: same_dims, aten.clone.default: same_dims, aten.alias.default: same_dims,
     **{cast: same_dims for cast in CAST_OPS},
-    aten.detach.default: same_dims, aten.dropout.default: same_dims, aten.type_as.default: pointwise,
+    aten.detach.default: same_dims, aten.type_as.default: pointwise,
 }
 
 RULES_BY_NAME: dict[str, RuleFn] = {
@@ -639,8 +525,9 @@ RULES_BY_NAME: dict[str, RuleFn] = {
 }
 
 
-def rule_for(node: fx.Node) -> RuleFn | None:
-    """The rule family of a node, or None when only replication is known."""
+def family_rule(node: fx.Node) -> RuleFn | None:
+    """The rule family of a node, or None when only replication is known (``autopar.core.ops.rule_for``
+    looks at the op's own entry first)."""
     if node.target in RULES:
         return RULES[node.target]
     if str(node.target) in RULES_BY_NAME:   # ops of libraries autopar does not import
@@ -652,9 +539,11 @@ def rule_for(node: fx.Node) -> RuleFn | None:
     return None
 
 
-def axis_rules(node: fx.Node, in_shapes: tuple[tuple[int, ...], ...], out_shape: tuple[int, ...], n: int) -> list[AxisRule]:
+def apply_rule(fn: RuleFn | None, node: fx.Node, in_shapes: tuple[tuple[int, ...], ...], out_shape: tuple[int, ...],
+               n: int) -> list[AxisRule]:
+    """The rules ``fn`` gives ``node`` on a mesh axis of size ``n``: only replication where it has
+    none, on an axis of one or with no tensor input; no partial sums of integers."""
     v = OpView(node, in_shapes, out_shape)
-    fn = rule_for(node)
     if fn is None or not in_shapes or n == 1:
         return [replicate(v)]
     rules = fn(v, n)

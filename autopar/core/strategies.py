@@ -27,10 +27,11 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, output_shape, tensor_val
 from autopar.core.execution import writes_in_place, written_aliases
 from autopar.core.fold import foldable
-from autopar.core.loss_weights import loss_weighting, reaches_output_alone
+from autopar.core.loss_weights import loss_with_gradients
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import Placements, local_shape, placements_str
-from autopar.core.rules import AxisRule, axis_rules, rule_for
+from autopar.core.placements import Placements, largest_shard_shape, placements_str
+from autopar.core.ops import axis_rules, rule_for
+from autopar.core.rules import AxisRule
 
 log = logging.getLogger(__name__)
 R = Replicate()
@@ -97,8 +98,7 @@ class StrategySpace:
     nodes: list[NodeChoices]
     index: dict[fx.Node, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    # the mean cross-entropy whose sum over ranks ``train_step`` adds to a gradient bucket's
-    # all-reduce (``codegen.grad_sync.GradSync.carry``): no collective of its own
+    # the mean cross-entropy ``train_step`` sums with the gradients (``loss_weights.loss_with_gradients``)
     loss_with_gradients: str | None = None
     # the ops computed once, from shapes alone, and cached (``autopar.core.fold``): nothing a step
     folded: frozenset[str] = frozenset()
@@ -125,7 +125,7 @@ def tensor_placements(shape: tuple[int, ...], mesh: MeshSpec) -> list[Placements
         per_axis.append([R] + ([Shard(d) for d in range(len(shape)) if shape[d] >= n] if n > 1 else []))
     out = []
     for combo in itertools.product(*per_axis):
-        if all(s > 0 for s in local_shape(shape, combo, mesh.shape)) and _no_tiny_shards(shape, combo, mesh):
+        if all(s > 0 for s in largest_shard_shape(shape, combo, mesh.shape)) and _no_tiny_shards(shape, combo, mesh):
             out.append(tuple(combo))
     return out
 
@@ -272,9 +272,7 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
         msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
         warnings.append(msg)
         log.warning("autopar: %s", msg)
-    counted = loss_weighting(captured).counted
-    with_gradients = counted if counted and reaches_output_alone(next(n for n in captured.graph.nodes
-                                                                        if n.name == counted)) else None
+    with_gradients = loss_with_gradients(captured)
     folded = foldable(captured, {nc.node.name for nc in nodes}, {n.name for n in written})
     return StrategySpace(mesh, nodes, warnings=warnings, loss_with_gradients=with_gradients, folded=frozenset(folded))
 

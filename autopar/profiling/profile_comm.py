@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.core.placements import local_shape
+from autopar.core.placements import largest_shard_shape
 from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import FRESH_BUFFER_BYTES, OVERHEADS, collective_key
@@ -187,7 +187,7 @@ def _redistribution(mesh: DeviceMesh, axis: int, kind: str,
     cols = n * max(1, round(nbytes * per_buffer / (_ELEMENT_BYTES * n * n)))
     shape = torch.Size((n, cols))
     before, after = (_on_axis(mesh.ndim, axis, p) for p in REDISTRIBUTIONS[kind])
-    local = torch.randn(local_shape(shape, before, mesh.shape), dtype=_ELEMENT)
+    local = torch.randn(largest_shard_shape(shape, before, mesh.shape), dtype=_ELEMENT)
     x = DTensor.from_local(local, mesh, before, run_check=False, shape=shape, stride=(cols, 1))
     x.requires_grad_()  # as activations do: the autograd bookkeeping is part of the cost
     return n * cols * _ELEMENT_BYTES // per_buffer, lambda: redistribute(x, after), 1

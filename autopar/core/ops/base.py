@@ -1,0 +1,152 @@
+"""The op registry: what sets an op apart from the rest, declared once, beside its sharding rule.
+
+Most ops need no entry: a rule family of ``autopar.core.rules`` splits them, generated code calls
+the ATen op on local tensors, profiling times that call and the cost model prices its FLOPs and
+bytes. An op that differs anywhere gets an ``OpEntry``, filled in by decorators in its family's
+module of this package (as DTensor registers a sharding strategy beside its op), each hook
+optional:
+
+* ``@rule(op)``: its sharding rule for one mesh axis (``rules.RuleFn``);
+* ``@emitter(op)``: how generated code runs it (``Emitter``, ``Site``), or False: as a plain call;
+* ``@timed(op)``: the call profiling times for it, which the cost model then looks up;
+* ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
+* ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead.
+
+Hooks get a node's placements as ``Placed`` (a ``Strategy`` while planning, a ``NodePlan`` in
+code generation). ``docs/ops.md`` walks through cross-entropy's entry.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+import torch
+import torch.fx as fx
+
+from autopar.core.errors import AutoparError
+from autopar.core.placements import Placements
+
+if TYPE_CHECKING:
+    from autopar.core.plan import NodePlan
+    from autopar.core.rules import RuleFn
+
+
+class Placed(Protocol):
+    """A node's placements under one choice: ``ins`` per flat tensor input, ``out``."""
+
+    @property
+    def ins(self) -> tuple[Placements, ...]: ...
+
+    @property
+    def out(self) -> Placements: ...
+
+
+class LocalCall(NamedTuple):
+    """One op call as a rank runs it: its target and arguments (meta tensors of local shapes)."""
+
+    target: Any
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+class Collective(NamedTuple):
+    """A collective an op runs inside itself: a tensor of ``shape`` and ``dtype`` moved from
+    placements ``src`` to ``dst`` (priced as ``CostModel.redistribute`` prices a move)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src: Placements
+    dst: Placements
+
+
+class Kept(NamedTuple):
+    """What an op's backward keeps: inputs by position, its output, and other bytes (whole op)."""
+
+    inputs: frozenset[int]
+    output: bool
+    extra_bytes: Any
+
+
+@dataclass(frozen=True)
+class Site:
+    """One op as its emitter sees it: the node, its plan, its tensor inputs, the variable each is
+    read from (``reads``: moves already emitted), its line's comment and positional arguments."""
+
+    node: fx.Node
+    plan: NodePlan
+    inputs: list[fx.Node]
+    reads: dict[str, str]
+    comment: str
+    args: str
+
+    def read(self, node: fx.Node) -> str:
+        """The variable holding this rank's part of input ``node``, placed as the op reads it."""
+        return self.reads.get(node.name, node.name)
+
+
+class Emitter(Protocol):
+    """What the code generator (``codegen.generate._Emitter``) offers an op's emitter."""
+
+    axes: Sequence[str]                # mesh axis names
+    sizes: Any                         # ``codegen.generate.LocalSizes``: this rank's sizes, as text
+    outputs: str                       # ``codegen.generate.OutputMode``
+    counted_loss: str | None           # the loss whose target count comes as ``loss_count``
+    loss_with_gradients: str | None    # the loss ``train_step`` sums with the gradients
+    counts_loss: bool                  # the code reads ``loss_count``
+    loss_summed_over: tuple[int, ...]  # the loss returned is this rank's summand over these axes
+    masked_attention: set[str]         # SDPA nodes reading a folded mask
+    unlike_dtensor: set[str]           # values split as an uneven view splits them
+
+    def emit(self, line: str, comment: str = "") -> None: ...
+
+    def call_text(self, node: fx.Node, reads: dict[str, str], shape: str | None = None) -> str: ...
+
+
+EmitFn = Callable[[Emitter, Site], bool]
+TimedFn = Callable[[LocalCall, fx.Node, Placed, Sequence[int], Mapping[fx.Node, bool]], LocalCall]
+CollectivesFn = Callable[[fx.Node, Placed, Sequence[int], bool, "str | None"], list[Collective]]
+SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
+
+
+@dataclass
+class OpEntry:
+    """One op's special handling (see the module docstring); None where it is like any op."""
+
+    target: Any
+    rule: RuleFn | None = None
+    emit: EmitFn | None = None
+    timed: TimedFn | None = None
+    collectives: CollectivesFn | None = None
+    saved: SavedFn | None = None
+
+
+#: op -> its entry, filled in as the modules of ``autopar.core.ops`` are imported.
+REGISTRY: dict[Any, OpEntry] = {}
+
+F = TypeVar("F", bound=Callable)
+
+
+def _registrar(hook: str) -> Callable[..., Callable[[F], F]]:
+    """A decorator factory setting ``hook`` of the entries of the ops it names."""
+
+    def register(*targets: Any) -> Callable[[F], F]:
+        def decorate(fn: F) -> F:
+            for target in targets:
+                entry = REGISTRY.setdefault(target, OpEntry(target))
+                if getattr(entry, hook) is not None:
+                    raise AutoparError(f"{target} has two {hook} hooks: {getattr(entry, hook).__qualname__} "
+                                       f"and {fn.__qualname__}; an op is declared in one module")
+                setattr(entry, hook, fn)
+            return fn
+        return decorate
+
+    register.__doc__ = f"Register the decorated function as the ``{hook}`` hook of ``targets``."
+    return register
+
+
+rule = _registrar("rule")
+emitter = _registrar("emit")
+timed = _registrar("timed")
+collectives = _registrar("collectives")
+saved = _registrar("saved")

@@ -1,0 +1,102 @@
+"""Cross-entropy (``aten.cross_entropy_loss``) split by batch: exact for uneven splits and ignored
+targets.
+
+Each rank computes the sum of its targets' losses (``codegen.runtime.sharded_cross_entropy``);
+one all-reduce over the axes that split the batch sums them, with the targets' count for a mean.
+Where ``train_step`` knows the whole batch's target count (``loss_count``), the local sum is
+divided by it and the all-reduce only launched; the mean loss it sums with the gradients
+(``loss_with_gradients``) needs none of its own (``codegen.grad_sync.GradSync.carry``).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.core.ops.base import Collective, Emitter, LocalCall, Placed, Site, collectives, emitter, rule, timed
+from autopar.core.rules import AxisRule, OpView, fits, replicate
+
+CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+
+
+@rule(CROSS_ENTROPY)
+def cross_entropy(v: OpView, n: int) -> list[AxisRule]:
+    """Loss over [N, C] logits: split the batch. The runtime sums the local losses (and, for a
+    mean, the counts of counted targets) over the split in one all-reduce: the loss is exact for
+    uneven splits and ignored targets, and replicated. A sum may also stay a partial sum."""
+    logits = v.in_shapes[0]
+    rules = [replicate(v)]
+    reduction = v.arg(3, "reduction", 1)
+    if (len(v.in_shapes) == 2 and fits(logits[0], n, even=False) and reduction in (1, 2)
+            and v.arg(5, "label_smoothing", 0.0) == 0.0):
+        rules.append(AxisRule(Replicate(), (Shard(0), Shard(0)), "batch"))
+        if reduction == 2:
+            rules.append(AxisRule(Partial(), (Shard(0), Shard(0)), "batch-partial"))
+    return rules
+
+
+def _split(placed: Placed) -> bool:
+    """Does this rank hold part of the batch (the runtime's sharded loss runs)?"""
+    return any(isinstance(p, Shard) for p in placed.ins[0])
+
+
+def summed_axes(placed: Placed) -> tuple[int, ...]:
+    """The mesh axes the local losses are summed over: those splitting the batch, the loss whole."""
+    return tuple(a for a, (i, o) in enumerate(zip(placed.ins[0], placed.out))
+                 if isinstance(i, Shard) and isinstance(o, Replicate))
+
+
+@emitter(CROSS_ENTROPY)
+def emit(em: Emitter, site: Site) -> bool:
+    """``sharded_cross_entropy`` where the batch is split; the loss ``train_step`` sums with the
+    gradients returns this rank's summand (``loss_summed_over``)."""
+    node, np_ = site.node, site.plan
+    if not _split(np_):
+        return False
+    summed = summed_axes(np_)
+    over = ", ".join(em.axes[a] for a in summed)
+    counted = node.name == em.counted_loss and bool(summed)
+    em.counts_loss |= counted
+    if counted and em.outputs == "loss" and node.name == em.loss_with_gradients:
+        em.loss_summed_over = summed
+        em.emit(f"{node.name} = sharded_cross_entropy({site.args}, mesh=mesh, summed_over=(), count=loss_count)",
+                f"{np_.strategy} -> this rank's summand, divided by the "
+                f"batch's target count: train_step sums it over {over} in a gradient bucket's all-reduce")
+    else:
+        em.emit(f"{node.name} = sharded_cross_entropy({site.args}, mesh=mesh, summed_over={summed}"
+                f"{', count=loss_count' if counted else ''})",
+                site.comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
+                + (", divided by the batch's target count (launched: the gradient does not wait for it)"
+                   if counted else ""))
+    return True
+
+
+#: ``sharded_cross_entropy``'s arguments by position, defaults past (logits, target): weight,
+#: reduction, ignore_index.
+_DEFAULTS = (None, None, None, 1, -100)
+
+
+@timed(CROSS_ENTROPY)
+def local_loss(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
+               grad: Mapping[fx.Node, bool]) -> LocalCall:
+    """Split, what the runtime runs on the local logits: log_softmax then nll_loss_forward summing
+    the local targets, which is cross_entropy_loss with reduction=sum. Codegen passes the node's
+    positional arguments only; the rest take the helper's defaults."""
+    if not _split(placed):
+        return call
+    logits, target, weight, _, ignore_index = call.args[:5] + _DEFAULTS[len(call.args):]
+    return LocalCall(CROSS_ENTROPY, (logits, target, weight, 2, ignore_index), {})
+
+
+@collectives(CROSS_ENTROPY)
+def loss_sum(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: bool,
+             loss_with_gradients: str | None) -> list[Collective]:
+    """A loss over a split batch made whole sums the local loss and target count over the split
+    axes, but for the mean that ``train_step`` sums in a gradient bucket's all-reduce."""
+    if node.name == loss_with_gradients:
+        return []
+    summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o
+                   for i, o in zip(placed.ins[0], placed.out))
+    return [Collective((2,), torch.float32, summed, placed.out)] if summed != tuple(placed.out) else []

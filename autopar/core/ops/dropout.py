@@ -1,0 +1,51 @@
+"""Dropout (``aten.dropout``): split, every rank draws the whole tensor's mask as one device draws
+it (every rank's generator alike) and keeps its part (``codegen.runtime.dropout_mask``), so a
+split dropout equals one device's; profiling times (and the cost model prices) the whole draw.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autopar.core.capture import tensor_val
+from autopar.core.ops.base import Emitter, LocalCall, Placed, Site, emitter, rule, timed
+from autopar.core.placements import Placements
+from autopar.core.rules import same_dims
+
+DROPOUT = torch.ops.aten.dropout.default
+
+rule(DROPOUT)(same_dims)
+
+
+def draws_whole_mask(node: fx.Node, out: Placements) -> bool:
+    """Does generated code run this node as a dropout drawing the whole tensor's mask on every
+    rank? A training dropout with p > 0 whose output is split."""
+    return (node.target is DROPOUT and bool(node.args[2]) and node.args[1] > 0
+            and any(isinstance(p, Shard) for p in out))
+
+
+@emitter(DROPOUT)
+def emit(em: Emitter, site: Site) -> bool:
+    """The whole mask, cut to this rank's part (a view), times this rank's input."""
+    node, np_ = site.node, site.plan
+    if not draws_whole_mask(node, np_.out):
+        return False
+    shape = list(tensor_val(node).shape)
+    mask = em.sizes.part(f"dropout_mask({site.read(node.args[0])}, {node.args[1]!r}, {shape})", shape, np_.out)
+    em.emit(f"{node.name} = {site.read(node.args[0])} * {mask}", site.comment + "; the whole tensor's mask, drawn as "
+            "one device draws it (every rank's generator alike), cut to this rank's part")
+    return True
+
+
+@timed(DROPOUT)
+def whole_draw(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
+               grad: Mapping[fx.Node, bool]) -> LocalCall:
+    """Drawing the whole mask: timed as a dropout of the whole tensor."""
+    if not draws_whole_mask(node, placed.out):
+        return call
+    whole = tensor_val(node.args[0])
+    x = torch.empty(whole.shape, dtype=whole.dtype, device="meta", requires_grad=grad.get(node.args[0], False))
+    return LocalCall(node.target, (x, *call.args[1:]), call.kwargs)

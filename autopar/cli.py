@@ -34,10 +34,10 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from autopar.core.errors import AutoparError, MeshError
-from autopar.core.progress import ENV as PROGRESS_ENV
-from autopar.core.precision import PRECISIONS
 from autopar.core.blocks import RECOMPUTE
+from autopar.core.errors import AutoparError, MeshError
+from autopar.core.precision import PRECISIONS
+from autopar.core.progress import ENV as PROGRESS_ENV
 from autopar.planning.options import OFFLOAD, PlanOptions
 from cost_models.estimate import OPTIMIZERS
 
@@ -144,9 +144,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     import autopar
-    from autopar.models.zoo import get_model
     from autopar.core.hardware import get_hardware
     from autopar.core.units import fmt
+    from autopar.models.zoo import get_model
 
     spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
     get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
@@ -361,11 +361,11 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     import torch
 
     import autopar
-    from autopar.profiling.launch import run_on_gloo_mesh
     from autopar.core.mesh import MeshSpec
     from autopar.core.report import step_with_band
     from autopar.core.units import fmt
     from autopar.models.zoo import get_model
+    from autopar.profiling.launch import run_on_gloo_mesh
 
     say = _progress if verbose else (lambda msg: None)
     _check_positive(steps=steps, batch=batch, seq=seq)

@@ -13,7 +13,6 @@ from torch.utils import _pytree as pytree
 
 import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
-from codegen.outputs import handed_over, settle
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
@@ -23,6 +22,7 @@ from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
 from codegen.modes import as_named
+from codegen.outputs import handed_over, settle
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params, stored_as

@@ -29,17 +29,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
-from codegen.outputs import Pending, handed_over, settle
 from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
 from autopar.core.loss_weights import loss_weighting
@@ -48,6 +46,7 @@ from autopar.core.plan import Plan, rank_of_stage
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, compile_source, grad_sync_of
+from codegen.outputs import Pending, handed_over, settle
 from codegen.stages import StageCode
 from codegen.zero3 import GatheredParams
 

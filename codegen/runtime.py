@@ -23,8 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, local_tensor_mode,
-                                            maybe_disable_local_tensor_mode)
+from torch.distributed._local_tensor import (
+    LocalIntNode,
+    LocalTensor,
+    local_tensor_mode,
+    maybe_disable_local_tensor_mode,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement

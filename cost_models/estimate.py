@@ -31,21 +31,25 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_fl
 
 from autopar.core.blocks import RECOMPUTE, block_of, recompute_modes, recomputed_regions
 from autopar.core.capture import tensor_val
-from autopar.core.execution import (BUCKET_BYTES, VIEW_OPS, axis_collective, moves, running_statistics,
-                                    statistics_axes)
 from autopar.core.errors import AutoparError
+from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves, running_statistics, statistics_axes
+from autopar.core.hardware import Hardware, get_hardware
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import (Placements, grad_placement, grad_target, is_split, local_shape,
-                                     shard_fraction)
+from autopar.core.placements import Placements, grad_placement, grad_target, is_split, local_shape, shard_fraction
 from autopar.core.precision import reduce_dtype
-from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
+from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time, minimum
 from cost_models.efficiency import efficiency_of, op_seconds
-from autopar.core.hardware import Hardware, get_hardware
-from cost_models.profile import (FRESH_BUFFER_BYTES, PER_MIB_OVERHEADS, OpTime, Profile, calibration_key,
-                                 runtime_overhead)
+from cost_models.profile import (
+    FRESH_BUFFER_BYTES,
+    PER_MIB_OVERHEADS,
+    OpTime,
+    Profile,
+    calibration_key,
+    runtime_overhead,
+)
 from solver import Term
 
 log = logging.getLogger(__name__)
@@ -473,7 +477,7 @@ class CostModel:
         """The profile's forward and backward seconds of this op call, as measured alone."""
         if self.profile is None or not self.profile.ops:
             return None
-        from cost_models.profile_ops import op_call   # profiling is optional: import on use
+        from cost_models.profile_ops import op_call  # profiling is optional: import on use
         call = op_call(nc, s, self.mesh.shape, self.saved.grad)
         return self.profile.ops.get(call.key) if call is not None else None
 

@@ -9,8 +9,7 @@ import autopar
 from autopar import MeshSpec
 from autopar.core.errors import AutoparError
 from autopar.planning.baselines import candidates
-from tests.equivalence import meta_model, build, make_batches
-from tests.equivalence import check_training, local_runner
+from tests.equivalence import build, check_training, local_runner, make_batches, meta_model
 
 R = Replicate()
 
@@ -134,9 +133,9 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     is solved past it (each used to get the least solve time again), and the clock says which."""
     from types import SimpleNamespace
 
+    from autopar.core.capture import capture
     from autopar.planning import baselines
     from autopar.planning.clock import Clock
-    from autopar.core.capture import capture
     from autopar.planning.problem import prepare
 
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)

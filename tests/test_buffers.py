@@ -19,8 +19,17 @@ from autopar.core.execution import batch_statistics
 from autopar.core.strategies import build_space
 from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, tight_budget,
-                               train_reference, train_steps)
+from tests.equivalence import (
+    ATOL,
+    RTOL,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    tight_budget,
+    train_reference,
+    train_steps,
+)
 
 
 class SmallCNN(nn.Module):

@@ -1,9 +1,8 @@
 """Tests of the ``autopar`` command line (autopar/cli.py) and the planning report (autopar/report.py)."""
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import io
 import os
 import re

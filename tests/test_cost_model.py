@@ -11,17 +11,17 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import MeshSpec
-from autopar.planning.baselines import candidates
 from autopar.core.capture import capture
-from autopar.planning.options import PlanOptions
-from autopar.planning.planner import plan_captured
 from autopar.core.placements import grad_placement, grad_target
 from autopar.core.strategies import Strategy, all_replicated, build_space
 from autopar.models.zoo import get_model
-from cost_models.estimate import Cost, CostModel, get_optimizer
-from cost_models.comm import Link, collective_time
-from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
+from autopar.planning.baselines import candidates
+from autopar.planning.options import PlanOptions
+from autopar.planning.planner import plan_captured
 from cost_models.activations import gradients
+from cost_models.comm import Link, collective_time
+from cost_models.estimate import Cost, CostModel, get_optimizer
+from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline, step_costs
 from tests.strategy_cases import TiedLM

@@ -12,8 +12,19 @@ import autopar
 from autopar import MeshSpec
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, loss_of, make_batches,
-                               padded_batches, tight_budget, train_reference)
+from tests.equivalence import (
+    ATOL,
+    RTOL,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    loss_of,
+    make_batches,
+    padded_batches,
+    tight_budget,
+    train_reference,
+)
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
 MESHES = [(1,), (2,), (3,), (4,), (2, 2)]

@@ -15,10 +15,10 @@ import codegen.module as module
 import codegen.runtime as runtime
 from autopar.core.capture import capture
 from autopar.core.execution import written_aliases
+from autopar.core.fold import foldable
 from autopar.core.mesh import MeshSpec
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_local_tensor_mesh
-from autopar.core.fold import foldable
 from tests.equivalence import build, check_training, local_runner, make_batches
 
 

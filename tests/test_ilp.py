@@ -9,9 +9,21 @@ from dataclasses import replace
 
 import pytest
 
-from solver import (Edge, InfeasibleProblem, MemoryBounds, Problem, Row, Solution, SolverError, Term, evaluate,
-                    memory_bounds, restrict, solve)
-from solver import ilp
+from solver import (
+    Edge,
+    InfeasibleProblem,
+    MemoryBounds,
+    Problem,
+    Row,
+    Solution,
+    SolverError,
+    Term,
+    evaluate,
+    ilp,
+    memory_bounds,
+    restrict,
+    solve,
+)
 
 GIB = float(1 << 30)
 

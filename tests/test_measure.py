@@ -10,12 +10,32 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.errors import AutoparError
-from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import (cpu_peak_growth, live_bytes, loss_of, measure_training, ratio_in_rounds,
-                                       slowest_rank_steps, time_in_turns, turn_order)
 from autopar.models.zoo import get_model
-from benchmarks.cost_accuracy import (Config, error_pct, finish_record, format_summary, format_table, measure_config,
-                                      parse_plan_args, plan_config, select_configs, summarize, table_row, verdicts)
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import (
+    cpu_peak_growth,
+    live_bytes,
+    loss_of,
+    measure_training,
+    ratio_in_rounds,
+    slowest_rank_steps,
+    time_in_turns,
+    turn_order,
+)
+from benchmarks.cost_accuracy import (
+    Config,
+    error_pct,
+    finish_record,
+    format_summary,
+    format_table,
+    measure_config,
+    parse_plan_args,
+    plan_config,
+    select_configs,
+    summarize,
+    table_row,
+    verdicts,
+)
 
 MiB = 2**20
 

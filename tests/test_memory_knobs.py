@@ -28,8 +28,19 @@ from autopar.core.microbatch import batch_size, split
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.recompute import checkpointed
-from tests.equivalence import (build, check_training, gloo_runner, local_runner, loss_of, make_batches, meta_model,
-                               padded_batches, train_reference, train_steps, TOLERANCES)
+from tests.equivalence import (
+    TOLERANCES,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    loss_of,
+    make_batches,
+    meta_model,
+    padded_batches,
+    train_reference,
+    train_steps,
+)
 
 MODELS = ["gpt-tiny", "llama-tiny", "gpt2-tiny"]
 

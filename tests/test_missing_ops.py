@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 
 import autopar
-
+from autopar.cli import main
 from autopar.core.capture import capture
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.strategies import build_space
-from autopar.profiling.missing_ops import quiet
 from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
-from autopar.cli import main
+from autopar.profiling.missing_ops import quiet
 from cost_models.comm import COLLECTIVE_KINDS, Link
 from cost_models.profile import OVERHEADS, OpTime, Profile, calibration_key, collective_key, local_fingerprint
 from cost_models.profile_ops import op_calls

@@ -19,15 +19,14 @@ from autopar.core.errors import AutoparError, InputMismatchError, MeshError, Pla
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, microbatch_capture
 from autopar.core.plan import Plan
+from autopar.core.strategies import build_space
 from autopar.planning.baselines import pipeline_hand_plans
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import priced_workloads
-from autopar.core.strategies import build_space
+from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
 from cost_models.profile import OpTime, Profile, local_fingerprint
 from cost_models.profile_ops import op_calls
-from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (RTOL, ATOL, build, loss_of, make_batches, padded_batches, train_reference,
-                               train_steps)
+from tests.equivalence import ATOL, RTOL, build, loss_of, make_batches, padded_batches, train_reference, train_steps
 
 #: Every schedule of ``torch.distributed.pipelining`` the planner may pick, with its stages per rank.
 SCHEDULES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2), ("ScheduleLoopedBFS", 2),

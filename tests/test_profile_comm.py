@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
-from cost_models.profile import OVERHEADS, collective_key
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.profile_comm import _axes_by_size, _pipeline_overheads, fit_link, profile_mesh
+from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
+from cost_models.profile import OVERHEADS, collective_key
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 SIZES = [4096 * 4**i for i in range(7)]

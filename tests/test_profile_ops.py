@@ -12,8 +12,8 @@ from torch.distributed.tensor import Shard
 
 from autopar import MeshSpec
 from autopar.core.capture import capture
-from autopar.models import GPT, GPTConfig
 from autopar.core.strategies import StrategySpace, build_space
+from autopar.models import GPT, GPTConfig
 from autopar.models.zoo import get_model
 from cost_models.activations import gradients
 from cost_models.profile_ops import OpCall, no_compute, op_call, op_calls, time_op_calls

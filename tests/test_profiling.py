@@ -10,10 +10,19 @@ import pytest
 import autopar
 from autopar import MeshSpec
 from autopar.models.zoo import get_model
-from cost_models.comm import Link
-from cost_models.profile import OVERHEADS, PROFILE_VERSION, OpTime, Profile, ProfileError, default_profile_path
 from autopar.profiling.profiler import profile_model
-from cost_models.profile import find_profile, local_fingerprint, resolve_profile
+from cost_models.comm import Link
+from cost_models.profile import (
+    OVERHEADS,
+    PROFILE_VERSION,
+    OpTime,
+    Profile,
+    ProfileError,
+    default_profile_path,
+    find_profile,
+    local_fingerprint,
+    resolve_profile,
+)
 
 
 def _profile(fingerprint: dict) -> Profile:
@@ -142,7 +151,7 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     reuses the ops and overheads factors, timing no replicated plan again; a calibrated shape is
     not calibrated again."""
     from autopar.profiling import profiler as profiling
-    from autopar.profiling.profiler import _Row, _calibrate, _uncalibrated
+    from autopar.profiling.profiler import _calibrate, _Row, _uncalibrated
 
     asked = []
 

@@ -7,11 +7,11 @@ import torch
 import autopar
 from autopar import MeshSpec
 from autopar.core.capture import capture
-from autopar.planning.problem import prepare
 from autopar.planning.options import PlanOptions
+from autopar.planning.problem import prepare
 from autopar.planning.shrink import is_follower
 from tests import deep_gpt
-from tests.equivalence import meta_model, check_training, local_runner
+from tests.equivalence import check_training, local_runner, meta_model
 
 
 def _planning(name: str, mesh: tuple[int, ...], **options):

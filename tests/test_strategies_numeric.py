@@ -32,11 +32,11 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from autopar.core.capture import capture
-from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import placements_str
-from autopar.planning.planner import plan_captured
 from autopar.core.strategies import Strategy, build_space
+from autopar.planning.planner import plan_captured
+from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.module import ShardedModule
 from tests.strategy_cases import CASES, Case, Pre, TiedLM
 

@@ -12,17 +12,16 @@ import torch
 
 from autopar import AutoparError, MeshSpec
 from autopar.api import plan as make_plan
-from autopar.core.execution import VIEW_OPS
 from autopar.core.capture import capture
-from autopar.models.gpt import GPT, GPTConfig
+from autopar.core.execution import VIEW_OPS
 from autopar.core.plan import Plan
-from autopar.planning.planner import plan_captured
 from autopar.core.strategies import build_space
-from autopar.planning.symbolic import B, S, GraphMismatchError, align_plan, closed_forms, symbolic_plan_costs
-from cost_models.schedule import step_costs
+from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.zoo import get_model
+from autopar.planning.planner import plan_captured
+from autopar.planning.symbolic import B, GraphMismatchError, S, align_plan, closed_forms, symbolic_plan_costs
 from cost_models.estimate import CostModel
-from cost_models.schedule import Timeline
+from cost_models.schedule import Timeline, step_costs
 
 # name: (zoo model, mesh, planned (batch, seq), re-costed (batch, seq))
 CASES = {

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.config
-from torch.fx._lazy_graph_module import _use_lazy_graph_module   # private; torch is pinned (setup.py)
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch is pinned (setup.py)
 from torch.utils import _pytree as pytree
 
-from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
+from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.precision import ComputeIn, check_precision
 
 

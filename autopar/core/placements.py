@@ -7,7 +7,6 @@ the few pure functions on them used by every stage: text form (reports, JSON), l
 from __future__ import annotations
 
 import math
-
 import re
 from collections.abc import Iterable, Sequence
 

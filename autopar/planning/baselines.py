@@ -35,20 +35,25 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.core.execution import CAST_OPS, VIEW_OPS
-from autopar.core.capture import as_args, capture
-from autopar.core.capture import CapturedGraph
+from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
+from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
-from autopar.planning.clock import Clock, Deadline
-from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import (PipelineChoice, job_setting, pipeline_choice, pipeline_layouts, pipelined,
-                                      sub_mesh)
-from autopar.planning.problem import Planning, prepare, solve_planning
 from autopar.core.strategies import NodeChoices, Strategy
 from autopar.core.units import fmt
+from autopar.planning.clock import Clock, Deadline
+from autopar.planning.options import PlanOptions
+from autopar.planning.pipeline import (
+    PipelineChoice,
+    job_setting,
+    pipeline_choice,
+    pipeline_layouts,
+    pipelined,
+    sub_mesh,
+)
+from autopar.planning.problem import Planning, prepare, solve_planning
 
 __all__ = ["candidates", "hand_plans", "ROLES"]
 

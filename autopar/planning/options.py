@@ -8,11 +8,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from autopar.core.blocks import RECOMPUTE
 from autopar.core.errors import AutoparError
 from autopar.core.hardware import get_hardware
 from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import check_precision
-from autopar.core.blocks import RECOMPUTE
 from autopar.planning.pipeline import PipelineChoice, pipeline_choice
 from cost_models.estimate import get_optimizer
 from cost_models.profile import Profile

@@ -30,12 +30,12 @@ from torch.distributed.tensor import Replicate
 from autopar.core.blocks import Block, repeated_blocks
 from autopar.core.capture import CapturedGraph, readable_name, value_bytes
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
-from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
-from autopar.core.units import fmt
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec, split_first_axis
+from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.placements import shard_fraction
 from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan, rank_of_stage
+from autopar.core.units import fmt
 from autopar.planning.clock import Deadline, Once
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank

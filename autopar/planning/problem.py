@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -21,18 +21,28 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows
 from autopar.core.plan import NodePlan, Plan, Prediction
-from autopar.planning.shrink import Grouping, group
-from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
-from autopar.core.units import fmt
 from autopar.core.progress import StatusLine, doing
+from autopar.core.strategies import Strategy, StrategySpace, alias_strategies, build_space
+from autopar.core.units import fmt
 from autopar.planning.clock import STAGES, Clock, Deadline
 from autopar.planning.options import PlanOptions
+from autopar.planning.shrink import Grouping, group
 from cost_models.confidence import band_of, basis_of, step_flops
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import resolve_profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
-from solver import (Edge, InfeasibleProblem, MemoryBounds, Problem, Solution, SolverError, SolverTimeout, Term,
-                    restrict, solve)
+from solver import (
+    Edge,
+    InfeasibleProblem,
+    MemoryBounds,
+    Problem,
+    Solution,
+    SolverError,
+    SolverTimeout,
+    Term,
+    restrict,
+    solve,
+)
 
 log = logging.getLogger("autopar")
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autopar.core.execution import VIEW_OPS
 from autopar.core.capture import output_shape
+from autopar.core.execution import VIEW_OPS
 from autopar.core.strategies import StrategySpace
 
 # Blocks needed before sharing pays off: first and last stay free, the ones between share.

@@ -37,12 +37,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from autopar.core.execution import IDENTITY_OPS, VIEW_OPS
 from autopar.core.capture import CapturedGraph, capture, check_inputs, tensor_val
 from autopar.core.errors import AutoparError
+from autopar.core.execution import IDENTITY_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec
-from autopar.core.plan import NodePlan, Plan
 from autopar.core.placements import Placements
+from autopar.core.plan import NodePlan, Plan
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace, _no_tiny_shards, build_space
 from cost_models.estimate import Cost, CostModel, _dim, get_optimizer
 from cost_models.schedule import StepPrediction, Timeline, step_costs

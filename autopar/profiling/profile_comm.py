@@ -27,8 +27,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.core.placements import local_shape
+from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import FRESH_BUFFER_BYTES, OVERHEADS, collective_key

@@ -24,24 +24,32 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
+from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
-from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.core.plan import Plan
+from autopar.core.strategies import Strategy, StrategySpace, all_replicated, build_space
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import hand_plans
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured, priced_workloads
 from autopar.planning.problem import prepare
+from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.missing_ops import quiet, time_on_every_rank
-from autopar.core.mesh import MeshSpec, as_mesh_spec
-from autopar.core.plan import Plan
-from autopar.core.strategies import Strategy, StrategySpace, all_replicated, build_space
-from codegen.module import ShardedModule
-from cost_models.estimate import CostModel
-from cost_models.comm import COLLECTIVE_KINDS
-from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
-                                 default_profile_path, local_fingerprint)
 from autopar.profiling.profile_comm import measure_mesh, print_progress, time_overlap
+from codegen.module import ShardedModule
+from cost_models.comm import COLLECTIVE_KINDS
+from cost_models.estimate import CostModel
+from cost_models.profile import (
+    OpTime,
+    Profile,
+    ProfileError,
+    StaleProfileError,
+    calibration_key,
+    collective_key,
+    default_profile_path,
+    local_fingerprint,
+)
 from cost_models.profile_ops import OpCall, op_calls
 from cost_models.schedule import Timeline, parameter_saving, step_costs
 

@@ -195,7 +195,7 @@ def _pipeline(text: str) -> str | bool | dict:
         return text
     parts = text.split(":")
     fields: dict = {"schedule": parts[0]}
-    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:]):
+    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:], strict=False):
         fields[key] = value if key == "axis" or value == "auto" else _count(value)
     return fields
 
@@ -404,7 +404,7 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     timings["distributed run"] = time.perf_counter() - t0
     say(f"distributed run done in {timings['distributed run']:.1f} s")
     r0 = results[0]
-    diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"])]
+    diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"], strict=True)]
     return {"plan": plan, "losses": r0["losses"], "reference_losses": r0["reference_losses"],
             "max_abs_diff": max(diffs), "code": r0["code"], "timings": timings, "batch": batch, "seq": seq,
             "step_s": r0["step_s"], "ddp_step_s": r0["ddp_step_s"]}
@@ -456,7 +456,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Training: {args.steps} AdamW steps (lr {DEMO_LR:g}) cycling through {DEMO_DISTINCT_BATCHES} fixed random "
           f"batches of {batch} x {seq} tokens, sharded on {plan.mesh.size} gloo processes vs. one device:")
     rows = [(str(i), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}")
-            for i, (a, b) in enumerate(zip(result["losses"], result["reference_losses"]))]
+            for i, (a, b) in enumerate(zip(result["losses"], result["reference_losses"], strict=True))]
     headers = ("step", "autopar loss", "single-device loss", "abs diff")
     w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     print("  " + " | ".join(h.rjust(w[i]) for i, h in enumerate(headers)))

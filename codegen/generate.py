@@ -64,7 +64,7 @@ def direct_grad(param: fx.Node, np_: NodePlan, plan: dict[str, NodePlan], passes
         if up is None:
             return None
         uses += [(want, given_grad(want, up, passes.get(user.name, ())))
-                 for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is param]
+                 for inp, want in zip(flat_tensor_inputs(user), up.ins, strict=True) if inp is param]
     return read_as_stored(np_.storage, np_.out, uses, trains)
 
 
@@ -111,7 +111,7 @@ def _gives_partial(user: fx.Node, node: fx.Node, axis: int, out: Placements, pla
     if user.op != "call_function" or up is None:   # an output, a getitem of a multi-output op
         return False
     return all(want == out and isinstance(given_grad(want, up, passes.get(user.name, ()))[axis], Partial)
-               for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is node)
+               for inp, want in zip(flat_tensor_inputs(user), up.ins, strict=True) if inp is node)
 
 
 def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Placements:
@@ -172,7 +172,7 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
     np_ = plan.get(param.name)
     if np_ is None or np_.storage == np_.out:
         return None
-    axes = tuple(a for a, (s, o) in enumerate(zip(np_.storage, np_.out)) if s != o)
+    axes = tuple(a for a, (s, o) in enumerate(zip(np_.storage, np_.out, strict=True)) if s != o)
     dims = {np_.storage[a].dim if isinstance(np_.storage[a], Shard) else None for a in axes}
     dim = dims.pop()
     if dims or dim is None or any(not isinstance(np_.out[a], Replicate) for a in axes) or (
@@ -191,7 +191,7 @@ def _gathered_axes(param: fx.Node, plan: dict[str, NodePlan], passes: Passes, me
         up = plan.get(user.name)
         if up is None:
             return None
-        for inp, want in zip(flat_tensor_inputs(user), up.ins):
+        for inp, want in zip(flat_tensor_inputs(user), up.ins, strict=True):
             if inp is param:
                 grad = given_grad(want, up, passes.get(user.name, ()))
                 if want != np_.out or trains and any(
@@ -214,7 +214,7 @@ def _dtype(captured: CapturedGraph, name: str) -> torch.dtype:
 def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) -> str:
     """Name the collective(s) a redistribution performs, per mesh axis (``execution.axis_collective``)."""
     steps = []
-    for a, s, d in zip(axes, src, dst):
+    for a, s, d in zip(axes, src, dst, strict=True):
         kind = axis_collective(s, d)
         if kind is not None:
             steps.append(f"{kind.replace('_', '-')} over {a}")
@@ -556,11 +556,11 @@ class _Emitter:
         """The variable each tensor input of ``node`` (those in ``only``) is read from, placed as
         the op needs: moves are emitted here, once per placement (``operand``)."""
         inputs = flat_tensor_inputs(node)
-        rows = {want for inp, want in zip(inputs, np_.ins)   # read as they lie, whole rows of an uneven split
+        rows = {want for inp, want in zip(inputs, np_.ins, strict=True)   # read as they lie, whole rows of an uneven split
                 if inp.name in self.unlike_dtensor and self.out_of.get(inp.name) == want}
         return {inp.name: self.operand(inp, want, given_grad(want, np_, self.passes.get(node.name, ())),
                                        f"{node.name} ({np_.strategy}) needs {placements_str(want)}", want in rows)
-                for inp, want in zip(inputs, np_.ins) if only is None or inp.name in only}
+                for inp, want in zip(inputs, np_.ins, strict=True) if only is None or inp.name in only}
 
     def rows_sliced(self, node: fx.Node, have: Placements, want: Placements, why: str) -> str | None:
         """A flattened value without gradient that the consumer reads split where another of its
@@ -571,7 +571,7 @@ class _Emitter:
         split = [d for d in range(len(tensor_val(node).shape))
                  if any(a not in _split_axes(have, d) for a in _split_axes(want, d))]
         if (not split or any(d not in units for d in split)
-                or any(h != w and not (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want))):
+                or any(h != w and not (isinstance(h, Replicate) and isinstance(w, Shard)) for h, w in zip(have, want, strict=True))):
             return None
         key = (node.name, placements_str(want), "rows")
         if key not in self.placed:
@@ -690,7 +690,7 @@ class _Emitter:
         args = ", ".join(self.arg(a, rename) for a in node.args)
         from_uneven = False
         if inputs and node.target is aten.cross_entropy_loss.default and any(isinstance(p, Shard) for p in np_.ins[0]):
-            summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out)) if isinstance(i, Shard) and isinstance(o, Replicate))
+            summed = tuple(a for a, (i, o) in enumerate(zip(np_.ins[0], np_.out, strict=True)) if isinstance(i, Shard) and isinstance(o, Replicate))
             over = ", ".join(self.axes[a] for a in summed)
             counted = node.name == self.counted_loss and bool(summed)
             self.counts_loss |= counted
@@ -751,7 +751,7 @@ class _Emitter:
     def output(self, node: fx.Node) -> None:
         specs = self.captured.program.graph_signature.output_specs
         outs = node.args[0]
-        user = [o for o, s in zip(outs, specs) if s.kind == OutputKind.USER_OUTPUT]
+        user = [o for o, s in zip(outs, specs, strict=True) if s.kind == OutputKind.USER_OUTPUT]
 
         def wrap(x: Any) -> str:
             self.emit_read(getattr(x, "name", None))   # a parameter returned as it is
@@ -876,7 +876,7 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
         functions = []
         cuts = [lines_of[name][0] for name in starts]
         for (lines, stage, reads_once), offset in zip(split_stages(body, cuts, captured.user_inputs, set(kept)),
-                                                      [0, *cuts]):
+                                                      [0, *cuts], strict=True):
             lines = with_regions(lines, offset, {*COMMON_ARGUMENTS, *stage.inputs})
             functions.append("\n".join([stage_signature(stage), *([once] if reads_once else []), *lines]))
             stages.append(replace(stage, state=frozenset(em.stage_state[len(stages)])))

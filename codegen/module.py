@@ -207,7 +207,7 @@ class ShardedModule(nn.Module):
         weights = weighting.weights(counts, len(parts)) if len(parts) > 1 else [1.0]
         losses: list[torch.Tensor | Carried] = []
         try:
-            for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights)):
+            for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights, strict=True)):
                 self._grad_sync.sync = i == len(forwards) - 1
                 loss = self._run(forward, flat, counts[i] if counts else None)[weighting.index]   # logits dropped
                 summed = forward.code.loss_summed_over   # a summand: summed with the gradients
@@ -215,7 +215,7 @@ class ShardedModule(nn.Module):
                 torch.autograd.backward(loss, _filled_like(loss, weight))   # the seed reads no value
         finally:
             self._grad_sync.sync = True
-        return sum(_value(loss) * weight for loss, weight in zip(losses, weights))
+        return sum(_value(loss) * weight for loss, weight in zip(losses, weights, strict=True))
 
     def _forward_of(self, args: tuple, kwargs: dict, outputs: OutputMode) -> tuple[Forward, list[Any]]:
         """The generated forward for these inputs' shapes returning ``outputs`` so, and the inputs

@@ -216,9 +216,9 @@ def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement]
     mesh order over the ``split`` axes), each put where DTensor's chunking places it
     (``shard_range``)."""
     out = torch.empty(tuple(shape), dtype=pieces.dtype, device=pieces.device)
-    for piece, split_coords in zip(pieces, itertools.product(*(range(mesh.shape[a]) for a in split))):
+    for piece, split_coords in zip(pieces, itertools.product(*(range(mesh.shape[a]) for a in split)), strict=True):
         coords = [0] * mesh.ndim
-        for a, c in zip(split, split_coords):
+        for a, c in zip(split, split_coords, strict=True):
             coords[a] = c
         region = out
         for d, size in enumerate(shape):

@@ -215,7 +215,7 @@ class PipelinedModule(ShardedModule):
             raise InputMismatchError(f"this pipeline runs batches of {self.plan.batch_size} rows; got "
                                      f"{batch_size(args, kwargs)}. Compile for this batch size")
         flats = [self._flat(a, k) for a, k in parts]
-        counts = self._weighting.counts([(f, batch_size(*p)) for f, p in zip(flats, parts)]) \
+        counts = self._weighting.counts([(f, batch_size(*p)) for f, p in zip(flats, parts, strict=True)]) \
             if self._weighting.count is not None else None
         outputs = []
         with torch.no_grad():
@@ -268,7 +268,7 @@ def _merge(parts: Sequence[Any], weights: Sequence[float], is_loss: bool) -> Any
     tensors concatenated, anything else as the first microbatch gave it."""
     first = parts[0]
     if is_loss:
-        return sum(p * w for p, w in zip(parts, weights))
+        return sum(p * w for p, w in zip(parts, weights, strict=True))
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return torch.cat(list(parts))
     return first

@@ -113,7 +113,7 @@ class Cost:
         a = self.comm_bytes + (0.0,) * (n - len(self.comm_bytes))
         b = o.comm_bytes + (0.0,) * (n - len(o.comm_bytes))
         summed = {name: getattr(self, name) + getattr(o, name) for name in _SUMMED}
-        return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b)), measured=self.measured | o.measured)
+        return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b, strict=True)), measured=self.measured | o.measured)
 
     @property
     def time_s(self) -> float:
@@ -214,7 +214,7 @@ class CostModel:
             full = _numel(shape) * _itemsize(dtype)
             times = 1 if once else self.microbatches
             blocking, waiting, sent, measured = 0.0, 0.0, [], False
-            for a, (s, d) in enumerate(zip(src, dst)):
+            for a, (s, d) in enumerate(zip(src, dst, strict=True)):
                 reduced = _reduced(queued, s)
                 t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), reduced, batched)
                 blocking, waiting = (blocking, waiting + t) if reduced else (blocking + t, waiting)
@@ -244,7 +244,7 @@ class CostModel:
             cols, col_keys = _classes([d[a] for d in dsts])
             reduced = np.array([_reduced(queued, s) for s, _ in row_keys])
             table = np.array([[self._axis_move(a, s, d, nbytes, r) for d in col_keys]
-                              for (s, nbytes), r in zip(row_keys, reduced)])
+                              for (s, nbytes), r in zip(row_keys, reduced, strict=True)])
             terms.append(Term(rows, cols, np.where(reduced[:, None], 0.0, table[..., 0]) * self.comm_scale * times))
             table, reduced = table[np.ix_(rows, cols)], reduced[rows][:, None]   # [source, destination, (seconds, bytes, measured)]
             blocking += np.where(reduced, 0.0, table[..., 0])
@@ -355,7 +355,7 @@ class CostModel:
 
     def input_bytes(self, nc: NodeChoices, s: Strategy, floating_only: bool = False) -> list[float]:
         """Local bytes of each of the node's tensor inputs under strategy ``s``."""
-        return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
+        return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins, strict=True)
                 if not floating_only or tensor_val(i).dtype.is_floating_point]
 
     def _accumulates(self, s: Strategy) -> bool:
@@ -419,7 +419,7 @@ class CostModel:
         moved = self._working_bytes(nc, s)
         flops = self.flops(nc.node) / split
         if self.efficiency is not None and not (flops == 0 and moved == 0):
-            shapes = [local_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
+            shapes = [local_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins, strict=True)]
             fwd, bwd = op_seconds(nc.node, shapes, flops, moved, self.efficiency, self.hw, val.dtype)
         else:
             fwd = compute_time(flops, moved, self.hw, val.dtype)
@@ -438,7 +438,7 @@ class CostModel:
         if (nc.node.target is not torch.ops.aten.cross_entropy_loss.default
                 or nc.node.name == self.space.loss_with_gradients):
             return Cost()
-        summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out))
+        summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o for i, o in zip(s.ins[0], s.out, strict=True))
         return self.redistribute((2,), torch.float32, summed, s.out) if summed != tuple(s.out) else Cost()
 
     def _batch_statistics(self, nc: NodeChoices, s: Strategy) -> Cost:
@@ -645,7 +645,7 @@ class CostModel:
         among the parameter's readers (seconds, blocking)."""
         if storage in (None, out):
             return 0.0
-        axes = [a for a, (st, o) in enumerate(zip(storage, out)) if st != o]
+        axes = [a for a, (st, o) in enumerate(zip(storage, out, strict=True)) if st != o]
         if inp == out and (not src.trains or (self._grad_flows(src) and all(
                 isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad))))):
             return 0.0   # grouped (a frozen parameter's reads need no gradient placement)
@@ -811,7 +811,7 @@ def _arrival(grad: Placements, target: Placements) -> Placements:
     """Where a parameter read's gradient ``grad`` reaches the parameter (placed ``target``): the
     read's redistribution, differentiated, moves it there but for its partial sums, which
     gradient sync reduces (``_reduced``)."""
-    return tuple(g if isinstance(g, Partial) else t for g, t in zip(grad, target))
+    return tuple(g if isinstance(g, Partial) else t for g, t in zip(grad, target, strict=True))
 
 
 def _reduced(queued: bool, src: Placement) -> bool:

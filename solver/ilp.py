@@ -187,7 +187,7 @@ class _Data:
     def peak(self, choices: Sequence[int]) -> float:
         moments = [sum(float(self.moment(r, i)[c]) for i, c in enumerate(choices))
                    for r in range(len(self.memory_rows) + 1)]
-        work = max((float(t[c]) for t, c in zip(self.transient, choices)), default=0.0) if self.transient else 0.0
+        work = max((float(t[c]) for t, c in zip(self.transient, choices, strict=True)), default=0.0) if self.transient else 0.0
         return max(moments) + work
 
     def exposed_time(self, choices: Sequence[int]) -> float:
@@ -406,7 +406,7 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
     k = data.k
     linear = [c.copy() for c in data.costs]
     merged: dict[tuple[int, int], dict[tuple, Term]] = {}   # per edge: its terms, by class partition
-    for edge, m, terms in zip(problem.edges, data.edges, data.terms):
+    for edge, m, terms in zip(problem.edges, data.edges, data.terms, strict=True):
         u, v = edge.src, edge.dst
         if u == v:  # self-loop: both ends take the node's single choice
             linear[u] += np.diag(m)
@@ -508,7 +508,7 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         lo = float(red.linear[i].min())
         offset += lo
         blocks.append((x_ids[i], red.linear[i] - lo))
-    for pair, base in zip(red.pairs, e_ids):
+    for pair, base in zip(red.pairs, e_ids, strict=True):
         blocks.append((range(base, base + pair.core.size), pair.core.ravel()))
     scale = max((float(vals.max()) for _, vals in blocks), default=0.0) or 1.0
     obj = proto.objective.linear_coefficients
@@ -542,7 +542,7 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
 
     for i in free:  # one-hot
         add_row(x_ids[i], [1.0] * k[i], 1.0, 1.0)
-    for pair, base in zip(red.pairs, e_ids):  # marginals of the pair variables (x ids < e ids)
+    for pair, base in zip(red.pairs, e_ids, strict=True):  # marginals of the pair variables (x ids < e ids)
         u, v = pair.u, pair.v
         nu, nv = pair.core.shape
         for p in range(nu):
@@ -559,7 +559,7 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         if t_id is not None:
             for i in range(len(k)):
                 if i in x_ids:   # T >= transient of the chosen strategy
-                    add_sparse({**dict(zip(x_ids[i], (data.transient[i] / mscale).tolist())), t_id: -1.0}, -math.inf, 0.0)
+                    add_sparse({**dict(zip(x_ids[i], (data.transient[i] / mscale).tolist(), strict=True)), t_id: -1.0}, -math.inf, 0.0)
                 else:
                     fixed_work = max(fixed_work, float(data.transient[i][0]))
             var.lower_bounds[t_id] = fixed_work / mscale
@@ -580,7 +580,7 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
         terms = {}
         for i, v in nodes.items():
             if i in x_ids:
-                terms.update(zip(x_ids[i], v.tolist()))
+                terms.update(zip(x_ids[i], v.tolist(), strict=True))
             else:
                 constant += float(v[0])
         terms[x_id] = -1.0
@@ -634,8 +634,8 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
     for pair in red.pairs:
         adjacency[pair.u].append((pair, True))
         adjacency[pair.v].append((pair, False))
-    used = sum(m[:, c] for m, c in zip(per_node, choices)) if k else np.zeros(len(moments))
-    work = max((float(t[c]) for t, c in zip(data.transient, choices)), default=0.0) if data.transient else 0.0
+    used = sum(m[:, c] for m, c in zip(per_node, choices, strict=True)) if k else np.zeros(len(moments))
+    work = max((float(t[c]) for t, c in zip(data.transient, choices, strict=True)), default=0.0) if data.transient else 0.0
     for _ in range(_MAX_SWEEPS):
         moved = False
         for i, nbrs in adjacency.items():
@@ -666,7 +666,7 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     ``allowed[i][c]`` of the original (hand plans as pinned versions of the planner's problem)."""
     if all(a is None for a in allowed):
         return problem
-    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed)]
+    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed, strict=True)]
     if any(len(k) == 0 for k in keep):
         raise SolverError("restrict: every node needs at least one allowed choice")
 
@@ -677,8 +677,8 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
         return Row(tuple((i, pick(v, i)) for i, v in r.nodes), r.constant)
 
     warm = None
-    if problem.warm_start is not None and all(c in k for c, k in zip(problem.warm_start, keep)):
-        warm = tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(problem.warm_start, keep))
+    if problem.warm_start is not None and all(c in k for c, k in zip(problem.warm_start, keep, strict=True)):
+        warm = tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(problem.warm_start, keep, strict=True))
     return Problem(
         costs=tuple(pick(c, i) for i, c in enumerate(problem.costs)),
         memory=tuple(pick(m, i) for i, m in enumerate(problem.memory)),
@@ -706,7 +706,7 @@ def evaluate(problem: Problem, choices: Sequence[int]) -> tuple[float, float]:
 
 def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[float, float]:
     obj = sum(float(data.costs[i][c]) for i, c in enumerate(choices))
-    obj += sum(float(m[choices[e.src], choices[e.dst]]) for e, m in zip(problem.edges, data.edges))
+    obj += sum(float(m[choices[e.src], choices[e.dst]]) for e, m in zip(problem.edges, data.edges, strict=True))
     return obj + data.exposed_time(choices), data.peak(choices)
 
 
@@ -745,10 +745,10 @@ def solve(problem: Problem, time_limit: float | None = None, solver: str = "high
     hint_values = np.zeros(len(built.proto.variables.ids))
     for i, ids in built.x_ids.items():
         hint_values[ids[hint[i]]] = 1.0
-    for pair, base in zip(red.pairs, built.e_ids):
+    for pair, base in zip(red.pairs, built.e_ids, strict=True):
         hint_values[base + pair.rows[hint[pair.u]] * pair.core.shape[1] + pair.cols[hint[pair.v]]] = 1.0
     if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
-        hint_values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
+        hint_values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint, strict=True)) / built.t_scale
     if built.exposed_id is not None:
         hint_values[built.exposed_id] = data.exposed_time(hint)
 

@@ -135,7 +135,7 @@ def check_training(name: str | Callable[[], torch.nn.Module], batch: int, seq: i
     rtol, loss_atol, atol = TOLERANCES[precision]
     ref_losses, ref_state = train_reference(name, batches, precision)
     losses, state, plan = runner(mesh_shape, name, batches, plan_options)
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         for r, value in enumerate(got):
             assert abs(value - want) <= loss_atol + rtol * abs(want), f"step {step} rank {r}: loss {value} != {want}"
     assert state.keys() == ref_state.keys()

@@ -503,7 +503,7 @@ def test_parameters_are_priced_plain_only_in_a_plan_that_splits_none_and_reads_t
         bare, _ = step_costs(space, roofline, chosen)
         i = space.index[bias.node]
         assert costs[i].compute_s - bare[i].compute_s == pytest.approx(prices[name]), name
-        assert PricedSpace(space, model).step_costs([nc.strategies.index(s) for nc, s in zip(space.nodes, chosen)])[0][i] \
+        assert PricedSpace(space, model).step_costs([nc.strategies.index(s) for nc, s in zip(space.nodes, chosen, strict=True)])[0][i] \
             == costs[i]
 
 
@@ -519,7 +519,7 @@ def test_the_runtime_keeps_parameters_plain_exactly_where_they_are_priced_plain(
     captured, space, plans = _scaled_plans()
     x = torch.randn(4, 8)
     for name, chosen in plans.items():
-        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind in ("param", "op")}
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind in ("param", "op")}
         plan = plan_captured(captured, space.mesh, forced=forced)
 
         def body(mesh, plan=plan):

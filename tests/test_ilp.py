@@ -138,7 +138,7 @@ def test_memory_bounds_of_a_restriction_need_no_new_problem(seed: int) -> None:
                    for c in problem.costs]
         least = bounds.least(allowed)
         assert least == pytest.approx(memory_bounds(restrict(problem, allowed))[0])
-        options = [range(len(c)) if a is None else a for c, a in zip(problem.costs, allowed)]
+        options = [range(len(c)) if a is None else a for c, a in zip(problem.costs, allowed, strict=True)]
         assert least <= min(evaluate(problem, c)[1] for c in itertools.product(*options)) * (1 + 1e-12)
 
 

@@ -230,7 +230,7 @@ def test_every_run_follows_every_other_equally_often(n):
     rounds = n if n % 2 == 0 else 2 * n
     orders = [turn_order(n, r) for r in range(rounds)]
     assert all(sorted(order) == list(range(n)) for order in orders)
-    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:], strict=False))
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1
     assert sorted(order[0] for order in orders[:n]) == list(range(n))
@@ -279,7 +279,7 @@ def test_plan_and_measure_a_config_on_a_gloo_mesh():
     ranks = r["launches"][0]["ranks"]
     assert r["status"] == "ok" and [x["rank"] for x in ranks] == [0, 1] and len(r["launches"]) == 2
     assert all(x["threads"] == 1 and 0 < x["baseline_bytes"] < x["peak_bytes"] for x in ranks)
-    pooled = [max(a, b) for launch in r["launches"] for a, b in zip(*(x["step_s_all"] for x in launch["ranks"]))]
+    pooled = [max(a, b) for launch in r["launches"] for a, b in zip(*(x["step_s_all"] for x in launch["ranks"]), strict=True)]
     assert r["measured_step_s"] == statistics.median(pooled)
     # Each launch's peak is its highest rank's; the lowest launch counts (the CPU figure errs only high).
     assert r["measured_peak_bytes"] == min(max(x["peak_bytes"] for x in launch["ranks"]) for launch in r["launches"])

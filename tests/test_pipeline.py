@@ -70,7 +70,7 @@ def check_pipelines(name: str, mesh: MeshSpec, stage_plan: str, batches, schedul
     ref_losses, ref_state = train_reference(name, batches)
     results = run_on_gloo_mesh(_train_each, mesh.shape, name, plans, batches, axis_names=mesh.axis_names,
                                start_method="forkserver", timeout_s=900)
-    for (schedule, _), text, k in zip(schedules, plans, range(len(plans))):
+    for (schedule, _), text, k in zip(schedules, plans, range(len(plans)), strict=True):
         stages = json.loads(text)["pipeline"]["stages"]
         assert len(stages) == mesh.shape[0] * dict(schedules)[schedule]
         for r, per_plan in enumerate(results):

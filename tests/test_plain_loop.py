@@ -93,7 +93,7 @@ def test_plain_loop_equals_one_device_on_2x2():
     for r, results in enumerate(ranks):
         for label, (read, left) in results.items():
             assert left == 0, f"{label} rank {r}: {left} collectives never waited for"
-            for step, ((loss, logits), (want_loss, want_logits)) in enumerate(zip(read, want)):
+            for step, ((loss, logits), (want_loss, want_logits)) in enumerate(zip(read, want, strict=True)):
                 if loss is not None:
                     assert abs(loss - want_loss) <= 1e-5 + 1e-4 * abs(want_loss), (label, step, loss, want_loss)
                 if logits is not None:

@@ -249,9 +249,9 @@ def _made_partial_for_nothing(captured, plan) -> list[str]:
     found = []
     for node in captured.graph.nodes:
         np_ = placed.get(node.name)
-        for i, (inp, want) in enumerate(zip(flat_tensor_inputs(node), np_.ins if np_ else ())):
+        for i, (inp, want) in enumerate(zip(flat_tensor_inputs(node), np_.ins if np_ else (), strict=False)):
             have = placed[inp.name].out if inp.name in placed else ()
-            for a, (h, w) in enumerate(zip(have, want)):
+            for a, (h, w) in enumerate(zip(have, want, strict=False)):
                 others = [ins[a] for j, ins in enumerate(np_.ins) if j != i]
                 if isinstance(h, Replicate) and isinstance(w, Partial) and all(isinstance(o, Replicate) for o in others):
                     found.append(f"{inp.name} -> {node.name} on axis {a}")

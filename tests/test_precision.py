@@ -87,7 +87,7 @@ def test_bf16_gradient_reduction(mesh_shape, which, precision):
         grads[reduce] = run_on_local_tensor_mesh(_first_gradients, mesh_shape, build(name), batch, {"plan": plan})
     rounded = 0
     for fqn, p in reference.named_parameters():
-        for r, (got, exact) in enumerate(zip(per_rank(grads["bf16"][fqn]), per_rank(grads["fp32"][fqn]))):
+        for r, (got, exact) in enumerate(zip(per_rank(grads["bf16"][fqn]), per_rank(grads["fp32"][fqn]), strict=True)):
             assert got.dtype == torch.float32, f"{fqn}: gradient in {got.dtype}"
             error = (got - p.grad).norm() / p.grad.norm().clamp_min(1e-12)
             assert error < 2e-2, f"{fqn} rank {r}: gradient off by {error:.1%} of its norm"

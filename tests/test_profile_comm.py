@@ -64,10 +64,10 @@ def test_negative_intercept_is_refitted_at_zero_latency():
 @pytest.mark.parametrize("times", [[1e-3, 1e-3, 1e-3], [2e-3, 1.5e-3, 1e-3]])
 def test_non_growing_times_get_the_slowest_bandwidth_the_samples_allow(times):
     sizes = [1e3, 1e4, 1e5]
-    link = fit_link("all_gather", 4, list(zip(sizes, times)))
+    link = fit_link("all_gather", 4, list(zip(sizes, times, strict=True)))
     # Transfer alone takes the whole time measured at the size that bounds it most tightly...
     transfer = [collective_time("all_gather", s, 4, Link(bandwidth=link.bandwidth, latency=0.0)) for s in sizes]
-    assert max(x / t for x, t in zip(transfer, times)) == pytest.approx(1.0)
+    assert max(x / t for x, t in zip(transfer, times, strict=True)) == pytest.approx(1.0)
     # ...and the latency explains what is left.
     assert math.isfinite(link.latency) and link.latency >= 0
 

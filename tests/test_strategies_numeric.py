@@ -67,7 +67,7 @@ def _reference(case: Case):
     outs = _leaves(model(*inputs))
     gen = torch.Generator().manual_seed(2)
     weights = [torch.randn(t.shape, generator=gen) for t in outs]
-    sum((t * w).sum() for t, w in zip(outs, weights)).backward()
+    sum((t * w).sum() for t, w in zip(outs, weights, strict=True)).backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return model, inputs, [t.detach() for t in outs], weights, grads
@@ -77,7 +77,7 @@ def _run_sharded(model, captured, plan, mesh_shape, inputs, weights):
     def fn(mesh):
         pmodel = ShardedModule(model, mesh, plan, captured)
         outs = _leaves(pmodel(*inputs))
-        sum((t * w).sum() for t, w in zip(outs, weights)).backward()
+        sum((t * w).sum() for t, w in zip(outs, weights, strict=True)).backward()
         grads = {}
         for name, p in pmodel.named_parameters():
             if p.grad is None:
@@ -98,7 +98,7 @@ def _run_sharded(model, captured, plan, mesh_shape, inputs, weights):
 
 def _compare(outs, ref_outs, grads, ref_grads) -> None:
     assert len(outs) == len(ref_outs), f"{len(outs)} outputs, expected {len(ref_outs)}"
-    for i, (out, ref) in enumerate(zip(outs, ref_outs)):
+    for i, (out, ref) in enumerate(zip(outs, ref_outs, strict=True)):
         for rank, local in enumerate(per_rank(out)):
             torch.testing.assert_close(local, ref, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, i=i, rank=rank: f"output {i}, rank {rank}: {m}")

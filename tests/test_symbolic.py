@@ -57,7 +57,7 @@ def _numeric(entry, model, plan: Plan, batch: int, seq: int, picks=None):
     space = build_space(captured, plan.mesh)
     chosen, _, _ = align_plan(plan, space)
     forced = {}
-    for nc, want in zip(space.nodes, chosen):
+    for nc, want in zip(space.nodes, chosen, strict=True):
         if nc.kind == "alias":
             continue
         same = [s for s in nc.strategies if (s.out, s.ins, s.storage) == (want.out, want.ins, want.storage)]
@@ -127,7 +127,7 @@ def test_growth_in_batch_and_sequence(case):
     _, _, _, costs, (_, s), _ = case
     # ~linear in B: each op's roofline max(compute, memory) is linear in B once past its crossover
     compute = [costs.at(b, s)["compute_s"] for b in (256, 512, 768, 1024)]
-    steps = [y - x for x, y in zip(compute, compute[1:])]
+    steps = [y - x for x, y in zip(compute, compute[1:], strict=False)]
     assert steps[0] > 0 and steps == pytest.approx([steps[0]] * 3, rel=1e-3)
     assert 1.5 < compute[1] / compute[0] <= 2.0
     flops = sympy.Poly(sympy.expand(costs.flops), B, S).as_dict()

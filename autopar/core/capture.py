@@ -191,7 +191,7 @@ def _inline_grad_regions(program: ExportedProgram) -> None:
                     inner.target = f"{attr.target}.{inner.target}"
             placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
             with graph.inserting_before(node):
-                outs = graph.graph_copy(body.graph, dict(zip(placeholders, operands)))
+                outs = graph.graph_copy(body.graph, dict(zip(placeholders, operands, strict=True)))
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
             for item in list(node.users):   # getitem(region, i): region output i
                 value = outs[item.args[1]]

@@ -55,7 +55,7 @@ def is_split(p: Placement) -> bool:
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """Largest local shape over ranks (ceil division, as DTensor pads uneven shards)."""
     out = list(shape)
-    for p, n in zip(placements, mesh_shape):
+    for p, n in zip(placements, mesh_shape, strict=True):
         if isinstance(p, Shard):
             out[p.dim] = -(-out[p.dim] // n)
     return tuple(out)
@@ -64,7 +64,7 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
 def shard_fraction(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> float:
     """Fraction of a tensor's elements one rank holds (1.0 = replicated; partial holds all)."""
     frac = 1.0
-    for p, n in zip(placements, mesh_shape):
+    for p, n in zip(placements, mesh_shape, strict=True):
         if isinstance(p, Shard):
             frac /= n
     return frac
@@ -113,7 +113,7 @@ def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
     if len(grads) != 1:
         return None
     grad = grads.pop()
-    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, storage))
+    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, storage, strict=True))
     return grad if ok else None
 
 

@@ -128,7 +128,7 @@ def tensor_placements(shape: tuple[int, ...], mesh: MeshSpec) -> list[Placements
 
 def _no_tiny_shards(shape, combo, mesh) -> bool:
     cur = list(shape)
-    for p, n in zip(combo, mesh.shape):
+    for p, n in zip(combo, mesh.shape, strict=True):
         if isinstance(p, Shard):
             if cur[p.dim] < n:
                 return False
@@ -193,7 +193,7 @@ def _expand(node, in_shapes, out_shape, mesh_shape, chosen: tuple[AxisRule, ...]
         n = mesh_shape[axis]
         yield from _expand(
             node,
-            tuple(_split(s, p, n) for s, p in zip(in_shapes, rule.ins)),
+            tuple(_split(s, p, n) for s, p in zip(in_shapes, rule.ins, strict=True)),
             _split(out_shape, rule.out, n),
             mesh_shape,
             chosen + (rule,),

@@ -148,7 +148,7 @@ def role_sets(mesh: MeshSpec) -> list[tuple[str, ...]]:
     for combo in itertools.product(ROLES, repeat=len(live)):
         if all(not r.startswith("tp") for r in combo[:-1]):
             roles = ["dp"] * mesh.ndim
-            for a, r in zip(live, combo):
+            for a, r in zip(live, combo, strict=True):
                 roles[a] = r
             out.append(tuple(roles))
     if live:

@@ -97,7 +97,7 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
     stage_plans = tuple(StagePlan(blocks=s.blocks, modules=s.modules, forward_s=c.forward_s, backward_s=c.backward_s,
                                   peak_memory_bytes=peaks[rank_of[k]],
                                   parameters=tuple(n.fqn for n in s.nodes if n.op == "parameter"))
-                        for k, (s, c) in enumerate(zip(stages, step_costs)))
+                        for k, (s, c) in enumerate(zip(stages, step_costs, strict=True)))
     worst = max(range(ranks), key=peaks.__getitem__)
     p = stage_plan.predicted
     state = sum(_state_bytes(stages[s]) for s in held[worst])
@@ -168,7 +168,7 @@ def _cut(plan: Plan, graph: fx.Graph, blocks: Sequence[Block], count: int) -> li
         for k in ks:   # a parameter two stages read (tied embeddings) is held by both
             members[k].append(by_name[name])
     out = []
-    for k, (r, ms) in enumerate(zip(ranges, members)):
+    for k, (r, ms) in enumerate(zip(ranges, members, strict=True)):
         paths = []
         for n in graph.nodes:
             if n.name in op_stage and op_stage[n.name] == k:

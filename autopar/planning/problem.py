@@ -175,7 +175,7 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
         # the deadline covers every solve of the repair loop together
         with _stage(planning.timings, stage, deadline.clock.line if deadline is not None else None, said):
             solution = _solve(restrict(problem, allowed), seconds, planning.captured.precision)
-            choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
+            choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed, strict=True))
             plan, sim = _make_plan(planning, choices, solution, name)
         if solution.status != "optimal" and deadline is not None:
             deadline.clock.note(f"the {name!r} solve stopped at its time limit "
@@ -273,9 +273,9 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
     for i, cs in node_costs.items():
         per_decision[owner[i]].append(cs)
     costs = tuple(tuple(sum(c[x].compute_s + c[x].comm_s for c in members) for x in range(k))
-                  for members, k in zip(per_decision, grouping.sizes))
+                  for members, k in zip(per_decision, grouping.sizes, strict=True))
     state = tuple(tuple(sum(c[x].state_bytes for c in members) for x in range(k))
-                  for members, k in zip(per_decision, grouping.sizes))
+                  for members, k in zip(per_decision, grouping.sizes, strict=True))
     # Working memory, with room for a collective's buffers on the largest input (the ILP prices
     # redistributions on edges, which carry no memory term); the largest member's counts.
     work = [(np.array([c.transient_bytes for c in full[i]]) + 2 * priced.largest_input[i])[choice[i]]
@@ -304,11 +304,11 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                ) -> tuple[Plan, StepPrediction]:
     space, model, timeline, captured = planning.space, planning.model, planning.timeline, planning.captured
     strategy = planning.grouping.strategies(choices)
-    chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy)]
+    chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy, strict=True)]
     costs, queued = planning.priced.step_costs(strategy)
     sim = timeline.simulate(costs, queued, model.step_overhead())
     nodes, total = [], Cost()
-    for nc, s, c in zip(space.nodes, chosen, costs):
+    for nc, s, c in zip(space.nodes, chosen, costs, strict=True):
         total = total + c
         nodes.append(NodePlan(
             name=nc.node.name,

@@ -120,7 +120,7 @@ class SymbolicCosts:
         for size, axes in sorted(self.sharded, key=str):
             n = int(_number(size, sizes))
             if not _no_tiny_shards((n,), tuple(Shard(0) if a else Replicate() for a in axes), self.mesh):
-                split = " x ".join(str(k) for k, a in zip(self.mesh.shape, axes) if a)
+                split = " x ".join(str(k) for k, a in zip(self.mesh.shape, axes, strict=True) if a)
                 raise AutoparError(f"the plan splits a dim of size {size} over {split} devices: at B={batch}, S={seq} "
                                    f"({size} = {n}) some device gets none of it; the plan needs a larger size")
         return sizes
@@ -279,8 +279,8 @@ def closed_forms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], ti
         "state_bytes": add(c.state_bytes for c in nodes),
         "activation_bytes": add(c.saved_bytes for c in nodes),
         "gradient_bytes": add(c.grad_bytes for c in nodes),
-        "working_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds) if k == "op"]),
-        "optimizer_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds) if k == "param"]),
+        "working_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds, strict=True) if k == "op"]),
+        "optimizer_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds, strict=True) if k == "param"]),
     }
     totals["comm_bytes"] = {a: add(c.comm_bytes[i] if i < len(c.comm_bytes) else 0 for c in nodes)
                             for i, a in enumerate(axes)}
@@ -452,7 +452,7 @@ def align_plan(plan: Plan, space: StrategySpace) -> tuple[list[Strategy], list[s
             warnings.append(f"copies {copies} (contiguous/clone) are in only one of the plan and this capture: "
                             "costs differ from the plan's by them")
         block = {nc.node for nc in ours_side}
-        for j, nc in zip(range(j1, j2), ours_side):
+        for j, nc in zip(range(j1, j2), ours_side, strict=True):
             src = nc.inputs[0]
             if src in block:
                 inp = plan_side[-1].out if plan_side else chosen[space.index[src]].out
@@ -503,7 +503,7 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     t0 = time.perf_counter()
     space = build_space(cap.captured, plan.mesh, with_strategies=False)
     chosen, names, warnings = align_plan(plan, space)
-    for nc, s in zip(space.nodes, chosen):
+    for nc, s in zip(space.nodes, chosen, strict=True):
         nc.strategies = [s]
     cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
                            recompute=plan.recompute, reduce_precision=plan.reduce_precision,
@@ -519,8 +519,8 @@ def symbolic_plan_costs(model: torch.nn.Module, plan: Plan, args: tuple, kwargs:
     flops = _total([sub(cost_model.flops(nc.node)) for nc in space.nodes
                     if nc.kind == "op" and nc.node.target not in VIEW_OPS])
     sharded = set()
-    for nc, chose in zip(space.nodes, chosen):
-        for val, placements in [(tensor_val(nc.node), chose.out), *((tensor_val(i), p) for i, p in zip(nc.inputs, chose.ins))]:
+    for nc, chose in zip(space.nodes, chosen, strict=True):
+        for val, placements in [(tensor_val(nc.node), chose.out), *((tensor_val(i), p) for i, p in zip(nc.inputs, chose.ins, strict=True))]:
             for d in range(val.dim() if val is not None else 0):
                 axes = tuple(isinstance(p, Shard) and p.dim == d for p in placements)
                 size = sub(_dim(val.shape[d]))

@@ -277,7 +277,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicat
     for key, (plan, cost, plan_space, chosen) in plans.items():
         name, batch, seq, hand = key
         # the ops the factor scales (CostModel.calibrated); the others are in ``rest``
-        scaled = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op" and cost.calibrated(nc, s)]
+        scaled = [(nc, s) for nc, s in zip(plan_space.nodes, chosen, strict=True) if nc.kind == "op" and cost.calibrated(nc, s)]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in scaled) if t is not None)
         params = sum(nc.kind == "param" for nc in plan_space.nodes) * (
             cost.param_overhead() - parameter_saving(plan_space, chosen, cost.plain_saving()))
@@ -307,9 +307,9 @@ def _exposed_without_latency(cost: CostModel, space: StrategySpace, chosen: Sequ
 def _moves_overhead(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:
     """The wrapping cost of every placement change and wrapped parameter read a plan's generated
     code makes (``CostModel.move_overhead``)."""
-    strategy = {nc.node: s for nc, s in zip(space.nodes, chosen)}
+    strategy = {nc.node: s for nc, s in zip(space.nodes, chosen, strict=True)}
     return sum(cost.move_overhead(space.nodes[space.index[src]], strategy[src], nc, s, i)
-               for nc, s in zip(space.nodes, chosen) if nc.kind == "op"
+               for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind == "op"
                for i, src in enumerate(nc.inputs) if src in strategy)
 
 
@@ -328,7 +328,7 @@ def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, in
     plans = {}
     if replicated:
         chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
-        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind != "alias"}
         plans[(*workload, "replicated")] = (
             plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
             CostModel(spec, space, profile=profile), space, chosen)
@@ -336,7 +336,7 @@ def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, in
         planning = prepare(captured, spec, PlanOptions(profile=profile))
         for hand, (plan, choices) in hand_plans(planning).items():
             if _calibration_plan(hand):
-                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
+                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices), strict=True)]
                 plans[(*workload, hand)] = (plan, planning.model, planning.space, chosen)
     return plans
 

@@ -265,7 +265,7 @@ def _demo_batches(example: tuple[tuple, dict], vocab: int | None, steps: int, se
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed + 1 + step % DEMO_DISTINCT_BATCHES)
 
-        def fresh(t: Any) -> Any:
+        def fresh(t: Any, gen: torch.Generator = gen) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
             if t.dtype.is_floating_point:

@@ -149,7 +149,7 @@ def gather_groups(captured: CapturedGraph, plan: dict[str, NodePlan], passes: Pa
     groups: list[GatherSpec] = []
     names: list[str] = []
     nbytes = 0
-    for k, (name, axes, dim) in enumerate(order):
+    for k, (name, axes, _dim) in enumerate(order):
         names.append(name)
         nbytes += value_bytes(captured.graph, name)
         last = k + 1 == len(order)

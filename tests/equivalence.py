@@ -141,7 +141,7 @@ def check_training(name: str | Callable[[], torch.nn.Module], batch: int, seq: i
     assert state.keys() == ref_state.keys()
     for key, want in ref_state.items():
         for r, value in enumerate(state[key]):
-            torch.testing.assert_close(value, want, rtol=rtol, atol=atol, msg=lambda m: f"{key} rank {r}: {m}")
+            torch.testing.assert_close(value, want, rtol=rtol, atol=atol, msg=lambda m, key=key, r=r: f"{key} rank {r}: {m}")
     return plan
 
 

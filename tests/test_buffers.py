@@ -136,7 +136,7 @@ def _check(name, batches: list, mesh_shape: tuple[int, ...], plan_options: dict,
     reference.load_state_dict(train_reference(name, batches)[1])
     for want, ranks in zip(_eval_outputs(reference, probe), got, strict=True):
         for r, value in enumerate(ranks):
-            torch.testing.assert_close(value, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"eval output rank {r}: {m}")
+            torch.testing.assert_close(value, want, rtol=RTOL, atol=ATOL, msg=lambda m, r=r: f"eval output rank {r}: {m}")
     return plan
 
 

@@ -86,7 +86,7 @@ def _round_trips(square, root, plans, batches):
 def _assert_state(state, want, where):
     assert state.keys() == want.keys(), where
     for key, value in want.items():
-        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{where} {key}: {m}")
 
 
 def test_checkpoints_resume_training_exactly_in_every_plan_and_export_to_hugging_face(tmp_path):

@@ -83,7 +83,7 @@ def test_a_smaller_batch_makes_a_smaller_last_microbatch():
     rtol, loss_atol, atol = TOLERANCES["fp32"]
     assert losses == pytest.approx(ref_losses, rel=rtol, abs=loss_atol)
     for key, want in ref_state.items():
-        torch.testing.assert_close(state[key], want, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(state[key], want, rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_gradients_are_reduced_once_per_step(monkeypatch):
@@ -104,7 +104,7 @@ def test_gradients_are_reduced_once_per_step(monkeypatch):
         plan = candidates(build(name), MeshSpec((2,)), *batch, microbatches=k)["ddp"]
         model = build(name)
 
-        def body(mesh):
+        def body(mesh, model=model, plan=plan):
             pmodel = autopar.compile(model, mesh, *batch, plan=plan)
             launched.clear()
             return [float(v) for v in per_rank(pmodel.train_step(*batch[0], **batch[1]))]

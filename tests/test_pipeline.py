@@ -81,7 +81,7 @@ def check_pipelines(name: str, mesh: MeshSpec, stage_plan: str, batches, schedul
             assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{where}: losses"
             assert state.keys() == ref_state.keys(), where
             for key, want in ref_state.items():
-                torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
+                torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, where=where, key=key: f"{where} {key}: {m}")
 
 
 CASES = [   # (model, pipeline x other axis, the stage's hand plan, padded labels)

@@ -707,8 +707,8 @@ class _Emitter:
                              if counted else ""))
         elif inputs and draws_whole_mask(node, np_.out):
             x = rename.get(node.args[0].name, node.args[0].name)
-            shape = list(tensor_val(node).shape)
-            mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {shape})", shape, np_.out)
+            whole = list(tensor_val(node).shape)
+            mask = self.sizes.part(f"dropout_mask({x}, {node.args[1]!r}, {whole})", whole, np_.out)
             self.emit(f"{node.name} = {x} * {mask}", comment + "; the whole tensor's mask, drawn as one device "
                       "draws it (every rank's generator alike), cut to this rank's part")
         elif node.name in self.masked_attention:

@@ -23,6 +23,7 @@ exception").
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import math
@@ -77,7 +78,7 @@ def handed_over(values: Sequence[Any]) -> Sequence[Any]:
             if one_process():   # simulated ranks: nothing runs in the background (nor outlives this mesh)
                 local.trigger_wait()
             else:
-                _IN_FLIGHT.append(lambda elem=local.elem: funcol.wait_tensor(elem))
+                _IN_FLIGHT.append(functools.partial(funcol.wait_tensor, local.elem))
     if not torch.is_grad_enabled():
         settle()
     return values

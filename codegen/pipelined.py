@@ -100,7 +100,8 @@ class PipelinedModule(ShardedModule):
         per_stage = {s: GatheredParams(self, self._stage_mesh, train.gathered, self._syncs[s], self._device,
                                        [k for k, g in enumerate(train.gathered) if set(g.fqns) <= train.stages[s].state])
                      for s in self._held}
-        self._autopar_gather = _Groups({k: gathered for gathered in per_stage.values() for k in gathered.groups})
+        self._autopar_gather = _Groups(  # type: ignore[assignment]  # gathers as GatheredParams does, stage by stage
+            {k: gathered for gathered in per_stage.values() for k in gathered.groups})
         self._tied = _tie_groups(mesh, pipeline, train.stages)
         self._code = train
         self._constants: list[tuple[int, Any]] = []   # the model's non-tensor inputs, by position
@@ -298,7 +299,7 @@ class _StageModule(nn.Module):
     def forward(self, *values: torch.Tensor) -> Any:
         owner = self.owner
         if self.fn.__name__ == "stage_0":
-            values = _with_constants(values, owner._constants)
+            values = tuple(_with_constants(values, owner._constants))
         count = owner._loss_counts.pop(0) if self.last and owner._loss_counts else None
         out = self.fn(owner, owner._stage_mesh, owner._device, owner._sizes, *values, loss_count=count)
         return out[self.loss_index] if self.last else out
@@ -340,9 +341,11 @@ def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _with_constants(values: Sequence[Any], constants: Sequence[tuple[int, Any]]) -> list[Any]:
     """The first stage's arguments: the tensors the schedule passes, with the non-tensor inputs
     put back at their positions."""
-    out, tensors = [], iter(values)
+    out: list[Any] = []
+    tensors = iter(values)
     at = dict(constants)
-    for i in itertools.count():
+    while True:
+        i = len(out)   # out holds one value per position so far
         if i in at:
             out.append(at[i])
             continue
@@ -369,14 +372,14 @@ def _tie_groups(mesh: DeviceMesh, pipeline: Any, stages: Sequence[StageCode]) ->
         for f in code.state:
             per_fqn.setdefault(f, set()).add(rank_of_stage(pipeline.schedule, s, mesh.size(axis), pipeline.virtual_stages))
     shared: dict[tuple[int, ...], list[str]] = {}
-    for f, pp_ranks in sorted(per_fqn.items()):
-        if len(pp_ranks) > 1:
-            shared.setdefault(tuple(sorted(pp_ranks)), []).append(f)
+    for f, holders in sorted(per_fqn.items()):
+        if len(holders) > 1:
+            shared.setdefault(tuple(sorted(holders)), []).append(f)
     out = []
     me = dist.get_rank()
     for pp_ranks, fqns in sorted(shared.items()):
         for place in itertools.product(*(range(n) for n in ranks_of_pp.shape[1:])):
-            members = [int(ranks_of_pp[(r, *place)]) for r in pp_ranks]
+            members = [int(ranks_of_pp[(r,) + place]) for r in pp_ranks]
             group = dist.new_group(members)
             if me in members:
                 out.append((fqns, group))

@@ -181,9 +181,9 @@ class _Gather(torch.autograd.Function):
         owner, k = ctx.owner, ctx.k
         n = owner._size(k)
         trains = owner.trains[k]
-        grads = _trained(grads, trains)
-        packed, like = [], next(g for g in grads if g is not None)
-        for g, shape, dim in zip(grads, _trained(ctx.shapes, trains), _trained(owner.specs[k].dims, trains), strict=True):
+        trained = _trained(grads, trains)
+        packed, like = [], next(g for g in trained if g is not None)
+        for g, shape, dim in zip(trained, _trained(ctx.shapes, trains), _trained(owner.specs[k].dims, trains), strict=True):
             whole = list(shape)
             whole[dim] *= n
             if g is None:

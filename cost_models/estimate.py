@@ -222,7 +222,7 @@ class CostModel:
                 measured = measured or m
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
             self._moves[key] = Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
-                                    transient_bytes=_collective_buffers(full, largest) if blocking else 0.0,
+                                    transient_bytes=float(_collective_buffers(full, largest)) if blocking else 0.0,
                                     measured=frozenset({"comm"}) if measured else frozenset())
         return self._moves[key]
 
@@ -254,8 +254,9 @@ class CostModel:
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
         buffers = np.where(blocking > 0, _collective_buffers(full, largest), 0.0)
-        return Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
-                    transient_bytes=buffers, measured=measured), terms
+        # a grid: arrays over strategy pairs in Cost's fields
+        return Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),  # type: ignore[arg-type]
+                    transient_bytes=buffers, measured=measured), terms  # type: ignore[arg-type]
 
     def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, queued: bool = False,
                    batched: bool = False) -> tuple[float, float, bool]:
@@ -692,7 +693,7 @@ class CostModel:
         if dst.kind == "output":   # as in ``edge``
             if not self.gather_outputs:
                 held = [self._returned(val, out).transient_bytes for out in outs]
-                return EdgeGrid(rows, cols, Cost(transient_bytes=np.repeat(np.array(held)[:, None], len(dst_reps), 1)), ())
+                return EdgeGrid(rows, cols, Cost(transient_bytes=np.repeat(np.array(held)[:, None], len(dst_reps), 1)), ())  # type: ignore[arg-type]  # a grid: arrays over strategy pairs in Cost's fields
             grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs,
                                                     [(Replicate(),) * self.mesh.ndim] * len(dst_reps))
             return EdgeGrid(rows, cols, replace(grid, transient_bytes=grid.transient_bytes + _bytes(val)), tuple(blocking))
@@ -700,7 +701,7 @@ class CostModel:
         again = 2.0 if dst.node in self.block_of else 1.0   # as in ``edge``: moved again for the backward
         if again != 1.0:
             grid = replace(grid, comm_s=grid.comm_s * again, comm_bytes=tuple(b * again for b in grid.comm_bytes))
-            blocking = [Term(t.rows, t.cols, t.core * again) for t in blocking]
+            blocking = [Term(t.rows, t.cols, np.asarray(t.core) * again) for t in blocking]
         if self._grad_flows(src):
             queued = self._queued(src)
             back, terms = self.redistribute_grid(val.shape, self._synced_dtype(src) if queued else val.dtype,
@@ -711,28 +712,28 @@ class CostModel:
             if queued and self.microbatches > 1:   # as in ``edge``: ZeRO-2/3 rows reduce-scatter every microbatch
                 zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole, _ in src_reps])[:, None]
                 earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
-                back = replace(back, comm_s=back.comm_s + earlier)
+                back = replace(back, comm_s=back.comm_s + earlier)  # type: ignore[arg-type]  # a grid: arrays over strategy pairs in Cost's fields
                 blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
             if queued:
                 packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
                                    for out, storage, *_ in src_reps])[:, None]
-                back = replace(back, transient_bytes=back.transient_bytes + packed)
+                back = replace(back, transient_bytes=back.transient_bytes + packed)  # type: ignore[arg-type]  # a grid: arrays over strategy pairs in Cost's fields
             if src.kind == "param":   # as in ``edge``: the sum of an all-reduced gradient, held beside it
                 summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
                                    for out, storage, *_ in src_reps])[:, None]
-                back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))
+                back = replace(back, synced_bytes=np.where(back.overlap_s > 0, summed, 0.0))  # type: ignore[arg-type]  # a grid: arrays over strategy pairs in Cost's fields
             grid = grid + back
             blocking += [t.transposed() for t in terms]
         if src.kind == "param":   # as in ``edge``: gathered alone, gradients joined
             alone = np.array([[self._gathered_alone(src, out, storage, kept, inp, grad)
                                + self._joined(src, val, _arrival(grad, grad_target(out, storage))).comm_s
                                for inp, grad in dst_reps] for out, storage, _, kept in src_reps])
-            grid = replace(grid, comm_s=grid.comm_s + alone)
+            grid = replace(grid, comm_s=grid.comm_s + alone)  # type: ignore[arg-type]  # a grid: arrays over strategy pairs in Cost's fields
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), alone))
         if runtime_overhead(self.profile, {"move": 1, "param_read": 1}) and dst.kind != "output":
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
                                          for out, storage, *_ in src_reps])
-            grid = replace(grid, compute_s=grid.compute_s + wrapping)
+            grid = replace(grid, compute_s=grid.compute_s + wrapping)  # type: ignore[arg-type]  # a grid: arrays over strategy pairs in Cost's fields
             blocking.append(Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
@@ -864,7 +865,7 @@ class EdgeGrid:
     def blocking_terms(self) -> list[Term]:
         """The blocking seconds (``matrix(lambda c: c.comm_s)``) as a sum of terms over
         strategies, each with a few classes: the ILP pairs those instead of the strategies."""
-        return [Term(t.rows[self.rows], t.cols[self.cols], t.core) for t in self.blocking]
+        return [Term(np.asarray(t.rows)[self.rows], np.asarray(t.cols)[self.cols], t.core) for t in self.blocking]
 
 
 def _signature(val: torch.Tensor | None) -> tuple | None:

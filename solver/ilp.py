@@ -50,6 +50,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from ortools.math_opt import callback_pb2, model_parameters_pb2, model_pb2, result_pb2, solution_pb2
@@ -301,10 +302,10 @@ def _validate(problem: Problem) -> _Data:
     if problem.warm_start is not None:
         if len(problem.warm_start) != n:
             raise SolverError(f"warm_start has {len(problem.warm_start)} entries for {n} nodes")
-        for i, c in enumerate(problem.warm_start):
-            if not _is_int(c) or not 0 <= c < costs[i].size:
+        for i, start in enumerate(problem.warm_start):
+            if not _is_int(start) or not 0 <= start < costs[i].size:
                 raise SolverError(
-                    f"warm_start gives choice {c!r} for {_label(problem, i)}, which has {costs[i].size} choices"
+                    f"warm_start gives choice {start!r} for {_label(problem, i)}, which has {costs[i].size} choices"
                 )
     k = [c.size for c in costs]
     memory_rows = []
@@ -359,27 +360,28 @@ class _Pair:
     core: np.ndarray  # [row class, column class]
 
     @classmethod
-    def of(cls, u: int, v: int, term: Term, classes: dict[int, tuple] | None = None) -> "_Pair":
+    def of(cls, u: int, v: int, term: Term, classes: dict[int | tuple, tuple] | None = None) -> "_Pair":
         """Classes of the term's own classes whose rows (columns) are equal to within the
         folding tolerance (rounding noise of one placement's cost is one placement), unused
         ones dropped. ``classes``: those of each core already seen (identical layers' edges
         share their cores), by the core's id, with the core kept so that the id stays its."""
-        whole_key = (id(term.core), term.rows.tobytes(), term.cols.tobytes())
+        term_rows, term_cols, core = _arrays(term)
+        whole_key = (id(term.core), term_rows.tobytes(), term_cols.tobytes())
         if classes is not None and whole_key in classes:
             _, rows, cols, core = classes[whole_key]
             return cls(u, v, rows, cols, core)
         cached = classes.get(id(term.core)) if classes is not None else None
         if cached is None:
-            key = np.round(term.core / (np.abs(term.core).max() * _SEPARABLE_RTOL * 10), 0)
+            key = np.round(core / (np.abs(core).max() * _SEPARABLE_RTOL * 10), 0)
             _, first_rows, row_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
             _, first_cols, col_of = np.unique(key, axis=1, return_index=True, return_inverse=True)
             cached = (term.core, first_rows, row_of, first_cols, col_of)
             if classes is not None:
                 classes[id(term.core)] = cached
         _, first_rows, row_of, first_cols, col_of = cached
-        used_rows, rows = np.unique(row_of.ravel()[term.rows], return_inverse=True)
-        used_cols, cols = np.unique(col_of.ravel()[term.cols], return_inverse=True)
-        pair = cls(u, v, rows.ravel(), cols.ravel(), term.core[np.ix_(first_rows[used_rows], first_cols[used_cols])])
+        used_rows, rows = np.unique(row_of.ravel()[term_rows], return_inverse=True)
+        used_cols, cols = np.unique(col_of.ravel()[term_cols], return_inverse=True)
+        pair = cls(u, v, rows.ravel(), cols.ravel(), core[np.ix_(first_rows[used_rows], first_cols[used_cols])])
         if classes is not None:
             classes[whole_key] = (term.core, pair.rows, pair.cols, pair.core)
         return pair
@@ -415,41 +417,49 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
             u, v, terms = v, u, [t.transposed() for t in terms]
         same = merged.setdefault((u, v), {})
         for t in terms:   # parallel edges' terms over the same classes add up
-            key = (t.core.shape, t.rows.tobytes(), t.cols.tobytes())
-            same[key] = Term(t.rows, t.cols, same[key].core + t.core) if key in same else t
+            rows, cols, core = _arrays(t)
+            key = (core.shape, rows.tobytes(), cols.tobytes())
+            same[key] = Term(rows, cols, np.asarray(same[key].core) + core) if key in same else t
 
     pairs: list[_Pair] = []
-    classes: dict[int, tuple] = {}   # per residual core: its row and column classes (``_Pair.of``)
+    classes: dict[int | tuple, tuple] = {}   # per residual core: its row and column classes (``_Pair.of``)
     split: dict[tuple[int, int, int], tuple] = {}   # per (core, anchor): its split, the core kept (its id stays its)
-    for (u, v), terms in sorted(merged.items()):
+    for (u, v), by_classes in sorted(merged.items()):
         residuals = []
-        for t in terms.values():
+        for t in by_classes.values():
             # core = a[p] + b[q] + r[p, q], anchored at the first choices' classes; when r
             # vanishes the term is purely linear. Identical layers' edges share cores and anchors.
-            r0, c0 = int(t.rows[0]), int(t.cols[0])
-            key = (id(t.core), r0, c0)
-            if key not in split:
-                a = t.core[:, c0]
-                b = t.core[r0, :] - t.core[r0, c0]
-                r = t.core - a[:, None] - b[None, :]
-                split[key] = (t.core, a, b, r, np.abs(r).max() > _SEPARABLE_RTOL * np.abs(t.core).max())
-            _, a, b, r, pairwise = split[key]
-            linear[u] = linear[u] + a[t.rows]
-            linear[v] = linear[v] + b[t.cols]
+            rows, cols, core = _arrays(t)
+            r0, c0 = int(rows[0]), int(cols[0])
+            anchor = (id(core), r0, c0)
+            if anchor not in split:
+                a = core[:, c0]
+                b = core[r0, :] - core[r0, c0]
+                r = core - a[:, None] - b[None, :]
+                split[anchor] = (core, a, b, r, np.abs(r).max() > _SEPARABLE_RTOL * np.abs(core).max())
+            _, a, b, r, pairwise = split[anchor]
+            linear[u] = linear[u] + a[rows]
+            linear[v] = linear[v] + b[cols]
             if k[u] > 1 and k[v] > 1 and pairwise:
-                residuals.append(Term(t.rows, t.cols, r))
+                residuals.append(Term(rows, cols, r))
         pairs.extend(_pairs(u, v, residuals, classes))
     offset = sum(float(linear[i][0]) for i in range(len(k)) if k[i] == 1)
     return _Reduced(linear, offset, pairs)
 
 
-def _pairs(u: int, v: int, residuals: list[Term], classes: dict[int, tuple]) -> list[_Pair]:
+def _arrays(t: Term) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A term's rows, columns and core as arrays: within the solver they are already (``_Data.terms``),
+    and ``np.asarray`` returns the same objects, whose ids key the caches of cores."""
+    return np.asarray(t.rows), np.asarray(t.cols), np.asarray(t.core)
+
+
+def _pairs(u: int, v: int, residuals: list[Term], classes: dict[int | tuple, tuple]) -> list[_Pair]:
     """Pair variables for an edge's non-separable terms: per term, unless pairing their sum
     needs at most ``_TERMS_MIN_SAVING`` times as many variables (its LP relaxation is tighter)."""
     split = [_Pair.of(u, v, t, classes) for t in residuals]
     if len(split) < 2:
         return split
-    whole = sum(t.core[np.ix_(t.rows, t.cols)] for t in residuals)
+    whole = cast(np.ndarray, sum(core[np.ix_(rows, cols)] for rows, cols, core in map(_arrays, residuals)))
     if np.abs(whole).max() <= _SEPARABLE_RTOL * max(np.abs(t.core).max() for t in residuals):
         return []   # the terms' residuals cancel
     pair = _Pair.of(u, v, Term(np.arange(whole.shape[0]), np.arange(whole.shape[1]), whole))
@@ -578,11 +588,11 @@ def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
 
     for nodes, constant in data.exposed:   # E >= queued communication - compute that hides it
         terms = {}
-        for i, v in nodes.items():
+        for i, per_choice in nodes.items():
             if i in x_ids:
-                terms.update(zip(x_ids[i], v.tolist(), strict=True))
+                terms.update(zip(x_ids[i], per_choice.tolist(), strict=True))
             else:
-                constant += float(v[0])
+                constant += float(per_choice[0])
         terms[x_id] = -1.0
         add_sparse({j: c / scale for j, c in terms.items()}, -math.inf, -constant / scale)
 
@@ -634,7 +644,7 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
     for pair in red.pairs:
         adjacency[pair.u].append((pair, True))
         adjacency[pair.v].append((pair, False))
-    used = sum(m[:, c] for m, c in zip(per_node, choices, strict=True)) if k else np.zeros(len(moments))
+    used = cast(np.ndarray, sum(m[:, c] for m, c in zip(per_node, choices, strict=True))) if k else np.zeros(len(moments))
     work = max((float(t[c]) for t, c in zip(data.transient, choices, strict=True)), default=0.0) if data.transient else 0.0
     for _ in range(_MAX_SWEEPS):
         moved = False

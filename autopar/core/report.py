@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -141,7 +142,7 @@ def _param_rows(params: list[NodePlan], holding: _Holding) -> list[_ParamRow]:
     return rows
 
 
-def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
+def _table(headers: list[str], rows: list[list[str]], right: Collection[int] = frozenset(), indent: str = "  ") -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:

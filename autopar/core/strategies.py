@@ -235,8 +235,8 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
                 nodes.append(NodeChoices(node, "input", [], input_strategies(shape, mesh) if with_strategies else []))
             else:
                 fqn = captured.buffer_of.get(node.name) or captured.constant_of.get(node.name)
-                rep = [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)] if with_strategies else []
-                nodes.append(NodeChoices(node, "buffer", [], rep, fqn))
+                replicated = [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)] if with_strategies else []
+                nodes.append(NodeChoices(node, "buffer", [], replicated, fqn))
         elif node.op == "call_function":
             if tensor_val(node) is None:
                 continue  # asserts and symbolic-int helpers: no placement to choose

@@ -85,7 +85,7 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
                        whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,
                        offload=options.offload == "optimizer")
     deadline = Clock(options.time_limit, start=t0).deadline()
-    plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
+    plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
     if pipeline_choice(options.pipeline) is not None:
         recapture = microbatch_capture(model, args, example_kwargs, options.precision)
         plans.update(pipeline_hand_plans(whole, spec, options, recapture, deadline))
@@ -185,7 +185,7 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
     sets = role_sets(mesh)
     on_batch = _on_batch(planning.space)
     traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
-    out = {}
+    out: dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError] = {}
     end = deadline.share(share) if deadline is not None else None
     named = [(plan_name(mesh, roles), _allowed(planning, roles, traits)) for roles in sets]
     least = [planning.bounds().least(allowed) for _, allowed in named]

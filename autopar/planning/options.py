@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from autopar.core.blocks import RECOMPUTE
 from autopar.core.errors import AutoparError
@@ -96,7 +96,7 @@ class PlanOptions:
     measure_missing_ops: bool = True
     precision: str = "fp32"
     reduce_precision: str = "fp32"
-    microbatches: int | str = "auto"
+    microbatches: int | Literal["auto"] = "auto"
     recompute: str = "auto"
     offload: str = "auto"
     pipeline: bool | str | PipelineChoice | dict = "auto"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
@@ -267,8 +267,8 @@ class PipelineChoice:
 
     axis: str | int = 0                # "auto": a factor of the first axis (the plan's mesh splits it)
     schedule: str = "auto"
-    microbatches: int | str = "auto"
-    virtual_stages: int | str = "auto"
+    microbatches: int | Literal["auto"] = "auto"
+    virtual_stages: int | Literal["auto"] = "auto"
 
     def axis_index(self, mesh: MeshSpec) -> int:
         if isinstance(self.axis, int) and 0 <= self.axis < mesh.ndim:

@@ -296,6 +296,7 @@ def _best_mode(search: _Search, deadline: Deadline) -> Plan:
     # selective recomputation, where the model has attention cores, costs a few percent of compute
     # for most of the activations of long sequences (Korthikanti et al.)
     selective = ("selective",) if recompute_modes(search.captured.graph, "selective") else ()
+    modes: tuple[str, ...]
     if options.recompute != "auto":
         modes, compete = (options.recompute,), False
     elif search.needs_microbatches("none"):

@@ -290,7 +290,8 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
             queued.append((i, j, overlap[sub].tolist()))
         # An edge's blocking seconds are its moves' (it computes nothing), a sum over mesh axes
         # that each see one axis of the placements: the ILP pairs those few classes.
-        terms = tuple(Term(t.rows[choice[i]], t.cols[choice[j]], t.core) for t in priced.edges[(i, j, k)].blocking_terms())
+        terms = tuple(Term(np.asarray(t.rows)[choice[i]], np.asarray(t.cols)[choice[j]], t.core)
+                      for t in priced.edges[(i, j, k)].blocking_terms())
         edges.append(Edge(owner[i], owner[j], blocking[sub], terms))
     names = tuple(_described(space.nodes[r].node) for r in grouping.representative)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)

@@ -29,6 +29,7 @@ import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import sympy
 import torch
@@ -251,7 +252,7 @@ def pretty(expr, digits: int = 3) -> str:
 
 
 def closed_forms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], timeline: Timeline,
-                 axes: Sequence[str], picks: Sequence[int] | None = None) -> dict[str, object]:
+                 axes: Sequence[str], picks: Sequence[int] | None = None) -> dict[str, Any]:
     """Totals and closed forms over per-node costs (``nodes[i]``: node i's cost with its incoming
     edges, ``queued``: (node index, seconds) of gradient synchronisations; as ``Timeline.simulate``
     takes them). Works on numbers and on sympy expressions alike.
@@ -293,7 +294,7 @@ def closed_forms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], ti
 
 
 def exposed_terms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], timeline: Timeline,
-                  picks: Sequence[int] | None = None) -> dict[int, object]:
+                  picks: Sequence[int] | None = None) -> dict[int, Any]:
     """The schedule's gradient synchronisations run one after another on one channel, each from
     when the backward has produced it; so the exposed time is max(0, max over k of ``e_k``), with
     ``e_k`` = (seconds of the synchronisations queued from the k-th on) - (backward compute left
@@ -309,14 +310,14 @@ def exposed_terms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], t
     return out
 
 
-def _total(values) -> object:
+def _total(values) -> Any:
     values = list(values)
     if any(isinstance(v, sympy.Basic) for v in values):
         return sympy.Add(*values)
     return float(sum(values))
 
 
-def _max(values: list) -> object:
+def _max(values: list) -> Any:
     if any(isinstance(v, sympy.Basic) for v in values):
         return sympy.Max(*set(values))
     return float(max(values, default=0.0))
@@ -353,7 +354,7 @@ def _capture_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict) -> _Dyna
         raise AutoparError(
             f"{type(model).__name__}: symbolic costs need a 2-D integer input (token ids: batch x sequence) "
             "whose dims 0 and 1 become B and S; the example inputs have none")
-    planned = tuple(int(d) for d in tokens[0].shape)
+    planned = (int(tokens[0].shape[0]), int(tokens[0].shape[1]))   # token ids are 2-D (``_is_tokens``)
     # export fixes a dim of size 1 (0/1 specialisation): capture such a dim at size 2 instead
     grow = any(d == 1 for t in tokens for d in t.shape)
 

@@ -582,7 +582,7 @@ def run_on_local_tensor_mesh(
             dist.destroy_process_group()
 
 
-def _local_tensor_cls() -> type | None:
+def _local_tensor_cls() -> type[Any] | None:
     try:
         from torch.distributed._local_tensor import LocalTensor
     except ImportError:  # pragma: no cover - torch without LocalTensor

@@ -260,9 +260,9 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicat
     mesh, taking turns (``_calibration_worker``)."""
     t0 = time.perf_counter()
     hands_only = set(_sized(collective_workloads)) - set(_sized(workloads))
-    workloads = _sized(workloads) + sorted(hands_only)
+    sized = _sized(workloads) + sorted(hands_only)
     with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
-        captured = {w: capture(*_calibration_model(*w)) for w in workloads}
+        captured = {w: capture(*_calibration_model(*w)) for w in sized}
         spaces = {w: build_space(c, spec) for w, c in captured.items()}
         _measure(spec, path, list(spaces.values()), None, captured_s=time.perf_counter() - t0, comm=False)
         profile = Profile.from_json(path)
@@ -329,15 +329,15 @@ def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, in
     if replicated:
         chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
         forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind != "alias"}
-        plans[(*workload, "replicated")] = (
+        plans[workload + ("replicated",)] = (
             plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
             CostModel(spec, space, profile=profile), space, chosen)
     if spec.size > 1:
         planning = prepare(captured, spec, PlanOptions(profile=profile))
-        for hand, (plan, choices) in hand_plans(planning).items():
+        for hand, (plan, choices) in hand_plans(planning).items():  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
             if _calibration_plan(hand):
                 chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices), strict=True)]
-                plans[(*workload, hand)] = (plan, planning.model, planning.space, chosen)
+                plans[workload + (hand,)] = (plan, planning.model, planning.space, chosen)
     return plans
 
 

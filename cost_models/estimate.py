@@ -222,7 +222,8 @@ class CostModel:
                 measured = measured or m
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
             self._moves[key] = Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
-                                    transient_bytes=float(_collective_buffers(full, largest)) if blocking else 0.0,
+                                    # a float here (a sympy expression in symbolic costs); arrays are edge_grid's
+                                    transient_bytes=_collective_buffers(full, largest) if blocking else 0.0,  # type: ignore[arg-type]
                                     measured=frozenset({"comm"}) if measured else frozenset())
         return self._moves[key]
 

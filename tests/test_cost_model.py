@@ -25,6 +25,7 @@ from cost_models.profile import OpTime, Profile, collective_key, local_fingerpri
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline, step_costs
 from tests.strategy_cases import TiedLM
+from tests.tiers import slow
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -587,6 +588,7 @@ def test_attention_flops_counted_for_cpu_models():
 
 
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2)])
+@slow
 def test_edge_grids_price_every_pair_as_edge_does(mesh):
     """The planner prices edges as grids over distinct layouts (``CostModel.edge_grid``, every
     axis once per distinct move); each pair must cost exactly what ``edge`` gives it alone, with

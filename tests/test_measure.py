@@ -36,6 +36,7 @@ from benchmarks.cost_accuracy import (
     table_row,
     verdicts,
 )
+from tests.tiers import slow
 
 MiB = 2**20
 
@@ -82,6 +83,7 @@ def _all_gather_growth(mesh) -> int:
     return cpu_peak_growth(lambda: dist.all_gather(outs, x))
 
 
+@slow
 def test_cpu_peak_growth_sees_allocations_on_gloo_threads():
     # gloo stages the gathered tensor (2 x 1 MiB) in a flat buffer it allocates on its own worker
     # thread: the profiler reports it even though no Python code of this thread allocated it.
@@ -236,6 +238,7 @@ def test_every_run_follows_every_other_equally_often(n):
     assert sorted(order[0] for order in orders[:n]) == list(range(n))
 
 
+@slow
 def test_runs_are_timed_in_turns_round_by_round():
     log: list[str] = []
     runs = {}
@@ -269,6 +272,7 @@ def test_summary_without_under_prediction_or_results():
         in format_summary(calibration_models_only)
 
 
+@slow
 def test_plan_and_measure_a_config_on_a_gloo_mesh():
     # The benchmark's whole path for one small config: plan here, then two launches that compile
     # and measure on 2 ranks; the median of every step's slowest rank, over both launches, counts.

@@ -12,6 +12,7 @@ from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.profile_comm import _axes_by_size, _pipeline_overheads, fit_link, profile_mesh
 from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
 from cost_models.profile import OVERHEADS, collective_key
+from tests.tiers import slow
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 SIZES = [4096 * 4**i for i in range(7)]
@@ -97,6 +98,7 @@ def test_axes_are_measured_once_per_size_and_never_at_size_one():
 # --------------------------------------------------------------------------- a real gloo mesh
 
 
+@slow
 def test_profile_mesh_on_two_processes_returns_sane_numbers():
     links, overheads = profile_mesh((2,), sizes=(4096, 65536), repeats=2)
     kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -118,6 +120,7 @@ def _pipeline_overheads_on(mesh):
     return _pipeline_overheads(mesh, repeats=1)
 
 
+@slow
 def test_pipeline_overheads_on_an_axis_of_four_ranks():
     """1F1B needs a microbatch a stage at least: an axis of four ranks (a 1-D mesh of 4) is timed
     over 4, 8 and 16 microbatches (``autopar profile --mesh 4`` failed on 2 of them)."""

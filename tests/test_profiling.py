@@ -23,6 +23,7 @@ from cost_models.profile import (
     local_fingerprint,
     resolve_profile,
 )
+from tests.tiers import slow
 
 
 def _profile(fingerprint: dict) -> Profile:
@@ -60,6 +61,7 @@ def test_a_profile_of_other_hardware_is_refused_for_this_host():
     assert resolve_profile(None, mesh) is None
 
 
+@slow
 def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch, caplog):
     """End to end on one local process: profile the tiny GPT, find it in the cache, plan with it;
     profiling again measures nothing new."""
@@ -202,6 +204,7 @@ def test_calibration_fits_in_error_relative_to_each_step():
     assert 2.2 < expected < 2.4
 
 
+@slow
 def test_collective_factors_are_fitted_on_a_heavier_workload_too(monkeypatch, tmp_path):
     """On several devices calibration also times a heavier workload's data- and tensor-parallel
     plans (its stretches of compute between collectives are real models'), not its replicated

@@ -39,10 +39,13 @@ from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.module import ShardedModule
 from tests.strategy_cases import CASES, Case, Pre, TiedLM
+from tests.tiers import slow
 
 RTOL, ATOL = 1e-4, 1e-5
 CASE_BY_NAME = {c.name: c for c in CASES}
-PARAMS = [pytest.param(c.name, mesh, id=f"{c.name}-{'x'.join(map(str, mesh))}") for c in CASES for mesh in c.meshes]
+# the fast tier runs every case on 2 ranks; 3 ranks and 2x2 run in the full suite
+PARAMS = [pytest.param(c.name, mesh, id=f"{c.name}-{'x'.join(map(str, mesh))}", marks=() if mesh == (2,) else slow)
+          for c in CASES for mesh in c.meshes]
 ZOO_TEST_MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", "bert-tiny")
 
 # Nodes with no tensor input or no tensor output: there is no placement to choose.

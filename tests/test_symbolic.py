@@ -22,6 +22,7 @@ from autopar.planning.planner import plan_captured
 from autopar.planning.symbolic import B, GraphMismatchError, S, align_plan, closed_forms, symbolic_plan_costs
 from cost_models.estimate import CostModel
 from cost_models.schedule import Timeline, step_costs
+from tests.tiers import slow
 
 # name: (zoo model, mesh, planned (batch, seq), re-costed (batch, seq))
 CASES = {
@@ -85,6 +86,7 @@ def _check_schedule(costs, plan: Plan, batch: int, seq: int) -> None:
     assert sim.peak_at == p.peak_at
 
 
+@slow
 def test_planned_size_is_the_plans_prediction(case):
     _, _, plan, costs, (b, s), _ = case
     assert costs.planned == (b, s)

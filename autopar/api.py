@@ -5,7 +5,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
 from codegen.pipelined import PipelinedModule
 from codegen.runtime import share_generator
-from cost_models.profile import resolve_profile
+from cost_models.profile import Profile, resolve_profile
 
 __all__ = ["plan", "compile", "full_state_dict"]
 
@@ -123,12 +123,14 @@ def _plan_shared_by_all_ranks(captured: CapturedGraph, spec: MeshSpec, mesh: Dev
             f"{dist.get_world_size()} ranks: plan once with autopar.plan() and pass plan= to compile on every rank"
         )
     if options.measure_missing_ops:
+        profile = cast("Profile | None", resolved.profile)   # as resolve_profile returned it
         if isinstance(options.profile, str) and options.profile == "auto":   # the cache: fill in what it lacks
-            resolved = replace(resolved, profile=measure_host(mesh, spec, resolved.profile))
+            profile = measure_host(mesh, spec, profile)
+            resolved = replace(resolved, profile=profile)
         # without a profile nothing is measured: no microbatch captured for it
-        workloads = priced_workloads(captured, spec, resolved, recapture) if resolved.profile is not None \
+        workloads = priced_workloads(captured, spec, resolved, recapture) if profile is not None \
             else [(captured, spec)]
-        measure_missing_ops(workloads, resolved.profile, source=options.profile)
+        measure_missing_ops(workloads, profile, source=options.profile)
     if one_process():
         return plan_captured(captured, spec, resolved, recapture=recapture)
     message = [together("planning", lambda: plan_captured(captured, spec, resolved, recapture=recapture).to_json()

@@ -52,14 +52,14 @@ from autopar.cli import parse_mesh
 from autopar.core.blocks import recompute_modes
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
-from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import measure_training, slowest_rank_steps
 from autopar.core.mesh import hardware_for_device
-from autopar.planning.options import PlanOptions
 from autopar.core.units import fmt
-from autopar.profiling.profiler import CALIBRATION, profile_model
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import candidates
+from autopar.planning.options import PlanOptions
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import measure_training, slowest_rank_steps
+from autopar.profiling.profiler import CALIBRATION, profile_model
 
 RESULTS = Path(__file__).parent / "results" / "cost_accuracy.json"
 #: Corpus architectures (tests/test_corpus.py) no calibration runs, reported apart: learned

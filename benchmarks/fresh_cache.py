@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_line, save_results   # noqa: E402
+from machine import machine_line, save_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fresh_cache.json"
 #: Small configs outside the zoo, batch x sequence: steps of tens to a few hundred ms here.
@@ -62,8 +62,9 @@ def batches(name: str, count: int = 2) -> list[torch.Tensor]:
 
 def _worker(mesh, name: str, profile_dir: str, measure: bool) -> dict:
     """One rank: compile twice (the first with the empty cache), then train with a plain loop."""
-    import autopar
     import torch.distributed as dist
+
+    import autopar
 
     os.environ["AUTOPAR_PROFILE_DIR"] = profile_dir
     os.environ["AUTOPAR_MEASURE_FIRST_PROFILE"] = "1" if measure else "0"

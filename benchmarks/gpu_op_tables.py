@@ -55,8 +55,9 @@ def gemm_rates(dtype_name: str, sizes, device: str) -> dict[str, float]:
     for n in sizes:
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
         flops = 2 * n ** 3
-        best["forward"] = max(best["forward"], flops / seconds(lambda: a @ b, device))
-        bwd = max(flops / seconds(lambda: a @ b.t(), device), flops / seconds(lambda: a.t() @ b, device))
+        best["forward"] = max(best["forward"], flops / seconds(lambda a=a, b=b: a @ b, device))
+        bwd = max(flops / seconds(lambda a=a, b=b: a @ b.t(), device),
+                  flops / seconds(lambda a=a, b=b: a.t() @ b, device))
         best["backward"] = max(best["backward"], bwd)
     return best
 
@@ -71,12 +72,15 @@ def attention_rates(seqs, device: str, heads: int = 16, dim: int = 128, tokens: 
         mask = torch.ones(seq, seq, device=device, dtype=torch.bool).tril()
         flops = 4 * q.shape[0] * heads * seq * seq * dim
         for kernel, kwargs, work in (("flash", {"is_causal": True}, 0.5), ("masked", {"attn_mask": mask}, 1.0)):
-            def forward():
+            def forward(q=q, k=k, v=v, kwargs=kwargs):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
             y = forward()
             grad = torch.ones_like(y)
             fwd = seconds(forward, device)
-            bwd = seconds(lambda: torch.autograd.grad(forward(), (q, k, v), grad), device) - fwd
+
+            def backward(forward=forward, q=q, k=k, v=v, grad=grad):
+                return torch.autograd.grad(forward(), (q, k, v), grad)
+            bwd = seconds(backward, device) - fwd
             out[kernel][seq] = {"forward": work * flops / fwd, "backward": 2.5 * work * flops / max(bwd, 1e-9)}
     return out
 

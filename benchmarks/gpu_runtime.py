@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
@@ -45,8 +45,8 @@ from autopar.core.hardware import get_hardware
 from autopar.core.mesh import hardware_for_device
 from autopar.core.precision import ComputeIn
 from autopar.models.zoo import get_model
-from autopar.profiling.profiler import profile_model
 from autopar.profiling.measure import forward_backward, live_bytes, ratio_in_rounds, time_in_turns, training_step
+from autopar.profiling.profiler import profile_model
 from machine import save_results
 
 RESULTS = Path(__file__).parent / "results" / "gpu_runtime.json"

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import autopar
+from autopar.models.zoo import get_model
 from autopar.planning.baselines import candidates
 from autopar.profiling import peers
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
-from autopar.models.zoo import get_model
 from autopar.profiling.profiler import profile_model
 from machine import machine_line, save_results
 

@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import math
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 from torch.nn.parallel import DistributedDataParallel
 
 import autopar

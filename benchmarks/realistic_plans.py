@@ -17,9 +17,9 @@ vocabulary values per device). Saves benchmarks/results/realistic_plans.json.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch

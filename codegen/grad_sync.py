@@ -192,18 +192,18 @@ class GradSync:
             if bucket.axes and not self.sync:   # accumulating: the local sums wait for the last backward
                 bucket.ready = 0
                 continue
-            used = [(p, leaf) for p, leaf in zip(bucket.params, bucket.leaves) if leaf.grad is not None]
+            used = [(p, leaf) for p, leaf in zip(bucket.params, bucket.leaves, strict=True) if leaf.grad is not None]
             if bucket.axes and bucket.reduced is None and used:
                 self._launch(bucket)
             if bucket.reduced is not None:
                 flat = bucket.reduced.wait()
                 if flat is bucket.buffer and len(used) == len(bucket.params):   # summed in place: its views
-                    for p, view in zip(bucket.params, bucket.views):
+                    for p, view in zip(bucket.params, bucket.views, strict=True):
                         _add_grad(p, view)
                 else:
                     _hand_over(used, flat)
                 tail = flat[flat.numel() - sum(c.summand.numel() for c in bucket.carried):]
-                for c, part in zip(bucket.carried, tail.split([c.summand.numel() for c in bucket.carried])):
+                for c, part in zip(bucket.carried, tail.split([c.summand.numel() for c in bucket.carried]), strict=True):
                     c.reduced = Launched(part.clone())   # not a view: the gradients' storage goes to the optimizer
             else:
                 for p, leaf in used:
@@ -229,7 +229,7 @@ def _hand_over(params: list[tuple[nn.Parameter, torch.Tensor]], flat: torch.Tens
     order, and add each to its parameter's ``grad`` (in the parameter's dtype, where they were
     summed in another, and memory: an offloaded one's goes to the host); what follows them in
     ``flat`` (carried summands) is left."""
-    for (p, local), part in zip(params, _views(flat, [local for _, local in params])):
+    for (p, local), part in zip(params, _views(flat, [local for _, local in params]), strict=True):
         _add_grad(p, part.to(local.device, local.dtype))
 
 
@@ -237,7 +237,7 @@ def _views(flat: torch.Tensor, locals_: Sequence[torch.Tensor]) -> list[torch.Te
     """``flat`` cut, in order, into views shaped as each of ``locals_`` (what follows them is left)."""
     sizes = [t.numel() for t in locals_]
     parts = flat.split([*sizes, flat.numel() - sum(sizes)])
-    return [part.view_as(t) for t, part in zip(locals_, parts)]
+    return [part.view_as(t) for t, part in zip(locals_, parts, strict=False)]
 
 
 def _add_grad(p: nn.Parameter, local_grad: torch.Tensor) -> None:

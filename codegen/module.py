@@ -13,7 +13,6 @@ from torch.utils import _pytree as pytree
 
 import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
-from codegen.outputs import handed_over, settle
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
@@ -23,6 +22,7 @@ from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
 from codegen.modes import as_named
+from codegen.outputs import handed_over, settle
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params, stored_as
@@ -207,7 +207,7 @@ class ShardedModule(nn.Module):
         weights = weighting.weights(counts, len(parts)) if len(parts) > 1 else [1.0]
         losses: list[torch.Tensor | Carried] = []
         try:
-            for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights)):
+            for i, ((forward, flat, _), weight) in enumerate(zip(forwards, weights, strict=True)):
                 self._grad_sync.sync = i == len(forwards) - 1
                 loss = self._run(forward, flat, counts[i] if counts else None)[weighting.index]   # logits dropped
                 summed = forward.code.loss_summed_over   # a summand: summed with the gradients
@@ -215,7 +215,7 @@ class ShardedModule(nn.Module):
                 torch.autograd.backward(loss, _filled_like(loss, weight))   # the seed reads no value
         finally:
             self._grad_sync.sync = True
-        return sum(_value(loss) * weight for loss, weight in zip(losses, weights))
+        return sum(_value(loss) * weight for loss, weight in zip(losses, weights, strict=True))
 
     def _forward_of(self, args: tuple, kwargs: dict, outputs: OutputMode) -> tuple[Forward, list[Any]]:
         """The generated forward for these inputs' shapes returning ``outputs`` so, and the inputs

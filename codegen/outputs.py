@@ -23,6 +23,7 @@ exception").
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import math
@@ -77,7 +78,7 @@ def handed_over(values: Sequence[Any]) -> Sequence[Any]:
             if one_process():   # simulated ranks: nothing runs in the background (nor outlives this mesh)
                 local.trigger_wait()
             else:
-                _IN_FLIGHT.append(lambda elem=local.elem: funcol.wait_tensor(elem))
+                _IN_FLIGHT.append(functools.partial(funcol.wait_tensor, local.elem))
     if not torch.is_grad_enabled():
         settle()
     return values
@@ -216,9 +217,9 @@ def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement]
     mesh order over the ``split`` axes), each put where DTensor's chunking places it
     (``shard_range``)."""
     out = torch.empty(tuple(shape), dtype=pieces.dtype, device=pieces.device)
-    for piece, split_coords in zip(pieces, itertools.product(*(range(mesh.shape[a]) for a in split))):
+    for piece, split_coords in zip(pieces, itertools.product(*(range(mesh.shape[a]) for a in split)), strict=True):
         coords = [0] * mesh.ndim
-        for a, c in zip(split, split_coords):
+        for a, c in zip(split, split_coords, strict=True):
             coords[a] = c
         region = out
         for d, size in enumerate(shape):

@@ -29,17 +29,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
-from codegen.outputs import Pending, handed_over, settle
 from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
 from autopar.core.loss_weights import loss_weighting
@@ -49,6 +47,7 @@ from autopar.core.plan import Plan, rank_of_stage
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, compile_source, grad_sync_of
+from codegen.outputs import Pending, handed_over, settle
 from codegen.stages import StageCode
 from codegen.zero3 import GatheredParams
 
@@ -102,7 +101,8 @@ class PipelinedModule(ShardedModule):
         per_stage = {s: GatheredParams(self, self._stage_mesh, train.gathered, self._syncs[s], self._device,
                                        [k for k, g in enumerate(train.gathered) if set(g.fqns) <= train.stages[s].state])
                      for s in self._held}
-        self._autopar_gather = _Groups({k: gathered for gathered in per_stage.values() for k in gathered.groups})
+        self._autopar_gather = _Groups(  # type: ignore[assignment]  # gathers as GatheredParams does, stage by stage
+            {k: gathered for gathered in per_stage.values() for k in gathered.groups})
         self._tied = _tie_groups(mesh, pipeline, train.stages)
         self._code = train
         self._constants: list[tuple[int, Any]] = []   # the model's non-tensor inputs, by position
@@ -216,7 +216,7 @@ class PipelinedModule(ShardedModule):
             raise InputMismatchError(f"this pipeline runs batches of {self.plan.batch_size} rows; got "
                                      f"{batch_size(args, kwargs)}. Compile for this batch size")
         flats = [self._flat(a, k) for a, k in parts]
-        counts = self._weighting.counts([(f, batch_size(*p)) for f, p in zip(flats, parts)]) \
+        counts = self._weighting.counts([(f, batch_size(*p)) for f, p in zip(flats, parts, strict=True)]) \
             if self._weighting.count is not None else None
         outputs = []
         with torch.no_grad():
@@ -269,7 +269,7 @@ def _merge(parts: Sequence[Any], weights: Sequence[float], is_loss: bool) -> Any
     tensors concatenated, anything else as the first microbatch gave it."""
     first = parts[0]
     if is_loss:
-        return sum(p * w for p, w in zip(parts, weights))
+        return sum(p * w for p, w in zip(parts, weights, strict=True))
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return torch.cat(list(parts))
     return first
@@ -299,7 +299,7 @@ class _StageModule(nn.Module):
     def forward(self, *values: torch.Tensor) -> Any:
         owner = self.owner
         if self.fn.__name__ == "stage_0":
-            values = _with_constants(values, owner._constants)
+            values = tuple(_with_constants(values, owner._constants))
         count = owner._loss_counts.pop(0) if self.last and owner._loss_counts else None
         out = self.fn(owner, owner._stage_mesh, owner._device, owner._sizes, *values, loss_count=count)
         return out[self.loss_index] if self.last else out
@@ -341,9 +341,11 @@ def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _with_constants(values: Sequence[Any], constants: Sequence[tuple[int, Any]]) -> list[Any]:
     """The first stage's arguments: the tensors the schedule passes, with the non-tensor inputs
     put back at their positions."""
-    out, tensors = [], iter(values)
+    out: list[Any] = []
+    tensors = iter(values)
     at = dict(constants)
-    for i in itertools.count():
+    while True:
+        i = len(out)   # out holds one value per position so far
         if i in at:
             out.append(at[i])
             continue
@@ -370,14 +372,14 @@ def _tie_groups(mesh: DeviceMesh, pipeline: Any, stages: Sequence[StageCode]) ->
         for f in code.state:
             per_fqn.setdefault(f, set()).add(rank_of_stage(pipeline.schedule, s, mesh.size(axis), pipeline.virtual_stages))
     shared: dict[tuple[int, ...], list[str]] = {}
-    for f, pp_ranks in sorted(per_fqn.items()):
-        if len(pp_ranks) > 1:
-            shared.setdefault(tuple(sorted(pp_ranks)), []).append(f)
+    for f, holders in sorted(per_fqn.items()):
+        if len(holders) > 1:
+            shared.setdefault(tuple(sorted(holders)), []).append(f)
     out = []
     me = dist.get_rank()
     for pp_ranks, fqns in sorted(shared.items()):
         for place in itertools.product(*(range(n) for n in ranks_of_pp.shape[1:])):
-            members = [int(ranks_of_pp[(r, *place)]) for r in pp_ranks]
+            members = [int(ranks_of_pp[(r,) + place]) for r in pp_ranks]
             group = dist.new_group(members)
             if me in members:
                 out.append((fqns, group))

@@ -23,8 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import (LocalIntNode, LocalTensor, local_tensor_mode,
-                                            maybe_disable_local_tensor_mode)
+from torch.distributed._local_tensor import (
+    LocalIntNode,
+    LocalTensor,
+    local_tensor_mode,
+    maybe_disable_local_tensor_mode,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
@@ -224,9 +228,9 @@ def redistribute(t: DTensor, placements: Sequence[Placement], reduce_in: str = "
     if not t.is_contiguous():  # a gathered shard is contiguous: keep DTensor's stride in step
         t = t.contiguous()
     # Replicate -> Partial is local (DTensor keeps it internal): reach Replicate first, then split.
-    to_partial = [isinstance(w, Partial) and not h.is_partial() for h, w in zip(t.placements, placements)]
+    to_partial = [isinstance(w, Partial) and not h.is_partial() for h, w in zip(t.placements, placements, strict=True)]
     first = [Replicate() if p else (h if h.is_partial() and isinstance(w, Partial) else w)
-             for h, w, p in zip(t.placements, placements, to_partial)]
+             for h, w, p in zip(t.placements, placements, to_partial, strict=True)]
     if not _same(t.placements, first):
         with _planned():
             t = _contiguous_shards(t.redistribute(t.device_mesh, first))
@@ -267,7 +271,7 @@ def _replicate_to_partial(t: DTensor, placements: Sequence[Placement]) -> DTenso
     the gradient reaching the replicated input is partial (its sum over ranks is the true grad)."""
     mesh = t.device_mesh
     n, grad_placements = 1, []
-    for h, w, size in zip(t.placements, placements, mesh.shape):
+    for h, w, size in zip(t.placements, placements, mesh.shape, strict=True):
         if isinstance(w, Partial) and not h.is_partial():
             n *= size
             grad_placements.append(Partial())
@@ -278,7 +282,7 @@ def _replicate_to_partial(t: DTensor, placements: Sequence[Placement]) -> DTenso
 
 
 def _same(have: Sequence[Placement], want: Sequence[Placement]) -> bool:
-    return all(_same_one(h, w) for h, w in zip(have, want))
+    return all(_same_one(h, w) for h, w in zip(have, want, strict=True))
 
 
 def _same_one(h: Placement, w: Placement) -> bool:

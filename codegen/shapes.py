@@ -100,7 +100,7 @@ class ForwardPerShape:
         captured = capture(self._model, fake_args, fake_kwargs, precision=self._precision)
         planned = self._structure.setdefault(training, _structure(captured))
         if _structure(captured) != planned:
-            changed = next((a, b) for a, b in zip(_structure(captured) + [None], planned + [None]) if a != b)
+            changed = next((a, b) for a, b in zip(_structure(captured) + [None], planned + [None], strict=False) if a != b)
             raise InputMismatchError(
                 f"inputs of shapes {[tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]} "
                 f"change the model's graph (first difference: {changed[0]} where the plan has {changed[1]}): its "

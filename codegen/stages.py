@@ -74,7 +74,7 @@ def split_stages(body: Sequence[str], cuts: Sequence[int], first_inputs: Sequenc
     ``state``, which the emitter knows) and whether it reads a value computed once (``kept``: each
     stage reads those itself). ``first_inputs``: the model's inputs (the first stage's arguments)."""
     bounds = [0, *cuts, len(body)]
-    parts = [list(body[a:b]) for a, b in zip(bounds, bounds[1:])]
+    parts = [list(body[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     reads: list[list[str]] = []   # per stage: names read before it assigns them
     stores: list[set[str]] = []
     for lines in parts:

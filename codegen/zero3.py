@@ -106,7 +106,7 @@ class GatheredParams:
         self.specs = {k: specs[k] for k in self.groups}
         self.params = {k: [module.get_parameter(f) for f in specs[k].fqns] for k in self.groups}
         self.trains = {k: [f not in specs[k].frozen for f in specs[k].fqns] for k in self.groups}
-        self._next = dict(zip(self.groups, self.groups[1:]))
+        self._next = dict(zip(self.groups, self.groups[1:], strict=False))
         self.grad_sync = grad_sync
         for group in self.params.values():
             for p in group:
@@ -167,13 +167,13 @@ class _Gather(torch.autograd.Function):
         n = owner._size(k)
         rows = gathered.view(n, -1)   # one row per rank of the axis, in mesh order
         out, offset = [], 0
-        for shard, dim in zip(shards, owner.specs[k].dims):
+        for shard, dim in zip(shards, owner.specs[k].dims, strict=True):
             piece = rows[:, offset:offset + shard.numel()].reshape(n, *shard.shape)
             whole = list(shard.shape)
             whole[dim] *= n
             out.append(piece.movedim(0, dim).reshape(whole))
             offset += shard.numel()
-        ctx.mark_non_differentiable(*[t for t, trains in zip(out, owner.trains[k]) if not trains])
+        ctx.mark_non_differentiable(*[t for t, trains in zip(out, owner.trains[k], strict=True) if not trains])
         return tuple(out)
 
     @staticmethod
@@ -181,9 +181,9 @@ class _Gather(torch.autograd.Function):
         owner, k = ctx.owner, ctx.k
         n = owner._size(k)
         trains = owner.trains[k]
-        grads = _trained(grads, trains)
-        packed, like = [], next(g for g in grads if g is not None)
-        for g, shape, dim in zip(grads, _trained(ctx.shapes, trains), _trained(owner.specs[k].dims, trains)):
+        trained = _trained(grads, trains)
+        packed, like = [], next(g for g in trained if g is not None)
+        for g, shape, dim in zip(trained, _trained(ctx.shapes, trains), _trained(owner.specs[k].dims, trains), strict=True):
             whole = list(shape)
             whole[dim] *= n
             if g is None:
@@ -205,7 +205,7 @@ class _Gather(torch.autograd.Function):
 
 def _trained(items: Sequence[Any], trains: Sequence[bool]) -> list[Any]:
     """The items of a group's parameters that train."""
-    return [x for x, t in zip(items, trains) if t]
+    return [x for x, t in zip(items, trains, strict=True) if t]
 
 
 

@@ -111,7 +111,7 @@ def link_for_axis(hw: "Hardware", axis_sizes: Sequence[int], axis: int) -> Link:
     per-device inter-node bandwidth applies: a ring is bound by its slowest link). Its bandwidth
     is what NCCL's collectives reach of the datasheet's, where the hardware's efficiency table
     says (``cost_models.efficiency``)."""
-    from cost_models.efficiency import efficiency_of   # efficiency imports this module's package
+    from cost_models.efficiency import efficiency_of  # efficiency imports this module's package
 
     eff = efficiency_of(hw)
     if crosses_nodes(hw, axis_sizes, axis):

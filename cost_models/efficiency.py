@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import sympy
 import torch
@@ -168,7 +168,7 @@ def matmul_shapes(a: Sequence[int], b: Sequence[int]) -> GemmShape | None:
 
 aten = torch.ops.aten
 # Each GEMM op's product, from its tensor inputs' local shapes in argument order.
-GEMM_OPS = {
+GEMM_OPS: dict[Any, Callable[..., GemmShape]] = {
     aten.linear.default: lambda x, w, *bias: GemmShape(math.prod(x[:-1]), w[0], x[-1]),
     aten.mm.default: matmul_shapes,
     aten.bmm.default: matmul_shapes,
@@ -202,7 +202,7 @@ def op_seconds(node: torch.fx.Node, shapes: Sequence[Sequence[int]], flops: floa
     elif node.target in ATTENTION_OPS and len(shapes[0]) == 4:
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         causal = bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
-        kernel = "masked" if mask is not None else "flash"
+        kernel: Literal["flash", "masked"] = "masked" if mask is not None else "flash"
         fwd, bwd = (attention_seconds(flops * (2.5 if p == "backward" else 1), shapes[0][2], eff, hw, dtype,
                                       kernel=kernel, causal=causal, pass_=p) for p in ("forward", "backward"))
     else:

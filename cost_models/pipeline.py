@@ -263,4 +263,4 @@ def balanced_stages(blocks: Sequence[float], stages: int, first: float = 0.0, la
         bounds.append(j)
     bounds.append(0)
     bounds.reverse()
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -13,8 +13,8 @@ and the cost model falls back to the roofline presets for it. Profiles are JSON,
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
+import logging
 import os
 import platform
 from dataclasses import dataclass, field

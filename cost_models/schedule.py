@@ -254,7 +254,7 @@ class PricedSpace:
 
     def step_costs(self, strategy: Sequence[int]) -> tuple[list[Cost], list[tuple[int, float]]]:
         """``step_costs`` of the plan giving node i its strategy number ``strategy[i]``."""
-        chosen = [nc.strategies[x] for nc, x in zip(self.space.nodes, strategy)]
+        chosen = [nc.strategies[x] for nc, x in zip(self.space.nodes, strategy, strict=True)]
         return _assemble(self.space, lambda i: self.nodes[i][strategy[i]],
                          lambda i, j, k: self.edges[(i, j, k)][strategy[i], strategy[j]],
                          parameter_saving(self.space, chosen, self.saving))
@@ -305,6 +305,6 @@ def _additive(m: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
 
 def _accumulate(terms: dict[int, list[float]], node: int, values: Sequence[float]) -> None:
     if node in terms:
-        terms[node] = [x + y for x, y in zip(terms[node], values)]
+        terms[node] = [x + y for x, y in zip(terms[node], values, strict=True)]
     else:
         terms[node] = list(values)

@@ -2,8 +2,19 @@
 the lowest layer, which every other package may use and which uses none of them."""
 
 from solver.errors import InfeasibleProblem, MemoryHog, SolverError, SolverTimeout
-from solver.ilp import (SOLVERS, Edge, MemoryBounds, Problem, Row, Solution, Term, evaluate, memory_bounds, restrict,
-                        solve)
+from solver.ilp import (
+    SOLVERS,
+    Edge,
+    MemoryBounds,
+    Problem,
+    Row,
+    Solution,
+    Term,
+    evaluate,
+    memory_bounds,
+    restrict,
+    solve,
+)
 
 __all__ = ["Edge", "Term", "Row", "Problem", "Solution", "solve", "evaluate", "memory_bounds", "MemoryBounds",
            "restrict", "SOLVERS",

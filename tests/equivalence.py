@@ -135,13 +135,13 @@ def check_training(name: str | Callable[[], torch.nn.Module], batch: int, seq: i
     rtol, loss_atol, atol = TOLERANCES[precision]
     ref_losses, ref_state = train_reference(name, batches, precision)
     losses, state, plan = runner(mesh_shape, name, batches, plan_options)
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         for r, value in enumerate(got):
             assert abs(value - want) <= loss_atol + rtol * abs(want), f"step {step} rank {r}: loss {value} != {want}"
     assert state.keys() == ref_state.keys()
     for key, want in ref_state.items():
         for r, value in enumerate(state[key]):
-            torch.testing.assert_close(value, want, rtol=rtol, atol=atol, msg=lambda m: f"{key} rank {r}: {m}")
+            torch.testing.assert_close(value, want, rtol=rtol, atol=atol, msg=lambda m, key=key, r=r: f"{key} rank {r}: {m}")
     return plan
 
 

@@ -9,12 +9,13 @@ import autopar
 from autopar import MeshSpec
 from autopar.core.errors import AutoparError
 from autopar.planning.baselines import candidates
-from tests.equivalence import meta_model, build, make_batches
-from tests.equivalence import check_training, local_runner
+from tests.equivalence import build, check_training, local_runner, make_batches, meta_model
+from tests.tiers import slow
 
 R = Replicate()
 
 
+@slow
 def test_standard_strategies_are_what_they_say():
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     plans = candidates(model, MeshSpec((2, 2), axis_names=("dp", "tp"), hardware="h100-80gb"), args, kwargs)
@@ -44,6 +45,7 @@ def test_standard_strategies_are_what_they_say():
     assert set(auto.solver["hand_plans"]) == set(plans) - piped
 
 
+@slow
 def test_hand_plan_that_does_not_fit_is_kept_with_its_shortfall():
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     mesh = MeshSpec((4,), hardware="h100-80gb")
@@ -60,6 +62,7 @@ def test_hand_plan_that_does_not_fit_is_kept_with_its_shortfall():
 
 
 @pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["4", "2x2"])
+@slow
 def test_every_hand_plan_trains_exactly(mesh):
     batch, seq = 6, 16
     args, kwargs = make_batches("gpt-tiny", batch, seq, steps=1)[0]
@@ -127,6 +130,7 @@ def test_a_solver_plan_must_beat_the_best_hand_plan_by_min_gain(monkeypatch):
         autopar.plan(model, mesh, args, kwargs, min_gain=1.5)
 
 
+@slow
 def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     """All hand plans together may take ``share`` of the time left, split evenly; the rest is the
     auto plan's. (Before: each took ``share`` of what the earlier ones left, 75% in all on 3-D.)
@@ -134,9 +138,9 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     is solved past it (each used to get the least solve time again), and the clock says which."""
     from types import SimpleNamespace
 
+    from autopar.core.capture import capture
     from autopar.planning import baselines
     from autopar.planning.clock import Clock
-    from autopar.core.capture import capture
     from autopar.planning.problem import prepare
 
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
@@ -169,6 +173,7 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])
+@slow
 def test_ddp_hand_plan_communicates_as_ddp_does(name):
     """Pure data parallelism: position ids and their embedding (no batch) are computed on every
     rank, their gradient stays partial to the parameter, and the generated forward communicates

@@ -19,8 +19,18 @@ from autopar.core.ops.batch_norm import batch_statistics
 from autopar.core.strategies import build_space
 from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, tight_budget,
-                               train_reference, train_steps)
+from tests.equivalence import (
+    ATOL,
+    RTOL,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    tight_budget,
+    train_reference,
+    train_steps,
+)
+from tests.tiers import slow
 
 
 class SmallCNN(nn.Module):
@@ -127,7 +137,7 @@ def _check(name, batches: list, mesh_shape: tuple[int, ...], plan_options: dict,
     reference.load_state_dict(train_reference(name, batches)[1])
     for want, ranks in zip(_eval_outputs(reference, probe), got, strict=True):
         for r, value in enumerate(ranks):
-            torch.testing.assert_close(value, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"eval output rank {r}: {m}")
+            torch.testing.assert_close(value, want, rtol=RTOL, atol=ATOL, msg=lambda m, r=r: f"eval output rank {r}: {m}")
     return plan
 
 
@@ -139,6 +149,7 @@ BATCH_NORM = str(torch.ops.aten.batch_norm.default)
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["free", "tight"])
+@slow
 def test_hf_resnet_keeps_running_statistics(tight):
     batches = _images(as_kwargs=True)
     options = {"memory_budget": tight_budget(hf_resnet, 0, 0, (2, 2), batches)} if tight else {}
@@ -147,7 +158,8 @@ def test_hf_resnet_keeps_running_statistics(tight):
         assert any("batch" in s for s in _strategies(plan, BATCH_NORM)), plan.report()
 
 
-@pytest.mark.parametrize("mesh_shape, tight", [((2, 2), False), ((2, 2), True), ((3,), True)],
+@pytest.mark.parametrize("mesh_shape, tight", [((2, 2), False), pytest.param((2, 2), True, marks=slow),
+                                               pytest.param((3,), True, marks=slow)],
                          ids=["2x2-free", "2x2-tight", "3-tight"])
 def test_small_cnn_keeps_running_statistics(mesh_shape, tight):
     batches = _images(batch=5, side=8)   # 5 rows: uneven over 2x2 and 3
@@ -157,6 +169,7 @@ def test_small_cnn_keeps_running_statistics(mesh_shape, tight):
         assert any("batch" in s for s in _strategies(plan, BATCH_NORM)), plan.report()
 
 
+@slow
 def test_compiled_in_eval_mode_trains_in_training_mode():
     """The plan of the eval capture (batch norms split by batch, no batch counter) runs the training
     capture by counterpart: statistics gathered, counters counted."""
@@ -187,6 +200,7 @@ def _forced(model_fn, batch, mesh_shape, names: tuple[str, ...]) -> autopar.Plan
 
 @pytest.mark.parametrize("names", [("channels", "channels"), ("batch", "channels"), ("channels", "batch")],
                          ids=lambda n: "-".join(n))
+@slow
 def test_split_channels_write_running_statistics_back(names):
     """Channels split: each rank updates its channels of the running statistics, gathered back into
     the whole buffer; with the batch split on the other axis, statistics are gathered there."""
@@ -228,6 +242,7 @@ def test_steps_in_parts_of_the_batch_are_refused():
     run_on_local_tensor_mesh(body, (2,))
 
 
+@slow
 def test_gloo_processes():
     """Real processes: batch norms split by batch gather their statistics over gloo."""
     batches = _images(batch=4, side=4)

@@ -19,6 +19,7 @@ from autopar.core.plan import Plan
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_gloo_mesh
 from tests.equivalence import ATOL, EPS, LR, RTOL, build, loss_of, make_batches, train_reference
+from tests.tiers import slow
 
 NAME = "tests.pipeline_models:gpt2"   # HF GPT-2 (tied embeddings), four blocks: two pipeline stages
 MESH = MeshSpec((2, 2), ("pp", "tp"))
@@ -86,9 +87,10 @@ def _round_trips(square, root, plans, batches):
 def _assert_state(state, want, where):
     assert state.keys() == want.keys(), where
     for key, value in want.items():
-        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{where} {key}: {m}")
 
 
+@slow
 def test_checkpoints_resume_training_exactly_in_every_plan_and_export_to_hugging_face(tmp_path):
     batches = make_batches(NAME, 8, 16, steps=max(last for *_, (_, last), _ in CASES))
     ref_losses, _ = train_reference(NAME, batches)

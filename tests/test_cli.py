@@ -1,9 +1,8 @@
 """Tests of the ``autopar`` command line (autopar/cli.py) and the planning report (autopar/report.py)."""
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -16,6 +15,7 @@ from autopar import Plan
 from autopar.cli import main, parse_mesh
 from autopar.core.errors import MeshError
 from autopar.core.report import fmt, param_pattern
+from tests.tiers import slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,6 +142,7 @@ def test_report_groups_layers():
     assert "no sharding rule for aten.foo.default" in text and "exceeds the budget" in text
 
 
+@slow
 def test_demo_end_to_end():
     """`autopar demo --mesh 2 --steps 2` (2 gloo processes): the sharded and single-device losses agree."""
     proc = subprocess.run([sys.executable, "-m", "autopar", "demo", "--mesh", "2", "--steps", "2"],

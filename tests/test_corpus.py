@@ -19,6 +19,9 @@ from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.models.zoo import get_model
 from tests.equivalence import check_training, gloo_runner, local_runner, meta_model
+from tests.tiers import slow
+
+pytestmark = slow   # every architecture at size and on 2x2: a sweep
 
 SOLVE_S = 10.0
 #: (architecture, tiny entry, published-size entry)

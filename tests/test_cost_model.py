@@ -11,20 +11,21 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import MeshSpec
-from autopar.planning.baselines import candidates
 from autopar.core.capture import capture
-from autopar.planning.options import PlanOptions
-from autopar.planning.planner import plan_captured
 from autopar.core.placements import grad_placement, grad_target
 from autopar.core.strategies import Strategy, all_replicated, build_space
 from autopar.models.zoo import get_model
-from cost_models.estimate import Cost, CostModel, get_optimizer
-from cost_models.comm import Link, collective_time
-from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
+from autopar.planning.baselines import candidates
+from autopar.planning.options import PlanOptions
+from autopar.planning.planner import plan_captured
 from cost_models.activations import gradients
+from cost_models.comm import Link, collective_time
+from cost_models.estimate import Cost, CostModel, get_optimizer
+from cost_models.profile import OpTime, Profile, collective_key, local_fingerprint
 from cost_models.profile_ops import op_call
 from cost_models.schedule import PricedSpace, Timeline, step_costs
 from tests.strategy_cases import TiedLM
+from tests.tiers import slow
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -503,7 +504,7 @@ def test_parameters_are_priced_plain_only_in_a_plan_that_splits_none_and_reads_t
         bare, _ = step_costs(space, roofline, chosen)
         i = space.index[bias.node]
         assert costs[i].compute_s - bare[i].compute_s == pytest.approx(prices[name]), name
-        assert PricedSpace(space, model).step_costs([nc.strategies.index(s) for nc, s in zip(space.nodes, chosen)])[0][i] \
+        assert PricedSpace(space, model).step_costs([nc.strategies.index(s) for nc, s in zip(space.nodes, chosen, strict=True)])[0][i] \
             == costs[i]
 
 
@@ -519,7 +520,7 @@ def test_the_runtime_keeps_parameters_plain_exactly_where_they_are_priced_plain(
     captured, space, plans = _scaled_plans()
     x = torch.randn(4, 8)
     for name, chosen in plans.items():
-        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind in ("param", "op")}
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind in ("param", "op")}
         plan = plan_captured(captured, space.mesh, forced=forced)
 
         def body(mesh, plan=plan):
@@ -587,6 +588,7 @@ def test_attention_flops_counted_for_cpu_models():
 
 
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2)])
+@slow
 def test_edge_grids_price_every_pair_as_edge_does(mesh):
     """The planner prices edges as grids over distinct layouts (``CostModel.edge_grid``, every
     axis once per distinct move, strategies in classes); each pair must cost exactly what

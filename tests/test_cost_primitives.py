@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from autopar.core.errors import HardwareError
+from autopar.core.hardware import PRESETS, Hardware, get_hardware, hardware_from_dict, hardware_to_dict
 from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time, crosses_nodes, link_for_axis
 from cost_models.compute import compute_time
 from cost_models.efficiency import efficiency_of
-from autopar.core.hardware import PRESETS, Hardware, get_hardware, hardware_from_dict, hardware_to_dict
 
 GiB = 2**30
 BIG = 4 * GiB  # bandwidth-dominated on every link below

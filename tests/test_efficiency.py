@@ -11,8 +11,15 @@ import torch
 
 from autopar.core.errors import HardwareError
 from autopar.core.hardware import PRESETS, get_hardware
-from cost_models.efficiency import (TABLES, GemmShape, attention_seconds, efficiency_of, gemm_seconds, load_table,
-                                    op_seconds)
+from cost_models.efficiency import (
+    TABLES,
+    GemmShape,
+    attention_seconds,
+    efficiency_of,
+    gemm_seconds,
+    load_table,
+    op_seconds,
+)
 
 aten = torch.ops.aten
 GPUS = [name for name, hw in PRESETS.items() if name != "cpu"]

@@ -12,8 +12,20 @@ import autopar
 from autopar import MeshSpec
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (ATOL, RTOL, build, check_training, gloo_runner, local_runner, loss_of, make_batches,
-                               padded_batches, tight_budget, train_reference)
+from tests.equivalence import (
+    ATOL,
+    RTOL,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    loss_of,
+    make_batches,
+    padded_batches,
+    tight_budget,
+    train_reference,
+)
+from tests.tiers import slow, slow_except
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
 MESHES = [(1,), (2,), (3,), (4,), (2, 2)]
@@ -22,14 +34,14 @@ MESHES = [(1,), (2,), (3,), (4,), (2, 2)]
 SOLVE_S = 10.0
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mesh_shape", slow_except(MESHES, (2, 2)), ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", slow_except(MODELS, "gpt-tiny"))
 def test_local_default_plan(name, mesh_shape):
     check_training(name, 6, 16, mesh_shape, local_runner, {})
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mesh_shape", slow_except([(2,), (3,), (2, 2)], (2,)), ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", slow_except(MODELS, "gpt-tiny"))
 def test_local_memory_constrained_plan(name, mesh_shape):
     """A budget that rules out replication forces sharded parameters; results must not change."""
     budget = tight_budget(name, 6, 16, mesh_shape)
@@ -38,8 +50,8 @@ def test_local_memory_constrained_plan(name, mesh_shape):
                for p in plan.parameters.values()), "a tight budget must shard some parameter"
 
 
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mesh_shape", slow_except([(4,), (2, 2)], (4,)), ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", slow_except(MODELS, "gpt-tiny"))
 def test_gloo_processes(name, mesh_shape):
     budget = tight_budget(name, 6, 16, mesh_shape)
     check_training(name, 6, 16, mesh_shape, gloo_runner, {"memory_budget": budget, "time_limit": SOLVE_S})
@@ -54,6 +66,7 @@ def _loss_of_one_forward(mesh, name, batch, plan_json):
     return pending, "count=loss_count" in pmodel.code, float(loss)
 
 
+@slow
 def test_the_loss_sum_over_ranks_does_not_block_the_forward():
     """Ranks hold different numbers of counted targets (padding). Each divides its summed
     cross-entropy by the batch's count, taken from the inputs every rank holds, so the forward
@@ -70,6 +83,7 @@ def test_the_loss_sum_over_ranks_does_not_block_the_forward():
 
 @pytest.mark.parametrize("keep_sharded", [False, True])
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@slow
 def test_logits_without_labels(name, keep_sharded):
     """HuggingFace models called without labels return logits; sharded logits equal the original's."""
     from torch.distributed.tensor import DTensor
@@ -95,6 +109,7 @@ def test_logits_without_labels(name, keep_sharded):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+@slow
 def test_plan_made_on_meta_compiles_on_cpu():
     """The offline workflow: plan a meta-device copy, save the JSON, compile the real model with it."""
     import autopar
@@ -112,6 +127,7 @@ def test_plan_made_on_meta_compiles_on_cpu():
     check_training(name, 6, 16, (2, 2), local_runner, {"plan": saved})
 
 
+@slow
 def test_no_dtensor_hints_in_normal_use(caplog):
     """A plan's redistributions over both axes of a 2x2 mesh (moves, gathered outputs, gradient
     sync) are the collectives the planner chose: DTensor's hint about them (logged by every rank,
@@ -185,6 +201,7 @@ def test_gloo_all_to_all_fallback_hint_is_not_shown_for_planned_moves():
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
+@slow
 def test_new_input_shapes_train_exactly(mesh_shape):
     """Compiled for 6 x 16 tokens, fed what a training loop feeds: a smaller last batch (5, split
     unevenly) and another sequence length (8). Each shape gets its own generated forward with the
@@ -195,6 +212,7 @@ def test_new_input_shapes_train_exactly(mesh_shape):
 
 
 @pytest.mark.parametrize("hand", ["ddp", "fsdp"])
+@slow
 def test_a_batch_split_unevenly_and_flattened_trains_exactly(hand):
     """5 rows of 16 tokens split 3 and 2, then flattened for the loss: ranks hold 48 and 32 rows,
     not the even 40 a split of 80 would give (the view infers its split dimension)."""
@@ -203,6 +221,7 @@ def test_a_batch_split_unevenly_and_flattened_trains_exactly(hand):
     check_training("gpt-tiny", 6, 16, (2,), local_runner, {"plan": plan}, batches)
 
 
+@slow
 def test_targets_flattened_then_split_meet_an_uneven_batch_in_whole_rows():
     """A plan may flatten the targets whole and slice them for the loss (free at the planned 6
     rows: 48 and 48 of 96), while the logits come flattened from the batch split 3 and 2 at 5 rows
@@ -263,6 +282,7 @@ def _compiled_worker(mesh, batches):
         torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@slow
 def test_torch_compile_of_the_sharded_module_trains_exactly():
     """``torch.compile(pmodel)`` traces the generated forward (aot_eager: dynamo and AOT autograd,
     no C++ build) in one graph, the loss's target count included (it stays a tensor), and trains
@@ -288,6 +308,7 @@ def _compiled_sharded_outputs_worker(mesh, batches):
     return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@slow
 def test_torch_compile_of_a_module_with_sharded_outputs_trains_exactly():
     """Outputs kept sharded (``gather_outputs=False``: DTensors) under ``torch.compile``: GPT-2 as
     HuggingFace builds it returns its logits beside the loss, and the loss's backward does not
@@ -302,6 +323,7 @@ def test_torch_compile_of_a_module_with_sharded_outputs_trains_exactly():
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=lambda s: "x".join(map(str, s)))
+@slow
 def test_zero3_parameters_gathered_in_prefetched_groups(mesh_shape):
     """FSDP as FSDP2 runs it: ZeRO-3 parameters all-gathered a group at a time (small groups here:
     several, each prefetched while the one before computes) and their gradients reduce-scattered
@@ -321,6 +343,7 @@ def test_zero3_parameters_gathered_in_prefetched_groups(mesh_shape):
                    batches=batches)
 
 
+@slow
 def test_tensor_parallel_weights_under_zero3_are_gathered_in_groups():
     """FSDP(dp) x TP(tp) as FSDP2 with tensor parallelism stores it: a weight split on one
     dimension over tp (the shard the ops read) and over dp (ZeRO-3) is split over dp inside each
@@ -355,6 +378,7 @@ def test_stored_as_splits_inside_the_shards_of_later_axes():
     assert stored_as([Shard(1), Shard(0)], spec(0), (2, 2)) == [Shard(1), Shard(0)]   # other dims: as planned
 
 
+@slow
 def test_a_data_parallel_plan_keeps_parameters_plain():
     """Every parameter replicated: plain tensors and gradients, as under DDP (the optimizer then
     skips DTensor's dispatch); the state dict loads back; a plan that shards any keeps DTensors."""

@@ -24,6 +24,7 @@ from autopar.core.errors import CaptureError, InfeasibleError, PlanFileError
 from autopar.core.mesh import MeshSpec
 from autopar.profiling.launch import run_on_local_tensor_mesh
 from tests.equivalence import build, check_training, local_runner, make_batches
+from tests.tiers import slow
 
 SOLVE_S = 10.0
 VOCAB = 96
@@ -145,6 +146,7 @@ def _sharding_budget(build_model, batches) -> float:
 
 
 @pytest.mark.parametrize("mesh_shape, budget", [((2,), False), ((2, 2), True)], ids=["free-2", "sharding-2x2"])
+@slow
 def test_hf_decoder_trains_without_use_cache_given(mesh_shape, budget):
     """Llama called with ids and labels only (its forward would return a key/value cache): autopar
     passes ``use_cache=False`` itself, says so in the plan, and 3 AdamW steps equal one device's, on
@@ -159,6 +161,7 @@ def test_hf_decoder_trains_without_use_cache_given(mesh_shape, budget):
         assert any(not all(p.is_replicate() for p in n.storage) for n in plan.parameters.values())
 
 
+@slow
 def test_gradient_checkpointing_enable_is_ignored_with_a_warning():
     """``gradient_checkpointing_enable()``: autopar warns that it plans recomputation itself, and the
     model trains as one device does (2 ranks)."""
@@ -182,6 +185,7 @@ print(run_on_gloo_mesh(rank, (2,), timeout_s=120))
 """
 
 
+@slow
 def test_a_script_without_main_guard_is_told_so(tmp_path):
     """The launch helper called at a script's top level: each rank, importing the script as it
     starts, would start ranks again. The error names the missing guard, not the OS or memory."""
@@ -217,6 +221,7 @@ dist.destroy_process_group()   # torch warns here of collectives never waited fo
 """
 
 
+@slow
 def test_outputs_left_unread_leave_no_collective_unwaited_at_exit(tmp_path):
     """Two ranks (torchrun) end after a training forward and an evaluation whose outputs they do
     not read: torch says nothing of unwaited collectives as the processes end."""

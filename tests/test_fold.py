@@ -15,11 +15,12 @@ import codegen.module as module
 import codegen.runtime as runtime
 from autopar.core.capture import capture
 from autopar.core.execution import written_aliases
+from autopar.core.fold import foldable
 from autopar.core.mesh import MeshSpec
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_local_tensor_mesh
-from autopar.core.fold import foldable
 from tests.equivalence import build, check_training, local_runner, make_batches
+from tests.tiers import slow
 
 
 def _mask_calls(monkeypatch) -> list[object]:
@@ -34,6 +35,7 @@ def _mask_calls(monkeypatch) -> list[object]:
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+@slow
 def test_a_causal_mask_built_from_shapes_runs_sdpa_as_is_causal(name, monkeypatch):
     """Hugging Face builds its causal mask from positions: generated code builds it once, finds it
     causal on every rank, and calls SDPA with is_causal=True and no mask; training stays exact."""

@@ -14,6 +14,7 @@ import autopar
 from autopar.core.mesh import MeshSpec
 from autopar.models.zoo import get_model
 from tests.equivalence import check_training, gloo_runner, local_runner, make_batches, tight_budget
+from tests.tiers import slow
 
 MESH = (2, 2)
 SOLVE_S = 10.0
@@ -87,6 +88,7 @@ def _sharded(plan: autopar.Plan) -> list[str]:
 
 @pytest.mark.parametrize("budget", ["free", "tight"])
 @pytest.mark.parametrize("case", list(CASES))
+@slow
 def test_frozen_parameters_train_exactly(case, budget):
     build, batches_of = CASES[case]
     frozen = {f for f, p in build().named_parameters() if not p.requires_grad}
@@ -97,6 +99,7 @@ def test_frozen_parameters_train_exactly(case, budget):
         assert _sharded(plan), "a tight budget must shard some parameter"
 
 
+@slow
 def test_a_frozen_parameter_sharded_and_gathered_with_trained_ones_gets_no_gradient():
     """FSDP on 2x2 stores the frozen embedding split and gathers it in one group with trained
     parameters: it is gathered with them, and nothing goes back to it (a zero gradient would let
@@ -113,6 +116,7 @@ def test_a_frozen_parameter_sharded_and_gathered_with_trained_ones_gets_no_gradi
     check_training(gpt_frozen_embedding, 0, 0, MESH, local_runner, {"plan": plan}, batches=batches)
 
 
+@slow
 def test_lora_under_a_tight_budget_on_gloo_processes():
     build, batches_of = CASES["lora"]
     batches = batches_of()

@@ -9,9 +9,22 @@ from dataclasses import replace
 
 import pytest
 
-from solver import (Edge, InfeasibleProblem, MemoryBounds, Problem, Row, Solution, SolverError, Term, evaluate,
-                    memory_bounds, restrict, solve)
-from solver import ilp
+from solver import (
+    Edge,
+    InfeasibleProblem,
+    MemoryBounds,
+    Problem,
+    Row,
+    Solution,
+    SolverError,
+    Term,
+    evaluate,
+    ilp,
+    memory_bounds,
+    restrict,
+    solve,
+)
+from tests.tiers import slow_except
 
 GIB = float(1 << 30)
 
@@ -126,7 +139,7 @@ def test_memory_bounds_of_a_restriction_need_no_new_problem(seed: int) -> None:
                    for c in problem.costs]
         least = bounds.least(allowed)
         assert least == pytest.approx(memory_bounds(restrict(problem, allowed))[0])
-        options = [range(len(c)) if a is None else a for c, a in zip(problem.costs, allowed)]
+        options = [range(len(c)) if a is None else a for c, a in zip(problem.costs, allowed, strict=True)]
         assert least <= min(evaluate(problem, c)[1] for c in itertools.product(*options)) * (1 + 1e-12)
 
 
@@ -317,7 +330,7 @@ def axis_problem(seed: int, budget_frac: float | None) -> tuple[Problem, int]:
 
 
 @pytest.mark.parametrize("budget_frac", [None, 0.3])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", slow_except(range(4), 0))
 def test_edge_terms_pair_classes_per_axis_and_match_brute_force(seed: int, budget_frac: float | None) -> None:
     """An edge given as a sum of terms gets pair variables per term over its classes (two axes
     of 3 x 3 here), and the optimum is still brute force's, also restricted (as a hand plan is)."""

@@ -18,6 +18,7 @@ from autopar.profiling.launch import (
     run_on_gloo_mesh,
     run_on_local_tensor_mesh,
 )
+from tests.tiers import slow
 
 # ----------------------------------------------------------------------------
 # gloo (real processes). Each run costs a few seconds of process start: keep few.
@@ -92,6 +93,7 @@ def _gloo_rank0_dies(mesh):
     return t
 
 
+@slow
 def test_gloo_all_reduce_4_ranks():
     # forkserver: ranks fork from a server with torch preloaded (much faster than
     # spawn on a loaded 2-core machine; the first call pays the server start).
@@ -105,6 +107,7 @@ def test_gloo_all_reduce_4_ranks():
         torch.testing.assert_close(t, torch.full((3,), 2.0 * (0 + 1 + 2 + 3)))
 
 
+@slow
 def test_gloo_2x2_named_axis_dtensor():
     results = run_on_gloo_mesh(
         _gloo_named_axes, (2, 2), axis_names=("dp", "tp"), timeout_s=120,
@@ -120,6 +123,7 @@ def test_gloo_2x2_named_axis_dtensor():
         torch.testing.assert_close(t, torch.tensor([tp_sum]))
 
 
+@slow
 def test_gloo_failing_rank_raises_promptly():
     start = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
@@ -135,6 +139,7 @@ def test_gloo_failing_rank_raises_promptly():
     assert not _zombie_children()
 
 
+@slow
 def test_gloo_timeout_and_crash_are_reported():
     start = time.monotonic()
     with pytest.raises(DistributedRunError, match="timed out") as info:

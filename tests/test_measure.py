@@ -10,12 +10,33 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.core.errors import AutoparError
-from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import (cpu_peak_growth, live_bytes, loss_of, measure_training, ratio_in_rounds,
-                                       slowest_rank_steps, time_in_turns, turn_order)
 from autopar.models.zoo import get_model
-from benchmarks.cost_accuracy import (Config, error_pct, finish_record, format_summary, format_table, measure_config,
-                                      parse_plan_args, plan_config, select_configs, summarize, table_row, verdicts)
+from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import (
+    cpu_peak_growth,
+    live_bytes,
+    loss_of,
+    measure_training,
+    ratio_in_rounds,
+    slowest_rank_steps,
+    time_in_turns,
+    turn_order,
+)
+from benchmarks.cost_accuracy import (
+    Config,
+    error_pct,
+    finish_record,
+    format_summary,
+    format_table,
+    measure_config,
+    parse_plan_args,
+    plan_config,
+    select_configs,
+    summarize,
+    table_row,
+    verdicts,
+)
+from tests.tiers import slow
 
 MiB = 2**20
 
@@ -62,6 +83,7 @@ def _all_gather_growth(mesh) -> int:
     return cpu_peak_growth(lambda: dist.all_gather(outs, x))
 
 
+@slow
 def test_cpu_peak_growth_sees_allocations_on_gloo_threads():
     # gloo stages the gathered tensor (2 x 1 MiB) in a flat buffer it allocates on its own worker
     # thread: the profiler reports it even though no Python code of this thread allocated it.
@@ -210,12 +232,13 @@ def test_every_run_follows_every_other_equally_often(n):
     rounds = n if n % 2 == 0 else 2 * n
     orders = [turn_order(n, r) for r in range(rounds)]
     assert all(sorted(order) == list(range(n)) for order in orders)
-    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:], strict=False))
     assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert len(set(follows.values())) == 1
     assert sorted(order[0] for order in orders[:n]) == list(range(n))
 
 
+@slow
 def test_runs_are_timed_in_turns_round_by_round():
     log: list[str] = []
     runs = {}
@@ -249,6 +272,7 @@ def test_summary_without_under_prediction_or_results():
         in format_summary(calibration_models_only)
 
 
+@slow
 def test_plan_and_measure_a_config_on_a_gloo_mesh():
     # The benchmark's whole path for one small config: plan here, then two launches that compile
     # and measure on 2 ranks; the median of every step's slowest rank, over both launches, counts.
@@ -259,7 +283,7 @@ def test_plan_and_measure_a_config_on_a_gloo_mesh():
     ranks = r["launches"][0]["ranks"]
     assert r["status"] == "ok" and [x["rank"] for x in ranks] == [0, 1] and len(r["launches"]) == 2
     assert all(x["threads"] == 1 and 0 < x["baseline_bytes"] < x["peak_bytes"] for x in ranks)
-    pooled = [max(a, b) for launch in r["launches"] for a, b in zip(*(x["step_s_all"] for x in launch["ranks"]))]
+    pooled = [max(a, b) for launch in r["launches"] for a, b in zip(*(x["step_s_all"] for x in launch["ranks"]), strict=True)]
     assert r["measured_step_s"] == statistics.median(pooled)
     # Each launch's peak is its highest rank's; the lowest launch counts (the CPU figure errs only high).
     assert r["measured_peak_bytes"] == min(max(x["peak_bytes"] for x in launch["ranks"]) for launch in r["launches"])

@@ -28,24 +28,39 @@ from autopar.core.microbatch import batch_size, split
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.recompute import checkpointed
-from tests.equivalence import (build, check_training, gloo_runner, local_runner, loss_of, make_batches, meta_model,
-                               padded_batches, train_reference, train_steps, TOLERANCES)
+from tests.equivalence import (
+    TOLERANCES,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    loss_of,
+    make_batches,
+    meta_model,
+    padded_batches,
+    train_reference,
+    train_steps,
+)
+from tests.tiers import slow
 
 MODELS = ["gpt-tiny", "llama-tiny", "gpt2-tiny"]
 
 
 @pytest.mark.parametrize("name, microbatches", [("gpt-tiny", 4), ("llama-tiny", 2), ("gpt2-tiny", 4)])
+@slow
 def test_microbatches_train_like_one_device(name, microbatches):
     plan = check_training(name, 8, 16, (2, 2), local_runner, {"microbatches": microbatches})
     assert (plan.microbatches, plan.batch_size, plan.microbatch_size) == (microbatches, 8, 8 // microbatches)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny"])
+@slow
 def test_padding_targets_weigh_microbatches_by_their_targets(name):
     batches = padded_batches(name)
     check_training(name, 8, 16, (2, 2), local_runner, {"microbatches": 4}, batches=batches)
 
 
+@slow
 def test_padded_batch_on_gloo_processes_with_a_data_parallel_plan():
     """Real processes: the DDP buckets skip their all-reduce until the last microbatch."""
     name = "gpt2-tiny"
@@ -55,6 +70,7 @@ def test_padded_batch_on_gloo_processes_with_a_data_parallel_plan():
     check_training(name, 8, 16, (2,), gloo_runner, {"plan": plan}, batches=batches)
 
 
+@slow
 def test_a_smaller_batch_makes_a_smaller_last_microbatch():
     """Planned for 8 rows in microbatches of 4, fed 6 rows: microbatches of 4 and 2, still exact."""
     name = "llama-tiny"
@@ -72,9 +88,10 @@ def test_a_smaller_batch_makes_a_smaller_last_microbatch():
     rtol, loss_atol, atol = TOLERANCES["fp32"]
     assert losses == pytest.approx(ref_losses, rel=rtol, abs=loss_atol)
     for key, want in ref_state.items():
-        torch.testing.assert_close(state[key], want, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(state[key], want, rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
+@slow
 def test_gradients_are_reduced_once_per_step(monkeypatch):
     """Four microbatches launch as many all-reduces as one: the last backward's bucket (gpt-tiny's
     gradients fill one), the loss of every microbatch summed over ranks in it; the loss is exact."""
@@ -93,7 +110,7 @@ def test_gradients_are_reduced_once_per_step(monkeypatch):
         plan = candidates(build(name), MeshSpec((2,)), *batch, microbatches=k)["ddp"]
         model = build(name)
 
-        def body(mesh):
+        def body(mesh, model=model, plan=plan):
             pmodel = autopar.compile(model, mesh, *batch, plan=plan)
             launched.clear()
             return [float(v) for v in per_rank(pmodel.train_step(*batch[0], **batch[1]))]
@@ -103,6 +120,7 @@ def test_gradients_are_reduced_once_per_step(monkeypatch):
     assert counts == {1: 1, 4: 1}
 
 
+@slow
 def test_gradient_buckets_accumulate_across_backwards_and_are_reused():
     """Two backwards of different batches without ``zero_grad`` between them sum their gradients
     as on one device (the first one's gradients, views of the bucket buffers, are not overwritten
@@ -181,6 +199,7 @@ def test_microbatches_must_divide_the_batch():
         autopar.PlanOptions(microbatches=0)
 
 
+@slow
 def test_costs_of_microbatches():
     """The same plan in 2 microbatches: the same compute and gradient synchronisation per step
     (ops are priced per microbatch, run twice; gradients reduced once), less activation memory,
@@ -208,6 +227,7 @@ def least_memory(model, mesh, args, kwargs, option: str, values, **fixed) -> dic
     return least
 
 
+@slow
 def test_planner_takes_microbatches_when_the_whole_batch_does_not_fit():
     model, args, kwargs = meta_model("gpt-tiny", 16, 64)
     mesh = MeshSpec((2,))
@@ -253,12 +273,14 @@ def test_a_search_that_runs_out_of_time_keeps_the_plan_it_has(monkeypatch):
 # ---------------------------------------------------------------- activation recomputation
 
 @pytest.mark.parametrize("name", MODELS)
+@slow
 def test_full_recomputation_trains_like_one_device(name):
     plan = check_training(name, 8, 16, (2, 2), local_runner, {"recompute": "full"})
     assert plan.recompute and set(plan.recompute.values()) == {"full"}
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+@slow
 def test_recomputation_with_zero3_tensor_parallelism_and_microbatches(name):
     """Recomputed blocks gather their ZeRO-3 parameters and run their TP collectives again in the
     backward; with microbatches on top."""
@@ -294,6 +316,7 @@ def test_recomputation_costs():
     assert autopar.Plan.from_json(again.to_json()).recompute == again.recompute
 
 
+@slow
 def test_planner_recomputes_when_no_microbatch_count_fits():
     """A batch of one sequence cannot be cut into microbatches: only recomputation makes it fit."""
     model, args, kwargs = meta_model("gpt2-tiny", 1, 256)
@@ -309,6 +332,7 @@ def test_planner_recomputes_when_no_microbatch_count_fits():
         autopar.PlanOptions(recompute="attention")
 
 
+@slow
 def test_planner_recomputes_only_the_blocks_it_needs_to():
     """Between what full recomputation and none need, recomputing the first block alone fits and
     is faster than recomputing both; a plan recomputing some blocks trains exactly."""
@@ -329,6 +353,7 @@ def test_planner_recomputes_only_the_blocks_it_needs_to():
     assert "recompute(block_transformer_h_1" in code and "block_transformer_h_0" not in code
 
 
+@slow
 def test_planner_prices_recomputation_against_more_microbatches():
     """Where the whole batch needs microbatches, "auto" plans it both ways, each in the fewest
     microbatches that fit, and keeps the faster: recomputation may need fewer, larger ones."""
@@ -360,6 +385,7 @@ def test_attention_cores_are_found_where_attention_is_not_fused():
     assert recompute_modes(llama, "selective") == {} and len(recompute_modes(llama, "full")) == 2
 
 
+@slow
 def test_selective_recomputation_trains_like_one_device():
     batches = make_batches("bloom-tiny", 8, 16)
     plan = candidates(build("bloom-tiny"), MeshSpec((2, 2)), *batches[0], recompute="selective",
@@ -369,6 +395,7 @@ def test_selective_recomputation_trains_like_one_device():
     assert "recompute(attention_core_transformer_h_1" in autopar_code("bloom-tiny", plan, batches)
 
 
+@slow
 def test_selective_recomputation_costs_and_choice():
     """Selective recomputation keeps less than none and more than full, for a fraction of full's
     extra compute; the planner takes it where nothing fits without it and it does."""
@@ -389,6 +416,7 @@ def test_selective_recomputation_costs_and_choice():
 # ---------------------------------------------------------------- ZeRO-2
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+@slow
 def test_zero2_with_microbatches_trains_like_one_device(name):
     """The kept copy serves every microbatch of a step and is gathered again after each
     optimizer step (a stale copy would train on old weights)."""
@@ -398,6 +426,7 @@ def test_zero2_with_microbatches_trains_like_one_device(name):
     check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
+@slow
 def test_zero1_reduces_gradients_once_a_step_and_trains_like_one_device(monkeypatch):
     """ZeRO-1 sums each group's gradients whole over the microbatches and reduce-scatters them in
     the last backward (ZeRO-2 in every backward); both train as one device does."""
@@ -443,6 +472,7 @@ def test_zero2_costs():
 # ---------------------------------------------------------------- offload
 
 @pytest.mark.parametrize("name, hand_plan", [("llama-tiny", "fsdp(dp) x tp+sp(tp)"), ("gpt2-tiny", "zero2")])
+@slow
 def test_offloaded_optimizer_states_train_like_one_device(name, hand_plan):
     """Offloaded ZeRO-3 and ZeRO-2 parameters, gathered alone and in groups small enough that an
     offloaded group hands its gradient over while the backward goes on, over microbatches."""
@@ -455,6 +485,7 @@ def test_offloaded_optimizer_states_train_like_one_device(name, hand_plan):
     assert code.count("(offloaded: shards, gradients and optimizer states in host memory") > 1
 
 
+@slow
 def test_offload_costs():
     """Offloaded states leave the device, paid for in host-link copies and a host optimizer step; on
     the CPU preset, whose device is the host, offload moves and saves nothing."""
@@ -474,6 +505,7 @@ def test_offload_costs():
     assert cpu[1].offloaded and cpu[1].predicted == cpu[0].predicted
 
 
+@slow
 def test_planner_offloads_only_when_nothing_else_fits():
     model, args, kwargs = meta_model("gpt2-tiny", 2, 16)   # parameters outweigh activations
     mesh = MeshSpec((4,), hardware="h100-80gb")

@@ -16,16 +16,16 @@ import torch
 import torch.nn as nn
 
 import autopar
-
+from autopar.cli import main
 from autopar.core.capture import capture
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.strategies import build_space
-from autopar.profiling.missing_ops import quiet
 from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
-from autopar.cli import main
+from autopar.profiling.missing_ops import quiet
 from cost_models.comm import COLLECTIVE_KINDS, Link
 from cost_models.profile import OVERHEADS, OpTime, Profile, calibration_key, collective_key, local_fingerprint
 from cost_models.profile_ops import op_calls
+from tests.tiers import slow
 
 #: A profile entry that no measurement would give: present ops must keep it (not measured again).
 SENTINEL = OpTime(1.0, 2.0)
@@ -97,6 +97,7 @@ def _compile(mesh: Any, profile: str | None, measure: bool) -> dict[str, Any]:
             "roofline_ops": [n.name for n in module.plan.nodes if n.op not in NOT_OPS and n.source.startswith("roofline")]}
 
 
+@slow
 def test_compile_measures_the_ops_the_profile_lacks_on_every_rank():
     results = run_on_gloo_mesh(_compile, (2,), "object", True, timeout_s=120, start_method="forkserver")
     for rank, r in enumerate(results):
@@ -106,6 +107,7 @@ def test_compile_measures_the_ops_the_profile_lacks_on_every_rank():
         assert r["roofline_ops"] == [], (rank, r)              # the plan prices every op as measured
 
 
+@slow
 def test_measured_ops_are_saved_to_the_profile_file(tmp_path):
     path = tmp_path / "profile.json"
     _partial_profile(MeshSpec((2,), hardware="cpu")).to_json(path)
@@ -116,6 +118,7 @@ def test_measured_ops_are_saved_to_the_profile_file(tmp_path):
     assert all(r["timed"] == r["keys"] - 1 for r in results), results
 
 
+@slow
 def test_turned_off_nothing_is_measured():
     results = run_on_gloo_mesh(_compile, (2,), "object", False, timeout_s=120, start_method="forkserver")
     for r in results:
@@ -123,6 +126,7 @@ def test_turned_off_nothing_is_measured():
         assert r["roofline_ops"], r
 
 
+@slow
 def test_without_a_profile_nothing_is_measured():
     for r in run_on_gloo_mesh(_compile, (2,), None, True, timeout_s=120, start_method="forkserver"):
         assert r["timed"] == 0 and r["cost_source"].startswith("no profile"), r
@@ -141,6 +145,7 @@ def test_simulated_ranks_measure_here_and_save_nothing(tmp_path):
     assert json.loads(Path(path).read_text()) == before
 
 
+@slow
 def test_profile_command_measures_a_user_factory_model(tmp_path, capsys):
     """``autopar profile --model pkg.module:factory`` on a profile already calibrated, with its
     collectives and overheads (so only the model's ops are timed): the file gains every call."""
@@ -198,6 +203,7 @@ def _first_compiles(mesh: Any, profile_dir: str, first_profile: str, options: li
     return results
 
 
+@slow
 def test_compile_with_no_cached_profile_measures_one_and_caches_it(tmp_path):
     """The first compile with default options measures the collectives, the runtime overheads and
     every op call of the model on both ranks and caches them; a second compile measures nothing."""
@@ -218,6 +224,7 @@ def test_compile_with_no_cached_profile_measures_one_and_caches_it(tmp_path):
         assert second["profiled"], (rank, second)
 
 
+@slow
 def test_turned_off_compile_measures_no_first_profile_and_says_roofline(tmp_path):
     """With ``AUTOPAR_MEASURE_FIRST_PROFILE=0``, or ``measure_missing_ops=False``, an empty cache
     stays empty and the plan says it rests on an uncalibrated roofline, not on measurements."""

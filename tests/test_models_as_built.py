@@ -14,6 +14,7 @@ from autopar.core.errors import CaptureError
 from autopar.core.mesh import MeshSpec
 from autopar.profiling.launch import run_on_gloo_mesh
 from tests.equivalence import check_training, gloo_runner, local_runner
+from tests.tiers import slow
 
 SOLVE_S = 10.0
 VOCAB = 96
@@ -106,6 +107,7 @@ def test_no_grad_region_reading_a_parameter_trains_exactly():
     check_training(NoGradScale, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=batches)
 
 
+@slow
 def test_hf_rotary_under_no_grad_trains_exactly():
     check_training(qwen2, 0, 0, (2, 2), local_runner, {"time_limit": SOLVE_S}, batches=_batches(_causal))
 
@@ -113,6 +115,7 @@ def test_hf_rotary_under_no_grad_trains_exactly():
 @pytest.mark.parametrize("build, kwargs_of", [(gpt2, _causal), (opt, _causal),
                                                (bert, lambda ids: {"input_ids": ids, "labels": ids})],
                          ids=["gpt2", "opt", "bert"])
+@slow
 def test_tied_embeddings_train_as_one_parameter(build, kwargs_of):
     """A parameter two ops use (the embedding lookup and the LM head) gets both gradients: after 3
     AdamW steps on 2x2 every parameter, the tied one included, equals one device's."""
@@ -144,6 +147,7 @@ def test_graph_values_named_as_generated_code_names_do_not_shadow_them():
 
 
 @pytest.mark.parametrize("runner", [local_runner, gloo_runner], ids=["local", "gloo"])
+@slow
 def test_dropout_draws_as_one_device_under_the_shared_generator(runner):
     """Dropout p=0.1 on split activations: every rank draws the whole tensor's mask from a
     generator compile made alike on every rank, and keeps its part; the 3 steps equal one
@@ -182,6 +186,7 @@ def _draw_after_compile(mesh) -> torch.Tensor:
     return torch.rand(3)
 
 
+@slow
 def test_compile_gives_every_rank_rank_0s_generator():
     draws = run_on_gloo_mesh(_draw_after_compile, (2,), start_method="forkserver")
     torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
@@ -203,6 +208,7 @@ def test_a_higher_order_op_without_generated_form_is_refused_by_name():
         autopar.plan(Autocast(), MeshSpec((2,)), (torch.randn(4, 8),))
 
 
+@slow
 def test_padded_batch_attention_mask_is_honoured():
     """A user's 2-D attention mask with padded positions, split with its batch: the padded
     positions change nothing, on 2x2 as on one device."""

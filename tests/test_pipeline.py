@@ -19,15 +19,15 @@ from autopar.core.errors import AutoparError, InputMismatchError, MeshError, Pla
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, microbatch_capture
 from autopar.core.plan import Plan
+from autopar.core.strategies import build_space
 from autopar.planning.baselines import pipeline_hand_plans
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import priced_workloads
-from autopar.core.strategies import build_space
+from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
 from cost_models.profile import OpTime, Profile, local_fingerprint
 from cost_models.profile_ops import op_calls
-from autopar.profiling.launch import run_on_gloo_mesh, run_on_local_tensor_mesh
-from tests.equivalence import (RTOL, ATOL, build, loss_of, make_batches, padded_batches, train_reference,
-                               train_steps)
+from tests.equivalence import ATOL, RTOL, build, loss_of, make_batches, padded_batches, train_reference, train_steps
+from tests.tiers import slow
 
 #: Every schedule of ``torch.distributed.pipelining`` the planner may pick, with its stages per rank.
 SCHEDULES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2), ("ScheduleLoopedBFS", 2),
@@ -71,7 +71,7 @@ def check_pipelines(name: str, mesh: MeshSpec, stage_plan: str, batches, schedul
     ref_losses, ref_state = train_reference(name, batches)
     results = run_on_gloo_mesh(_train_each, mesh.shape, name, plans, batches, axis_names=mesh.axis_names,
                                start_method="forkserver", timeout_s=900)
-    for (schedule, _), text, k in zip(schedules, plans, range(len(plans))):
+    for (schedule, _), text, k in zip(schedules, plans, range(len(plans)), strict=True):
         stages = json.loads(text)["pipeline"]["stages"]
         assert len(stages) == mesh.shape[0] * dict(schedules)[schedule]
         for r, per_plan in enumerate(results):
@@ -82,7 +82,7 @@ def check_pipelines(name: str, mesh: MeshSpec, stage_plan: str, batches, schedul
             assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{where}: losses"
             assert state.keys() == ref_state.keys(), where
             for key, want in ref_state.items():
-                torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}")
+                torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, where=where, key=key: f"{where} {key}: {m}")
 
 
 CASES = [   # (model, pipeline x other axis, the stage's hand plan, padded labels)
@@ -96,18 +96,21 @@ CASES = [   # (model, pipeline x other axis, the stage's hand plan, padded label
 
 
 @pytest.mark.parametrize("model, axes, stage_plan, padded", CASES, ids=[f"{c[0]}-{'x'.join(c[1])}-{c[2]}" for c in CASES])
+@slow
 def test_pipeline_trains_exactly_under_every_schedule(model, axes, stage_plan, padded):
     name = f"tests.pipeline_models:{model}"
     batches = padded_batches(name) if padded else make_batches(name, 8, 16)
     check_pipelines(name, MeshSpec((2, 2), axes), stage_plan, batches)
 
 
+@slow
 def test_pipeline_with_data_and_tensor_parallel_stages_trains_exactly():
     name = "tests.pipeline_models:llama"
     check_pipelines(name, MeshSpec((2, 2, 2), ("pp", "dp", "tp")), "dp(dp) x tp(tp)", make_batches(name, 8, 16),
                     schedules=(("Schedule1F1B", 1),))
 
 
+@slow
 def test_pipeline_of_a_model_no_other_case_runs_trains_exactly():
     """HF OPT (tied embeddings, learned positions offset by 2, ReLU), tensor-parallel stages."""
     name = "tests.pipeline_models:opt"
@@ -176,6 +179,7 @@ def _other_batch(mesh, name, text, batches):
     return messages
 
 
+@slow
 def test_pipeline_refuses_another_batch_size():
     name = "tests.pipeline_models:gpt"
     batches = make_batches(name, 8, 16, steps=1)
@@ -213,6 +217,7 @@ def test_pipeline_stages_are_priced_on_the_jobs_profile():
     assert added == pytest.approx((4 + 2 - 1) * 1.0 + 0.5, rel=0.01)
 
 
+@slow
 def test_auto_weighs_a_pipeline_where_the_first_axis_crosses_nodes():
     """On 2 nodes of 8 H100 the first axis crosses nodes: "auto" plans without a pipeline and with
     one over a factor of that axis (as ``pipeline={"axis": "auto"}`` forces) and keeps the faster,

@@ -13,6 +13,7 @@ from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.outputs import Pending, _Cell, _Launched
 from tests.equivalence import make_batches
+from tests.tiers import slow
 
 NAME, STEPS = "gpt2-tiny", 3
 
@@ -79,6 +80,7 @@ def _plain_loop(mesh, plans: dict[str, str], batches) -> dict[str, list]:
     return results
 
 
+@slow
 def test_plain_loop_equals_one_device_on_2x2():
     """gpt2-tiny on 2x2, a batch of 6 rows: data parallel over both axes (6 rows on 4 ranks:
     uneven, the logits gathered at once) and FSDP x TP (3 rows a dp rank, the vocabulary split
@@ -93,7 +95,7 @@ def test_plain_loop_equals_one_device_on_2x2():
     for r, results in enumerate(ranks):
         for label, (read, left) in results.items():
             assert left == 0, f"{label} rank {r}: {left} collectives never waited for"
-            for step, ((loss, logits), (want_loss, want_logits)) in enumerate(zip(read, want)):
+            for step, ((loss, logits), (want_loss, want_logits)) in enumerate(zip(read, want, strict=True)):
                 if loss is not None:
                     assert abs(loss - want_loss) <= 1e-5 + 1e-4 * abs(want_loss), (label, step, loss, want_loss)
                 if logits is not None:

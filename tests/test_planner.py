@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate
 import autopar
 from autopar import MeshSpec
 from tests.equivalence import meta_model
+from tests.tiers import slow
 
 
 def test_large_batch_small_model_is_data_parallel():
@@ -53,6 +54,7 @@ def test_infeasible_budget_states_minimum(monkeypatch):
     assert "precision='bf16'" in message, message
 
 
+@slow
 def test_plan_is_deterministic_and_json_round_trips(tmp_path):
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     a = autopar.plan(model, MeshSpec((2, 2)), args, kwargs)
@@ -67,6 +69,7 @@ def test_plan_is_deterministic_and_json_round_trips(tmp_path):
     assert "GPT" in report
 
 
+@slow
 def test_plan_predictions_are_in_seconds_and_bytes_per_axis():
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     plan = autopar.plan(model, MeshSpec((2, 2), ("dp", "tp"), hardware="h100-80gb"), args, kwargs)
@@ -249,15 +252,16 @@ def _made_partial_for_nothing(captured, plan) -> list[str]:
     found = []
     for node in captured.graph.nodes:
         np_ = placed.get(node.name)
-        for i, (inp, want) in enumerate(zip(flat_tensor_inputs(node), np_.ins if np_ else ())):
+        for i, (inp, want) in enumerate(zip(flat_tensor_inputs(node), np_.ins if np_ else (), strict=False)):
             have = placed[inp.name].out if inp.name in placed else ()
-            for a, (h, w) in enumerate(zip(have, want)):
+            for a, (h, w) in enumerate(zip(have, want, strict=False)):
                 others = [ins[a] for j, ins in enumerate(np_.ins) if j != i]
                 if isinstance(h, Replicate) and isinstance(w, Partial) and all(isinstance(o, Replicate) for o in others):
                     found.append(f"{inp.name} -> {node.name} on axis {a}")
     return found
 
 
+@slow
 def test_demo_plan_moves_no_value_back_where_it_came_from():
     """The issue-17 demo plan (gpt-tiny 32 x 64 on 2x2) made a replicated value partial and
     all-reduced it back: a collective that returns data where it came from. Neither the demo's

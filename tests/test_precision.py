@@ -14,6 +14,7 @@ from autopar.core.errors import AutoparError, PlanFileError
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from tests.equivalence import build, check_training, gloo_runner, local_runner, loss_of, make_batches, meta_model
+from tests.tiers import slow
 
 MODELS = ["gpt-tiny", "gpt2-tiny", "llama-tiny"]
 SHARDED = "fsdp(dp) x tp+sp(tp)"   # ZeRO-3 over one axis, Megatron TP with sequence parallelism over the other
@@ -24,18 +25,21 @@ def _hand_plan(name: str, mesh_shape: tuple[int, ...], which: str, batches) -> a
 
 
 @pytest.mark.parametrize("name", MODELS)
+@slow
 def test_bf16_auto_plan_trains_like_one_device(name):
     plan = check_training(name, 6, 16, (2, 2), local_runner, {"precision": "bf16"})
     assert plan.precision == "bf16"
 
 
 @pytest.mark.parametrize("name", MODELS)
+@slow
 def test_bf16_tensor_parallel_and_zero3_train_like_one_device(name):
     batches = make_batches(name, 6, 16)
     plan = _hand_plan(name, (2, 2), SHARDED, batches)
     check_training(name, 6, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
+@slow
 def test_bf16_on_gloo_processes():
     """Real bf16 collectives (activations move in bf16, gradients are reduced in fp32)."""
     batches = make_batches("gpt2-tiny", 6, 16)
@@ -51,6 +55,7 @@ def _first_gradients(mesh, model, batch, options):
 
 @pytest.mark.parametrize("mesh_shape, options", [((3,), {}), ((2, 2), {"plan": SHARDED})],
                          ids=["3-auto", "2x2-" + SHARDED])
+@slow
 def test_bf16_gradients_are_fp32_and_equal_one_devices(mesh_shape, options):
     """Gradients, which AdamW's normalisation hides in the parameters: within bf16 rounding of one
     device's under the policy (a lost or doubled reduction is off by 50% or more), and fp32."""
@@ -72,6 +77,7 @@ def test_bf16_gradients_are_fp32_and_equal_one_devices(mesh_shape, options):
 @pytest.mark.parametrize("mesh_shape, which, precision", [((3,), "ddp", "bf16"), ((2, 2), SHARDED, "bf16"),
                                                          ((2,), "fsdp", "fp32")],
                          ids=["3-ddp", "2x2-" + SHARDED, "2-fsdp-fp32-compute"])
+@slow
 def test_bf16_gradient_reduction(mesh_shape, which, precision):
     """reduce_precision="bf16": DDP's buckets, ZeRO-3 parameters' reduce-scatters (one by one, and
     in groups: fp32 compute) sum in bf16. The gradients are fp32, within bf16 rounding of one
@@ -87,7 +93,7 @@ def test_bf16_gradient_reduction(mesh_shape, which, precision):
         grads[reduce] = run_on_local_tensor_mesh(_first_gradients, mesh_shape, build(name), batch, {"plan": plan})
     rounded = 0
     for fqn, p in reference.named_parameters():
-        for r, (got, exact) in enumerate(zip(per_rank(grads["bf16"][fqn]), per_rank(grads["fp32"][fqn]))):
+        for r, (got, exact) in enumerate(zip(per_rank(grads["bf16"][fqn]), per_rank(grads["fp32"][fqn]), strict=True)):
             assert got.dtype == torch.float32, f"{fqn}: gradient in {got.dtype}"
             error = (got - p.grad).norm() / p.grad.norm().clamp_min(1e-12)
             assert error < 2e-2, f"{fqn} rank {r}: gradient off by {error:.1%} of its norm"
@@ -95,6 +101,7 @@ def test_bf16_gradient_reduction(mesh_shape, which, precision):
     assert rounded > 0, "every gradient equals the fp32 reduction's: nothing was summed in bf16"
 
 
+@slow
 def test_bf16_gradient_reduction_trains_like_one_device():
     batches = make_batches("gpt2-tiny", 6, 16)
     plan = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], precision="bf16",
@@ -102,6 +109,7 @@ def test_bf16_gradient_reduction_trains_like_one_device():
     check_training("gpt2-tiny", 6, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
+@slow
 def test_bf16_gradient_reduction_halves_the_gradient_sync():
     """DDP on an H100 mesh (outputs not gathered: its only collective is the gradients'
     all-reduce): half the bytes, in less time."""
@@ -116,6 +124,7 @@ def test_bf16_gradient_reduction_halves_the_gradient_sync():
     assert autopar.Plan.from_json(plans["bf16"].to_json()).reduce_precision == "bf16"
 
 
+@slow
 def test_bf16_costs_halve_activations_and_keep_fp32_state():
     """The same hand plan in fp32 and bf16 on an H100 mesh: parameters, gradients and optimizer
     states (fp32 masters) cost the same bytes; activations and the data tensor parallelism moves

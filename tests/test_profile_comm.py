@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
-from cost_models.profile import OVERHEADS, collective_key
 from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.profile_comm import _axes_by_size, _pipeline_overheads, fit_link, profile_mesh
+from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
+from cost_models.profile import OVERHEADS, collective_key
+from tests.tiers import slow
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
 SIZES = [4096 * 4**i for i in range(7)]
@@ -64,10 +65,10 @@ def test_negative_intercept_is_refitted_at_zero_latency():
 @pytest.mark.parametrize("times", [[1e-3, 1e-3, 1e-3], [2e-3, 1.5e-3, 1e-3]])
 def test_non_growing_times_get_the_slowest_bandwidth_the_samples_allow(times):
     sizes = [1e3, 1e4, 1e5]
-    link = fit_link("all_gather", 4, list(zip(sizes, times)))
+    link = fit_link("all_gather", 4, list(zip(sizes, times, strict=True)))
     # Transfer alone takes the whole time measured at the size that bounds it most tightly...
     transfer = [collective_time("all_gather", s, 4, Link(bandwidth=link.bandwidth, latency=0.0)) for s in sizes]
-    assert max(x / t for x, t in zip(transfer, times)) == pytest.approx(1.0)
+    assert max(x / t for x, t in zip(transfer, times, strict=True)) == pytest.approx(1.0)
     # ...and the latency explains what is left.
     assert math.isfinite(link.latency) and link.latency >= 0
 
@@ -97,6 +98,7 @@ def test_axes_are_measured_once_per_size_and_never_at_size_one():
 # --------------------------------------------------------------------------- a real gloo mesh
 
 
+@slow
 def test_profile_mesh_on_two_processes_returns_sane_numbers():
     links, overheads = profile_mesh((2,), sizes=(4096, 65536), repeats=2)
     kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -118,6 +120,7 @@ def _pipeline_overheads_on(mesh):
     return _pipeline_overheads(mesh, repeats=1)
 
 
+@slow
 def test_pipeline_overheads_on_an_axis_of_four_ranks():
     """1F1B needs a microbatch a stage at least: an axis of four ranks (a 1-D mesh of 4) is timed
     over 4, 8 and 16 microbatches (``autopar profile --mesh 4`` failed on 2 of them)."""

@@ -12,11 +12,12 @@ from torch.distributed.tensor import Shard
 
 from autopar import MeshSpec
 from autopar.core.capture import capture
-from autopar.models import GPT, GPTConfig
 from autopar.core.strategies import StrategySpace, build_space
+from autopar.models import GPT, GPTConfig
 from autopar.models.zoo import get_model
 from cost_models.activations import gradients
 from cost_models.profile_ops import OpCall, no_compute, op_call, op_calls, time_op_calls
+from tests.tiers import slow
 
 aten = torch.ops.aten
 MESH = (2, 2)
@@ -56,6 +57,7 @@ def test_identical_layers_share_keys():
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-tiny", "llama-tiny"])
+@slow
 def test_every_op_node_is_timed_or_has_no_compute(name):
     space = zoo_space(name)
     for nc in space.nodes:

@@ -10,10 +10,20 @@ import pytest
 import autopar
 from autopar import MeshSpec
 from autopar.models.zoo import get_model
-from cost_models.comm import Link
-from cost_models.profile import OVERHEADS, PROFILE_VERSION, OpTime, Profile, ProfileError, default_profile_path
 from autopar.profiling.profiler import profile_model
-from cost_models.profile import find_profile, local_fingerprint, resolve_profile
+from cost_models.comm import Link
+from cost_models.profile import (
+    OVERHEADS,
+    PROFILE_VERSION,
+    OpTime,
+    Profile,
+    ProfileError,
+    default_profile_path,
+    find_profile,
+    local_fingerprint,
+    resolve_profile,
+)
+from tests.tiers import slow
 
 
 def _profile(fingerprint: dict) -> Profile:
@@ -51,6 +61,7 @@ def test_a_profile_of_other_hardware_is_refused_for_this_host():
     assert resolve_profile(None, mesh) is None
 
 
+@slow
 def test_profile_then_plan_uses_measured_numbers(tmp_path, monkeypatch, caplog):
     """End to end on one local process: profile the tiny GPT, find it in the cache, plan with it;
     profiling again measures nothing new."""
@@ -142,7 +153,7 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     reuses the ops and overheads factors, timing no replicated plan again; a calibrated shape is
     not calibrated again."""
     from autopar.profiling import profiler as profiling
-    from autopar.profiling.profiler import _Row, _calibrate, _uncalibrated
+    from autopar.profiling.profiler import _calibrate, _Row, _uncalibrated
 
     asked = []
 
@@ -193,6 +204,7 @@ def test_calibration_fits_in_error_relative_to_each_step():
     assert 2.2 < expected < 2.4
 
 
+@slow
 def test_collective_factors_are_fitted_on_a_heavier_workload_too(monkeypatch, tmp_path):
     """On several devices calibration also times a heavier workload's data- and tensor-parallel
     plans (its stretches of compute between collectives are real models'), not its replicated

@@ -31,6 +31,7 @@ from autopar.core.plan import NodePlan, Prediction
 from autopar.core.units import fmt
 from autopar.profiling.launch import run_on_gloo_mesh
 from tests.equivalence import build, make_batches, meta_model
+from tests.tiers import slow
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -148,6 +149,7 @@ def _compile_logged(mesh, batch):
     return said, pmodel.plan.name
 
 
+@slow
 def test_compile_logs_a_summary_on_rank_0_only():
     batch = make_batches("gpt-tiny", 8, 32, steps=1)[0]
     (said0, name), (said1, _) = run_on_gloo_mesh(_compile_logged, (2,), batch, start_method="forkserver")

@@ -7,11 +7,12 @@ import torch
 import autopar
 from autopar import MeshSpec
 from autopar.core.capture import capture
-from autopar.planning.problem import prepare
 from autopar.planning.options import PlanOptions
+from autopar.planning.problem import prepare
 from autopar.planning.shrink import is_follower
 from tests import deep_gpt
-from tests.equivalence import meta_model, check_training, local_runner
+from tests.equivalence import check_training, local_runner, meta_model
+from tests.tiers import slow
 
 
 def _planning(name: str, mesh: tuple[int, ...], **options):
@@ -71,6 +72,7 @@ def test_sharing_layers_costs_nothing_on_identical_layers():
     assert shared.predicted.step_time_s <= free.predicted.step_time_s * 1.01
 
 
+@slow
 def test_shared_plan_trains_exactly():
     batch, seq = 6, 16
     plan = check_training(deep_gpt.NAME, batch, seq, (2, 2), local_runner, {"time_limit": 20})

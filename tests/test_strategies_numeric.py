@@ -32,17 +32,20 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from autopar.core.capture import capture
-from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from autopar.core.mesh import MeshSpec
 from autopar.core.placements import placements_str
-from autopar.planning.planner import plan_captured
 from autopar.core.strategies import Strategy, build_space
+from autopar.planning.planner import plan_captured
+from autopar.profiling.launch import per_rank, run_on_local_tensor_mesh
 from codegen.module import ShardedModule
 from tests.strategy_cases import CASES, Case, Pre, TiedLM
+from tests.tiers import slow
 
 RTOL, ATOL = 1e-4, 1e-5
 CASE_BY_NAME = {c.name: c for c in CASES}
-PARAMS = [pytest.param(c.name, mesh, id=f"{c.name}-{'x'.join(map(str, mesh))}") for c in CASES for mesh in c.meshes]
+# the fast tier runs every case on 2 ranks; 3 ranks and 2x2 run in the full suite
+PARAMS = [pytest.param(c.name, mesh, id=f"{c.name}-{'x'.join(map(str, mesh))}", marks=() if mesh == (2,) else slow)
+          for c in CASES for mesh in c.meshes]
 ZOO_TEST_MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", "bert-tiny")
 
 # Nodes with no tensor input or no tensor output: there is no placement to choose.
@@ -67,7 +70,7 @@ def _reference(case: Case):
     outs = _leaves(model(*inputs))
     gen = torch.Generator().manual_seed(2)
     weights = [torch.randn(t.shape, generator=gen) for t in outs]
-    sum((t * w).sum() for t, w in zip(outs, weights)).backward()
+    sum((t * w).sum() for t, w in zip(outs, weights, strict=True)).backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return model, inputs, [t.detach() for t in outs], weights, grads
@@ -77,7 +80,7 @@ def _run_sharded(model, captured, plan, mesh_shape, inputs, weights):
     def fn(mesh):
         pmodel = ShardedModule(model, mesh, plan, captured)
         outs = _leaves(pmodel(*inputs))
-        sum((t * w).sum() for t, w in zip(outs, weights)).backward()
+        sum((t * w).sum() for t, w in zip(outs, weights, strict=True)).backward()
         grads = {}
         for name, p in pmodel.named_parameters():
             if p.grad is None:
@@ -98,7 +101,7 @@ def _run_sharded(model, captured, plan, mesh_shape, inputs, weights):
 
 def _compare(outs, ref_outs, grads, ref_grads) -> None:
     assert len(outs) == len(ref_outs), f"{len(outs)} outputs, expected {len(ref_outs)}"
-    for i, (out, ref) in enumerate(zip(outs, ref_outs)):
+    for i, (out, ref) in enumerate(zip(outs, ref_outs, strict=True)):
         for rank, local in enumerate(per_rank(out)):
             torch.testing.assert_close(local, ref, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, i=i, rank=rank: f"output {i}, rank {rank}: {m}")

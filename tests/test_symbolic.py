@@ -12,17 +12,17 @@ import torch
 
 from autopar import AutoparError, MeshSpec
 from autopar.api import plan as make_plan
-from autopar.core.execution import VIEW_OPS
 from autopar.core.capture import capture
-from autopar.models.gpt import GPT, GPTConfig
+from autopar.core.execution import VIEW_OPS
 from autopar.core.plan import Plan
-from autopar.planning.planner import plan_captured
 from autopar.core.strategies import build_space
-from autopar.planning.symbolic import B, S, GraphMismatchError, align_plan, closed_forms, symbolic_plan_costs
-from cost_models.schedule import step_costs
+from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.zoo import get_model
+from autopar.planning.planner import plan_captured
+from autopar.planning.symbolic import B, GraphMismatchError, S, align_plan, closed_forms, symbolic_plan_costs
 from cost_models.estimate import CostModel
-from cost_models.schedule import Timeline
+from cost_models.schedule import Timeline, step_costs
+from tests.tiers import slow
 
 # name: (zoo model, mesh, planned (batch, seq), re-costed (batch, seq))
 CASES = {
@@ -58,7 +58,7 @@ def _numeric(entry, model, plan: Plan, batch: int, seq: int, picks=None):
     space = build_space(captured, plan.mesh)
     chosen, _, _ = align_plan(plan, space)
     forced = {}
-    for nc, want in zip(space.nodes, chosen):
+    for nc, want in zip(space.nodes, chosen, strict=True):
         if nc.kind == "alias":
             continue
         same = [s for s in nc.strategies if (s.out, s.ins, s.storage) == (want.out, want.ins, want.storage)]
@@ -86,6 +86,7 @@ def _check_schedule(costs, plan: Plan, batch: int, seq: int) -> None:
     assert sim.peak_at == p.peak_at
 
 
+@slow
 def test_planned_size_is_the_plans_prediction(case):
     _, _, plan, costs, (b, s), _ = case
     assert costs.planned == (b, s)
@@ -128,7 +129,7 @@ def test_growth_in_batch_and_sequence(case):
     _, _, _, costs, (_, s), _ = case
     # ~linear in B: each op's roofline max(compute, memory) is linear in B once past its crossover
     compute = [costs.at(b, s)["compute_s"] for b in (256, 512, 768, 1024)]
-    steps = [y - x for x, y in zip(compute, compute[1:])]
+    steps = [y - x for x, y in zip(compute, compute[1:], strict=False)]
     assert steps[0] > 0 and steps == pytest.approx([steps[0]] * 3, rel=1e-3)
     assert 1.5 < compute[1] / compute[0] <= 2.0
     flops = sympy.Poly(sympy.expand(costs.flops), B, S).as_dict()

@@ -14,6 +14,7 @@ from autopar.core.errors import PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.planning.clock import MIN_SOLVE_S, Clock, Once
 from tests.equivalence import meta_model
+from tests.tiers import slow
 
 #: The call may end this far past its limit (the issue's bound).
 OVER = 0.05
@@ -69,6 +70,7 @@ def _planned_within(model, args, kwargs, mesh: MeshSpec, limit: float, **options
     return plan, time.perf_counter() - start
 
 
+@slow
 def test_time_limit_bounds_the_whole_call_on_a_model_that_hits_it():
     """GPT-3 175B at 1536 x 2048 on 128x8 A100 (bf16), whose search takes minutes unbounded: a
     15 s limit is kept within 5%, capture and recaptures included (before: the pipeline's
@@ -93,6 +95,7 @@ def _decisions(plan: autopar.Plan) -> dict:
     return d
 
 
+@slow
 def test_a_plan_nothing_was_cut_short_of_is_the_same_on_a_slower_machine(monkeypatch):
     """The same call on a machine 4x slower (a clock running 4x fast): nothing is cut short in
     either, so the plans are the same; a search whose steps depended on the time measured would

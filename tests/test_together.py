@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from autopar.models.zoo import get_model
 from autopar.profiling.launch import DistributedRunError, run_on_gloo_mesh
+from tests.tiers import slow
 
 
 def _compile_failing_on(mesh, failing_rank: int, how: str) -> tuple[str, str, bool]:
@@ -36,6 +37,7 @@ def _compile_failing_on(mesh, failing_rank: int, how: str) -> tuple[str, str, bo
 
 @pytest.mark.parametrize("how, failing_rank, error", [("capture", 1, "InputMismatchError"),
                                                        ("planning", 0, "InfeasibleError")])
+@slow
 def test_a_failure_on_one_rank_fails_every_rank_within_seconds(how, failing_rank, error):
     t0 = time.perf_counter()
     results = run_on_gloo_mesh(_compile_failing_on, (2,), failing_rank, how, timeout_s=120, start_method="forkserver")
@@ -66,6 +68,7 @@ def _compile_failing_everywhere(mesh, folder: str) -> None:
         raise
 
 
+@slow
 def test_an_error_on_every_rank_is_printed_once(tmp_path):
     """The first rank prints the error; the others raise it too (of its type, so that every rank can
     catch it) in one line pointing to the first, without its traceback; the launcher shows the first

@@ -132,7 +132,7 @@ def test_gpt_deterministic_init_and_names():
     a = GPT(cfg)
     torch.manual_seed(0)
     b = GPT(cfg)
-    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert na == nb and torch.equal(pa, pb)
     names = dict(a.named_parameters())
     for n in [

@@ -80,7 +80,7 @@ def loss_weighting(captured: CapturedGraph) -> LossWeighting:
     an unrecognised form, saying so)."""
     specs = captured.program.graph_signature.output_specs
     output = next(n for n in captured.graph.nodes if n.op == "output")
-    user_outputs = [o for o, s in zip(output.args[0], specs) if s.kind == OutputKind.USER_OUTPUT]
+    user_outputs = [o for o, s in zip(output.args[0], specs, strict=True) if s.kind == OutputKind.USER_OUTPUT]
     constants = {name: captured.program.constants[target] for name, target in captured.constant_of.items()
                  if isinstance(captured.program.constants.get(target), torch.Tensor)}
     user_inputs = captured.user_inputs

@@ -62,7 +62,7 @@ class MeshSpec:
         return self.job_size or self.size
 
     def describe(self) -> str:
-        axes = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        axes = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"{self.size} devices ({axes}) of {self.hardware}"
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,7 +7,6 @@ the few pure functions on them used by every stage: text form (reports, JSON), l
 from __future__ import annotations
 
 import math
-
 import re
 from collections.abc import Iterable, Sequence
 
@@ -64,7 +63,7 @@ def largest_shard_shape(shape: Sequence[int], placements: Sequence[Placement], m
     (ceil division: the slowest rank's, which the cost model prices; ``shard_shape_at`` gives one
     rank's)."""
     out = list(shape)
-    for p, n in zip(placements, mesh_shape):
+    for p, n in zip(placements, mesh_shape, strict=True):
         if isinstance(p, Shard):
             out[p.dim] = -(-out[p.dim] // n)
     return tuple(out)
@@ -73,7 +72,7 @@ def largest_shard_shape(shape: Sequence[int], placements: Sequence[Placement], m
 def shard_fraction(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> float:
     """Fraction of a tensor's elements one rank holds (1.0 = replicated; partial holds all)."""
     frac = 1.0
-    for p, n in zip(placements, mesh_shape):
+    for p, n in zip(placements, mesh_shape, strict=True):
         if isinstance(p, Shard):
             frac /= n
     return frac
@@ -122,7 +121,7 @@ def read_as_stored(storage: Sequence[Placement], out: Sequence[Placement],
     if len(grads) != 1:
         return None
     grad = grads.pop()
-    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, storage))
+    ok = all(g == s or (isinstance(s, Replicate) and isinstance(g, Partial)) for g, s in zip(grad, storage, strict=True))
     return grad if ok else None
 
 

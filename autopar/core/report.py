@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,7 +101,7 @@ class _Holding:
     def row(self, name: str, strategy: str, storage: str, ms: list[NodePlan]) -> _ParamRow:
         """A row of ``ms``: their memory on the reported device, the stages holding them."""
         fqns = [m.fqn or m.name for m in ms]
-        mine = [m for m, f in zip(ms, fqns) if self.held is None or f in self.held]
+        mine = [m for m, f in zip(ms, fqns, strict=True) if self.held is None or f in self.held]
         stages = _index_ranges([k for f in fqns for k in self.stages.get(f, [])]) if self.held is not None else ""
         return _ParamRow(name, len(ms), strategy, storage, sum(m.memory_bytes for m in mine) if mine else None,
                          stages)
@@ -142,12 +143,12 @@ def _param_rows(params: list[NodePlan], holding: _Holding) -> list[_ParamRow]:
     return rows
 
 
-def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: str = "  ") -> list[str]:
+def _table(headers: list[str], rows: list[list[str]], right: Collection[int] = frozenset(), indent: str = "  ") -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
         return indent + "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                                  for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     return [line(headers), indent + "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
 

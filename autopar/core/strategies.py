@@ -132,7 +132,7 @@ def tensor_placements(shape: tuple[int, ...], mesh: MeshSpec) -> list[Placements
 
 def _no_tiny_shards(shape, combo, mesh) -> bool:
     cur = list(shape)
-    for p, n in zip(combo, mesh.shape):
+    for p, n in zip(combo, mesh.shape, strict=True):
         if isinstance(p, Shard):
             if cur[p.dim] < n:
                 return False
@@ -197,7 +197,7 @@ def _expand(node, in_shapes, out_shape, mesh_shape, chosen: tuple[AxisRule, ...]
         n = mesh_shape[axis]
         yield from _expand(
             node,
-            tuple(_split(s, p, n) for s, p in zip(in_shapes, rule.ins)),
+            tuple(_split(s, p, n) for s, p in zip(in_shapes, rule.ins, strict=True)),
             _split(out_shape, rule.out, n),
             mesh_shape,
             chosen + (rule,),
@@ -239,8 +239,8 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
                 nodes.append(NodeChoices(node, "input", [], input_strategies(shape, mesh) if with_strategies else []))
             else:
                 fqn = captured.buffer_of.get(node.name) or captured.constant_of.get(node.name)
-                rep = [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)] if with_strategies else []
-                nodes.append(NodeChoices(node, "buffer", [], rep, fqn))
+                replicated = [Strategy((R,) * mesh.ndim, (), ("replicate",) * mesh.ndim)] if with_strategies else []
+                nodes.append(NodeChoices(node, "buffer", [], replicated, fqn))
         elif node.op == "call_function":
             if tensor_val(node) is None:
                 continue  # asserts and symbolic-int helpers: no placement to choose

@@ -39,7 +39,7 @@ import difflib
 import importlib
 import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias
 
 import torch
 import torch.nn as nn
@@ -49,7 +49,7 @@ from autopar.models.gpt import GPT, GPTConfig
 
 __all__ = ["ZooEntry", "get_model", "list_models"]
 
-DeviceLike = torch.device | str
+DeviceLike: TypeAlias = "torch.device | str"
 
 
 @dataclass(frozen=True)

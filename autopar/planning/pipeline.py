@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
@@ -30,12 +30,12 @@ from torch.distributed.tensor import Replicate
 from autopar.core.blocks import Block, repeated_blocks
 from autopar.core.capture import CapturedGraph, readable_name, value_bytes
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
-from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
-from autopar.core.units import fmt
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec, split_first_axis
+from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.placements import shard_fraction
 from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan, rank_of_stage
+from autopar.core.units import fmt
 from autopar.planning.clock import Deadline, Once
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank
@@ -97,7 +97,7 @@ def pipelined(stage_plan: Plan, captured: CapturedGraph, mesh: MeshSpec, axis: i
     stage_plans = tuple(StagePlan(blocks=s.blocks, modules=s.modules, forward_s=c.forward_s, backward_s=c.backward_s,
                                   peak_memory_bytes=peaks[rank_of[k]],
                                   parameters=tuple(n.fqn for n in s.nodes if n.op == "parameter"))
-                        for k, (s, c) in enumerate(zip(stages, step_costs)))
+                        for k, (s, c) in enumerate(zip(stages, step_costs, strict=True)))
     worst = max(range(ranks), key=peaks.__getitem__)
     p = stage_plan.predicted
     state = sum(_state_bytes(stages[s]) for s in held[worst])
@@ -168,7 +168,7 @@ def _cut(plan: Plan, graph: fx.Graph, blocks: Sequence[Block], count: int) -> li
         for k in ks:   # a parameter two stages read (tied embeddings) is held by both
             members[k].append(by_name[name])
     out = []
-    for k, (r, ms) in enumerate(zip(ranges, members)):
+    for k, (r, ms) in enumerate(zip(ranges, members, strict=True)):
         paths = []
         for n in graph.nodes:
             if n.name in op_stage and op_stage[n.name] == k:
@@ -267,8 +267,8 @@ class PipelineChoice:
 
     axis: str | int = 0                # "auto": a factor of the first axis (the plan's mesh splits it)
     schedule: str = "auto"
-    microbatches: int | str = "auto"
-    virtual_stages: int | str = "auto"
+    microbatches: int | Literal["auto"] = "auto"
+    virtual_stages: int | Literal["auto"] = "auto"
 
     def axis_index(self, mesh: MeshSpec) -> int:
         if isinstance(self.axis, int) and 0 <= self.axis < mesh.ndim:

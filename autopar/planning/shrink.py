@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autopar.core.execution import VIEW_OPS
 from autopar.core.capture import output_shape
+from autopar.core.execution import VIEW_OPS
 from autopar.core.strategies import StrategySpace
 
 # Blocks needed before sharing pays off: first and last stay free, the ones between share.
@@ -55,7 +55,7 @@ class Grouping:
 
     def strategies(self, choices: Sequence[int]) -> list[int]:
         """Strategy index of every space node, given one choice per decision."""
-        return [int(c[choices[d]]) for d, c in zip(self.owner, self.choice)]
+        return [int(c[choices[d]]) for d, c in zip(self.owner, self.choice, strict=True)]
 
     def describe(self, nodes: int) -> str:
         text = f"{nodes} nodes -> {len(self.sizes)} decisions ({self.folded} followers folded"
@@ -140,7 +140,7 @@ def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int]
         for t in range(period):
             a, b = order[start + block * period + t], order[start + first * period + t]
             merge(a, b)
-            for u, v in zip(space.nodes[a].inputs, space.nodes[b].inputs):   # the block's own parameters
+            for u, v in zip(space.nodes[a].inputs, space.nodes[b].inputs, strict=True):   # the block's own parameters
                 iu, iv = space.index.get(u), space.index.get(v)
                 if iu is not None and iv is not None and space.nodes[iu].kind == space.nodes[iv].kind == "param":
                     merge(iu, iv)
@@ -171,7 +171,7 @@ def _longest_run(space: StrategySpace, order: list[int]) -> tuple[int, int, int]
     best = None
     for period, _ in gaps.most_common(_CANDIDATE_PERIODS):
         sig = np.array([ids.setdefault((op, tuple(_source(p, u, period) for u in us)), len(ids))
-                        for p, (op, us) in enumerate(zip(ops, sources))])
+                        for p, (op, us) in enumerate(zip(ops, sources, strict=True))])
         match = np.concatenate([sig[:-period] == sig[period:], [False]])
         # longest stretch of consecutive matches: nodes p with sig[p] == sig[p + period]
         edges = np.flatnonzero(np.diff(np.concatenate([[0], match.astype(np.int8)])))

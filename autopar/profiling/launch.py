@@ -675,7 +675,7 @@ def _run_in_local_tensor_mode(
             dist.destroy_process_group()
 
 
-def _local_tensor_cls() -> type | None:
+def _local_tensor_cls() -> type[Any] | None:
     try:
         from torch.distributed._local_tensor import LocalTensor
     except ImportError:  # pragma: no cover - torch without LocalTensor

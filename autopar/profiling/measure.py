@@ -240,7 +240,7 @@ def slowest_rank_steps(per_rank: Sequence[Sequence[float]]) -> list[float]:
     slowest rank takes."""
     if len({len(steps) for steps in per_rank}) != 1:
         raise AutoparError(f"ranks timed different numbers of steps: {[len(steps) for steps in per_rank]}")
-    return [max(step) for step in zip(*per_rank)]
+    return [max(step) for step in zip(*per_rank, strict=True)]
 
 
 def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,

@@ -41,8 +41,15 @@ from autopar.core.progress import note, say, working
 from autopar.core.strategies import build_space
 from autopar.core.together import one_process, together
 from cost_models.comm import COLLECTIVE_KINDS
-from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, collective_key,
-                                 default_profile_path, local_fingerprint)
+from cost_models.profile import (
+    OpTime,
+    Profile,
+    ProfileError,
+    StaleProfileError,
+    collective_key,
+    default_profile_path,
+    local_fingerprint,
+)
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
 Progress = Callable[[str], None]

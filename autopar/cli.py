@@ -36,8 +36,8 @@ from dataclasses import Field
 from typing import Any, Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
 from autopar.core.errors import AutoparError, MeshError
-from autopar.core.progress import ENV as PROGRESS_ENV
 from autopar.core.precision import Precision
+from autopar.core.progress import ENV as PROGRESS_ENV
 from autopar.planning.options import AS_FIELD, Flag, PlanOptions, field_doc, option_flags
 
 __all__ = ["main", "parse_mesh", "build_parser"]
@@ -143,9 +143,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     import autopar
-    from autopar.models.zoo import get_model
     from autopar.core.hardware import get_hardware
     from autopar.core.units import fmt
+    from autopar.models.zoo import get_model
 
     spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
     get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
@@ -245,7 +245,7 @@ def _demo_batches(example: tuple[tuple, dict], vocab: int | None, steps: int, se
     for step in range(steps):
         gen = torch.Generator().manual_seed(seed + 1 + step % DEMO_DISTINCT_BATCHES)
 
-        def fresh(t: Any) -> Any:
+        def fresh(t: Any, gen: torch.Generator = gen) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
             if t.dtype.is_floating_point:
@@ -341,11 +341,11 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     import torch
 
     import autopar
-    from autopar.profiling.launch import run_on_gloo_mesh
     from autopar.core.mesh import MeshSpec
     from autopar.core.report import step_with_band
     from autopar.core.units import fmt
     from autopar.models.zoo import get_model
+    from autopar.profiling.launch import run_on_gloo_mesh
 
     say = _progress if verbose else (lambda msg: None)
     _check_positive(steps=steps, batch=batch, seq=seq)
@@ -384,7 +384,7 @@ def run_demo(model_name: str = "gpt-tiny", mesh: str = "2x2", steps: int = 5, ba
     timings["distributed run"] = time.perf_counter() - t0
     say(f"distributed run done in {timings['distributed run']:.1f} s")
     r0 = results[0]
-    diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"])]
+    diffs = [abs(a - b) for a, b in zip(r0["losses"], r0["reference_losses"], strict=True)]
     return {"plan": plan, "losses": r0["losses"], "reference_losses": r0["reference_losses"],
             "max_abs_diff": max(diffs), "code": r0["code"], "timings": timings, "batch": batch, "seq": seq,
             "step_s": r0["step_s"], "ddp_step_s": r0["ddp_step_s"]}
@@ -436,7 +436,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Training: {args.steps} AdamW steps (lr {DEMO_LR:g}) cycling through {DEMO_DISTINCT_BATCHES} fixed random "
           f"batches of {batch} x {seq} tokens, sharded on {plan.mesh.size} gloo processes vs. one device:")
     rows = [(str(i), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}")
-            for i, (a, b) in enumerate(zip(result["losses"], result["reference_losses"]))]
+            for i, (a, b) in enumerate(zip(result["losses"], result["reference_losses"], strict=True))]
     headers = ("step", "autopar loss", "single-device loss", "abs diff")
     w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     print("  " + " | ".join(h.rjust(w[i]) for i, h in enumerate(headers)))

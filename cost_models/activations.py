@@ -15,8 +15,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from autopar.core.execution import VIEW_OPS
 from autopar.core.capture import flat_tensor_inputs, needs_grad, tensor_val
+from autopar.core.execution import VIEW_OPS
 from autopar.core.ops import entry_for
 from autopar.core.strategies import StrategySpace
 from cost_models.compute import as_amount

@@ -29,24 +29,37 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.core.blocks import RECOMPUTE, block_of, recompute_modes, recomputed_regions
+from autopar.core.blocks import RECOMPUTE, RecomputeMode, block_of, recompute_modes, recomputed_regions
 from autopar.core.capture import tensor_val
-from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.errors import AutoparError
+from autopar.core.execution import BUCKET_BYTES, VIEW_OPS, axis_collective, moves
 from autopar.core.gradients import computed_from_parameters
+from autopar.core.hardware import Hardware, get_hardware
 from autopar.core.mesh import MeshSpec
-from autopar.core.ops import entry_for   # (its attention entry teaches FlopCounterMode CPU fused attention)
-from autopar.core.placements import (Placements, gathered_in_group, grad_placement, grad_target, is_split, largest_shard_shape,
-                                     shard_fraction)
-from autopar.core.precision import reduce_dtype
-from autopar.core.strategies import NodeChoices, StrategySpace, Strategy
+from autopar.core.ops import entry_for  # (its attention entry teaches FlopCounterMode CPU fused attention)
+from autopar.core.placements import (
+    Placements,
+    gathered_in_group,
+    grad_placement,
+    grad_target,
+    is_split,
+    largest_shard_shape,
+    shard_fraction,
+)
+from autopar.core.precision import Precision, reduce_dtype
+from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time, minimum
 from cost_models.efficiency import efficiency_of, op_seconds
-from autopar.core.hardware import Hardware, get_hardware
-from cost_models.profile import (FRESH_BUFFER_BYTES, PER_MIB_OVERHEADS, OpTime, Profile, calibration_key,
-                                 runtime_overhead)
+from cost_models.profile import (
+    FRESH_BUFFER_BYTES,
+    PER_MIB_OVERHEADS,
+    OpTime,
+    Profile,
+    calibration_key,
+    runtime_overhead,
+)
 from solver import Term
 
 log = logging.getLogger(__name__)
@@ -100,7 +113,7 @@ class Cost:
         a = self.comm_bytes + (0.0,) * (n - len(self.comm_bytes))
         b = o.comm_bytes + (0.0,) * (n - len(o.comm_bytes))
         summed = {name: getattr(self, name) + getattr(o, name) for name in _SUMMED}
-        return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b)), measured=self.measured | o.measured)
+        return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b, strict=True)), measured=self.measured | o.measured)
 
     @property
     def time_s(self) -> float:
@@ -154,8 +167,8 @@ class CostModel:
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS["adamw"])
     gather_outputs: bool = True      # outputs returned whole on every rank (``PlanOptions.gather_outputs``)
     microbatches: int = 1            # gradient accumulation: the graph is one microbatch's, run this many times a step
-    recompute: str | Mapping[str, str] = "none"   # "full": every repeated block recomputed in the backward; "selective": their attention cores; or per block
-    reduce_precision: str = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
+    recompute: str | Mapping[str, RecomputeMode] = "none"   # "full": every repeated block recomputed in the backward; "selective": their attention cores; or per block
+    reduce_precision: Precision = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
     hw: Hardware = field(init=False)
 
@@ -201,7 +214,7 @@ class CostModel:
             full = _numel(shape) * _itemsize(dtype)
             times = 1 if once else self.microbatches
             blocking, waiting, sent, measured = 0.0, 0.0, [], False
-            for a, (s, d) in enumerate(zip(src, dst)):
+            for a, (s, d) in enumerate(zip(src, dst, strict=True)):
                 reduced = _reduced(queued, s)
                 t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), reduced, batched)
                 blocking, waiting = (blocking, waiting + t) if reduced else (blocking + t, waiting)
@@ -209,7 +222,8 @@ class CostModel:
                 measured = measured or m
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
             self._moves[key] = Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
-                                    transient_bytes=_collective_buffers(full, largest) if blocking else 0.0,
+                                    # a float here (a sympy expression in symbolic costs); arrays are edge_grid's
+                                    transient_bytes=_collective_buffers(full, largest) if blocking else 0.0,  # type: ignore[arg-type]
                                     measured=frozenset({"comm"}) if measured else frozenset())
         return self._moves[key]
 
@@ -232,7 +246,7 @@ class CostModel:
             cols, col_keys = _classes([d[a] for d in dsts])
             reduced = np.array([_reduced(queued, s) for s, _ in row_keys])
             table = np.array([[self._axis_move(a, s, d, nbytes, r) for d in col_keys]
-                              for (s, nbytes), r in zip(row_keys, reduced)])
+                              for (s, nbytes), r in zip(row_keys, reduced, strict=True)])
             terms.append(Term(rows, cols, np.where(reduced[:, None], 0.0, table[..., 0]) * self.comm_scale * times))
             table, reduced = table[np.ix_(rows, cols)], reduced[rows][:, None]   # [source, destination, (seconds, bytes, measured)]
             blocking = blocking + np.where(reduced, 0.0, table[..., 0])
@@ -242,8 +256,8 @@ class CostModel:
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
         buffers = np.where(blocking != 0, _collective_buffers(full, largest), 0.0)
-        return Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
-                    transient_bytes=buffers, measured=measured), terms
+        return Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
+                    transient_bytes=buffers, measured=measured), terms  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
 
     def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, queued: bool = False,
                    batched: bool = False) -> tuple[float, float, bool]:
@@ -343,7 +357,7 @@ class CostModel:
 
     def input_bytes(self, nc: NodeChoices, s: Strategy, floating_only: bool = False) -> list[float]:
         """Local bytes of each of the node's tensor inputs under strategy ``s``."""
-        return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)
+        return [_bytes(tensor_val(i)) * shard_fraction(p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins, strict=True)
                 if not floating_only or tensor_val(i).dtype.is_floating_point]
 
     def _accumulates(self, s: Strategy) -> bool:
@@ -407,7 +421,7 @@ class CostModel:
         moved = self._working_bytes(nc, s)
         flops = self.flops(nc.node) / split
         if self.efficiency is not None and not (flops == 0 and moved == 0):
-            shapes = [largest_shard_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins)]
+            shapes = [largest_shard_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins, strict=True)]
             fwd, bwd = op_seconds(nc.node, shapes, flops, moved, self.efficiency, self.hw, val.dtype)
         else:
             fwd = compute_time(flops, moved, self.hw, val.dtype)
@@ -438,7 +452,7 @@ class CostModel:
         """The profile's forward and backward seconds of this op call, as measured alone."""
         if self.profile is None or not self.profile.ops:
             return None
-        from cost_models.profile_ops import op_call   # profiling is optional: import on use
+        from cost_models.profile_ops import op_call  # profiling is optional: import on use
         call = op_call(nc, s, self.mesh.shape, self.saved.grad)
         return self.profile.ops.get(call.key) if call is not None else None
 
@@ -637,7 +651,7 @@ class CostModel:
         again = 2.0 if dst.node in self.block_of else 1.0   # moved inside a recomputed block: again for its backward
         if again != 1.0:
             grid = replace(grid, comm_s=grid.comm_s * again, comm_bytes=tuple(b * again for b in grid.comm_bytes))
-            blocking = [Term(t.rows, t.cols, t.core * again) for t in blocking]
+            blocking = [Term(t.rows, t.cols, np.asarray(t.core) * again) for t in blocking]
         if self._grad_flows(src):
             back, terms = self._gradient_grid(src, val, src_reps, dst_reps)
             grid, blocking = grid + back, blocking + terms
@@ -646,12 +660,12 @@ class CostModel:
             alone = np.array([[self._gathered_alone(src, out, storage, kept, inp, grad)
                                + self._joined(src, val, _arrival(grad, grad_target(out, storage))).comm_s
                                for inp, grad in dst_reps] for out, storage, _, kept in src_reps])
-            grid = replace(grid, comm_s=grid.comm_s + alone)
+            grid = replace(grid, comm_s=grid.comm_s + alone)  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
             blocking.append(Term(*every, alone))
         if runtime_overhead(self.profile, {"move": 1, "param_read": 1}):
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
                                          for out, storage, *_ in src_reps])
-            grid = replace(grid, compute_s=grid.compute_s + wrapping)
+            grid = replace(grid, compute_s=grid.compute_s + wrapping)  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
             blocking.append(Term(*every, wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 
@@ -660,7 +674,7 @@ class CostModel:
         blocking terms."""
         if not self.gather_outputs:
             held = [self._returned(val, out).transient_bytes for out in outs]
-            return Cost(transient_bytes=np.repeat(np.array(held)[:, None], columns, 1)), ()
+            return Cost(transient_bytes=np.repeat(np.array(held)[:, None], columns, 1)), ()  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
         grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [(Replicate(),) * self.mesh.ndim] * columns)
         return replace(grid, transient_bytes=grid.transient_bytes + _bytes(val)), tuple(blocking)
 
@@ -677,16 +691,16 @@ class CostModel:
         if queued and self.microbatches > 1:   # ZeRO-2/3 rows reduce-scatter every microbatch
             zero3 = np.array([storage not in (None, out) and not whole for out, storage, whole, _ in src_reps])[:, None]
             earlier = np.where(zero3, self._earlier_reduce_scatters(back.overlap_s), 0.0)
-            back = replace(back, comm_s=back.comm_s + earlier)
+            back = replace(back, comm_s=back.comm_s + earlier)  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
             terms.insert(0, Term(np.arange(len(src_reps)), np.arange(len(dst_reps)), earlier))
         if queued:
             packed = np.array([self._local_gradient(val, out) if storage not in (None, out) else 0.0
                                for out, storage, *_ in src_reps])[:, None]
-            back = replace(back, transient_bytes=back.transient_bytes + packed)
+            back = replace(back, transient_bytes=back.transient_bytes + packed)  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
         if src.kind == "param":
             summed = np.array([self._local_gradient(val, out) if storage in (None, out) else 0.0
                                for out, storage, *_ in src_reps])[:, None]
-            back = replace(back, synced_bytes=np.where(back.overlap_s != 0, summed, 0.0))
+            back = replace(back, synced_bytes=np.where(back.overlap_s != 0, summed, 0.0))  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
         return back, terms
 
     def _computed_from_parameters(self) -> dict[fx.Node, torch.dtype]:
@@ -727,7 +741,7 @@ class CostModel:
                 self._synced_dtype(src) if flows and self._queued(src) else None)
 
 
-def recomputed_blocks(space: StrategySpace, recompute: str | Mapping[str, str]) -> dict[fx.Node, int]:
+def recomputed_blocks(space: StrategySpace, recompute: str | Mapping[str, RecomputeMode]) -> dict[fx.Node, int]:
     """The region number of every node recomputed in the backward under ``recompute`` (and of
     every parameter first read in one): each repeated block under "full", each attention core
     under "selective" (``autopar.core.blocks``), nothing under "none"; or as a ``Plan.recompute``
@@ -764,7 +778,7 @@ def _arrival(grad: Placements, target: Placements) -> Placements:
     """Where a parameter read's gradient ``grad`` reaches the parameter (placed ``target``): the
     read's redistribution, differentiated, moves it there but for its partial sums, which
     gradient sync reduces (``_reduced``)."""
-    return tuple(g if isinstance(g, Partial) else t for g, t in zip(grad, target))
+    return tuple(g if isinstance(g, Partial) else t for g, t in zip(grad, target, strict=True))
 
 
 def _reduced(queued: bool, src: Placement) -> bool:
@@ -822,7 +836,7 @@ class EdgeGrid:
     def blocking_terms(self) -> list[Term]:
         """The blocking seconds (``matrix(lambda c: c.comm_s)``) as a sum of terms over
         strategies, each with a few classes: the ILP pairs those instead of the strategies."""
-        return [Term(t.rows[self.rows], t.cols[self.cols], t.core) for t in self.blocking]
+        return [Term(np.asarray(t.rows)[self.rows], np.asarray(t.cols)[self.cols], t.core) for t in self.blocking]
 
 
 def _signature(val: torch.Tensor | None) -> tuple | None:

@@ -50,7 +50,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 from ortools.math_opt import callback_pb2, model_parameters_pb2, model_pb2, result_pb2, solution_pb2
@@ -189,7 +189,7 @@ class _Data:
     def peak(self, choices: Sequence[int]) -> float:
         moments = [sum(float(self.moment(r, i)[c]) for i, c in enumerate(choices))
                    for r in range(len(self.memory_rows) + 1)]
-        work = max((float(t[c]) for t, c in zip(self.transient, choices)), default=0.0) if self.transient else 0.0
+        work = max((float(t[c]) for t, c in zip(self.transient, choices, strict=True)), default=0.0) if self.transient else 0.0
         return max(moments) + work
 
     def exposed_time(self, choices: Sequence[int]) -> float:
@@ -267,6 +267,22 @@ def _is_int(v: object) -> bool:
 
 def _validate(problem: Problem) -> _Data:
     """Raise AutoparError on malformed input, so that solver errors never surface raw."""
+    costs, memory = _validated_nodes(problem)
+    edges, terms = _validated_edges(problem, costs)
+    _validate_budget_and_start(problem, costs)
+    k = [c.size for c in costs]
+    memory_rows = []
+    for r, row in enumerate(problem.memory_rows):
+        nodes, constant = _row(problem, row, f"memory row {r}", k)
+        if constant:
+            raise SolverError(f"memory row {r} may only have node terms")
+        memory_rows.append(nodes)
+    exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
+    return _Data(costs, memory, edges, terms, memory_rows, _validated_transient(problem, k), exposed)
+
+
+def _validated_nodes(problem: Problem) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each node's per-choice costs and memory, as arrays of one shape."""
     n = len(problem.costs)
     if len(problem.memory) != n:
         raise SolverError(f"costs has {n} nodes but memory has {len(problem.memory)}")
@@ -282,6 +298,12 @@ def _validate(problem: Problem) -> _Data:
             raise SolverError(f"{_label(problem, i)} has {c.size} cost entries but {m.size} memory entries")
         costs.append(c)
         memory.append(m)
+    return costs, memory
+
+
+def _validated_edges(problem: Problem, costs: list[np.ndarray]) -> tuple[list[np.ndarray], list[list[Term]]]:
+    """Each edge's cost matrix (src choices x dst choices) and its terms."""
+    n = len(costs)
     edges, terms = [], []
     for j, edge in enumerate(problem.edges):
         for end in (edge.src, edge.dst):
@@ -295,36 +317,34 @@ def _validate(problem: Problem) -> _Data:
         edges.append(m)
         terms.append([_term(t, want, f"term {n} of the {what}") for n, t in enumerate(edge.terms)]
                      if edge.terms is not None else [Term(np.arange(want[0]), np.arange(want[1]), m)])
+    return edges, terms
+
+
+def _validate_budget_and_start(problem: Problem, costs: list[np.ndarray]) -> None:
     budget = problem.memory_budget
     if budget is not None and (
         not isinstance(budget, numbers.Real) or isinstance(budget, bool) or math.isnan(budget) or budget < 0
     ):
         raise SolverError(f"memory_budget must be a non-negative number of bytes or None, got {budget!r}")
-    if problem.warm_start is not None:
-        if len(problem.warm_start) != n:
-            raise SolverError(f"warm_start has {len(problem.warm_start)} entries for {n} nodes")
-        for i, c in enumerate(problem.warm_start):
-            if not _is_int(c) or not 0 <= c < costs[i].size:
-                raise SolverError(
-                    f"warm_start gives choice {c!r} for {_label(problem, i)}, which has {costs[i].size} choices"
-                )
-    k = [c.size for c in costs]
-    memory_rows = []
-    for r, row in enumerate(problem.memory_rows):
-        nodes, constant = _row(problem, row, f"memory row {r}", k)
-        if constant:
-            raise SolverError(f"memory row {r} may only have node terms")
-        memory_rows.append(nodes)
-    transient = None
-    if problem.transient is not None:
-        if len(problem.transient) != n:
-            raise SolverError(f"costs has {n} nodes but transient has {len(problem.transient)}")
-        transient = [_array(t, f"transient of {_label(problem, i)}") for i, t in enumerate(problem.transient)]
-        for i, t in enumerate(transient):
-            if t.shape != (k[i],):
-                raise SolverError(f"transient of {_label(problem, i)} has {t.size} entries for {k[i]} choices")
-    exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
-    return _Data(costs, memory, edges, terms, memory_rows, transient, exposed)
+    if problem.warm_start is None:
+        return
+    if len(problem.warm_start) != len(costs):
+        raise SolverError(f"warm_start has {len(problem.warm_start)} entries for {len(costs)} nodes")
+    for i, c in enumerate(problem.warm_start):
+        if not _is_int(c) or not 0 <= c < costs[i].size:
+            raise SolverError(f"warm_start gives choice {c!r} for {_label(problem, i)}, which has {costs[i].size} choices")
+
+
+def _validated_transient(problem: Problem, k: list[int]) -> list[np.ndarray] | None:
+    if problem.transient is None:
+        return None
+    if len(problem.transient) != len(k):
+        raise SolverError(f"costs has {len(k)} nodes but transient has {len(problem.transient)}")
+    transient = [_array(t, f"transient of {_label(problem, i)}") for i, t in enumerate(problem.transient)]
+    for i, t in enumerate(transient):
+        if t.shape != (k[i],):
+            raise SolverError(f"transient of {_label(problem, i)} has {t.size} entries for {k[i]} choices")
+    return transient
 
 
 def _term(term: Term, shape: tuple[int, int], what: str) -> Term:
@@ -361,27 +381,28 @@ class _Pair:
     core: np.ndarray  # [row class, column class]
 
     @classmethod
-    def of(cls, u: int, v: int, term: Term, classes: dict[int, tuple] | None = None) -> "_Pair":
+    def of(cls, u: int, v: int, term: Term, classes: dict[int | tuple, tuple] | None = None) -> "_Pair":
         """Classes of the term's own classes whose rows (columns) are equal to within the
         folding tolerance (rounding noise of one placement's cost is one placement), unused
         ones dropped. ``classes``: those of each core already seen (identical layers' edges
         share their cores), by the core's id, with the core kept so that the id stays its."""
-        whole_key = (id(term.core), term.rows.tobytes(), term.cols.tobytes())
+        term_rows, term_cols, core = _arrays(term)
+        whole_key = (id(term.core), term_rows.tobytes(), term_cols.tobytes())
         if classes is not None and whole_key in classes:
             _, rows, cols, core = classes[whole_key]
             return cls(u, v, rows, cols, core)
         cached = classes.get(id(term.core)) if classes is not None else None
         if cached is None:
-            key = np.round(term.core / (np.abs(term.core).max() * _SEPARABLE_RTOL * 10), 0)
+            key = np.round(core / (np.abs(core).max() * _SEPARABLE_RTOL * 10), 0)
             _, first_rows, row_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
             _, first_cols, col_of = np.unique(key, axis=1, return_index=True, return_inverse=True)
             cached = (term.core, first_rows, row_of, first_cols, col_of)
             if classes is not None:
                 classes[id(term.core)] = cached
         _, first_rows, row_of, first_cols, col_of = cached
-        used_rows, rows = np.unique(row_of.ravel()[term.rows], return_inverse=True)
-        used_cols, cols = np.unique(col_of.ravel()[term.cols], return_inverse=True)
-        pair = cls(u, v, rows.ravel(), cols.ravel(), term.core[np.ix_(first_rows[used_rows], first_cols[used_cols])])
+        used_rows, rows = np.unique(row_of.ravel()[term_rows], return_inverse=True)
+        used_cols, cols = np.unique(col_of.ravel()[term_cols], return_inverse=True)
+        pair = cls(u, v, rows.ravel(), cols.ravel(), core[np.ix_(first_rows[used_rows], first_cols[used_cols])])
         if classes is not None:
             classes[whole_key] = (term.core, pair.rows, pair.cols, pair.core)
         return pair
@@ -408,7 +429,7 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
     k = data.k
     linear = [c.copy() for c in data.costs]
     merged: dict[tuple[int, int], dict[tuple, Term]] = {}   # per edge: its terms, by class partition
-    for edge, m, terms in zip(problem.edges, data.edges, data.terms):
+    for edge, m, terms in zip(problem.edges, data.edges, data.terms, strict=True):
         u, v = edge.src, edge.dst
         if u == v:  # self-loop: both ends take the node's single choice
             linear[u] += np.diag(m)
@@ -417,41 +438,49 @@ def _reduce(problem: Problem, data: _Data) -> _Reduced:
             u, v, terms = v, u, [t.transposed() for t in terms]
         same = merged.setdefault((u, v), {})
         for t in terms:   # parallel edges' terms over the same classes add up
-            key = (t.core.shape, t.rows.tobytes(), t.cols.tobytes())
-            same[key] = Term(t.rows, t.cols, same[key].core + t.core) if key in same else t
+            rows, cols, core = _arrays(t)
+            key = (core.shape, rows.tobytes(), cols.tobytes())
+            same[key] = Term(rows, cols, np.asarray(same[key].core) + core) if key in same else t
 
     pairs: list[_Pair] = []
-    classes: dict[int, tuple] = {}   # per residual core: its row and column classes (``_Pair.of``)
+    classes: dict[int | tuple, tuple] = {}   # per residual core: its row and column classes (``_Pair.of``)
     split: dict[tuple[int, int, int], tuple] = {}   # per (core, anchor): its split, the core kept (its id stays its)
-    for (u, v), terms in sorted(merged.items()):
+    for (u, v), by_classes in sorted(merged.items()):
         residuals = []
-        for t in terms.values():
+        for t in by_classes.values():
             # core = a[p] + b[q] + r[p, q], anchored at the first choices' classes; when r
             # vanishes the term is purely linear. Identical layers' edges share cores and anchors.
-            r0, c0 = int(t.rows[0]), int(t.cols[0])
-            key = (id(t.core), r0, c0)
-            if key not in split:
-                a = t.core[:, c0]
-                b = t.core[r0, :] - t.core[r0, c0]
-                r = t.core - a[:, None] - b[None, :]
-                split[key] = (t.core, a, b, r, np.abs(r).max() > _SEPARABLE_RTOL * np.abs(t.core).max())
-            _, a, b, r, pairwise = split[key]
-            linear[u] = linear[u] + a[t.rows]
-            linear[v] = linear[v] + b[t.cols]
+            rows, cols, core = _arrays(t)
+            r0, c0 = int(rows[0]), int(cols[0])
+            anchor = (id(core), r0, c0)
+            if anchor not in split:
+                a = core[:, c0]
+                b = core[r0, :] - core[r0, c0]
+                r = core - a[:, None] - b[None, :]
+                split[anchor] = (core, a, b, r, np.abs(r).max() > _SEPARABLE_RTOL * np.abs(core).max())
+            _, a, b, r, pairwise = split[anchor]
+            linear[u] = linear[u] + a[rows]
+            linear[v] = linear[v] + b[cols]
             if k[u] > 1 and k[v] > 1 and pairwise:
-                residuals.append(Term(t.rows, t.cols, r))
+                residuals.append(Term(rows, cols, r))
         pairs.extend(_pairs(u, v, residuals, classes))
     offset = sum(float(linear[i][0]) for i in range(len(k)) if k[i] == 1)
     return _Reduced(linear, offset, pairs)
 
 
-def _pairs(u: int, v: int, residuals: list[Term], classes: dict[int, tuple]) -> list[_Pair]:
+def _arrays(t: Term) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A term's rows, columns and core as arrays: within the solver they are already (``_Data.terms``),
+    and ``np.asarray`` returns the same objects, whose ids key the caches of cores."""
+    return np.asarray(t.rows), np.asarray(t.cols), np.asarray(t.core)
+
+
+def _pairs(u: int, v: int, residuals: list[Term], classes: dict[int | tuple, tuple]) -> list[_Pair]:
     """Pair variables for an edge's non-separable terms: per term, unless pairing their sum
     needs at most ``_TERMS_MIN_SAVING`` times as many variables (its LP relaxation is tighter)."""
     split = [_Pair.of(u, v, t, classes) for t in residuals]
     if len(split) < 2:
         return split
-    whole = sum(t.core[np.ix_(t.rows, t.cols)] for t in residuals)
+    whole = cast(np.ndarray, sum(core[np.ix_(rows, cols)] for rows, cols, core in map(_arrays, residuals)))
     if np.abs(whole).max() <= _SEPARABLE_RTOL * max(np.abs(t.core).max() for t in residuals):
         return []   # the terms' residuals cancel
     pair = _Pair.of(u, v, Term(np.arange(whole.shape[0]), np.arange(whole.shape[1]), whole))
@@ -550,9 +579,9 @@ class _Builder:
         cost, whose marginals equal the classes' choice variables (x ids < e ids)."""
         for pair in self.red.pairs:
             self.e_ids.append(self._variables(pair.core.size, 1.0, False))
-        for pair, base in zip(self.red.pairs, self.e_ids):
+        for pair, base in zip(self.red.pairs, self.e_ids, strict=True):
             self.costs.append((range(base, base + pair.core.size), pair.core.ravel()))
-        for pair, base in zip(self.red.pairs, self.e_ids):
+        for pair, base in zip(self.red.pairs, self.e_ids, strict=True):
             self._pair_marginals(pair, base)
 
     def _pair_marginals(self, pair: _Pair, base: int) -> None:
@@ -598,7 +627,7 @@ class _Builder:
         for i in range(len(self.data.k)):
             transient = self.data.transient[i]
             if i in self.x_ids:
-                self._sparse({**dict(zip(self.x_ids[i], (transient / self.mscale).tolist())), t_id: -1.0},
+                self._sparse({**dict(zip(self.x_ids[i], (transient / self.mscale).tolist(), strict=True)), t_id: -1.0},
                              -math.inf, 0.0)
             else:
                 fixed_work = max(fixed_work, float(transient[0]))
@@ -615,7 +644,7 @@ class _Builder:
             terms: dict[int, float] = {}
             for i, v in nodes.items():
                 if i in self.x_ids:
-                    terms.update(zip(self.x_ids[i], v.tolist()))
+                    terms.update(zip(self.x_ids[i], v.tolist(), strict=True))
                 else:
                     constant += float(v[0])
             terms[exposed_id] = -1.0
@@ -697,8 +726,8 @@ def _hint(problem: Problem, data: _Data, red: _Reduced) -> list[int]:
     for pair in red.pairs:
         adjacency[pair.u].append((pair, True))
         adjacency[pair.v].append((pair, False))
-    used = sum(m[:, c] for m, c in zip(per_node, choices)) if k else np.zeros(len(moments))
-    work = max((float(t[c]) for t, c in zip(data.transient, choices)), default=0.0) if data.transient else 0.0
+    used = cast(np.ndarray, sum(m[:, c] for m, c in zip(per_node, choices, strict=True))) if k else np.zeros(len(moments))
+    work = max((float(t[c]) for t, c in zip(data.transient, choices, strict=True)), default=0.0) if data.transient else 0.0
     for _ in range(_MAX_SWEEPS):
         moved = False
         for i, nbrs in adjacency.items():
@@ -729,7 +758,7 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     ``allowed[i][c]`` of the original (hand plans as pinned versions of the planner's problem)."""
     if all(a is None for a in allowed):
         return problem
-    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed)]
+    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed, strict=True)]
     if any(len(k) == 0 for k in keep):
         raise SolverError("restrict: every node needs at least one allowed choice")
 
@@ -740,8 +769,8 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
         return Row(tuple((i, pick(v, i)) for i, v in r.nodes), r.constant)
 
     warm = None
-    if problem.warm_start is not None and all(c in k for c, k in zip(problem.warm_start, keep)):
-        warm = tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(problem.warm_start, keep))
+    if problem.warm_start is not None and all(c in k for c, k in zip(problem.warm_start, keep, strict=True)):
+        warm = tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(problem.warm_start, keep, strict=True))
     return Problem(
         costs=tuple(pick(c, i) for i, c in enumerate(problem.costs)),
         memory=tuple(pick(m, i) for i, m in enumerate(problem.memory)),
@@ -769,7 +798,7 @@ def evaluate(problem: Problem, choices: Sequence[int]) -> tuple[float, float]:
 
 def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[float, float]:
     obj = sum(float(data.costs[i][c]) for i, c in enumerate(choices))
-    obj += sum(float(m[choices[e.src], choices[e.dst]]) for e, m in zip(problem.edges, data.edges))
+    obj += sum(float(m[choices[e.src], choices[e.dst]]) for e, m in zip(problem.edges, data.edges, strict=True))
     return obj + data.exposed_time(choices), data.peak(choices)
 
 
@@ -840,10 +869,10 @@ def _hint_values(built: _Model, red: _Reduced, data: _Data, hint: list[int]) -> 
     values = np.zeros(len(built.proto.variables.ids))
     for i, ids in built.x_ids.items():
         values[ids[hint[i]]] = 1.0
-    for pair, base in zip(red.pairs, built.e_ids):
+    for pair, base in zip(red.pairs, built.e_ids, strict=True):
         values[base + pair.rows[hint[pair.u]] * pair.core.shape[1] + pair.cols[hint[pair.v]]] = 1.0
     if built.t_id is not None:  # HiGHS rejects a hint that breaks a constraint
-        values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint)) / built.t_scale
+        values[built.t_id] = max(float(t[c]) for t, c in zip(data.transient, hint, strict=True)) / built.t_scale
     if built.exposed_id is not None:
         values[built.exposed_id] = data.exposed_time(hint)
     return values

@@ -11,8 +11,13 @@ from autopar.core.errors import AutoparError
 from autopar.core.ops import entry_for, rule_for
 from autopar.core.ops.base import REGISTRY, rule
 from autopar.core.ops.cross_entropy import CROSS_ENTROPY
-from autopar.core.placements import (gathered_in_group, largest_shard_shape, parse_placement, placements_str,
-                                     shard_shape_at)
+from autopar.core.placements import (
+    gathered_in_group,
+    largest_shard_shape,
+    parse_placement,
+    placements_str,
+    shard_shape_at,
+)
 from autopar.core.rules import family_rule
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()

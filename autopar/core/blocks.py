@@ -15,7 +15,7 @@ already keeps no attention matrix and recomputes it in its backward.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -50,7 +50,8 @@ def repeated_blocks(graph: fx.Graph) -> list[Block]:
                 members.setdefault(path, []).append(i)
                 kinds[path] = f"{container}:{kind}"
     siblings = Counter(kinds.values())
-    blocks, taken = [], set()
+    blocks: list[Block] = []
+    taken: set[str] = set()
     for path in sorted(members, key=lambda p: members[p][0]):
         at = members[path]
         contiguous = at == list(range(at[0], at[-1] + 1))
@@ -100,7 +101,8 @@ def attention_core(graph: fx.Graph, block: Block) -> Block | None:
 def _nearest(node: fx.Node, index: dict[fx.Node, int], step, pick) -> fx.Node | None:
     """The batched product nearest ``node`` (``pick`` of graph positions) reached through ``step``
     (inputs or users) inside the block, or None."""
-    found, todo, seen = [], [node], {node}
+    found: list[fx.Node] = []
+    todo, seen = [node], {node}
     while todo:
         for nxt in step(todo.pop()):
             if nxt in index and nxt not in seen:
@@ -109,7 +111,7 @@ def _nearest(node: fx.Node, index: dict[fx.Node, int], step, pick) -> fx.Node | 
     return pick(found, key=index.__getitem__) if found else None
 
 
-def recomputed_regions(graph: fx.Graph, recompute: dict[str, RecomputeMode]) -> list[Block]:
+def recomputed_regions(graph: fx.Graph, recompute: Mapping[str, RecomputeMode]) -> list[Block]:
     """The runs of ops recomputed in the backward, in graph order: each repeated block ``recompute``
     names whole ("full"), or its attention core ("selective")."""
     regions = []

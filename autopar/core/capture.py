@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.config
-from torch.fx._lazy_graph_module import _use_lazy_graph_module   # private; torch is pinned (setup.py)
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind
+from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch is pinned (setup.py)
 from torch.utils import _pytree as pytree
 
-from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
+from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.precision import ComputeIn, Precision, check_precision
 
 
@@ -191,7 +191,7 @@ def _inline_grad_regions(program: ExportedProgram) -> None:
                     inner.target = f"{attr.target}.{inner.target}"
             placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
             with graph.inserting_before(node):
-                outs = graph.graph_copy(body.graph, dict(zip(placeholders, operands)))
+                outs = graph.graph_copy(body.graph, dict(zip(placeholders, operands, strict=True)))
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
             for item in list(node.users):   # getitem(region, i): region output i
                 value = outs[item.args[1]]
@@ -307,14 +307,7 @@ def _unwrap(program: ExportedProgram, model: torch.nn.Module) -> None:
         elif re.match(r"[pbc]_model_", node.name):
             _rename(program, node, node.name[0] + node.name[len("p_model"):])
         if spec.kind == InputKind.PARAMETER:
-            for cast in [u for u in node.users if u.target is torch.ops.aten.to.dtype]:
-                first = min(cast.users, key=order.__getitem__, default=None)
-                if first is not None:
-                    first.prepend(cast)
-            # export checks the fp32 parameter's metadata before each cast: a read that would pin
-            # the parameter's use (ZeRO-3: its gather) to the top of the graph, with no value to give
-            for check in [u for u in node.users if u.target is torch.ops.aten._assert_tensor_metadata.default]:
-                graph.erase_node(check)
+            _cast_at_first_use(graph, node, order)
     root = {"L__self__": ("", f"{type(model).__module__}.{type(model).__qualname__}")}
     for node in graph.nodes:
         if "nn_module_stack" in node.meta:
@@ -325,6 +318,18 @@ def _unwrap(program: ExportedProgram, model: torch.nn.Module) -> None:
     for state in (program.state_dict, program.constants):
         for key in [k for k in state if k.startswith("model.")]:
             state[key.removeprefix("model.")] = state.pop(key)
+
+
+def _cast_at_first_use(graph: torch.fx.Graph, param: torch.fx.Node, order: dict[torch.fx.Node, int]) -> None:
+    """Move each cast of ``param`` right before its first user, and drop the metadata checks
+    export puts before each cast: a read that would pin the parameter's use (ZeRO-3: its gather)
+    to the top of the graph, with no value to give."""
+    for cast in [u for u in param.users if u.target is torch.ops.aten.to.dtype]:
+        first = min(cast.users, key=order.__getitem__, default=None)
+        if first is not None:
+            first.prepend(cast)
+    for check in [u for u in param.users if u.target is torch.ops.aten._assert_tensor_metadata.default]:
+        graph.erase_node(check)
 
 
 @contextmanager

@@ -81,7 +81,7 @@ def _gives_partial(user: fx.Node, node: fx.Node, axis: int, out: Placements, pla
     if user.op != "call_function" or up is None:   # an output, a getitem of a multi-output op
         return False
     return all(want == out and isinstance(given_grad(want, up, passes.get(user.name, ()))[axis], Partial)
-               for inp, want in zip(flat_tensor_inputs(user), up.ins) if inp is node)
+               for inp, want in zip(flat_tensor_inputs(user), up.ins, strict=True) if inp is node)
 
 
 def given_grad(want: Placements, np_: NodePlan, passing: Sequence[int]) -> Placements:

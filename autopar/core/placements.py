@@ -133,7 +133,7 @@ def gathered_in_group(storage: Sequence[Placement], out: Sequence[Placement], wa
     reduce-scattered with the group's, and as stored on the others. The code generator gathers in
     groups the parameters every read of which fits (``codegen.generate.gather_groups``), the others
     one by one; the cost model prices a read that does not fit as gathered alone."""
-    axes = [a for a, (s, o) in enumerate(zip(storage, out)) if s != o]
+    axes = [a for a, (s, o) in enumerate(zip(storage, out, strict=True)) if s != o]
     return tuple(want) == tuple(out) and (not trains or all(
         isinstance(grad[a], Partial) if a in axes else grad[a] == storage[a] for a in range(len(grad))))
 

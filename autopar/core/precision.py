@@ -41,12 +41,12 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return PRECISIONS[check_precision(precision)]
 
 
-def reduce_dtype(reduce_precision: Precision, dtype: torch.dtype) -> torch.dtype:
+def reduce_dtype(reduce_precision: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype a gradient of ``dtype`` is summed over ranks in: "fp32" leaves every gradient in
     its own (a bf16 parameter's is not widened), "bf16" narrows floating ones to bf16."""
     if check_precision(reduce_precision) == "fp32" or not dtype.is_floating_point:
         return dtype
-    return compute_dtype(reduce_precision)
+    return torch.bfloat16
 
 
 class ComputeIn(nn.Module):

@@ -21,8 +21,8 @@ from autopar.core.placements import placements_str
 from autopar.core.units import fmt
 
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
-    from autopar.core.plan import NodePlan, Plan, Prediction
     from autopar.core.blocks import RecomputeMode
+    from autopar.core.plan import NodePlan, Plan, Prediction
 
 __all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 

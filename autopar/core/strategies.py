@@ -29,8 +29,8 @@ from autopar.core.execution import writes_in_place, written_aliases
 from autopar.core.fold import foldable
 from autopar.core.loss_weights import loss_with_gradients
 from autopar.core.mesh import MeshSpec
-from autopar.core.placements import Placements, largest_shard_shape, placements_str
 from autopar.core.ops import axis_rules, rule_for
+from autopar.core.placements import Placements, largest_shard_shape, placements_str
 from autopar.core.rules import AxisRule
 
 log = logging.getLogger(__name__)

@@ -35,20 +35,25 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.core.execution import CAST_OPS, VIEW_OPS
-from autopar.core.capture import as_args, capture
-from autopar.core.capture import CapturedGraph
+from autopar.core.capture import CapturedGraph, as_args, capture
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
+from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
 from autopar.core.plan import Plan
-from autopar.planning.clock import Clock, Deadline
-from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import (PipelineChoice, job_setting, pipeline_choice, pipeline_layouts, pipelined,
-                                      sub_mesh)
-from autopar.planning.problem import Planning, prepare, solve_planning
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
+from autopar.planning.clock import Clock, Deadline
+from autopar.planning.options import PlanOptions
+from autopar.planning.pipeline import (
+    PipelineChoice,
+    job_setting,
+    pipeline_choice,
+    pipeline_layouts,
+    pipelined,
+    sub_mesh,
+)
+from autopar.planning.problem import Planning, prepare, solve_planning
 
 __all__ = ["candidates", "hand_plans", "ROLES"]
 
@@ -83,7 +88,7 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
                        whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,
                        offload=options.offload == "optimizer")
     deadline = Clock(options.time_limit, start=t0).deadline()
-    plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}
+    plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
     if pipeline_choice(options.pipeline) is not None:
         recapture = microbatch_capture(model, args, example_kwargs, options.precision)
         plans.update(pipeline_hand_plans(whole, spec, options, recapture, deadline))
@@ -146,7 +151,7 @@ def role_sets(mesh: MeshSpec) -> list[tuple[Role, ...]]:
     for combo in itertools.product(ROLES, repeat=len(live)):
         if all(not r.startswith("tp") for r in combo[:-1]):
             roles: list[Role] = ["dp"] * mesh.ndim
-            for a, r in zip(live, combo):
+            for a, r in zip(live, combo, strict=True):
                 roles[a] = r
             out.append(tuple(roles))
     if live:
@@ -185,7 +190,7 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
     sets = role_sets(mesh)
     on_batch = _on_batch(planning.space)
     traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
-    out = {}
+    out: dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError] = {}
     end = deadline.share(share) if deadline is not None else None
     named = [(plan_name(mesh, roles), _allowed(planning, roles, traits)) for roles in sets]
     least = [planning.bounds().least(allowed) for _, allowed in named]

@@ -11,11 +11,11 @@ from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from autopar.core.blocks import RECOMPUTE, RecomputeMode
 from autopar.core.errors import AutoparError
 from autopar.core.hardware import get_hardware
 from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import Precision, check_precision
-from autopar.core.blocks import RECOMPUTE, RecomputeMode
 from autopar.planning.pipeline import PipelineChoice, pipeline_choice
 from cost_models.estimate import OPTIMIZERS, get_optimizer
 from cost_models.profile import Profile
@@ -98,7 +98,7 @@ def _pipeline_from_text(text: str) -> str | bool | dict:
         return text
     parts = text.split(":")
     fields: dict = {"schedule": parts[0]}
-    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:]):
+    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:], strict=False):
         fields[key] = value if key == "axis" or value == "auto" else _count(value)
     return fields
 

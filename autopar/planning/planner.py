@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from autopar.core.blocks import RecomputeMode, recompute_modes, repeated_blocks
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
@@ -24,8 +24,14 @@ from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.clock import Clock, Deadline, Once
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import (PipelineChoice, pipeline_choice, pipeline_degrees, pipeline_layouts,
-                                      pipeline_search, sub_mesh)
+from autopar.planning.pipeline import (
+    PipelineChoice,
+    pipeline_choice,
+    pipeline_degrees,
+    pipeline_layouts,
+    pipeline_search,
+    sub_mesh,
+)
 from autopar.planning.problem import Planning, prepare, solve_planning
 from cost_models.comm import crosses_nodes
 

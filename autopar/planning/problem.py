@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -16,24 +16,34 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.core.blocks import RecomputeMode, recompute_modes
-from autopar.core.precision import Precision
 from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows
 from autopar.core.plan import NodePlan, Plan, Prediction, SearchLog
-from autopar.planning.shrink import Grouping, group
-from autopar.core.strategies import StrategySpace, Strategy, alias_strategies, build_space
-from autopar.core.units import fmt
+from autopar.core.precision import Precision
 from autopar.core.progress import StatusLine, doing
+from autopar.core.strategies import Strategy, StrategySpace, alias_strategies, build_space
+from autopar.core.units import fmt
 from autopar.planning.clock import STAGES, Clock, Deadline
 from autopar.planning.options import PlanOptions
+from autopar.planning.shrink import Grouping, group
 from cost_models.confidence import band_of, basis_of, step_flops
 from cost_models.estimate import Cost, CostModel, get_optimizer
 from cost_models.profile import resolve_profile
 from cost_models.schedule import PricedSpace, StepPrediction, Timeline
-from solver import (Edge, InfeasibleProblem, MemoryBounds, Problem, Solution, SolverError, SolverTimeout, Term,
-                    restrict, solve)
+from solver import (
+    Edge,
+    InfeasibleProblem,
+    MemoryBounds,
+    Problem,
+    Solution,
+    SolverError,
+    SolverTimeout,
+    Term,
+    restrict,
+    solve,
+)
 
 log = logging.getLogger("autopar")
 
@@ -166,7 +176,7 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
         # the deadline covers every solve of the repair loop together
         with _stage(planning.timings, stage, deadline.clock.line if deadline is not None else None, said):
             solution = _solve(restrict(problem, allowed), seconds, planning.captured.precision)
-            choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed))
+            choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed, strict=True))
             plan, sim = _make_plan(planning, choices, solution, name)
         if solution.status != "optimal" and deadline is not None:
             deadline.clock.note(f"the {name!r} solve stopped at its time limit "
@@ -264,9 +274,9 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
     for i, cs in node_costs.items():
         per_decision[owner[i]].append(cs)
     costs = tuple(tuple(sum(c[x].compute_s + c[x].comm_s for c in members) for x in range(k))
-                  for members, k in zip(per_decision, grouping.sizes))
+                  for members, k in zip(per_decision, grouping.sizes, strict=True))
     state = tuple(tuple(sum(c[x].state_bytes for c in members) for x in range(k))
-                  for members, k in zip(per_decision, grouping.sizes))
+                  for members, k in zip(per_decision, grouping.sizes, strict=True))
     # Working memory, with room for a collective's buffers on the largest input (the ILP prices
     # redistributions on edges, which carry no memory term); the largest member's counts.
     work = [(np.array([c.transient_bytes for c in full[i]]) + 2 * priced.largest_input[i])[choice[i]]
@@ -281,7 +291,8 @@ def _problem(space: StrategySpace, model: CostModel, timeline: Timeline, budget:
             queued.append((i, j, overlap[sub].tolist()))
         # An edge's blocking seconds are its moves' (it computes nothing), a sum over mesh axes
         # that each see one axis of the placements: the ILP pairs those few classes.
-        terms = tuple(Term(t.rows[choice[i]], t.cols[choice[j]], t.core) for t in priced.edges[(i, j, k)].blocking_terms())
+        terms = tuple(Term(np.asarray(t.rows)[choice[i]], np.asarray(t.cols)[choice[j]], t.core)
+                      for t in priced.edges[(i, j, k)].blocking_terms())
         edges.append(Edge(owner[i], owner[j], blocking[sub], terms))
     names = tuple(_described(space.nodes[r].node) for r in grouping.representative)
     memory_rows = timeline.memory_rows(owner, node_costs, cuts)
@@ -295,11 +306,11 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                ) -> tuple[Plan, StepPrediction]:
     space, model, timeline, captured = planning.space, planning.model, planning.timeline, planning.captured
     strategy = planning.grouping.strategies(choices)
-    chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy)]
+    chosen = [nc.strategies[x] for nc, x in zip(space.nodes, strategy, strict=True)]
     costs, queued = planning.priced.step_costs(strategy)
     sim = timeline.simulate(costs, queued, model.step_overhead())
     nodes, total = [], Cost()
-    for nc, s, c in zip(space.nodes, chosen, costs):
+    for nc, s, c in zip(space.nodes, chosen, costs, strict=True):
         total = total + c
         nodes.append(NodePlan(
             name=nc.node.name,

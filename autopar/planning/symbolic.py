@@ -38,12 +38,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.export import Dim
 from torch.utils import _pytree as pytree
 
-from autopar.core.execution import IDENTITY_OPS, VIEW_OPS
 from autopar.core.capture import CapturedGraph, capture, check_inputs, tensor_val
 from autopar.core.errors import AutoparError
+from autopar.core.execution import IDENTITY_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec
-from autopar.core.plan import NodePlan, Plan
 from autopar.core.placements import Placements
+from autopar.core.plan import NodePlan, Plan
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace, _no_tiny_shards, build_space
 from cost_models.estimate import Cost, CostModel, _dim, get_optimizer
 from cost_models.schedule import StepPrediction, Timeline, step_costs
@@ -121,7 +121,7 @@ class SymbolicCosts:
         for size, axes in sorted(self.sharded, key=str):
             n = int(_number(size, sizes))
             if not _no_tiny_shards((n,), tuple(Shard(0) if a else Replicate() for a in axes), self.mesh):
-                split = " x ".join(str(k) for k, a in zip(self.mesh.shape, axes) if a)
+                split = " x ".join(str(k) for k, a in zip(self.mesh.shape, axes, strict=True) if a)
                 raise AutoparError(f"the plan splits a dim of size {size} over {split} devices: at B={batch}, S={seq} "
                                    f"({size} = {n}) some device gets none of it; the plan needs a larger size")
         return sizes
@@ -252,7 +252,7 @@ def pretty(expr, digits: int = 3) -> str:
 
 
 def closed_forms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], timeline: Timeline,
-                 axes: Sequence[str], picks: Sequence[int] | None = None) -> dict[str, object]:
+                 axes: Sequence[str], picks: Sequence[int] | None = None) -> dict[str, Any]:
     """Totals and closed forms over per-node costs (``nodes[i]``: node i's cost with its incoming
     edges, ``queued``: (node index, seconds) of gradient synchronisations; as ``Timeline.simulate``
     takes them). Works on numbers and on sympy expressions alike.
@@ -280,8 +280,8 @@ def closed_forms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], ti
         "state_bytes": add(c.state_bytes for c in nodes),
         "activation_bytes": add(c.saved_bytes for c in nodes),
         "gradient_bytes": add(c.grad_bytes for c in nodes),
-        "working_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds) if k == "op"]),
-        "optimizer_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds) if k == "param"]),
+        "working_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds, strict=True) if k == "op"]),
+        "optimizer_bytes": _max([c.transient_bytes for c, k in zip(nodes, kinds, strict=True) if k == "param"]),
     }
     totals["comm_bytes"] = {a: add(c.comm_bytes[i] if i < len(c.comm_bytes) else 0 for c in nodes)
                             for i, a in enumerate(axes)}
@@ -294,7 +294,7 @@ def closed_forms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], ti
 
 
 def exposed_terms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], timeline: Timeline,
-                  picks: Sequence[int] | None = None) -> dict[int, object]:
+                  picks: Sequence[int] | None = None) -> dict[int, Any]:
     """The schedule's gradient synchronisations run one after another on one channel, each from
     when the backward has produced it; so the exposed time is max(0, max over k of ``e_k``), with
     ``e_k`` = (seconds of the synchronisations queued from the k-th on) - (backward compute left
@@ -310,14 +310,14 @@ def exposed_terms(nodes: Sequence[Cost], queued: Sequence[tuple[int, object]], t
     return out
 
 
-def _total(values) -> object:
+def _total(values) -> Any:
     values = list(values)
     if any(isinstance(v, sympy.Basic) for v in values):
         return sympy.Add(*values)
     return float(sum(values))
 
 
-def _max(values: list) -> object:
+def _max(values: list) -> Any:
     if any(isinstance(v, sympy.Basic) for v in values):
         return sympy.Max(*set(values))
     return float(max(values, default=0.0))
@@ -354,7 +354,7 @@ def _capture_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict) -> _Dyna
         raise AutoparError(
             f"{type(model).__name__}: symbolic costs need a 2-D integer input (token ids: batch x sequence) "
             "whose dims 0 and 1 become B and S; the example inputs have none")
-    planned = tuple(int(d) for d in tokens[0].shape)
+    planned = (int(tokens[0].shape[0]), int(tokens[0].shape[1]))   # token ids are 2-D (``_is_tokens``)
     # export fixes a dim of size 1 (0/1 specialisation): capture such a dim at size 2 instead
     grow = any(d == 1 for t in tokens for d in t.shape)
 
@@ -453,7 +453,7 @@ def align_plan(plan: Plan, space: StrategySpace) -> tuple[list[Strategy], list[s
             warnings.append(f"copies {copies} (contiguous/clone) are in only one of the plan and this capture: "
                             "costs differ from the plan's by them")
         block = {nc.node for nc in ours_side}
-        for j, nc in zip(range(j1, j2), ours_side):
+        for j, nc in zip(range(j1, j2), ours_side, strict=True):
             src = nc.inputs[0]
             if src in block:
                 inp = plan_side[-1].out if plan_side else chosen[space.index[src]].out
@@ -541,7 +541,7 @@ def _planned_space(plan: Plan, cap: _DynamicCapture, optimizer: str) -> tuple[St
     the cost model of the plan's knobs, the step's timeline, and the alignment's warnings."""
     space = build_space(cap.captured, plan.mesh, with_strategies=False)
     chosen, names, warnings = align_plan(plan, space)
-    for nc, s in zip(space.nodes, chosen):
+    for nc, s in zip(space.nodes, chosen, strict=True):
         nc.strategies = [s]
     cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
                            recompute=plan.recompute, reduce_precision=plan.reduce_precision,
@@ -554,8 +554,8 @@ def _planned_space(plan: Plan, cap: _DynamicCapture, optimizer: str) -> tuple[St
 def _sharded_sizes(space: StrategySpace, chosen: list, sub: Callable[[Any], Any]) -> set:
     """(symbolic size, which mesh axes split it) of every tensor dim of B or S the plan splits."""
     sharded = set()
-    for nc, chose in zip(space.nodes, chosen):
-        for val, placements in [(tensor_val(nc.node), chose.out), *((tensor_val(i), p) for i, p in zip(nc.inputs, chose.ins))]:
+    for nc, chose in zip(space.nodes, chosen, strict=True):
+        for val, placements in [(tensor_val(nc.node), chose.out), *((tensor_val(i), p) for i, p in zip(nc.inputs, chose.ins, strict=True))]:
             for d in range(val.dim() if val is not None else 0):
                 axes = tuple(isinstance(p, Shard) and p.dim == d for p in placements)
                 size = sub(_dim(val.shape[d]))

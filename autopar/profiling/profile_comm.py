@@ -27,8 +27,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.core.placements import largest_shard_shape
+from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
 from cost_models.profile import FRESH_BUFFER_BYTES, OVERHEADS, collective_key
@@ -79,10 +79,10 @@ def fit_link(kind: str, n: int, samples: Sequence[tuple[float, float]]) -> Link:
     if len(sizes) < 2:
         raise ValueError(f"fit_link needs samples of at least two distinct sizes, got sizes {sizes}")
     lat_col = [c_lat / t for t in times]            # d(relative time)/d(latency)
-    bw_col = [c_bw * s / t for s, t in zip(sizes, times)]  # d(relative time)/d(1/bandwidth)
+    bw_col = [c_bw * s / t for s, t in zip(sizes, times, strict=True)]  # d(relative time)/d(1/bandwidth)
     latency, inv_bw = _lstsq2(lat_col, bw_col, [1.0] * len(times))
     if inv_bw <= 0:
-        inv_bw = min(t / (c_bw * s) for s, t in zip(sizes, times))
+        inv_bw = min(t / (c_bw * s) for s, t in zip(sizes, times, strict=True))
         latency = _lstsq1(lat_col, [1 - b * inv_bw for b in bw_col])
     elif latency < 0:
         latency, inv_bw = 0.0, _lstsq1(bw_col, [1.0] * len(bw_col))
@@ -110,16 +110,16 @@ def _medians_by_size(samples: Sequence[tuple[float, float]]) -> tuple[list[float
 
 def _lstsq1(col: list[float], target: list[float]) -> float:
     """argmin_x sum((x * col - target)^2)."""
-    return sum(c * y for c, y in zip(col, target)) / sum(c * c for c in col)
+    return sum(c * y for c, y in zip(col, target, strict=True)) / sum(c * c for c in col)
 
 
 def _lstsq2(col_a: Sequence[float], col_b: Sequence[float], target: Sequence[float]) -> tuple[float, float]:
     """argmin_(a, b) sum((a * col_a + b * col_b - target)^2), by the 2x2 normal equations."""
     saa = sum(a * a for a in col_a)
     sbb = sum(b * b for b in col_b)
-    sab = sum(a * b for a, b in zip(col_a, col_b))
-    sat = sum(a * t for a, t in zip(col_a, target))
-    sbt = sum(b * t for b, t in zip(col_b, target))
+    sab = sum(a * b for a, b in zip(col_a, col_b, strict=True))
+    sat = sum(a * t for a, t in zip(col_a, target, strict=True))
+    sbt = sum(b * t for b, t in zip(col_b, target, strict=True))
     det = saa * sbb - sab * sab
     return (sbb * sat - sab * sbt) / det, (saa * sbt - sab * sat) / det
 
@@ -173,7 +173,7 @@ def _sweep(mesh: DeviceMesh, axis: int, kind: str, sizes: Sequence[int],
             actual, run, calls = _redistribution(mesh, axis, kind, size)
         nbytes.append(actual)
         medians.append(_mean_seconds([run], repeats, before=dist.barrier)[0] / calls)
-    return list(zip(nbytes, _slowest(medians)))
+    return list(zip(nbytes, _slowest(medians), strict=True))
 
 
 def _redistribution(mesh: DeviceMesh, axis: int, kind: str,
@@ -224,7 +224,7 @@ def _mean_seconds(runs: Sequence[Callable[[], Any]], repeats: int,
     for run in runs:
         run()
     for _ in range(repeats):
-        for run, seconds in zip(runs, times):
+        for run, seconds in zip(runs, times, strict=True):
             before()
             start = time.perf_counter()
             run()
@@ -305,7 +305,7 @@ def time_overheads(device_mesh: DeviceMesh, *, repeats: int = OVERHEAD_REPEATS) 
         **_local_copy_rates(),
     }
     return dict(zip(OVERHEADS, _slowest([mine[key] if key == "pipeline_step" else max(0.0, mine[key])
-                                         for key in OVERHEADS])))
+                                         for key in OVERHEADS]), strict=True))
 
 
 def _move_and_read_overheads(device_mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
@@ -443,10 +443,10 @@ def _pipeline_overheads(mesh: DeviceMesh, repeats: int) -> tuple[float, float]:
         return 0.0, 0.0
     ranks = mesh.shape[axis]
     counts = [k * ranks for k in PIPELINE_MICROBATCHES]
-    steps, bare = zip(*(_pipelined_step(mesh.get_group(axis), mesh.get_local_rank(axis), ranks, m) for m in counts))
+    steps, bare = zip(*(_pipelined_step(mesh.get_group(axis), mesh.get_local_rank(axis), ranks, m) for m in counts), strict=True)
     times = _mean_seconds(steps + bare, repeats)
     n = len(counts)
-    beyond = [piped - alone for piped, alone in zip(times[:n], times[n:])]
+    beyond = [piped - alone for piped, alone in zip(times[:n], times[n:], strict=True)]
     fixed, per_microbatch = _lstsq2([1.0] * n, [m + ranks - 1 for m in counts], beyond)
     return per_microbatch, fixed
 

@@ -24,25 +24,33 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.core.capture import CapturedGraph, as_args, capture
+from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
+from autopar.core.plan import Plan
 from autopar.core.precision import Precision
-from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.core.strategies import Strategy, StrategySpace, all_replicated, build_space
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import hand_plans
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured, priced_workloads
 from autopar.planning.problem import prepare
+from autopar.profiling.launch import run_on_gloo_mesh
 from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.missing_ops import quiet, time_on_every_rank
-from autopar.core.mesh import MeshSpec, as_mesh_spec
-from autopar.core.plan import Plan
-from autopar.core.strategies import Strategy, StrategySpace, all_replicated, build_space
-from codegen.module import ShardedModule
-from cost_models.estimate import CostModel
-from cost_models.comm import COLLECTIVE_KINDS
-from cost_models.profile import (OpTime, Profile, ProfileError, StaleProfileError, calibration_key, collective_key,
-                                 default_profile_path, local_fingerprint)
 from autopar.profiling.profile_comm import measure_mesh, print_progress, time_overlap
+from codegen.module import ShardedModule
+from cost_models.comm import COLLECTIVE_KINDS
+from cost_models.estimate import CostModel
+from cost_models.profile import (
+    OpTime,
+    Profile,
+    ProfileError,
+    StaleProfileError,
+    calibration_key,
+    collective_key,
+    default_profile_path,
+    local_fingerprint,
+)
 from cost_models.profile_ops import OpCall, op_calls
 from cost_models.schedule import Timeline, parameter_saving, step_costs
 
@@ -253,9 +261,9 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicat
     mesh, taking turns (``_calibration_worker``)."""
     t0 = time.perf_counter()
     hands_only = set(_sized(collective_workloads)) - set(_sized(workloads))
-    workloads = _sized(workloads) + sorted(hands_only)
+    sized = _sized(workloads) + sorted(hands_only)
     with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
-        captured = {w: capture(*_calibration_model(*w)) for w in workloads}
+        captured = {w: capture(*_calibration_model(*w)) for w in sized}
         spaces = {w: build_space(c, spec) for w, c in captured.items()}
         _measure(spec, path, list(spaces.values()), None, captured_s=time.perf_counter() - t0, comm=False)
         profile = Profile.from_json(path)
@@ -270,7 +278,7 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicat
     for key, (plan, cost, plan_space, chosen) in plans.items():
         name, batch, seq, hand = key
         # the ops the factor scales (CostModel.calibrated); the others are in ``rest``
-        scaled = [(nc, s) for nc, s in zip(plan_space.nodes, chosen) if nc.kind == "op" and cost.calibrated(nc, s)]
+        scaled = [(nc, s) for nc, s in zip(plan_space.nodes, chosen, strict=True) if nc.kind == "op" and cost.calibrated(nc, s)]
         alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in scaled) if t is not None)
         params = sum(nc.kind == "param" for nc in plan_space.nodes) * (
             cost.param_overhead() - parameter_saving(plan_space, chosen, cost.plain_saving()))
@@ -300,9 +308,9 @@ def _exposed_without_latency(cost: CostModel, space: StrategySpace, chosen: Sequ
 def _moves_overhead(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:
     """The wrapping cost of every placement change and wrapped parameter read a plan's generated
     code makes (``CostModel.move_overhead``)."""
-    strategy = {nc.node: s for nc, s in zip(space.nodes, chosen)}
+    strategy = {nc.node: s for nc, s in zip(space.nodes, chosen, strict=True)}
     return sum(cost.move_overhead(space.nodes[space.index[src]], strategy[src], nc, s, i)
-               for nc, s in zip(space.nodes, chosen) if nc.kind == "op"
+               for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind == "op"
                for i, src in enumerate(nc.inputs) if src in strategy)
 
 
@@ -321,16 +329,16 @@ def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, in
     plans = {}
     if replicated:
         chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
-        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen) if nc.kind != "alias"}
-        plans[(*workload, "replicated")] = (
+        forced = {nc.node.name: s for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind != "alias"}
+        plans[workload + ("replicated",)] = (
             plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
             CostModel(spec, space, profile=profile), space, chosen)
     if spec.size > 1:
         planning = prepare(captured, spec, PlanOptions(profile=profile))
-        for hand, (plan, choices) in hand_plans(planning).items():
+        for hand, (plan, choices) in hand_plans(planning).items():  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
             if _calibration_plan(hand):
-                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices))]
-                plans[(*workload, hand)] = (plan, planning.model, planning.space, chosen)
+                chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices), strict=True)]
+                plans[workload + (hand,)] = (plan, planning.model, planning.space, chosen)
     return plans
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.fx as fx
@@ -85,12 +85,16 @@ class Site:
         return self.reads.get(node.name, node.name)
 
 
+#: What a generated forward returns: every output whole on every rank, each rank's part, or the loss alone.
+OutputMode = Literal["full", "sharded", "loss"]
+
+
 class Emitter(Protocol):
     """What the code generator (``codegen.generate._Emitter``) offers an op's emitter."""
 
-    axes: Sequence[str]                # mesh axis names
+    axes: tuple[str, ...]              # mesh axis names
     sizes: Any                         # ``codegen.generate.LocalSizes``: this rank's sizes, as text
-    outputs: str                       # ``codegen.generate.OutputMode``
+    outputs: OutputMode                # what the forward returns
     counted_loss: str | None           # the loss whose target count comes as ``loss_count``
     loss_with_gradients: str | None    # the loss ``train_step`` sums with the gradients
     counts_loss: bool                  # the code reads ``loss_count``

@@ -44,7 +44,7 @@ def _split(placed: Placed) -> bool:
 
 def summed_axes(placed: Placed) -> tuple[int, ...]:
     """The mesh axes the local losses are summed over: those splitting the batch, the loss whole."""
-    return tuple(a for a, (i, o) in enumerate(zip(placed.ins[0], placed.out))
+    return tuple(a for a, (i, o) in enumerate(zip(placed.ins[0], placed.out, strict=True))
                  if isinstance(i, Shard) and isinstance(o, Replicate))
 
 
@@ -98,5 +98,5 @@ def loss_sum(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: boo
     if node.name == loss_with_gradients:
         return []
     summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o
-                   for i, o in zip(placed.ins[0], placed.out))
+                   for i, o in zip(placed.ins[0], placed.out, strict=True))
     return [Collective((2,), torch.float32, summed, placed.out)] if summed != tuple(placed.out) else []

@@ -44,9 +44,10 @@ def compute_dtype(precision: Precision) -> torch.dtype:
 def reduce_dtype(reduce_precision: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype a gradient of ``dtype`` is summed over ranks in: "fp32" leaves every gradient in
     its own (a bf16 parameter's is not widened), "bf16" narrows floating ones to bf16."""
-    if check_precision(reduce_precision) == "fp32" or not dtype.is_floating_point:
+    precision = check_precision(reduce_precision)
+    if precision == "fp32" or not dtype.is_floating_point:
         return dtype
-    return torch.bfloat16
+    return PRECISIONS[precision]
 
 
 class ComputeIn(nn.Module):

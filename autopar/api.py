@@ -20,7 +20,7 @@ from autopar.core.microbatch import batch_size, microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.progress import log_summary
 from autopar.core.together import one_process, together
-from autopar.planning.clock import Clock
+from autopar.planning.clock import Clock, charge_capture
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import memoized, plan_captured, priced_workloads
 from autopar.profiling.missing_ops import measure_host, measure_missing_ops
@@ -43,8 +43,9 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     spec = as_mesh_spec(mesh)
     args = as_args(example_inputs)
     with Clock(options.time_limit, start=start).shown("planning", options.progress) as clock:
-        with clock.stage("capture", "capture"):
+        with clock.stage("capture") as timed:
             captured = capture(model, args, example_kwargs, precision=options.precision)
+        charge_capture(clock, captured, timed.seconds)
         return plan_captured(captured, spec, options, clock=clock,
                              recapture=microbatch_capture(model, args, example_kwargs, options.precision))
 

@@ -138,11 +138,15 @@ class Solution:
     choices: tuple[int, ...]  # one per node
     objective: float  # seconds: chosen node costs + chosen edge costs + exposed communication
     memory: float  # bytes: the peak (see the module docstring)
-    status: str  # "optimal" or "feasible" (time limit hit, incumbent returned)
+    status: str  # "optimal" or "feasible" (a limit hit, incumbent returned)
     gap: float | None  # relative optimality gap reported by the solver (0 when optimal)
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    num_choices: int = 0  # choices over all nodes: the problem's size
+    simplex_iterations: int = 0  # the solver's work, counted: the same problem and limits give the same counts
+    nodes: int = 0  # branch-and-bound nodes explored
+    stopped_by: Literal["nodes", "time", None] = None  # the limit that ended a solve short of the gap
 
 
 # --------------------------------------------------------------------------- validation
@@ -803,15 +807,16 @@ def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[fl
 
 
 def solve(problem: Problem, time_limit: float | None = None, solver: SolverName = "highs",
-          relative_gap: float = 1e-6) -> Solution:
+          relative_gap: float = 1e-6, node_limit: int | None = None) -> Solution:
     """Solve the sharding ILP, to within ``relative_gap`` of the optimum.
 
     ``time_limit`` (seconds) covers the whole call, model building included; the solver may
-    overrun it by a second or so on very large models. When it is hit, the best solution
-    found so far is returned with ``status="feasible"`` and the solver's gap. Solves that
-    finish within the limit are deterministic (fixed seed, deterministic hint; HiGHS's branch and
-    bound is deterministic, and math_opt refuses ``threads`` for it); one the limit stops ends
-    where the machine's speed let it get.
+    overrun it by a second or so on very large models. ``node_limit`` bounds the branch and bound
+    after the root (0: the hint, presolved, is returned). When either is hit, the best solution
+    found so far is returned with ``status="feasible"``, the solver's gap and the limit that
+    stopped it. Solves that end by the gap or the node limit are deterministic (fixed seed,
+    deterministic hint; HiGHS's branch and bound is deterministic, and math_opt refuses
+    ``threads`` for it); one the time limit stops ends where the machine's speed let it get.
     """
     start = time.perf_counter()
     _check_arguments(solver, time_limit)
@@ -835,6 +840,8 @@ def solve(problem: Problem, time_limit: float | None = None, solver: SolverName 
     if time_limit is not None:
         remaining = max(time_limit - (time.perf_counter() - start), 0.01)
         params.time_limit = datetime.timedelta(seconds=remaining)
+    if node_limit is not None:
+        params.node_limit = max(int(node_limit), 0)
     result = _run(built, _hint_values(built, red, data, hint), SOLVERS[solver], params)
     reason, values = _check_result(result, problem, data, solver, time_limit)
     choices, obj, mem = _choices(problem, data, built, values, hint)
@@ -849,7 +856,17 @@ def solve(problem: Problem, time_limit: float | None = None, solver: SolverName 
         solve_time_s=time.perf_counter() - start,
         num_variables=len(built.proto.variables.ids),
         num_constraints=len(built.proto.linear_constraints.ids),
+        num_choices=sum(data.k),
+        simplex_iterations=int(result.solve_stats.simplex_iterations),
+        nodes=int(result.solve_stats.node_count),
+        stopped_by=None if status == "optimal" else _stopped_by(result),
     )
+
+
+def _stopped_by(result: result_pb2.SolveResultProto) -> Literal["nodes", "time", None]:
+    """Which limit ended a solve short of its gap."""
+    stopped: dict[int, Literal["nodes", "time"]] = {mathopt.Limit.NODE.value: "nodes", mathopt.Limit.TIME.value: "time"}
+    return stopped.get(result.termination.limit)
 
 
 def _check_arguments(solver: str, time_limit: float | None) -> None:

@@ -1,7 +1,9 @@
 """``PlanOptions.time_limit`` bounds the whole ``autopar.plan`` call (issue 39, item 6): capture,
 microbatch recaptures, hand plans, pipeline layouts and every solve; the plan's timings add up to
-the call's wall time; what the limit cut short is said in the plan; and a call the limit cut
-nothing of gives the same plan whatever the machine's speed."""
+the call's wall time; what the limit cut short is said in the plan; and the search decides on
+the seconds its work is charged by size (``autopar.planning.work``), not on the wall clock, so
+that a call gives the same plan whatever the machine's speed or load, cut short or not, unless
+the wall clock's hard stop comes first (and the plan then says so)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,7 @@ import pytest
 import autopar
 from autopar.core.errors import PlanningTimeout
 from autopar.core.mesh import MeshSpec
-from autopar.planning.clock import MIN_SOLVE_S, Clock, Once
+from autopar.planning.clock import HARD_STOP, MIN_SOLVE_S, Clock, Once
 from tests.equivalence import meta_model
 from tests.tiers import slow
 
@@ -37,28 +39,46 @@ def test_deadlines_share_the_call_and_grant_the_least_solve_time_only_before_its
     assert whole.end == pytest.approx(94.0)                     # the reserve kept for the last plan
     half = whole.share(0.5)
     assert half.end == pytest.approx(47.0) and half.share(0.5).end == pytest.approx(23.5)
-    fake.now = 47.0
+    fake.now = 90.0                                             # the wall clock moves: no decision does
+    assert not half.passed() and half.solve_seconds() == pytest.approx(47.0)
+    clock.spent = 47.0                                          # the work charged does
     assert half.passed() and half.solve_seconds() == MIN_SOLVE_S   # past its share: the least time once
-    fake.now = 94.0
+    clock.spent = 94.0
     assert whole.passed() and half.solve_seconds() == 0.0           # past the call's end: no solve
-    assert not whole.affords(0.1)
+    assert not whole.affords(0.1) and clock.reproducible
 
 
-def test_a_capture_is_begun_only_where_the_deadline_affords_it():
+def test_the_wall_clock_is_a_hard_stop_that_the_plan_owns_up_to():
+    fake = FakeTime()
+    clock = Clock(10.0, now=fake)
+    whole = clock.deadline()
+    assert whole.affords(5.0) and whole.solve_seconds() == pytest.approx(9.4)
+    fake.now = 9.4                                              # a slow host: the wall reaches the end first
+    assert whole.passed() and not whole.affords(0.1) and whole.solve_seconds() == 0.0
+    assert not clock.reproducible and clock.cut_short == [HARD_STOP]
+
+
+class _Graph:
+    def __init__(self, nodes: int) -> None:
+        self.graph = type("G", (), {"nodes": range(nodes)})()
+
+
+def test_a_capture_is_begun_only_where_the_deadline_affords_its_charge():
     fake = FakeTime()
     clock = Clock(10.0, now=fake)
 
-    def slow(k: int) -> str:
-        fake.now += 4.0
-        return f"captured {k}"
+    def capture(k: int) -> _Graph:
+        fake.now += 1.0
+        return _Graph(1000 * k)
 
-    once = Once(slow, clock, "capture")
-    assert once(2, clock.deadline()) == "captured 2" and clock.timings["capture"] == 4.0
-    assert once(2, clock.deadline()) == "captured 2" and fake.now == 4.0   # once per count
-    fake.now = 6.0                                                          # 3.4 s left, a capture takes 4
+    once = Once(capture, clock, "capture")
+    first = once(2, clock.deadline())
+    assert clock.timings["capture"] == 1.0 and clock.spent == clock.took["capture"] > 0   # charged by its size
+    assert once(2, clock.deadline()) is first and fake.now == 1.0                         # once per count
+    clock.spent = clock.end - 0.9 * clock.took["capture"]        # less left than the last capture was charged
     with pytest.raises(PlanningTimeout, match="no time was left"):
         once(4, clock.deadline())
-    assert fake.now == 6.0
+    assert fake.now == 1.0
 
 
 def _planned_within(model, args, kwargs, mesh: MeshSpec, limit: float, **options) -> tuple[autopar.Plan | None, float]:

@@ -199,7 +199,9 @@ class TimeLimitLog(TypedDict):
 
     limit_s: float | None     # the limit (None: none)
     wall_s: float             # the planning call's seconds
-    cut_short: list[str]      # what the limit stopped or skipped; empty: the same call gives the same plan
+    charged_s: float          # what its work was charged (``autopar.planning.work``): the search's time
+    reproducible: bool        # the search ended by its charged time, not the wall clock's hard stop
+    cut_short: list[str]      # what the limit stopped or skipped
 
 
 class SearchLog(TypedDict, total=False):

@@ -336,11 +336,19 @@ def _solver_lines(plan: Plan) -> list[str]:
         out.append(f"Planning time   {fmt(plan.planning_s, 's')} ({stages})")
     limited = s.get("time_limit") if s else None
     if isinstance(limited, dict):
-        cut = limited.get("cut_short") or []
-        out.append(f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}"
-                   + (f", which cut short: {'; '.join(cut)} (another run may give another plan; raise time_limit)"
-                      if cut else ": nothing cut short (the same call gives the same plan)"))
+        out.append(_time_limit_line(limited))
     return [*out, ""] if s or plan.timings else out
+
+
+def _time_limit_line(limited: dict) -> str:
+    """What the time limit cut short, and whether another run makes the same plan: it does unless
+    the wall clock stopped the search before its charged time did (``autopar.planning.work``)."""
+    cut = limited.get("cut_short") or []
+    again = ("the same call gives the same plan" if limited.get("reproducible", not cut) else
+             "another run may give another plan")
+    return (f"Time limit      {fmt(limited.get('limit_s', 0.0), 's')}"
+            + (f", which cut short: {'; '.join(cut)} ({again}; raise time_limit for more)" if cut else
+               f": nothing cut short ({again})"))
 
 
 def _node_lines(plan: Plan, top: int | None) -> list[str]:

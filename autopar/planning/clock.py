@@ -2,15 +2,19 @@
 
 ``Clock`` starts when ``autopar.plan`` is called and travels through every stage of the call:
 the capture, the microbatch recaptures, the hand plans, the pipeline layouts, every solve and its
-memory repairs. It records the seconds each stage took (the plan's ``timings``: they add up to the
-call's wall time, what no stage claimed as "other") and what the time limit cut short (said in the
-plan: a plan cut short may differ from run to run, as the machine's load does). ``Deadline`` is
-an end time on that clock: the whole search's, or a share of it (a hand plan's, a pipeline
-layout's) that never reaches past its parent's.
+memory repairs. It keeps two times. The search's own is ``spent``: the seconds each piece of work
+is charged from its size (``autopar.planning.work``), so that what the search tries, and so its
+plan, is the same on every run of the same call. The wall clock is the hard stop: where it reaches
+the limit first (a slow or loaded host), nothing more begins, and the plan says that it may differ
+from run to run. ``timings`` are wall seconds per stage (they add up to the call's wall time, what
+no stage claimed as "other"); ``cut_short`` says what the limit left out. ``Deadline`` is a point
+on the search's time: the whole search's, or a share of it (a hand plan's, a pipeline layout's)
+that never reaches past its parent's.
 
 Work that cannot be stopped once begun (a capture, an ILP build, a pipeline schedule's
-simulation) is only begun where the deadline ``affords`` it, judged by the last time the same
-kind of work took (``Clock.estimate``); a solve is stopped by the solver's own time limit.
+simulation) is only begun where the deadline ``affords`` it, judged by what the last of its kind
+was charged (``Clock.estimate``); a solve is bounded by branch-and-bound nodes
+(``work.node_limit``) and by the wall clock's hard stop.
 
 The clock is also what the call tells the user while it runs: ``Clock.shown`` draws a status line
 (``autopar.core.progress``) for the call, each stage and each ``doing`` says what it does on it
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,11 +32,14 @@ from dataclasses import dataclass, field
 
 from autopar.core import progress
 from autopar.core.errors import PlanningTimeout
+from autopar.planning import work
 
 #: Share of the time limit kept after the search's deadline for what runs past it: turning the
 #: last solve into a plan (0.2-0.7 s on GPT-3 175B) and work begun on an estimate that ran long.
 #: The call must end within 5% past the limit.
 RESERVE = 0.06
+#: What ``cut_short`` says where the wall clock stopped the search before its charged time did.
+HARD_STOP = "the search itself: the wall clock reached the time limit first (a slow or loaded host; another run may give another plan)"
 #: The least time a solve gets where its own share of the deadline has passed (enough to return
 #: the polished hint and let the solver try to beat it), granted only while the whole search's
 #: deadline has not passed: past it, no solve begins.
@@ -51,8 +59,9 @@ class Clock:
     limit: float | None
     start: float | None = None
     now: Callable[[], float] = time.perf_counter
-    timings: dict[str, float] = field(default_factory=dict)
-    took: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)      # wall seconds per stage
+    took: dict[str, float] = field(default_factory=dict)         # the last charge of each kind of work
+    spent: float = 0.0                                           # seconds charged: the search's time
     cut_short: list[str] = field(default_factory=list)
     line: progress.StatusLine | None = None   # the call's status line, while ``shown``
 
@@ -62,8 +71,8 @@ class Clock:
 
     @property
     def end(self) -> float:
-        """The search's deadline: the limit less ``RESERVE`` (inf without a limit)."""
-        return math.inf if self.limit is None else self.start + (1 - RESERVE) * self.limit
+        """The search's deadline in charged seconds: the limit less ``RESERVE`` (inf without one)."""
+        return math.inf if self.limit is None else (1 - RESERVE) * self.limit
 
     def deadline(self) -> Deadline:
         """The whole search's deadline."""
@@ -72,6 +81,31 @@ class Clock:
     def wall(self) -> float:
         """Seconds since the call began."""
         return self.now() - self.start
+
+    def wall_left(self) -> float:
+        """Wall seconds to the hard stop: the limit less ``RESERVE`` since the call began."""
+        return math.inf if self.limit is None else self.start + (1 - RESERVE) * self.limit - self.now()
+
+    def stopped(self) -> bool:
+        """Has the wall clock reached the hard stop (said once in ``cut_short``)?"""
+        if self.wall_left() > 0:
+            return False
+        self.note(HARD_STOP)
+        return True
+
+    @property
+    def reproducible(self) -> bool:
+        """Did the search end by its charged time alone (so another run makes the same plan)?"""
+        return HARD_STOP not in self.cut_short
+
+    def charge(self, kind: work.WorkKind, wall_s: float, **features: float) -> float:
+        """Charge a piece of work of ``kind`` by its size (``work.seconds``): the search's time
+        moves on by it, and it is the estimate of the next of its kind. Returns the charge."""
+        seconds = work.seconds(kind, **features)
+        self.spent += seconds
+        self.took[kind] = seconds
+        work.log(f"{os.getpid()}@{self.start:.6f}", kind, wall_s, seconds, **features)
+        return seconds
 
     @contextmanager
     def shown(self, title: str, show: bool = True) -> Iterator[Clock]:
@@ -90,19 +124,17 @@ class Clock:
         return progress.doing(what, self.line)
 
     @contextmanager
-    def stage(self, name: str, kind: str | None = None, what: str | None = None) -> Iterator[None]:
-        """Time a stage into ``timings[name]`` (and its duration into ``took[kind]``: the estimate
-        of the next work of that kind), even where it raises; ``what`` it does is said
-        (``doing``; default: ``STAGES[name]``)."""
-        t0 = self.now()
+    def stage(self, name: str, what: str | None = None) -> Iterator[Timed]:
+        """Time a stage into ``timings[name]`` (wall seconds, also in the yielded ``Timed`` once
+        it ends), even where it raises; ``what`` it does is said (``doing``; default:
+        ``STAGES[name]``). The work is charged apart (``charge``), by its size."""
+        timed, t0 = Timed(), self.now()
         try:
             with self.doing(what or STAGES.get(name, name)):
-                yield
+                yield timed
         finally:
-            seconds = self.now() - t0
-            self.timings[name] = self.timings.get(name, 0.0) + seconds
-            if kind is not None:
-                self.took[kind] = seconds
+            timed.seconds = self.now() - t0
+            self.timings[name] = self.timings.get(name, 0.0) + timed.seconds
 
     def add(self, seconds: dict[str, float]) -> None:
         """Seconds per stage timed elsewhere (a planning problem's own ``timings``)."""
@@ -110,7 +142,7 @@ class Clock:
             self.timings[name] = self.timings.get(name, 0.0) + s
 
     def estimate(self, kind: str, default: float = 0.0) -> float:
-        """Seconds the next work of ``kind`` will likely take: as long as the last one did."""
+        """Seconds the next work of ``kind`` will be charged: what the last one was."""
         return self.took.get(kind, default)
 
     def note(self, what: str) -> None:
@@ -125,9 +157,16 @@ class Clock:
         return out
 
 
+@dataclass
+class Timed:
+    """A stage's wall seconds, known once it ends."""
+
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class Deadline:
-    """An end time on a ``Clock`` (inf: none)."""
+    """A point on a ``Clock``'s charged time (inf: none); the wall clock's hard stop passes it too."""
 
     end: float
     clock: Clock
@@ -137,35 +176,39 @@ class Deadline:
         return math.isfinite(self.end)
 
     def left(self) -> float:
-        """Seconds to the deadline (negative once passed; inf without a limit)."""
-        return self.end - self.clock.now()
+        """Charged seconds to the deadline (negative once passed; inf without a limit)."""
+        return self.end - self.clock.spent
 
     def passed(self) -> bool:
-        return self.left() <= 0
+        return self.left() <= 0 or self.clock.stopped()
 
     def share(self, fraction: float) -> Deadline:
         """A deadline ``fraction`` of the time left from now (never past this one)."""
         if not self.limited:
             return self
-        return Deadline(self.clock.now() + max(self.left(), 0.0) * fraction, self.clock)
+        return Deadline(self.clock.spent + max(self.left(), 0.0) * fraction, self.clock)
 
     def affords(self, seconds: float) -> bool:
-        """Would work of ``seconds`` begun now end before the deadline?"""
-        return self.left() >= seconds
+        """Would work charged ``seconds`` begun now end before the deadline (and the hard stop
+        not have come)?"""
+        return self.left() >= seconds and not self.clock.stopped()
 
     def affords_kind(self, kind: str, default: float = 0.0) -> bool:
         """Would work of ``kind`` (``Clock.estimate``) begun now end before the deadline?"""
         return self.affords(self.clock.estimate(kind, default))
 
     def solve_seconds(self) -> float | None:
-        """Seconds a solve begun now may take: to this deadline, at least ``MIN_SOLVE_S`` while the
-        whole search's deadline has not passed, 0 once it has (None: no limit)."""
+        """Charged seconds a solve begun now may take: to this deadline, at least ``MIN_SOLVE_S``
+        while the whole search's deadline has not passed, 0 once it has or the hard stop came
+        (None: no limit)."""
         if not self.limited:
             return None
+        if self.clock.stopped():
+            return 0.0
         left = self.left()
         if left >= MIN_SOLVE_S:
             return left
-        return min(MIN_SOLVE_S, max(self.clock.end - self.clock.now(), 0.0))
+        return min(MIN_SOLVE_S, max(self.clock.end - self.clock.spent, 0.0))
 
 
 def no_limit() -> Deadline:
@@ -174,9 +217,10 @@ def no_limit() -> Deadline:
 
 
 class Once:
-    """``work(key)`` computed once per key (microbatch captures, shared by the searches), each
-    computation timed on the clock as stage ``stage`` (the estimate of the next): a new key is
-    begun only where the caller's deadline affords as long as the last took."""
+    """``work(key)``, a capture, computed once per key (microbatch counts, shared by the
+    searches), each timed on the clock as stage ``stage`` and charged by its graph's size (the
+    estimate of the next): a new key is begun only where the caller's deadline affords as much as
+    the last was charged."""
 
     def __init__(self, work: Callable, clock: Clock, stage: str) -> None:
         self.work, self.clock, self.stage = work, clock, stage
@@ -186,7 +230,13 @@ class Once:
         if key not in self.done:
             if deadline is not None and not deadline.affords_kind(self.stage):
                 raise PlanningTimeout(f"no time was left for the {self.stage} of {key} microbatches "
-                                      f"(the last took {self.clock.estimate(self.stage):.1f} s)")
-            with self.clock.stage(self.stage, self.stage, f"capturing one of {key} microbatches"):
+                                      f"(the last was charged {self.clock.estimate(self.stage):.1f} s)")
+            with self.clock.stage(self.stage, f"capturing one of {key} microbatches") as timed:
                 self.done[key] = self.work(key)
+            charge_capture(self.clock, self.done[key], timed.seconds)
         return self.done[key]
+
+
+def charge_capture(clock: Clock, captured, wall_s: float) -> None:
+    """Charge a capture by its graph's size."""
+    clock.charge("capture", wall_s, graph_nodes=len(captured.graph.nodes))

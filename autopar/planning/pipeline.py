@@ -36,6 +36,7 @@ from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_r
 from autopar.core.placements import shard_fraction
 from autopar.core.plan import NodePlan, PipelinePlan, Plan, Prediction, StagePlan, rank_of_stage
 from autopar.core.units import fmt
+from autopar.planning import work
 from autopar.planning.clock import Deadline, Once
 from cost_models.comm import Link, collective_time, link_for_axis
 from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank
@@ -352,7 +353,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
         with deadline.clock.doing(f"pipeline layout {where}"):
             try:
                 micro = captured if m == 1 else recapture(m, deadline)   # a capture the first time
-                started = deadline.clock.now()   # ``took``: what an attempt takes once captured
+                started = deadline.clock.spent   # ``took``: what an attempt is charged once captured
                 stage_plan = plan_stage(captured, sub_mesh(shaped, axis), stage_options,
                                         deadline.share(1 / min(count - i, 2)))
             except (InfeasibleError, PlanningTimeout) as e:
@@ -366,7 +367,7 @@ def pipeline_search(captured: CapturedGraph, mesh: MeshSpec, options: Any, choic
                 fitted.update([layout] if plan.feasible else [])
                 if best is None or _ranked(plan) > _ranked(best):
                     best = plan
-        took = deadline.clock.now() - started
+        took = deadline.clock.spent - started
     if best is None:
         raise InfeasibleError("no pipeline plan: " + "; ".join(f"{k}: {v}" for k, v in tried.items()),
                               min_memory_bytes=float("inf"))
@@ -414,7 +415,8 @@ LEANEST = "Schedule1F1B"
 #: Relative seconds of ``pipelined``'s schedule simulation (``cost_models.pipeline.simulate``),
 #: 1F1B's 1, measured on GPT-3 175B at 384 microbatches over 32 ranks (0.3 s for 1F1B, 3.4-3.6 s
 #: interleaved and looped, 6.6-6.7 s zero-bubble): a schedule is simulated only where the time
-#: left affords its share of the slowest rate seen so far. Unknown schedules count as the slowest.
+#: left affords its charge (``work``: its weight times microbatches times stages). Unknown
+#: schedules count as the slowest.
 SIMULATION_WORK = {"Schedule1F1B": 1.0, "ScheduleGPipe": 1.0, "ScheduleInterleaved1F1B": 12.0,
                    "ScheduleLoopedBFS": 12.0, "ScheduleInterleavedZeroBubble": 22.0, "ScheduleZBVZeroBubble": 22.0}
 
@@ -431,24 +433,24 @@ def _schedules(stage_plan: Plan, micro: CapturedGraph, mesh: MeshSpec, axis: int
                      if stages_per_rank(s, choice.virtual_stages) == choice.virtual_stages]
     slowest = max(SIMULATION_WORK.values())
     clock = deadline.clock
+    runs = stage_plan.microbatches * mesh.shape[axis]   # microbatches through stages: a schedule's actions, 1F1B's
     leanest: Plan | str | None = None   # 1F1B's plan, where "auto" weighs it
     for schedule, virtual in sorted(schedules, key=lambda sv: SIMULATION_WORK.get(sv[0], slowest)):
-        work, key = SIMULATION_WORK.get(schedule, slowest), f"{schedule} x{virtual}"
+        weight, key = SIMULATION_WORK.get(schedule, slowest), f"{schedule} x{virtual}"
         if isinstance(leanest, Plan) and not leanest.feasible and schedule != "ScheduleGPipe":
             yield key, f"not simulated: {LEANEST} does not fit the budget, and this schedule keeps more in flight"
             continue
-        if not deadline.affords(work * clock.estimate("simulation per unit")):
+        if not deadline.affords(work.seconds("simulation", actions=weight * runs)):
             clock.note(f"pipeline schedule {schedule} (not simulated)")
             yield key, "not simulated: no time was left"
             continue
-        started = clock.now()
         try:
-            with clock.stage("pipeline schedules", what=f"simulating {schedule} x{virtual}"):
+            with clock.stage("pipeline schedules", what=f"simulating {schedule} x{virtual}") as timed:
                 plan: Plan | str = pipelined(stage_plan, micro, mesh, axis, schedule, virtual, budget, fingerprint,
                                              profile)
         except AutoparError as e:
             plan = str(e)
-        clock.took["simulation per unit"] = max(clock.estimate("simulation per unit"), (clock.now() - started) / work)
+        clock.charge("simulation", timed.seconds, actions=weight * runs)
         leanest = plan if schedule == LEANEST and choice.schedule == "auto" else leanest
         yield key, plan
 

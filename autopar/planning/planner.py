@@ -82,7 +82,8 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
                         Once(recapture, clock, "capture") if recapture is not None else None, Problems())
     plan.timings = clock.breakdown()
     if clock.limit is not None:
-        plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "cut_short": list(clock.cut_short)}
+        plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "charged_s": clock.spent,
+                                     "reproducible": clock.reproducible, "cut_short": list(clock.cut_short)}
     return plan
 
 
@@ -394,8 +395,8 @@ class _Search:
             return self._plan(self._prepare(self.options.microbatches, recompute))
         whole = self._whole(recompute)
         if self.recapture is None or self.rows == 1:
-            started = self.clock.now()
-            return self._lighter(self._plan(whole), 1, recompute, self.clock.now() - started)
+            started = self.clock.spent
+            return self._lighter(self._plan(whole), 1, recompute, self.clock.spent - started)
         least, floor = whole.bounds().least(), whole.bounds().quietest()
         if least <= whole.budget:   # some plan may fit the whole batch; if the solver's does not, microbatches
             plan = self._whole_batch_fitting(whole, recompute)
@@ -409,10 +410,10 @@ class _Search:
         """The plan of the whole batch, if it fits (with as little recomputation as fits); None
         where it does not or there is none."""
         try:
-            started = self.clock.now()
+            started = self.clock.spent
             plan = self._plan(whole)
             if plan.feasible:
-                return self._lighter(plan, 1, recompute, self.clock.now() - started)
+                return self._lighter(plan, 1, recompute, self.clock.spent - started)
         except InfeasibleError:
             pass
         return None
@@ -443,7 +444,7 @@ class _Search:
         fewest = fewest_at_least(self.rows, max(2.0, _shrink_needed(least, floor, whole.budget)))   # if the bound fit
         last: Plan | InfeasibleError | None = None   # the last count's plan (not fitting) or error
         while True:
-            started = self.clock.now()
+            started = self.clock.spent
             try:
                 last = self._plan_count(k, recompute)
             except PlanningTimeout:
@@ -471,8 +472,8 @@ class _Search:
         """``plan`` (``k`` microbatches, the first count that fits) made faster in fewer microbatches
         (down to ``fewest``) or with less recomputation where either still fits, saying why
         microbatches were needed (the whole batch needs ``least`` bytes)."""
-        plan = self._fewer(plan, k, fewest, recompute, self.clock.now() - started)
-        plan = self._lighter(plan, plan.microbatches, recompute, self.clock.now() - started)
+        plan = self._fewer(plan, k, fewest, recompute, self.clock.spent - started)
+        plan = self._lighter(plan, plan.microbatches, recompute, self.clock.spent - started)
         plan.solver["microbatches"] = (f"the whole batch needs at least {fmt(least, 'B')} per device; "
                                        f"{plan.microbatches} microbatches of {self.rows // plan.microbatches} "
                                        "rows fit")
@@ -526,7 +527,7 @@ class _Search:
                 self.clock.note(f"plans beyond {plan.microbatches} microbatch(es), {len(plan.recompute)} blocks "
                                 "recomputed (not tried)")
                 return plan
-            started = self.clock.now()
+            started = self.clock.spent
             try:
                 problem = next(problems, None)
                 if problem is None:
@@ -534,7 +535,7 @@ class _Search:
                 other = self._plan(problem)
             except (InfeasibleError, PlanningTimeout):
                 return plan
-            attempt_s = self.clock.now() - started
+            attempt_s = self.clock.spent - started
             if not other.feasible or other.predicted.step_time_s >= plan.predicted.step_time_s:
                 return plan
             plan = other
@@ -556,12 +557,10 @@ class _Search:
         by = self._affords_build(k, captured is not None)
         if captured is None:
             captured = self.recapture(k, by)   # recomputation modes share it
-        started = self.clock.now()
         space = self.problems.space(captured, self.mesh) if not self.forced else None
         planning = prepare(captured, self.mesh, self.options, forced=self.forced, microbatches=k,
                            whole=self.captured if k > 1 else None, recompute=recompute, offload=self.offload,
-                           space=space, clock=self.clock)
-        self.clock.took["prepare"] = self.clock.now() - started
+                           space=space, clock=self.clock)   # charged there ("prepare": the estimate of the next)
         self.clock.add(planning.timings)
         if not self.forced:
             self.problems.keep_space(planning, self.mesh)

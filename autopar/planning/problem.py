@@ -6,6 +6,7 @@ collective; works on ``meta`` models, so clusters that do not exist here can be 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -25,7 +26,8 @@ from autopar.core.precision import Precision
 from autopar.core.progress import StatusLine, doing
 from autopar.core.strategies import Strategy, StrategySpace, alias_strategies, build_space
 from autopar.core.units import fmt
-from autopar.planning.clock import STAGES, Clock, Deadline
+from autopar.planning import work
+from autopar.planning.clock import HARD_STOP, STAGES, Clock, Deadline, Timed
 from autopar.planning.options import PlanOptions
 from autopar.planning.shrink import Grouping, group
 from cost_models.confidence import band_of, basis_of, step_flops
@@ -58,15 +60,17 @@ CUTS = 8
 MAX_MEMORY_REPAIRS = 4
 
 @contextmanager
-def _stage(timings: dict[str, float], name: str, line: StatusLine | None, what: str) -> Iterator[None]:
+def _stage(timings: dict[str, float], name: str, line: StatusLine | None, what: str) -> Iterator[Timed]:
     """Time a stage of a planning problem into ``timings[name]`` (the caller adds them to the
-    call's clock), saying ``what`` it does (on ``line``, the call's status line, and the log)."""
-    t0 = time.perf_counter()
+    call's clock) and the yielded ``Timed``, saying ``what`` it does (on ``line``, the call's
+    status line, and the log)."""
+    timed, t0 = Timed(), time.perf_counter()
     try:
         with doing(f"{STAGES.get(name, name)} {what}", line):
-            yield
+            yield timed
     finally:   # a stage that raised (an infeasible hand plan) took its time too
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        timed.seconds = time.perf_counter() - t0
+        timings[name] = timings.get(name, 0.0) + timed.seconds
 
 
 def _subject(microbatches: int, recompute: dict[str, RecomputeMode], offload: bool) -> str:
@@ -123,14 +127,15 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
     timings = dict(timings or {})
     blocks = recompute if isinstance(recompute, dict) else recompute_modes(captured.graph, recompute)
     what, line = _subject(microbatches, blocks, offload), clock.line if clock is not None else None
-    with _stage(timings, "strategies", line, what):
-        if space is not None and not forced:   # its own warnings: the cost model adds to them
+    built = space is None or bool(forced)
+    with _stage(timings, "strategies", line, what) as strategies_s:
+        if not built:   # its own warnings: the cost model adds to them
             space = replace(space, warnings=list(space.warnings))
         else:
             space = build_space(captured, mesh)
             if forced:
                 _force(space, forced)
-    with _stage(timings, "costs", line, what):
+    with _stage(timings, "costs", line, what) as costs_s:
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
                           microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision,
@@ -139,11 +144,32 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
                             accumulating=microbatches > 1)
         budget = options.device_budget(mesh.hardware)
         cuts = timeline.cuts(CUTS)
-    with _stage(timings, "ilp", line, what):
+    with _stage(timings, "ilp", line, what) as ilp_s:
         problem, grouping, node_costs, priced = _problem(space, model, timeline, budget, cuts, options.share_layers)
         log.debug("autopar: %s", grouping.describe(len(space.nodes)))
+    if clock is not None:
+        _charge_build(clock, space, problem, built, (strategies_s, costs_s, ilp_s))
     return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings,
                     microbatches, (whole or captured).fingerprint, blocks)
+
+
+def _charge_build(clock: Clock, space: StrategySpace, problem: Problem, built: bool,
+                  walls: tuple[Timed, Timed, Timed]) -> None:
+    """Charge a problem's build by its size (``work``), its space's strategies only where it was
+    built here; what the whole build was charged is the estimate of the next ("prepare")."""
+    size = _size(space, problem)
+    charged = clock.charge("strategies", walls[0].seconds, **size) if built else 0.0
+    charged += clock.charge("costs", walls[1].seconds, **size)
+    charged += clock.charge("ilp", walls[2].seconds, **size)
+    clock.took["prepare"] = charged
+
+
+def _size(space: StrategySpace, problem: Problem) -> dict[str, float]:
+    """What a problem's build is charged by: its graph's nodes, their strategies, the ILP's
+    choices and the pairs its edges price."""
+    return {"graph_nodes": len(space.nodes), "strategies": sum(len(nc.strategies) for nc in space.nodes),
+            "choices": sum(len(c) for c in problem.costs),
+            "edge_pairs": sum(int(np.size(e.cost)) for e in problem.edges)}
 
 
 def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
@@ -166,21 +192,20 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
     allowed = list(allowed) if allowed is not None else [None] * len(full.costs)
     cuts = planning.cuts
     for attempt in range(MAX_MEMORY_REPAIRS + 1):
-        seconds = deadline.solve_seconds() if deadline is not None else None
-        if seconds is not None and seconds <= 0:
+        allowance = deadline.solve_seconds() if deadline is not None else None
+        if allowance is not None and allowance <= 0:
             if attempt == 0:
                 raise PlanningTimeout(f"no time was left to solve the {name!r} plan")
             break
         said = f"{name!r} " + _subject(planning.microbatches, planning.recompute, planning.model.offload) \
             + (f" (memory repair {attempt})" if attempt else "")
         # the deadline covers every solve of the repair loop together
-        with _stage(planning.timings, stage, deadline.clock.line if deadline is not None else None, said):
-            solution = _solve(restrict(problem, allowed), seconds, planning.captured.precision)
+        with _stage(planning.timings, stage, deadline.clock.line if deadline is not None else None, said) as timed:
+            solution = _solve(restrict(problem, allowed), allowance, deadline, planning.captured.precision)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed, strict=True))
             plan, sim = _make_plan(planning, choices, solution, name)
-        if solution.status != "optimal" and deadline is not None:
-            deadline.clock.note(f"the {name!r} solve stopped at its time limit "
-                                f"(gap {_percent(solution.gap)})")
+        if deadline is not None:
+            _charge_solve(deadline.clock, solution, len(planning.space.nodes), timed.seconds, name)
         peak = plan.predicted.peak_memory_bytes
         out_of_time = deadline is not None and deadline.passed()
         if limit is None or peak <= limit or attempt == MAX_MEMORY_REPAIRS or out_of_time:
@@ -212,11 +237,28 @@ def _percent(gap: float | None) -> str:
 BIG_GAP = 10.0
 
 
-def _solve(problem: Problem, time_limit: float | None, precision: Precision) -> Solution:
-    """The ILP, its errors told in autopar's terms: how much memory any plan needs and what to do
-    (an fp32 plan is told that bf16 compute halves activations)."""
+def _charge_solve(clock: Clock, solution: Solution, graph_nodes: int, wall_s: float, name: str) -> None:
+    """Charge a solve (and the plan made of it) by its size and counted work; say where a limit
+    ended it short of its gap."""
+    clock.charge("solve", wall_s, graph_nodes=graph_nodes, variables=solution.num_variables,
+                 **work.solve_features(solution.num_choices, solution.simplex_iterations, solution.nodes))
+    if solution.stopped_by == "nodes":
+        clock.note(f"the {name!r} solve stopped at its share of the time limit (gap {_percent(solution.gap)})")
+    elif solution.stopped_by == "time":
+        clock.note(f"the {name!r} solve stopped at the wall clock's hard stop (gap {_percent(solution.gap)})")
+        clock.note(HARD_STOP)
+
+
+def _solve(problem: Problem, allowance: float | None, deadline: Deadline | None, precision: Precision) -> Solution:
+    """The ILP within ``allowance`` charged seconds (its branch-and-bound nodes) and the wall
+    clock's hard stop, its errors told in autopar's terms: how much memory any plan needs and what
+    to do (an fp32 plan is told that bf16 compute halves activations)."""
+    choices = sum(len(c) for c in problem.costs)
+    nodes = work.node_limit(allowance, choices) if allowance is not None else None
+    wall = deadline.clock.wall_left() if deadline is not None else math.inf
     try:
-        return solve(problem, time_limit=time_limit, relative_gap=RELATIVE_GAP)
+        return solve(problem, time_limit=max(wall, 0.01) if math.isfinite(wall) else None, relative_gap=RELATIVE_GAP,
+                     node_limit=nodes)
     except InfeasibleProblem as e:
         who = ", ".join(f"{h.label}: {fmt(h.min_bytes, 'B')}" for h in e.largest)
         raise InfeasibleError(

@@ -27,7 +27,9 @@ FITTED_ON = "2-core x86 VM, torch 2.13 CPU, OR-Tools' HiGHS (2026-11-26)"
 #: How much slower than the fit each charge is taken to be: a host this much slower, or as
 #: loaded, still ends its search by the work budget, not the hard stop. The fit's calls were
 #: charged 0.74-1.60x their wall seconds (median 1.08): at 1.75 the least-charged call still ends
-#: by its budget at 1.3x the fit host's time, and the median call uses about half the limit.
+#: by its budget at 1.3x the fit host's time, and a search uses about half to two thirds of its
+#: limit. At 1.4 (more of the limit) the same plan twice failed once in the benchmarks, and a
+#: solve's root running past its share left Llama-2 70B on 128x8 no time to simulate a pipeline.
 MARGIN = 1.75
 #: Seconds per unit of size, per kind of work: (fixed seconds, seconds per unit of each feature).
 #: A solve's nodes past the root are ``PINNED``: the fit's solves almost all end at the root.

@@ -22,7 +22,7 @@ from autopar.core.units import fmt
 
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.blocks import RecomputeMode
-    from autopar.core.plan import NodePlan, Plan, Prediction
+    from autopar.core.plan import NodePlan, Plan, Prediction, TimeLimitLog
 
 __all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
@@ -340,7 +340,7 @@ def _solver_lines(plan: Plan) -> list[str]:
     return [*out, ""] if s or plan.timings else out
 
 
-def _time_limit_line(limited: dict) -> str:
+def _time_limit_line(limited: TimeLimitLog) -> str:
     """What the time limit cut short, and whether another run makes the same plan: it does unless
     the wall clock stopped the search before its charged time did (``autopar.planning.work``)."""
     cut = limited.get("cut_short") or []

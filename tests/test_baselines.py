@@ -136,7 +136,6 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     auto plan's. (Before: each took ``share`` of what the earlier ones left, 75% in all on 3-D.)
     Each fake solve uses all of its time, on a fake clock; once the share is spent, no hand plan
     is solved past it (each used to get the least solve time again), and the clock says which."""
-    from types import SimpleNamespace
 
     from autopar.core.capture import capture
     from autopar.planning import baselines
@@ -145,29 +144,27 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
 
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     planning = prepare(capture(model, args, kwargs), MeshSpec((2, 2, 2), hardware="h100-80gb"))
-    fake = SimpleNamespace(now=0.0)
     given = []
 
-    def fake_solve(planning, *, deadline, **kwargs):
+    def fake_solve(planning, *, deadline, **kwargs):   # each solve is charged all its part
         given.append(deadline.left())
-        fake.now = deadline.end
+        deadline.clock.spent = deadline.end
         return None, ()
 
     monkeypatch.setattr(baselines, "solve_planning", fake_solve)
-    clock = Clock(100.0, now=lambda: fake.now)
+    clock = Clock(100.0)
     plans = baselines.hand_plans(planning, deadline=clock.deadline(), share=0.4)
     left = clock.deadline().end
     assert len(plans) == len(given) == 20
-    assert fake.now == pytest.approx(0.4 * left)               # all within 40% of the time left
+    assert clock.spent == pytest.approx(0.4 * left)            # all within 40% of the time left
     assert given == pytest.approx([0.4 * left / 20] * 20)      # an even part each
 
-    def overrunning(planning, *, deadline, **kwargs):           # the first solve takes the whole share
-        fake.now = deadline.end + 0.4 * left
+    def overrunning(planning, *, deadline, **kwargs):           # the first solve is charged the whole share
+        deadline.clock.spent = deadline.end + 0.4 * left
         return None, ()
 
     monkeypatch.setattr(baselines, "solve_planning", overrunning)
-    fake.now = 0.0
-    clock = Clock(100.0, now=lambda: fake.now)
+    clock = Clock(100.0)
     assert len(baselines.hand_plans(planning, deadline=clock.deadline(), share=0.4)) == 1
     assert len(clock.cut_short) == 19 and all("not costed" in c for c in clock.cut_short)
 

@@ -593,13 +593,19 @@ def _close(got: float, want: float, rel: float = 1e-12) -> bool:
     return abs(got - want) <= rel * abs(want)
 
 
+#: The edge grid test checks one pair in this many.
+STRIPES = 5
+
+
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (4, 2)])
 @slow
 def test_edge_grids_price_every_pair_as_edge_does(mesh):
     """The planner prices edges as grids over distinct layouts (``CostModel.edge_grid``, every
     axis once per distinct move, strategies in classes); each pair must cost exactly what
     ``edge``, the grid of that one pair, gives it: the classes merge no pairs that differ. With a
-    profiled link on one collective (its pairs marked measured) and in-step factors."""
+    profiled link on one collective (its pairs marked measured) and in-step factors. Every edge,
+    and in it every source and every destination strategy, is checked, in a fifth of the pairs
+    (diagonal stripes, shifted per edge): all 129k pairs took 49-63 s of CI."""
     space = _space(mesh=mesh, hardware="cpu")
     shape = "x".join(map(str, mesh))
     profile = Profile({"device": "cpu"}, collectives={collective_key("all_gather", 2): Link(bandwidth=1e8, latency=1e-4)},
@@ -607,11 +613,13 @@ def test_edge_grids_price_every_pair_as_edge_does(mesh):
                       overheads={"move": 1e-5, "relayout_per_mib": 1e-3, "fresh_per_mib": 1e-4})
     model = CostModel(space.mesh, space, profile=profile)
     checked = measured = 0
-    for i, j, k in space.edges():
+    for e, (i, j, k) in enumerate(space.edges()):
         src, dst = space.nodes[i], space.nodes[j]
         grid = model.edge_grid(src, dst, k)
         for a, s in enumerate(src.strategies):
             for b, d in enumerate(dst.strategies):
+                if (a + b + e) % STRIPES:
+                    continue
                 want, got = model.edge(src, s, dst, d, k), grid[a, b]
                 for name in ("compute_s", "comm_s", "overlap_s", "transient_bytes", "state_bytes", "saved_bytes"):
                     assert _close(getattr(got, name), getattr(want, name)), (name, s, d)

@@ -42,7 +42,7 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     args = as_args(example_inputs)
-    with Clock(options.time_limit, start=start).shown("planning", options.progress) as clock:
+    with Clock(options.time_limit, start=start, deterministic=options.deterministic).shown("planning", options.progress) as clock:
         with clock.stage("capture") as timed:
             captured = capture(model, args, example_kwargs, precision=options.precision)
         charge_capture(clock, captured, timed.seconds)

@@ -152,7 +152,7 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
         return None, ()
 
     monkeypatch.setattr(baselines, "solve_planning", fake_solve)
-    clock = Clock(100.0)
+    clock = Clock(100.0, deterministic=True)
     plans = baselines.hand_plans(planning, deadline=clock.deadline(), share=0.4)
     left = clock.deadline().end
     assert len(plans) == len(given) == 20
@@ -164,7 +164,7 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
         return None, ()
 
     monkeypatch.setattr(baselines, "solve_planning", overrunning)
-    clock = Clock(100.0)
+    clock = Clock(100.0, deterministic=True)
     assert len(baselines.hand_plans(planning, deadline=clock.deadline(), share=0.4)) == 1
     assert len(clock.cut_short) == 19 and all("not costed" in c for c in clock.cut_short)
 

@@ -34,7 +34,7 @@ class FakeTime:
 
 def test_deadlines_share_the_call_and_grant_the_least_solve_time_only_before_its_end():
     fake = FakeTime()
-    clock = Clock(100.0, now=fake)
+    clock = Clock(100.0, now=fake, deterministic=True)
     whole = clock.deadline()
     assert whole.end == pytest.approx(94.0)                     # the reserve kept for the last plan
     half = whole.share(0.5)
@@ -50,7 +50,7 @@ def test_deadlines_share_the_call_and_grant_the_least_solve_time_only_before_its
 
 def test_the_wall_clock_is_a_hard_stop_that_the_plan_owns_up_to():
     fake = FakeTime()
-    clock = Clock(10.0, now=fake)
+    clock = Clock(10.0, now=fake, deterministic=True)
     whole = clock.deadline()
     assert whole.affords(5.0) and whole.solve_seconds() == pytest.approx(9.4)
     fake.now = 9.4                                              # a slow host: the wall reaches the end first
@@ -65,7 +65,7 @@ class _Graph:
 
 def test_a_capture_is_begun_only_where_the_deadline_affords_its_charge():
     fake = FakeTime()
-    clock = Clock(10.0, now=fake)
+    clock = Clock(10.0, now=fake, deterministic=True)
 
     def capture(k: int) -> _Graph:
         fake.now += 1.0
@@ -127,7 +127,7 @@ def test_a_search_its_limit_cut_short_is_the_same_on_a_slower_and_uneven_machine
 
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)
     mesh = MeshSpec((2, 2), hardware="h100-80gb")
-    fast = autopar.plan(model, mesh, args, kwargs, time_limit=5.0)
+    fast = autopar.plan(model, mesh, args, kwargs, time_limit=5.0, deterministic=True)
     real, jitter = time.perf_counter, random.Random(0)
     origin, skew = real(), [0.0]
 
@@ -135,7 +135,7 @@ def test_a_search_its_limit_cut_short_is_the_same_on_a_slower_and_uneven_machine
         skew[0] += jitter.uniform(0.0, 0.01)
         return origin + 1.5 * (real() - origin) + skew[0]
     monkeypatch.setattr(clock_module.Clock, "now", staticmethod(uneven))
-    slow = autopar.plan(model, mesh, args, kwargs, time_limit=5.0)
+    slow = autopar.plan(model, mesh, args, kwargs, time_limit=5.0, deterministic=True)
     limits = fast.solver["time_limit"], slow.solver["time_limit"]
     assert limits[0]["cut_short"] and limits[0]["cut_short"] == limits[1]["cut_short"]
     assert limits[0]["reproducible"] and limits[1]["reproducible"]

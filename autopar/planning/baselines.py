@@ -87,7 +87,7 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
     planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0}, microbatches=k,
                        whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,
                        offload=options.offload == "optimizer")
-    deadline = Clock(options.time_limit, start=t0).deadline()
+    deadline = Clock(options.time_limit, start=t0, deterministic=options.deterministic).deadline()
     plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
     if pipeline_choice(options.pipeline) is not None:
         recapture = microbatch_capture(model, args, example_kwargs, options.precision)

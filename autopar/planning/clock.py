@@ -59,9 +59,10 @@ class Clock:
     limit: float | None
     start: float | None = None
     now: Callable[[], float] = time.perf_counter
+    deterministic: bool = False                                  # the search's time is ``charged``, else the wall's
     timings: dict[str, float] = field(default_factory=dict)      # wall seconds per stage
     took: dict[str, float] = field(default_factory=dict)         # the last charge of each kind of work
-    spent: float = 0.0                                           # seconds charged: the search's time
+    charged: float = 0.0                                         # seconds charged by size
     cut_short: list[str] = field(default_factory=list)
     line: progress.StatusLine | None = None   # the call's status line, while ``shown``
 
@@ -87,22 +88,38 @@ class Clock:
         return math.inf if self.limit is None else self.start + (1 - RESERVE) * self.limit - self.now()
 
     def stopped(self) -> bool:
-        """Has the wall clock reached the hard stop (said once in ``cut_short``)?"""
+        """Has the wall clock reached the hard stop (said once in ``cut_short`` where that makes a
+        ``deterministic`` search one that may differ from run to run)?"""
         if self.wall_left() > 0:
             return False
-        self.note(HARD_STOP)
+        if self.deterministic:
+            self.note(HARD_STOP)
         return True
 
     @property
+    def spent(self) -> float:
+        """The search's time so far: the seconds charged where ``deterministic``, else the wall's."""
+        return self.charged if self.deterministic else self.wall()
+
+    @spent.setter
+    def spent(self, seconds: float) -> None:   # tests move the search's time by hand
+        if self.deterministic:
+            self.charged = seconds
+        else:
+            self.start = self.now() - seconds
+
+    @property
     def reproducible(self) -> bool:
-        """Did the search end by its charged time alone (so another run makes the same plan)?"""
-        return HARD_STOP not in self.cut_short
+        """Does another run make the same plan: a deterministic search the wall clock did not stop,
+        or a search nothing was cut short of?"""
+        return HARD_STOP not in self.cut_short if self.deterministic else not self.cut_short
 
     def charge(self, kind: work.WorkKind, wall_s: float, **features: float) -> float:
-        """Charge a piece of work of ``kind`` by its size (``work.seconds``): the search's time
-        moves on by it, and it is the estimate of the next of its kind. Returns the charge."""
-        seconds = work.seconds(kind, **features)
-        self.spent += seconds
+        """Charge a piece of work of ``kind`` by its size (``work.seconds``; by its wall seconds
+        where not ``deterministic``): the search's time moves on by it, and it is the estimate of
+        the next of its kind. Returns the charge."""
+        seconds = work.seconds(kind, **features) if self.deterministic else wall_s
+        self.charged += seconds
         self.took[kind] = seconds
         work.log(f"{os.getpid()}@{self.start:.6f}", kind, wall_s, seconds, **features)
         return seconds

@@ -115,6 +115,12 @@ class PlanOptions:
         DEFAULT_TIME_LIMIT_S,
         "Seconds for planning (``autopar.plan``'s capture of the model included), after which the best plan "
         "found is returned with its optimality gap (None: solve to optimality).")
+    deterministic: bool = _option(
+        False, "Spend ``time_limit`` as seconds charged by the size of the search's work "
+        "(``autopar.planning.work``), not as wall-clock seconds: the same call gives the same plan on any host "
+        "and at any load (unless the wall clock runs out first, which the plan says). On the host the rates "
+        "were fitted on it ends after about half to two thirds of the limit, so large models (Llama-2 70B, "
+        "GPT-3 175B at 60 s) get a less searched plan: raise ``time_limit`` with it.")
     profile: Profile | str | Path | None = _option(
         "auto",
         "Measured costs of this host (``autopar profile``): \"auto\" uses the cached one when it matches the "

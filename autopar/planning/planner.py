@@ -76,7 +76,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
                            'Plan it with microbatches=1 and pipeline=False (or "auto", which then plans the whole '
                            "batch); where that does not fit, give it more memory or a smaller batch.")
         recapture = None
-    shown = Clock(options.time_limit).shown("planning", options.progress) if clock is None else nullcontext(clock)
+    shown = Clock(options.time_limit, deterministic=options.deterministic).shown("planning", options.progress) if clock is None else nullcontext(clock)
     with shown as clock:
         plan = _planned(captured, mesh, options, clock.deadline(), forced,
                         Once(recapture, clock, "capture") if recapture is not None else None, Problems())

@@ -242,23 +242,29 @@ def _charge_solve(clock: Clock, solution: Solution, graph_nodes: int, wall_s: fl
     ended it short of its gap."""
     clock.charge("solve", wall_s, graph_nodes=graph_nodes, variables=solution.num_variables,
                  **work.solve_features(solution.num_choices, solution.simplex_iterations, solution.nodes))
+    gap = _percent(solution.gap)
     if solution.stopped_by == "nodes":
-        clock.note(f"the {name!r} solve stopped at its share of the time limit (gap {_percent(solution.gap)})")
-    elif solution.stopped_by == "time":
-        clock.note(f"the {name!r} solve stopped at the wall clock's hard stop (gap {_percent(solution.gap)})")
+        clock.note(f"the {name!r} solve stopped at its share of the time limit (gap {gap})")
+    elif solution.stopped_by == "time" and clock.deterministic:
+        clock.note(f"the {name!r} solve stopped at the wall clock's hard stop (gap {gap})")
         clock.note(HARD_STOP)
+    elif solution.stopped_by == "time":
+        clock.note(f"the {name!r} solve stopped at its time limit (gap {gap})")
 
 
 def _solve(problem: Problem, allowance: float | None, deadline: Deadline | None, precision: Precision) -> Solution:
-    """The ILP within ``allowance`` charged seconds (its branch-and-bound nodes) and the wall
-    clock's hard stop, its errors told in autopar's terms: how much memory any plan needs and what
-    to do (an fp32 plan is told that bf16 compute halves activations)."""
-    choices = sum(len(c) for c in problem.costs)
-    nodes = work.node_limit(allowance, choices) if allowance is not None else None
+    """The ILP within ``allowance`` seconds of the search's time (for a ``deterministic`` search,
+    charged: its branch-and-bound nodes, with the wall clock's hard stop past them), its errors
+    told in autopar's terms: how much memory any plan needs and what to do (an fp32 plan is told
+    that bf16 compute halves activations)."""
+    deterministic = deadline is not None and deadline.clock.deterministic
     wall = deadline.clock.wall_left() if deadline is not None else math.inf
+    nodes = work.node_limit(allowance, sum(len(c) for c in problem.costs)) \
+        if deterministic and allowance is not None else None
+    seconds = wall if deterministic or allowance is None else min(allowance, wall)
     try:
-        return solve(problem, time_limit=max(wall, 0.01) if math.isfinite(wall) else None, relative_gap=RELATIVE_GAP,
-                     node_limit=nodes)
+        return solve(problem, time_limit=max(seconds, 0.01) if math.isfinite(seconds) else None,
+                     relative_gap=RELATIVE_GAP, node_limit=nodes)
     except InfeasibleProblem as e:
         who = ", ".join(f"{h.label}: {fmt(h.min_bytes, 'B')}" for h in e.largest)
         raise InfeasibleError(

@@ -1,4 +1,5 @@
-"""The planner's deterministic time: the seconds each piece of planning work is charged, from its size.
+"""The planner's deterministic time (``PlanOptions.deterministic``): the seconds each piece of
+planning work is charged, from its size.
 
 The search decides what to try next (another microbatch count, recomputation mode, hand plan,
 pipeline layout or schedule) by what the time limit leaves. Read off the wall clock, that made the

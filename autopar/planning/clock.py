@@ -102,11 +102,8 @@ class Clock:
         return self.charged if self.deterministic else self.wall()
 
     @spent.setter
-    def spent(self, seconds: float) -> None:   # tests move the search's time by hand
-        if self.deterministic:
-            self.charged = seconds
-        else:
-            self.start = self.now() - seconds
+    def spent(self, seconds: float) -> None:   # tests move a deterministic search's time by hand
+        self.charged = seconds
 
     @property
     def reproducible(self) -> bool:

@@ -142,6 +142,69 @@ def test_a_search_its_limit_cut_short_is_the_same_on_a_slower_and_uneven_machine
     assert _decisions(fast) == _decisions(slow)
 
 
+@slow
+def test_a_plan_nothing_was_cut_short_of_is_the_same_on_a_slower_machine(monkeypatch):
+    """The default (wall-clock) search, on a machine 4x slower (a clock running 4x fast): nothing
+    is cut short in either, so the plans are the same; a search whose steps depended on the time
+    measured would stop earlier on the slow machine."""
+    from autopar.planning import clock as clock_module
+
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    mesh = MeshSpec((2, 2), hardware="h100-80gb")
+    fast = autopar.plan(model, mesh, args, kwargs, time_limit=60.0)
+    real = time.perf_counter
+    origin = real()
+    monkeypatch.setattr(clock_module.Clock, "now", staticmethod(lambda: origin + 4 * (real() - origin)))
+    slow = autopar.plan(model, mesh, args, kwargs, time_limit=60.0)
+    assert fast.solver["time_limit"]["cut_short"] == slow.solver["time_limit"]["cut_short"] == []
+    assert _decisions(fast) == _decisions(slow)
+
+
+def test_each_planning_problem_is_built_once_in_a_call(monkeypatch):
+    """A pipeline is weighed (the first axis of 2x8 H100 crosses nodes) for each recomputation
+    mode of its layout: every (graph, mesh, microbatches, recomputation, offload) problem is built
+    once in the call, and a stage plan, whose microbatches are fixed, builds no problem of the
+    whole batch on its sub-mesh (before: one per attempt, for its memory bound alone; 2.5-5 s each
+    on GPT-3 175B)."""
+    from autopar.planning import planner
+
+    built = []
+    real = planner.prepare
+
+    def prepare(captured, mesh, options, **kw):
+        recompute = kw.get("recompute", "none")
+        built.append((id(captured), mesh.shape, kw.get("microbatches", 1),
+                      recompute if isinstance(recompute, str) else tuple(sorted(recompute.items())),
+                      kw.get("offload", False)))
+        return real(captured, mesh, options, **kw)
+
+    monkeypatch.setattr(planner, "prepare", prepare)
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    plan = autopar.plan(model, MeshSpec((2, 8), hardware="h100-80gb"), args, kwargs, time_limit=None)
+    stages = [b for b in built if b[1] != (2, 8)]                   # on a stage's sub-mesh
+    assert "pipeline" in plan.solver and stages, "the pipeline was not weighed"
+    assert len(built) == len(set(built)), f"problems built twice: {sorted(built, key=str)}"
+    assert not [b for b in stages if b[2] == 1], "a stage plan built the whole batch's problem"
+
+
+def test_a_shared_strategy_space_gives_the_problem_a_fresh_build_gives():
+    """``prepare(space=...)`` reuses another problem's strategy space (recomputation does not
+    change it) and prices the same problem, with warnings of its own."""
+    from autopar.core.capture import capture
+    from autopar.planning.options import PlanOptions
+    from autopar.planning.problem import prepare
+
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    captured = capture(model, args, kwargs)
+    mesh = MeshSpec((2, 2), hardware="h100-80gb")
+    plain = prepare(captured, mesh, PlanOptions(), recompute="none")
+    shared = prepare(captured, mesh, PlanOptions(), recompute="full", space=plain.space)
+    fresh = prepare(captured, mesh, PlanOptions(), recompute="full")
+    assert shared.space.nodes is plain.space.nodes and shared.space.warnings is not plain.space.warnings
+    assert shared.problem.costs == fresh.problem.costs and shared.problem.memory == fresh.problem.memory
+    assert shared.problem.memory_rows == fresh.problem.memory_rows
+
+
 def test_a_search_with_a_plan_in_hand_builds_only_what_its_own_deadline_can_also_solve():
     """No plan yet: a new problem is begun while the call's deadline affords its capture and build
     (a plan is what the call needs first). With one: only where the search's own deadline (its

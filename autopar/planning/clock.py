@@ -2,14 +2,15 @@
 
 ``Clock`` starts when ``autopar.plan`` is called and travels through every stage of the call:
 the capture, the microbatch recaptures, the hand plans, the pipeline layouts, every solve and its
-memory repairs. It keeps two times. The search's own is ``spent``: the seconds each piece of work
-is charged from its size (``autopar.planning.work``), so that what the search tries, and so its
-plan, is the same on every run of the same call. The wall clock is the hard stop: where it reaches
-the limit first (a slow or loaded host), nothing more begins, and the plan says that it may differ
-from run to run. ``timings`` are wall seconds per stage (they add up to the call's wall time, what
-no stage claimed as "other"); ``cut_short`` says what the limit left out. ``Deadline`` is a point
-on the search's time: the whole search's, or a share of it (a hand plan's, a pipeline layout's)
-that never reaches past its parent's.
+memory repairs. The search decides on its own time, ``spent``: by default the wall clock's; where
+``deterministic``, the seconds each piece of work is charged from its size
+(``autopar.planning.work``), so that what the search tries, and so its plan, is the same on every
+run of the same call. The wall clock is always the hard stop: where it reaches the limit first (a
+slow or loaded host), nothing more begins, and the plan says that it may differ from run to run.
+``timings`` are wall seconds per stage (they add up to the call's wall time, what no stage claimed
+as "other"); ``cut_short`` says what the limit left out. ``Deadline`` is a point on the search's
+time: the whole search's, or a share of it (a hand plan's, a pipeline layout's) that never reaches
+past its parent's.
 
 Work that cannot be stopped once begun (a capture, an ILP build, a pipeline schedule's
 simulation) is only begun where the deadline ``affords`` it, judged by what the last of its kind
@@ -72,7 +73,7 @@ class Clock:
 
     @property
     def end(self) -> float:
-        """The search's deadline in charged seconds: the limit less ``RESERVE`` (inf without one)."""
+        """The search's deadline on its time (``spent``): the limit less ``RESERVE`` (inf without one)."""
         return math.inf if self.limit is None else (1 - RESERVE) * self.limit
 
     def deadline(self) -> Deadline:
@@ -85,7 +86,7 @@ class Clock:
 
     def wall_left(self) -> float:
         """Wall seconds to the hard stop: the limit less ``RESERVE`` since the call began."""
-        return math.inf if self.limit is None else self.start + (1 - RESERVE) * self.limit - self.now()
+        return self.end - self.wall()
 
     def stopped(self) -> bool:
         """Has the wall clock reached the hard stop (said once in ``cut_short`` where that makes a
@@ -180,7 +181,8 @@ class Timed:
 
 @dataclass(frozen=True)
 class Deadline:
-    """A point on a ``Clock``'s charged time (inf: none); the wall clock's hard stop passes it too."""
+    """A point on a ``Clock``'s search time (``spent``; inf: none); the wall clock's hard stop
+    passes it too."""
 
     end: float
     clock: Clock
@@ -190,7 +192,7 @@ class Deadline:
         return math.isfinite(self.end)
 
     def left(self) -> float:
-        """Charged seconds to the deadline (negative once passed; inf without a limit)."""
+        """Seconds of the search's time to the deadline (negative once passed; inf without a limit)."""
         return self.end - self.clock.spent
 
     def passed(self) -> bool:
@@ -203,8 +205,8 @@ class Deadline:
         return Deadline(self.clock.spent + max(self.left(), 0.0) * fraction, self.clock)
 
     def affords(self, seconds: float) -> bool:
-        """Would work charged ``seconds`` begun now end before the deadline (and the hard stop
-        not have come)?"""
+        """Would work of ``seconds`` (of the search's time) begun now end before the deadline (and
+        the hard stop not have come)?"""
         return self.left() >= seconds and not self.clock.stopped()
 
     def affords_kind(self, kind: str, default: float = 0.0) -> bool:
@@ -212,7 +214,7 @@ class Deadline:
         return self.affords(self.clock.estimate(kind, default))
 
     def solve_seconds(self) -> float | None:
-        """Charged seconds a solve begun now may take: to this deadline, at least ``MIN_SOLVE_S``
+        """Seconds (of the search's time) a solve begun now may take: to this deadline, at least ``MIN_SOLVE_S``
         while the whole search's deadline has not passed, 0 once it has or the hard stop came
         (None: no limit)."""
         if not self.limited:

@@ -58,7 +58,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     ``bucket_bytes``: size of the buckets gradients are all-reduced in during the backward.
     The module returns outputs as the plan says (``gather_outputs``, a planning option): whole on
     every rank by default, their collectives launched in the forward and waited for where first
-    read (``codegen.outputs``), so a loop that reads only the loss does not wait for the logits.
+    read (``autopar.core.launched``), so a loop that reads only the loss does not wait for the logits.
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
     this rank's shard, under the original names (plain tensors, as under DDP, when the plan
@@ -99,7 +99,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         refuse_split_steps(captured.model_name, whole_batch_state(captured), _in_parts(plan),
                            "Plan it again with microbatches=1 and pipeline=False.")
         log_summary(plan)
-        if not one_process():   # dropout draws alike on every rank (``runtime.dropout_mask``)
+        if not one_process():   # dropout draws alike on every rank (``autopar.core.ops.dropout.dropout_mask``)
             share_generator()
         if plan.pipeline is not None:
             return together("generating the stages and sharding the weights",

@@ -499,13 +499,13 @@ class _Emitter:
 
     def tell_attention(self, graph: fx.Graph, folded: set[str]) -> None:
         """Folded attention masks (``autopar.core.fold.attention_masks``) become what SDPA should run
-        with on this rank, and their SDPA nodes read them so (``runtime.attention``)."""
+        with on this rank, and their SDPA nodes read them so (the ``attention`` kernel of ``autopar.core.ops.attention``)."""
         for name in attention_masks(graph, folded):
             mask = next(n for n in graph.nodes if n.name == name)
             sdpas = [u for u in mask.users if u.name not in folded]
             self.masked_attention.update(u.name for u in sdpas)
             for var in dict.fromkeys(self.mask_variable(u, mask) for u in sdpas):
-                self.emit(f"{var} = attention_mask({var})", "exactly causal or all-pass on this rank: SDPA is told "
+                self.emit(f"{var} = kernels.attention_mask({var})", "exactly causal or all-pass on this rank: SDPA is told "
                           "so instead of reading it")
 
     def gather(self, k: int) -> None:

@@ -11,18 +11,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-import codegen.batch_norm as batch_norm
 import codegen.runtime as runtime
+from autopar.core import collectives
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import InputMismatchError, LossWeightError
+from autopar.core.launched import handed_over, settle
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
+from autopar.core.ops import Kernels
 from autopar.core.plan import Plan
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
 from codegen.modes import as_named
-from codegen.outputs import handed_over, settle
 from codegen.recompute import recompute
 from codegen.shapes import Forward, ForwardPerShape
 from codegen.zero3 import GatheredParams, gather_params, stored_as
@@ -30,17 +31,15 @@ from codegen.zero3 import GatheredParams, gather_params, stored_as
 _counter = [0]
 
 
-#: What generated code reads besides its arguments (capture keeps graph values from shadowing
-#: these: ``autopar.core.execution.GENERATED_NAMES``).
+#: What generated code reads besides its arguments: the runtime's helpers and, as ``kernels.<name>``,
+#: the ops' kernels (``autopar.core.ops.KERNELS``, each declared beside its op's rule). Capture
+#: keeps graph values from shadowing these (``autopar.core.execution.GENERATED_NAMES``).
 GENERATED_GLOBALS = {
     "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
-    "redistribute": runtime.redistribute, "move": runtime.move,
-    "param_shard": runtime.param_shard, "shard_of": runtime.shard_of, "on_device": runtime.on_device, "expect": runtime.expect, "uneven_reshape": runtime.uneven_reshape,
-    "sharded_cross_entropy": runtime.sharded_cross_entropy, "sharded_embedding": runtime.sharded_embedding,
-    "full": runtime.full, "kept_sharded": runtime.kept_sharded, "gather_params": gather_params,
-    "dropout_mask": runtime.dropout_mask, "recompute": recompute,
-    "once": runtime.once, "attention_mask": runtime.attention_mask, "attention": runtime.attention,
-    **batch_norm.generated_globals(),
+    "redistribute": runtime.redistribute, "move": runtime.move, "param_shard": runtime.param_shard,
+    "shard_of": runtime.shard_of, "on_device": runtime.on_device, "expect": runtime.expect,
+    "uneven_reshape": runtime.uneven_reshape, "full": collectives.full, "kept_sharded": runtime.kept_sharded,
+    "gather_params": gather_params, "recompute": recompute, "once": runtime.once, "kernels": Kernels(),
 }
 
 
@@ -92,7 +91,7 @@ class ShardedModule(nn.Module):
         counterpart in the planned graph, ``codegen.modes``)."""
         plan = self.plan if names is None else as_named(self.plan, captured, names)
         generated = generate(captured, plan, strict=runtime.STRICT, group_bytes=self._bucket_bytes,
-                             spans_job=runtime.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
+                             spans_job=collectives.spans_job(self.mesh, range(self.mesh.ndim)), outputs=outputs)
         return Forward(generated, compile_source(generated.source)["forward"], generated.sizes.values(self.mesh),
                        loss_weighting(captured), captured.out_spec, whole_batch_state(captured))
 

@@ -38,8 +38,10 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils import _pytree as pytree
 
 import codegen.runtime as runtime
+from autopar.core import collectives
 from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
 from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
+from autopar.core.launched import Pending, handed_over, settle
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
 from autopar.core.placements import shard_shape_at
@@ -47,7 +49,6 @@ from autopar.core.plan import Plan, rank_of_stage
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, compile_source, grad_sync_of
-from codegen.outputs import Pending, handed_over, settle
 from codegen.stages import StageCode
 from codegen.zero3 import GatheredParams
 
@@ -186,7 +187,7 @@ class PipelinedModule(ShardedModule):
                 runtime.sum_grad_over(self.get_parameter(fqn), group)
         loss = torch.stack([l.detach() for l in losses]).sum() if last else torch.zeros((), device=self._device)
         if self._code.loss_summed_over and last:
-            loss = runtime.all_reduce(loss.reshape(1), self._stage_mesh, self._code.loss_summed_over).reshape(())
+            loss = collectives.all_reduce(loss.reshape(1), self._stage_mesh, self._code.loss_summed_over).reshape(())
         # launched, read when the caller reads it (a functional collective): the step does not wait
         sent = funcol.broadcast(loss, self._stage_rank(self.plan.pipeline.num_stages - 1), self._pp_group)
         return handed_over([sent])[0]

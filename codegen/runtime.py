@@ -12,10 +12,7 @@ plan that replicates every parameter (data parallelism) keeps them plain tensors
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +24,6 @@ from torch.distributed._local_tensor import (
     LocalIntNode,
     LocalTensor,
     local_tensor_mode,
-    maybe_disable_local_tensor_mode,
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
@@ -40,9 +36,15 @@ try:   # torch 2.13; the GPU machines lent here run 2.11, where only simulated r
 except ImportError:   # pragma: no cover
     def rank_map(cb):
         raise AutoparError("simulated ranks (LocalTensorMode) need torch 2.13 (pip install torch==2.13.0)")
+from autopar.core.collectives import (
+    all_reduce,
+    as_dtensor,
+    axes_group,
+    contiguous_stride,
+    planned,
+    spans_job,
+)
 from autopar.core.precision import reduce_dtype
-from autopar.core.together import one_process
-from codegen import outputs
 
 aten = torch.ops.aten
 
@@ -53,41 +55,6 @@ class PlacementMismatchError(AutoparError):
 
 
 STRICT = os.environ.get("AUTOPAR_STRICT", "0") == "1"
-
-
-class _PlannedRedistributions(logging.Filter):
-    """While autopar redistributes, drop DTensor's hints, logged by every rank: that a change over
-    several mesh axes runs one collective per axis (once per mesh), and that gloo runs an
-    all-to-all as an all-gather and a chunk (once per process). The planner chose those
-    collectives and priced them as measured through this runtime (``autopar profile``). Also
-    while a backward runs: DTensor moves the gradients of autopar's moves itself
-    (``Redistribute.backward``, outside any call of ours; gpt2-125m on 2x2 logged the hint of a
-    slice's gradient gathered back over both axes once per rank)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._ours = threading.local()
-
-    def __enter__(self) -> None:
-        self._ours.active = True
-
-    def __exit__(self, *exc: Any) -> None:
-        self._ours.active = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not getattr(self._ours, "active", False) and torch._C._current_graph_task_id() == -1
-
-
-_PLANNED = _PlannedRedistributions()
-for _hints in ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._collective_utils"):
-    logging.getLogger(_hints).addFilter(_PLANNED)
-
-
-def _planned() -> contextlib.AbstractContextManager:
-    """``_PLANNED``, except while ``torch.compile`` traces: it cannot enter it, and broke the graph
-    at every redistribution (gpt2-tiny's solver plan on 2 ranks: 34 graphs, 9 since). A hint
-    DTensor logs while a graph is traced is not dropped."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _PLANNED
 
 
 def distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
@@ -144,7 +111,7 @@ def on_device(p: DTensor, device: torch.device) -> DTensor:
 def whole(p: DTensor, device: torch.device | None = None) -> torch.Tensor:
     """A DTensor whole on every rank (a loss, a full state dict's value), without DTensor's per-rank
     hints about collectives; gathered on the compute ``device`` where it is offloaded."""
-    with _planned():
+    with planned():
         return (on_device(p, device) if device is not None else p).full_tensor()
 
 
@@ -232,7 +199,7 @@ def redistribute(t: DTensor, placements: Sequence[Placement], reduce_in: str = "
     first = [Replicate() if p else (h if h.is_partial() and isinstance(w, Partial) else w)
              for h, w, p in zip(t.placements, placements, to_partial, strict=True)]
     if not _same(t.placements, first):
-        with _planned():
+        with planned():
             t = _contiguous_shards(t.redistribute(t.device_mesh, first))
     return _replicate_to_partial(t, placements) if any(to_partial) else t
 
@@ -254,7 +221,7 @@ class _ReducedIn(torch.autograd.Function):
 def _summed_in(grad: DTensor, placements: Sequence[Placement], wire: torch.dtype) -> DTensor:
     """``grad`` redistributed to ``placements`` in ``wire`` (its sum rounded there), back in its
     own dtype; waits for the collective."""
-    with _planned():
+    with planned():
         return grad.to(wire).redistribute(grad.device_mesh, placements).to(grad.dtype)
 
 
@@ -291,14 +258,6 @@ def _same_one(h: Placement, w: Placement) -> bool:
     return h == w
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 class _LocalShard(torch.autograd.Function):
     """``DTensor.to_local`` whose backward declares the gradient's global shape and stride instead
     of inferring them from per-rank local shapes (which are symbolic for uneven shards under
@@ -312,7 +271,7 @@ class _LocalShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         return DTensor.from_local(grad.contiguous(), ctx.mesh, list(ctx.grad_placements), run_check=False,
-                                  shape=ctx.shape, stride=_contiguous_stride(ctx.shape)), None
+                                  shape=ctx.shape, stride=contiguous_stride(ctx.shape)), None
 
 
 def sum_grad_over(p: torch.Tensor, group: Any) -> None:
@@ -345,34 +304,6 @@ def rank_value(mesh: DeviceMesh, fn: Any, as_tensor: bool = False) -> Any:
     return torch.SymInt(LocalIntNode(values))
 
 
-def sharded_embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1, *,
-                      rows: tuple[Any, Any] | None = None) -> torch.Tensor:
-    """Embedding lookup on shards. Where the table is split by rows (vocabulary parallel), this
-    rank holds rows [``rows[0]``, ``rows[1]``): it looks up the ids it owns and contributes zeros
-    for the rest, so the output is a partial sum. ``padding_idx`` (a global row; negative: none)
-    as in ``aten.embedding``: its row gets no gradient."""
-    if rows is None:
-        return aten.embedding.default(weight, ids, padding_idx)
-    lo, hi = rows
-    outside = (ids < lo) | (ids >= hi)
-    out = aten.embedding.default(weight, torch.where(outside, 0, ids - lo))
-    out = out * (~outside).unsqueeze(-1).to(out.dtype)
-    if padding_idx >= 0:   # the local row index differs per rank: block its gradient by position
-        out = torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
-    return out
-
-
-def dropout_mask(like: torch.Tensor, p: float, shape: Sequence[int]) -> torch.Tensor:
-    """Dropout's keep-mask, scaled by 1/(1-p), for the WHOLE tensor of ``shape``: drawn from the
-    default generator as ``aten.dropout`` draws it on one CPU device (bernoulli over the full
-    shape). Every rank's generator is alike (``share_generator``), so every rank draws the same
-    mask and keeps its part: a split dropout equals one device's, at the cost of drawing the
-    whole mask on each rank."""
-    if p >= 1:
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p).div_(1 - p)
-
-
 def share_generator() -> None:
     """Give every rank of the default process group rank 0's random generator state (CPU, and
     this rank's GPU), so that random ops (dropout) draw alike on every rank."""
@@ -383,31 +314,6 @@ def share_generator() -> None:
         torch.cuda.set_rng_state(states[0][1])
 
 
-def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
-                          ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int],
-                          count: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
-    the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce. For a
-    mean, ``count`` is the whole batch's number of counted targets when the caller knows it
-    (``ShardedModule`` counts them on the inputs every rank holds whole): the sum is then only
-    launched, and waited for where the loss's value is first read, as the gradient does not need
-    it; with no axes to sum over, this rank's summand is returned (``train_step`` sums it with the
-    gradients). Without ``count`` the count is summed with the loss.
-    Axes where the batch is split but not summed leave this rank's partial sum (reduction='sum'
-    only). Sums run in at least fp32 and the result is rounded to the logits' dtype once, as one
-    device's kernel does: a bf16 partial sum of a few hundred losses would keep only its integer
-    part."""
-    accumulate = torch.promote_types(logits.dtype, torch.float32)
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=accumulate)
-    local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
-    if reduction == 2 or count is not None:
-        summand = local_sum if reduction == 2 else local_sum / count
-        return (sum_over_ranks(summand, mesh, summed_over) if summed_over else summand).to(logits.dtype)
-    counted = (target != ignore_index).sum().to(local_sum.dtype)
-    both = sum_over_ranks(torch.stack([local_sum, counted]), mesh, summed_over)
-    return (both[0] / both[1]).to(logits.dtype)
-
-
 def once(module: torch.nn.Module, constants: Any, mesh: DeviceMesh, device: torch.device, sizes: Any) -> tuple:
     """The values a generated ``constants`` function computes from shapes alone (``autopar.core.fold``):
     computed at its first call, kept on the module, then reused."""
@@ -416,52 +322,6 @@ def once(module: torch.nn.Module, constants: Any, mesh: DeviceMesh, device: torc
         with torch.no_grad():
             cache[constants] = constants(module, mesh, device, sizes)
     return cache[constants]
-
-
-#: ``attention_mask``'s answer for a mask that is exactly causal: SDPA's ``is_causal=True``.
-CAUSAL = "causal"
-
-
-def attention_mask(mask: torch.Tensor) -> torch.Tensor | str | None:
-    """A folded attention mask as SDPA needs it on this rank: None where it lets every query see
-    every key, ``CAUSAL`` where it is exactly the causal mask of square attention, else the mask.
-    Eager Hugging Face makes the same call on the batch (no padding: SDPA's is_causal); an
-    exported graph builds the mask instead."""
-    values = list(mask._local_tensors.values()) if isinstance(mask, LocalTensor) else [mask]
-    with maybe_disable_local_tensor_mode():
-        kinds = {_mask_kind(v) for v in values}
-    return {"none": None, "causal": CAUSAL}.get(kinds.pop(), mask) if len(kinds) == 1 else mask
-
-
-def _mask_kind(mask: torch.Tensor) -> str:
-    if mask.dtype == torch.bool:
-        if bool(mask.all()):
-            return "none"
-        if mask.dim() >= 2 and mask.shape[-1] == mask.shape[-2]:
-            causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-            if torch.equal(mask, causal.expand_as(mask)):
-                return "causal"
-    elif mask.is_floating_point() and not bool(mask.any()):
-        return "none"   # an additive mask of zeros
-    return "mask"
-
-
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-              dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
-    """``aten.scaled_dot_product_attention`` with a mask ``attention_mask`` has looked at."""
-    if isinstance(attn_mask, str):   # CAUSAL
-        return aten.scaled_dot_product_attention.default(query, key, value, None, dropout_p, True, **kwargs)
-    return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
-
-
-def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
-    """Launch the sum of ``x`` over the ranks of mesh ``axes`` (a functional collective: the
-    result is waited for when first used): one collective when the axes span the whole job."""
-    if len(axes) == 1 or spans_job(mesh, axes):
-        return funcol.all_reduce(x, "sum", axes_group(mesh, axes))
-    for axis in axes:
-        x = funcol.all_reduce(x, "sum", (mesh, axis))
-    return x
 
 
 class Launched:
@@ -491,71 +351,6 @@ def sum_in_place(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> Laun
     return Launched(all_reduce(x, mesh, axes), functional=True)
 
 
-def spans_job(mesh: DeviceMesh, axes: Sequence[int]) -> bool:
-    """Are ``axes`` every axis of a mesh made of every rank of the job (one process group)?"""
-    return len(axes) == mesh.ndim and mesh.size() == dist.get_world_size()
-
-
-def axes_group(mesh: DeviceMesh, axes: Sequence[int]) -> dist.ProcessGroup:
-    """The process group of one mesh axis, or of the whole job (``spans_job``), for a functional
-    or a c10d collective; ranks in mesh order."""
-    if len(axes) == 1:
-        return mesh.get_group(axes[0])
-    if not spans_job(mesh, axes):
-        raise ValueError(f"mesh axes {tuple(axes)} are neither one axis nor the whole job")
-    return dist.group.WORLD
-
-
-def sum_over_ranks(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
-    """The sum over mesh ``axes`` of every rank's summand, replicated: launched, waited for when
-    the value is first read (between processes, ``codegen.outputs.summed``: reading nothing waits
-    for nothing). Backward: each summand's gradient is the sum's (Megatron's reduce from the
-    model-parallel region)."""
-    if not torch.compiler.is_compiling() and not one_process() and (len(axes) == 1 or spans_job(mesh, axes)):
-        return outputs.summed(x, axes_group(mesh, axes))
-    return _SumOverRanks.apply(x, mesh, tuple(axes))
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """``sum_over_ranks`` as functional collectives (one process, ``torch.compile``, axes that
-    need one collective each)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, axes: tuple[int, ...]) -> torch.Tensor:
-        return all_reduce(x, mesh, axes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
-
-
-def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
-    """The full tensor every rank returns: this rank's part gathered (or summed) over the mesh.
-    Between processes, an even split's gather is launched here and waited for where the output
-    is first read (``codegen.outputs``): a loop that reads only the loss never waits for the
-    logits. Other splits, and ranks simulated in one process, gather at once."""
-    if not isinstance(x, torch.Tensor) or all(isinstance(p, Replicate) for p in have):
-        return x
-    if not torch.compiler.is_compiling() and not one_process() and outputs.gatherable(x, mesh, have, shape):
-        return outputs.gathered(x, mesh, have, shape, lambda grad: _part_of(grad, mesh, have, shape))
-    with _planned():
-        return as_dtensor(x, mesh, have, shape).full_tensor()
-
-
-def _part_of(whole_value: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> torch.Tensor:
-    """This rank's part, placed ``have`` (never partial), of a tensor every rank holds whole."""
-    with _planned():
-        return as_dtensor(whole_value, mesh, [Replicate()] * mesh.ndim, shape).redistribute(mesh, list(have)).to_local()
-
-
-def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
-    """This rank's part as a DTensor of the global ``shape`` (an output kept sharded; a move's start)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    return DTensor.from_local(x.contiguous(), mesh, list(have), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
-
-
 @torch.compiler.disable
 def kept_sharded(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
     """An output kept sharded: ``as_dtensor``, made outside any ``torch.compile`` graph. AOT autograd
@@ -579,7 +374,7 @@ def sync_grad_to(param: DTensor, reduce_precision: str = "fp32") -> None:
             return g
         if wire != g.dtype:
             return _summed_in(g, placements, wire)
-        with _planned():
+        with planned():
             return g.redistribute(g.device_mesh, placements, async_op=True)
 
     param.register_hook(reduce)

@@ -48,9 +48,9 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from autopar.core.collectives import axes_group
 from codegen.grad_sync import GradSync
 from codegen.recompute import recomputing
-from codegen.runtime import axes_group
 
 
 @dataclass(frozen=True)

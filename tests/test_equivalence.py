@@ -58,7 +58,7 @@ def test_gloo_processes(name, mesh_shape):
 
 
 def _loss_of_one_forward(mesh, name, batch, plan_json):
-    from codegen.outputs import Pending
+    from autopar.core.launched import Pending
 
     pmodel = autopar.compile(build(name), mesh, *batch, plan=autopar.Plan.from_json(plan_json))
     loss = loss_of(pmodel(*batch[0], **batch[1]))
@@ -187,7 +187,7 @@ def test_gloo_all_to_all_fallback_hint_is_not_shown_for_planned_moves():
     (not under LocalTensorMode): for autopar's planned moves, priced as measured, it is noise."""
     from torch.distributed.tensor import _collective_utils
 
-    from codegen.runtime import _PLANNED
+    from autopar.core.collectives import _PLANNED
 
     hints, shown = logging.getLogger(_collective_utils.__name__), _Shown()
     hints.addHandler(shown)

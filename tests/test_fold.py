@@ -11,12 +11,12 @@ import torch.nn as nn
 from torch.distributed._local_tensor import LocalTensor
 
 import autopar
-import codegen.module as module
-import codegen.runtime as runtime
+import autopar.core.ops.attention as sdpa
 from autopar.core.capture import capture
 from autopar.core.execution import written_aliases
 from autopar.core.fold import foldable
 from autopar.core.mesh import MeshSpec
+from autopar.core.ops import KERNELS
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_local_tensor_mesh
 from tests.equivalence import build, check_training, local_runner, make_batches
@@ -24,13 +24,13 @@ from tests.tiers import slow
 
 
 def _mask_calls(monkeypatch) -> list[object]:
-    """The mask every SDPA call of generated code gets (``runtime.attention``'s)."""
+    """The mask every SDPA call of generated code gets (the ``attention`` kernel's)."""
     calls = []
 
     def attention(q, k, v, attn_mask=None, *args, **kwargs):
         calls.append(attn_mask)
-        return runtime.attention(q, k, v, attn_mask, *args, **kwargs)
-    monkeypatch.setitem(module.GENERATED_GLOBALS, "attention", attention)
+        return sdpa.attention(q, k, v, attn_mask, *args, **kwargs)
+    monkeypatch.setitem(KERNELS, "attention", attention)
     return calls
 
 
@@ -51,21 +51,21 @@ def test_a_causal_mask_built_from_shapes_runs_sdpa_as_is_causal(name, monkeypatc
 
     code = run_on_local_tensor_mesh(body, (2,))
     assert "def constants(self, mesh, device, sizes):" in code and "= once(self, constants," in code
-    assert calls and all(mask is runtime.CAUSAL for mask in calls)
+    assert calls and all(mask is sdpa.CAUSAL for mask in calls)
     check_training(name, 6, 16, (2, 2), local_runner, {"profile": None})
 
 
 def test_attention_mask_kinds():
     causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
-    assert runtime.attention_mask(causal) is runtime.CAUSAL
-    assert runtime.attention_mask(torch.ones(2, 1, 5, 5, dtype=torch.bool)) is None
-    assert runtime.attention_mask(torch.zeros(2, 1, 5, 5)) is None   # additive, nothing masked
+    assert sdpa.attention_mask(causal) is sdpa.CAUSAL
+    assert sdpa.attention_mask(torch.ones(2, 1, 5, 5, dtype=torch.bool)) is None
+    assert sdpa.attention_mask(torch.zeros(2, 1, 5, 5)) is None   # additive, nothing masked
     window = causal & torch.ones(5, 5, dtype=torch.bool).triu(-2)    # sliding window: a real mask
-    assert runtime.attention_mask(window) is window
+    assert sdpa.attention_mask(window) is window
     rows = torch.ones(4, 5, dtype=torch.bool).tril()                 # queries split: not square
-    assert runtime.attention_mask(rows) is rows
+    assert sdpa.attention_mask(rows) is rows
     ranks = LocalTensor({0: causal[0], 1: torch.ones(1, 5, 5, dtype=torch.bool)})
-    assert runtime.attention_mask(ranks) is ranks                   # ranks disagree: keep the mask
+    assert sdpa.attention_mask(ranks) is ranks                   # ranks disagree: keep the mask
 
 
 class _Folds(nn.Module):

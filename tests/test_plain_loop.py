@@ -1,17 +1,17 @@
 """The loop users write: ``loss = pmodel(**batch).loss; loss.backward(); opt.step()``.
 
 Outputs' collectives are launched in the forward and waited for where they are read
-(``codegen.outputs``): a loss read on one rank only, logits read or not, an evaluation forward
+(``autopar.core.launched``): a loss read on one rank only, logits read or not, an evaluation forward
 nobody reads, must all give one device's values and leave no collective behind."""
 from __future__ import annotations
 
 import torch
 
 import autopar
+from autopar.core.launched import Pending, _Cell, _Launched
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import candidates
 from autopar.profiling.launch import run_on_gloo_mesh
-from codegen.outputs import Pending, _Cell, _Launched
 from tests.equivalence import make_batches
 from tests.tiers import slow
 

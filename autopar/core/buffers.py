@@ -4,7 +4,7 @@ and batch norms that normalise by the batch's statistics.
 
 Sharded, these are kept as one device keeps them (``autopar.core.execution``: writes land in the
 replicated buffer, or in a view of its part that is gathered back; a batch split over ranks
-normalises by the whole batch's statistics, ``codegen.batch_norm``). Gradient accumulation and
+normalises by the whole batch's statistics, ``autopar.core.ops.batch_norm``). Gradient accumulation and
 pipelines cannot: they run the forward on parts of the batch, each part normalised by its own
 statistics and writing the buffers once more. Such plans are refused by name
 (``BufferWriteError``), and the planner's "auto" never makes them for such a model.

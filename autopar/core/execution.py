@@ -39,12 +39,12 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 
 #: Names generated code uses for itself: the forward's arguments and the runtime helpers and
 #: modules ``codegen.module.compile_source`` binds. Capture renames graph values that would
-#: shadow one (a model's ``torch.full`` is a node named ``full``).
+#: shadow one (a model's ``torch.full`` is a node named ``full``). The ops' kernels are read as
+#: ``kernels.<name>``.
 GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
-    "redistribute", "move", "param_shard", "shard_of", "on_device", "expect", "uneven_reshape", "sharded_cross_entropy",
-    "sharded_embedding", "full", "kept_sharded", "gather_params", "dropout_mask", "recompute", "loss_count",
-    "once", "attention_mask", "attention", "constants", "sync_batch_norm", "write_back",
+    "redistribute", "move", "param_shard", "shard_of", "on_device", "expect", "uneven_reshape",
+    "full", "kept_sharded", "gather_params", "recompute", "loss_count", "once", "constants", "kernels",
 })
 
 def writes_in_place(node: fx.Node) -> bool:

@@ -9,7 +9,7 @@ prices them (and the moves of their results) at nothing a step (``StrategySpace.
 
 A mask computed this way that every rank finds exactly causal (or letting everything through)
 is handed to SDPA as ``is_causal=True`` (or no mask), as eager Hugging Face calls it: the mask's
-memory and the masked kernel are saved (``codegen.runtime.attention_mask``, ``attention``).
+memory and the masked kernel are saved (``autopar.core.ops.attention``'s kernels ``attention_mask`` and ``attention``).
 
 Not folded: random ops, values written in place or aliasing one, values the model returns, and
 values over ``FOLD_BYTES`` that the forward would keep alive between calls (masks excepted: one

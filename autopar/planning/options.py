@@ -142,7 +142,7 @@ class PlanOptions:
     gather_outputs: bool = _option(
         True, "The compiled module returns every output whole on every rank, as the single-device model does "
         "(priced: a gather per split output, launched in the forward, waited for where read: "
-        "``codegen.outputs``); False returns them as DTensors placed as the plan leaves them "
+        "``autopar.core.launched``); False returns them as DTensors placed as the plan leaves them "
         "(``.full_tensor()`` gathers one): no gather of batch x sequence x vocabulary logits, and no plan bent "
         "to make that gather small (a training loop that reads only the loss).",
         Flag(name="--sharded-outputs"))

@@ -14,10 +14,10 @@ import pkgutil
 
 import torch.fx as fx
 
-from autopar.core.ops.base import REGISTRY, OpEntry
+from autopar.core.ops.base import KERNELS, REGISTRY, Kernels, OpEntry
 from autopar.core.rules import AxisRule, RuleFn, apply_rule, family_rule
 
-__all__ = ["OpEntry", "axis_rules", "entry_for", "rule_for"]
+__all__ = ["KERNELS", "Kernels", "OpEntry", "axis_rules", "entry_for", "rule_for"]
 
 
 def _register_all() -> None:

@@ -4,20 +4,24 @@ a folded mask that is causal (or lets everything through) on this rank is passed
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
+from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
 
 from autopar.core.capture import tensor_val
-from autopar.core.ops.base import Emitter, Kept, Site, emitter, rule, saved
+from autopar.core.ops.base import Emitter, Kept, Site, emitter, kernel, rule, saved
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
+aten = torch.ops.aten
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 @rule(SDPA)
-def attention(v: OpView, n: int) -> list[AxisRule]:
+def split_attention(v: OpView, n: int) -> list[AxisRule]:
     """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads).
 
     Runs per shard locally, so both need an even split; a mask follows q where it has that dim.
@@ -48,7 +52,7 @@ def emit(em: Emitter, site: Site) -> bool:
     if site.node.name not in em.masked_attention:
         return False
     text = em.call_text(site.node, site.reads)
-    em.emit(f"{site.node.name} = attention{text[text.index('('):]}",
+    em.emit(f"{site.node.name} = kernels.attention{text[text.index('('):]}",
             site.comment + "; its mask, made once, may be causal or let everything through: then SDPA runs "
             "is_causal or unmasked, as eager Hugging Face calls it")
     return True
@@ -77,3 +81,41 @@ def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_s
 # FlopCounterMode counts the CUDA attention kernels but not the CPU one a CPU model's SDPA runs.
 if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in flop_registry:
     register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)(_cpu_flash_attention_flops)
+
+
+#: ``attention_mask``'s answer for a mask that is exactly causal: SDPA's ``is_causal=True``.
+CAUSAL = "causal"
+
+
+@kernel
+def attention_mask(mask: torch.Tensor) -> torch.Tensor | str | None:
+    """A folded attention mask as SDPA needs it on this rank: None where it lets every query see
+    every key, ``CAUSAL`` where it is exactly the causal mask of square attention, else the mask.
+    Eager Hugging Face makes the same call on the batch (no padding: SDPA's is_causal); an
+    exported graph builds the mask instead."""
+    values = list(mask._local_tensors.values()) if isinstance(mask, LocalTensor) else [mask]
+    with maybe_disable_local_tensor_mode():
+        kinds = {_mask_kind(v) for v in values}
+    return {"none": None, "causal": CAUSAL}.get(kinds.pop(), mask) if len(kinds) == 1 else mask
+
+
+def _mask_kind(mask: torch.Tensor) -> str:
+    if mask.dtype == torch.bool:
+        if bool(mask.all()):
+            return "none"
+        if mask.dim() >= 2 and mask.shape[-1] == mask.shape[-2]:
+            causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+            if torch.equal(mask, causal.expand_as(mask)):
+                return "causal"
+    elif mask.is_floating_point() and not bool(mask.any()):
+        return "none"   # an additive mask of zeros
+    return "mask"
+
+
+@kernel
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+              dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` with a mask ``attention_mask`` has looked at."""
+    if isinstance(attn_mask, str):   # CAUSAL
+        return aten.scaled_dot_product_attention.default(query, key, value, None, dropout_p, True, **kwargs)
+    return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)

@@ -10,7 +10,9 @@ optional:
 * ``@emitter(op)``: how generated code runs it (``Emitter``, ``Site``), or False: as a plain call;
 * ``@timed(op)``: the call profiling times for it, which the cost model then looks up;
 * ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
-* ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead.
+* ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead;
+* ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
+  runtime: the module that says how the op splits also says how a split op runs.
 
 Hooks get a node's placements as ``Placed`` (a ``Strategy`` while planning, a ``NodePlan`` in
 code generation). ``docs/ops.md`` walks through cross-entropy's entry.
@@ -154,3 +156,27 @@ emitter = _registrar("emit")
 timed = _registrar("timed")
 collectives = _registrar("collectives")
 saved = _registrar("saved")
+
+
+#: name -> a function generated code calls as ``kernels.<name>``, filled in by ``@kernel`` as the
+#: modules of ``autopar.core.ops`` are imported.
+KERNELS: dict[str, Callable] = {}
+
+
+class Kernels:
+    """``kernels`` in generated code: ``kernels.<name>`` is ``KERNELS[name]``, looked up at the call.
+    One namespace, so that no graph value's name can shadow a kernel's."""
+
+    def __getattr__(self, name: str) -> Callable:
+        if name not in KERNELS:
+            raise AttributeError(f"no op kernel is named {name!r}; kernels are declared with @kernel in autopar.core.ops")
+        return KERNELS[name]
+
+
+def kernel(fn: F) -> F:
+    """Register ``fn`` as a runtime kernel, called by generated code as ``kernels.<its __name__>``."""
+    if fn.__name__ in KERNELS:
+        raise AutoparError(f"two kernels are named {fn.__name__!r}: {KERNELS[fn.__name__].__module__} and "
+                           f"{fn.__module__}; generated code calls a kernel by its name")
+    KERNELS[fn.__name__] = fn
+    return fn

@@ -1,7 +1,7 @@
 """Cross-entropy (``aten.cross_entropy_loss``) split by batch: exact for uneven splits and ignored
 targets.
 
-Each rank computes the sum of its targets' losses (``codegen.runtime.sharded_cross_entropy``);
+Each rank computes the sum of its targets' losses (``sharded_cross_entropy``, below);
 one all-reduce over the axes that split the batch sums them, with the targets' count for a mean.
 Where ``train_step`` knows the whole batch's target count (``loss_count``), the local sum is
 divided by it and the all-reduce only launched; the mean loss it sums with the gradients
@@ -13,11 +13,25 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.core.ops.base import Collective, Emitter, LocalCall, Placed, Site, collectives, emitter, rule, timed
+from autopar.core.collectives import sum_over_ranks
+from autopar.core.ops.base import (
+    Collective,
+    Emitter,
+    LocalCall,
+    Placed,
+    Site,
+    collectives,
+    emitter,
+    kernel,
+    rule,
+    timed,
+)
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
+aten = torch.ops.aten
 CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 
 
@@ -61,11 +75,11 @@ def emit(em: Emitter, site: Site) -> bool:
     em.counts_loss |= counted
     if counted and em.outputs == "loss" and node.name == em.loss_with_gradients:
         em.loss_summed_over = summed
-        em.emit(f"{node.name} = sharded_cross_entropy({site.args}, mesh=mesh, summed_over=(), count=loss_count)",
+        em.emit(f"{node.name} = kernels.sharded_cross_entropy({site.args}, mesh=mesh, summed_over=(), count=loss_count)",
                 f"{np_.strategy} -> this rank's summand, divided by the "
                 f"batch's target count: train_step sums it over {over} in a gradient bucket's all-reduce")
     else:
-        em.emit(f"{node.name} = sharded_cross_entropy({site.args}, mesh=mesh, summed_over={summed}"
+        em.emit(f"{node.name} = kernels.sharded_cross_entropy({site.args}, mesh=mesh, summed_over={summed}"
                 f"{', count=loss_count' if counted else ''})",
                 site.comment + (f"; one all-reduce over {over} sums the local losses" if summed else "")
                 + (", divided by the batch's target count (launched: the gradient does not wait for it)"
@@ -100,3 +114,29 @@ def loss_sum(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: boo
     summed = tuple(Partial() if isinstance(i, Shard) and o == Replicate() else o
                    for i, o in zip(placed.ins[0], placed.out, strict=True))
     return [Collective((2,), torch.float32, summed, placed.out)] if summed != tuple(placed.out) else []
+
+
+@kernel
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
+                          ignore_index: int = -100, *, mesh: DeviceMesh, summed_over: Sequence[int],
+                          count: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy over a batch split across ranks, exact for uneven splits and ignored targets:
+    the local sum of losses, summed over the mesh axes ``summed_over`` in one all-reduce. For a
+    mean, ``count`` is the whole batch's number of counted targets when the caller knows it
+    (``ShardedModule`` counts them on the inputs every rank holds whole): the sum is then only
+    launched, and waited for where the loss's value is first read, as the gradient does not need
+    it; with no axes to sum over, this rank's summand is returned (``train_step`` sums it with the
+    gradients). Without ``count`` the count is summed with the loss.
+    Axes where the batch is split but not summed leave this rank's partial sum (reduction='sum'
+    only). Sums run in at least fp32 and the result is rounded to the logits' dtype once, as one
+    device's kernel does: a bf16 partial sum of a few hundred losses would keep only its integer
+    part."""
+    accumulate = torch.promote_types(logits.dtype, torch.float32)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=accumulate)
+    local_sum = aten.nll_loss_forward.default(log_probs, target, weight, 2, ignore_index)[0]
+    if reduction == 2 or count is not None:
+        summand = local_sum if reduction == 2 else local_sum / count
+        return (sum_over_ranks(summand, mesh, summed_over) if summed_over else summand).to(logits.dtype)
+    counted = (target != ignore_index).sum().to(local_sum.dtype)
+    both = sum_over_ranks(torch.stack([local_sum, counted]), mesh, summed_over)
+    return (both[0] / both[1]).to(logits.dtype)

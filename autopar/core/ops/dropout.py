@@ -1,5 +1,5 @@
 """Dropout (``aten.dropout``): split, every rank draws the whole tensor's mask as one device draws
-it (every rank's generator alike) and keeps its part (``codegen.runtime.dropout_mask``), so a
+it (every rank's generator alike) and keeps its part (``dropout_mask``), so a
 split dropout equals one device's; profiling times (and the cost model prices) the whole draw.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autopar.core.capture import tensor_val
-from autopar.core.ops.base import Emitter, LocalCall, Placed, Site, emitter, rule, timed
+from autopar.core.ops.base import Emitter, LocalCall, Placed, Site, emitter, kernel, rule, timed
 from autopar.core.placements import Placements
 from autopar.core.rules import same_dims
 
@@ -34,7 +34,7 @@ def emit(em: Emitter, site: Site) -> bool:
     if not draws_whole_mask(node, np_.out):
         return False
     shape = list(tensor_val(node).shape)
-    mask = em.sizes.part(f"dropout_mask({site.read(node.args[0])}, {node.args[1]!r}, {shape})", shape, np_.out)
+    mask = em.sizes.part(f"kernels.dropout_mask({site.read(node.args[0])}, {node.args[1]!r}, {shape})", shape, np_.out)
     em.emit(f"{node.name} = {site.read(node.args[0])} * {mask}", site.comment + "; the whole tensor's mask, drawn as "
             "one device draws it (every rank's generator alike), cut to this rank's part")
     return True
@@ -49,3 +49,15 @@ def whole_draw(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seque
     whole = tensor_val(node.args[0])
     x = torch.empty(whole.shape, dtype=whole.dtype, device="meta", requires_grad=grad.get(node.args[0], False))
     return LocalCall(node.target, (x, *call.args[1:]), call.kwargs)
+
+
+@kernel
+def dropout_mask(like: torch.Tensor, p: float, shape: Sequence[int]) -> torch.Tensor:
+    """Dropout's keep-mask, scaled by 1/(1-p), for the WHOLE tensor of ``shape``: drawn from the
+    default generator as ``aten.dropout`` draws it on one CPU device (bernoulli over the full
+    shape). Every rank's generator is alike (``share_generator``), so every rank draws the same
+    mask and keeps its part: a split dropout equals one device's, at the cost of drawing the
+    whole mask on each rank."""
+    if p >= 1:
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p).div_(1 - p)

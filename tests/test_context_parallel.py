@@ -138,6 +138,8 @@ def test_shapes_attention_cannot_split_are_refused():
         cp.ring_attention(x, x[:, :3], x[:, :3], is_causal=False, group=_Solo(2), layout="contiguous")
     with pytest.raises(AutoparError, match="one sequence"):
         cp.ring_attention(x, odd, odd, is_causal=True, group=_Solo(2), layout="contiguous")
+    with pytest.raises(AutoparError, match="4 query and 2 key/value heads"):
+        cp.ulysses_attention(x, x[:, :2], x[:, :2], is_causal=True, group=_Solo(4))
 
 
 # ----------------------------------------------------------------------------
@@ -147,7 +149,7 @@ def test_shapes_attention_cannot_split_are_refused():
 
 @dataclass(frozen=True)
 class Case:
-    kernel: str            # "ring"
+    kernel: str            # "ring" or "ulysses"
     is_causal: bool
     layout: str = "contiguous"
     kv_heads: int = HEADS
@@ -166,6 +168,9 @@ CASES = {
     "math-block": Case("ring", True, "balanced", kv_heads=2, block="math"),
     "bf16": Case("ring", True, "balanced", dtype=torch.bfloat16),
     "scaled": Case("ring", True, "balanced", kv_heads=2, scale=0.3),
+    "ulysses": Case("ulysses", False),
+    "ulysses-causal": Case("ulysses", True),
+    "ulysses-gqa": Case("ulysses", True, kv_heads=2, scale=0.3),
 }
 
 
@@ -180,8 +185,11 @@ def _run_case(group, case: Case, tensors: tuple[torch.Tensor, ...]) -> tuple[tor
     q, k, v, d_out = (_local(t.to(case.dtype), case, n, rank) for t in tensors)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     try:
-        out = cp.ring_attention(q, k, v, is_causal=case.is_causal, group=group, layout=case.layout,
-                                scale=case.scale)
+        if case.kernel == "ring":
+            out = cp.ring_attention(q, k, v, is_causal=case.is_causal, group=group, layout=case.layout,
+                                   scale=case.scale)
+        else:
+            out = cp.ulysses_attention(q, k, v, is_causal=case.is_causal, group=group, scale=case.scale)
     except AutoparError as e:
         return str(e)
     out.backward(d_out)
@@ -226,6 +234,9 @@ def _whole(parts: list[torch.Tensor], case: Case, n: int) -> torch.Tensor:
 
 def _check(name: str, case: Case, results: list, tensors: tuple[torch.Tensor, ...], n: int) -> None:
     """Every rank's results of one case, put together, against the whole sequence's attention."""
+    if case.kernel == "ulysses" and (HEADS % n or case.kv_heads % n):
+        assert all("splits heads over the" in r for r in results), (name, results[0])
+        return
     # SDPA itself, run in bf16 on these inputs, is up to 2e-2 off the fp32 values too
     tolerance = BF16 if case.dtype == torch.bfloat16 else FP32
     for what, got, want in zip(("out", "dq", "dk", "dv"), zip(*results, strict=True),
@@ -252,7 +263,7 @@ def _on_axis(mesh, cases: dict[str, Case], inputs: dict[str, tuple[torch.Tensor,
 @slow
 def test_on_a_mesh_axis_the_ring_stays_within_its_group():
     # mesh [[0, 1], [2, 3]]: ranks 2 and 3 are ranks 0 and 1 of their "cp" group
-    cases = {name: CASES[name] for name in ("balanced", "gqa")}
+    cases = {name: CASES[name] for name in ("balanced", "ulysses-causal")}
     inputs = {name: _inputs(case, 16, seed) for seed, (name, case) in enumerate(cases.items())}
     per_rank = run_on_gloo_mesh(_on_axis, (2, 2), cases, inputs, axis_names=("dp", "cp"), timeout_s=120,
                                 start_method="forkserver")

@@ -1,9 +1,12 @@
 """Context parallelism: attention with the sequence split over the ranks of a process group.
 
-``ring_attention``, exact against ``scaled_dot_product_attention`` on the whole sequence: every
-rank keeps its queries; key/value blocks travel around the ring, and each rank merges the partial
-results of its queries with each block through their log-sum-exp. Memory per rank stays at two
-key/value blocks whatever the number of ranks.
+Two runtime kernels, exact against ``scaled_dot_product_attention`` on the whole sequence:
+
+* ``ring_attention``: every rank keeps its queries; key/value blocks travel around the ring, and
+  each rank merges the partial results of its queries with each block through their log-sum-exp.
+  Memory per rank stays at two key/value blocks whatever the number of ranks.
+* ``ulysses_attention``: an all-to-all turns the sequence split into a head split, each rank runs
+  attention on whole sequences for its heads, and a second all-to-all turns it back.
 
 Layouts of the sequence over the ranks (``positions`` gives each rank's global position ids):
 "contiguous" gives rank r chunk r of n; "balanced" cuts the sequence into 2n chunks and gives
@@ -17,6 +20,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from autopar.core.errors import AutoparError
 
@@ -338,3 +343,47 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         raise AutoparError(f"the balanced layout holds two equal chunks per rank; local length {key.size(2)} is odd")
     ring = _Ring(group, is_causal, layout, query.size(-1) ** -0.5 if scale is None else scale, _kernel_for(query))
     return _RingAttention.apply(query, key, value, ring)
+
+
+# ----------------------------------------------------------------------------
+# Ulysses
+# ----------------------------------------------------------------------------
+
+
+def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[batch, heads, seq/n, dim] split by sequence -> [batch, heads/n, seq, dim] split by heads."""
+    n = group.size()
+    b, h, s, d = x.shape
+    parts = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()   # [n: head group, ...]
+    got = funcol.all_to_all_single(parts, None, None, group)              # [n: sequence chunk, ...]
+    return funcol.wait_tensor(got).permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The inverse of ``_seq_to_heads``."""
+    n = group.size()
+    b, h, s, d = x.shape
+    parts = x.reshape(b, h, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()   # [n: sequence chunk, ...]
+    got = funcol.wait_tensor(funcol.all_to_all_single(parts, None, None, group))   # [n: head group, ...]
+    return got.transpose(0, 1).reshape(b, n * h, s // n, d)
+
+
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool,
+                      group: dist.ProcessGroup, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of the whole sequence (DeepSpeed-Ulysses), each rank of
+    ``group`` holding its contiguous part [batch, heads, seq_local, dim] of query, key and value.
+
+    An all-to-all regroups the tensors by heads (each rank gets ``heads/n`` heads of the whole
+    sequence), attention runs locally, and an all-to-all gives every rank its rows back. The
+    functional all-to-all is differentiable, so autograd sends the gradients back the same way.
+    """
+    _check_attention(query, key, value, is_causal)
+    n = group.size()
+    if query.size(1) % n or key.size(1) % n:
+        raise AutoparError(f"Ulysses attention splits heads over the {n} ranks, but there are {query.size(1)} "
+                           f"query and {key.size(1)} key/value heads: use ring_attention, or a group whose "
+                           "size divides both")
+    q, k, v = (_seq_to_heads(t, group) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                         enable_gqa=q.size(1) != k.size(1))
+    return _heads_to_seq(out, group)

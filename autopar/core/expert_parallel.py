@@ -20,33 +20,36 @@ weights (through ``combine``'s weighting) and the experts' parameters.
 
 How transformers 5 builds the block, and what ``torch.export`` captures of it (for the
 planner's integration, the next step). ``MixtralSparseMoeBlock`` (also OLMoE's; Qwen2-MoE's
-adds a shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
+adds a gated shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
 ``softmax`` in fp32, ``topk``, top values renormalised to sum to 1; OLMoE renormalises only
 under ``norm_topk_prob``) then ``experts`` (``MixtralExperts``: fused ``gate_up_proj``
 [E, 2I, H] and ``down_proj`` [E, H, I] parameters, its forward picked by
-``@use_experts_implementation`` from ``config._experts_implementation``: "grouped_mm" by default,
-"eager" a Python loop over the experts hit, "batched_mm"). The default's captured graph on CPU
-fp32, between the router and the block's output reshape, is::
+``@use_experts_implementation`` from ``config._experts_implementation``: "grouped_mm" by
+default, "batched_mm", or "eager", a Python loop over ``nonzero()`` of the experts hit, which
+export refuses: a guard on a data-dependent size). The default, exported (``strict=False``,
+a [2, 3, 16] input, E=4, k=2, T=6) gives these nodes between the router and the output::
 
-    view [T*k] of topk's indices          view [T*k] of the renormalised weights
-    sort -> (sorted ids, perm)            floordiv(perm, k) -> token of each pair
-    index(hidden, token) -> [T*k, H]      index(weights, perm)
-    histc(sorted ids, bins=E) -> counts   cumsum -> offsets (int32)
-    transformers.grouped_mm_fallback(x, gate_up_proj^T, offsets) -> [T*k, 2I]
-    split/chunk -> silu(gate) * up
-    transformers.grouped_mm_fallback(h, down_proj^T, offsets) -> [T*k, H]
-    mul by the sorted weights; index_put of arange at perm (the inverse permutation);
-    index by it; view [T, k, H]; sum(1)
+    topk -> (values [T, k], ids [T, k]); div_ by their sum (renormalised weights)
+    reshape [T*k] of the weights; reshape [T*k] of the ids
+    sort(ids) -> (sorted ids, perm)       floor_divide(perm, k) -> token of each pair
+    index(hidden, [token]) -> [T*k, H]    index(weights, [perm]) -> [T*k]
+    histc(sorted ids as float, bins=E, min=0, max=E-1) -> counts [E]; cumsum -> offsets
+    transformers.grouped_mm_fallback(x, transpose(gate_up_proj), offsets) -> [T*k, 2I]
+    chunk(2) -> silu(gate) * up
+    transformers.grouped_mm_fallback(h, transpose(down_proj), offsets) -> [T*k, H]
+    mul by unsqueeze(sorted weights)
+    empty_like(perm); index_put_(arange(T*k) at perm) -> inverse permutation; index by it
+    view [T, k, H]; sum(1)
 
-(``torch._grouped_mm`` in place of the fallback where the device and dtype have a kernel.) An
-expert-parallel strategy keeps the router and replaces the nodes from the indices' ``view``
-to the ``sum``: ``dispatch`` stands for the sort, gather, histc and cumsum (its counts are
-the local experts' offsets), the two grouped matmuls stay but take the rank's slice
-``[r*E/n, (r+1)*E/n)`` of ``gate_up_proj`` and ``down_proj`` (``Shard(0)`` of the expert dim)
-and the local offsets, and ``combine`` stands for the weighting, the inverse permutation and
-the sum over k. The "eager" implementation instead unrolls at capture time into one
-``index``/``linear``/``index_add_`` chain per expert hit by the example's routing, which is
-specialised to that routing and not a graph to split.
+(``aten._grouped_mm`` instead of the fallback op in bf16: under export transformers takes
+the native kernel for bf16 only; ``to``/``_assert_tensor_metadata`` dtype nodes are left out
+above.) An expert-parallel strategy keeps the router and replaces the nodes from the two
+``reshape``s to the ``sum``: ``dispatch`` stands for the sort, floor_divide, token ``index``,
+histc and cumsum (its counts give the local experts' offsets); the two grouped matmuls and the
+SwiGLU between them stay, on the rank's slice ``[r*E/n, (r+1)*E/n)`` of ``gate_up_proj`` and
+``down_proj`` (``Shard(0)``, the expert dim) with local offsets; and ``combine`` stands for
+the weights' ``index`` by perm and the ``mul`` (moved after the return trip), the inverse
+permutation and the sum over k.
 """
 from __future__ import annotations
 

@@ -1,0 +1,213 @@
+"""Expert parallelism: a mixture-of-experts layer split by expert over the ranks of a group.
+
+Rank r of n holds experts ``[r*E/n, (r+1)*E/n)``. Each rank routes its own tokens: ``dispatch``
+sends every (token, choice) pair to the rank of its expert by an all-to-all and hands back the
+received rows grouped by local expert (contiguous, for a grouped GEMM); the local experts run on
+them; ``combine`` sends the results back by the reverse all-to-all and sums each token's k
+results weighted by its router weights. Exact for any routing: an expert, or a whole rank, may
+receive no tokens, and nothing is dropped (no capacity factor).
+
+Counts travel first: each rank sends every other the number of its pairs per expert there
+(an even all-to-all of ``[n, E/n]`` integers), so both ends know the uneven split sizes of the
+token all-to-all, and the receiver knows which rows belong to which local expert. The split
+sizes (and the ids' range, checked) are read on the host: ``dispatch`` syncs with the device.
+
+Backward needs no code of its own: the token all-to-alls are ``_functional_collectives``'
+``all_to_all_single``, which in torch 2.13 carries autograd (its backward is the all-to-all
+with the split sizes swapped, uneven ones included), and the permutations are indexing, whose
+backward scatters (summing a token's k gradients). Gradients reach the tokens, the router
+weights (through ``combine``'s weighting) and the experts' parameters.
+
+How transformers 5 builds the block, and what ``torch.export`` captures of it (for the
+planner's integration, the next step). ``MixtralSparseMoeBlock`` (also OLMoE's; Qwen2-MoE's
+adds a gated shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
+``softmax`` in fp32, ``topk``, top values renormalised to sum to 1; OLMoE renormalises only
+under ``norm_topk_prob``) then ``experts`` (``MixtralExperts``: fused ``gate_up_proj``
+[E, 2I, H] and ``down_proj`` [E, H, I] parameters, its forward picked by
+``@use_experts_implementation`` from ``config._experts_implementation``: "grouped_mm" by
+default, "batched_mm", or "eager", a Python loop over ``nonzero()`` of the experts hit, which
+export refuses: a guard on a data-dependent size). The default, exported (``strict=False``,
+a [2, 3, 16] input, E=4, k=2, T=6) gives these nodes between the router and the output::
+
+    topk -> (values [T, k], ids [T, k]); div_ by their sum (renormalised weights)
+    reshape [T*k] of the weights; reshape [T*k] of the ids
+    sort(ids) -> (sorted ids, perm)       floor_divide(perm, k) -> token of each pair
+    index(hidden, [token]) -> [T*k, H]    index(weights, [perm]) -> [T*k]
+    histc(sorted ids as float, bins=E, min=0, max=E-1) -> counts [E]; cumsum -> offsets
+    transformers.grouped_mm_fallback(x, transpose(gate_up_proj), offsets) -> [T*k, 2I]
+    chunk(2) -> silu(gate) * up
+    transformers.grouped_mm_fallback(h, transpose(down_proj), offsets) -> [T*k, H]
+    mul by unsqueeze(sorted weights)
+    empty_like(perm); index_put_(arange(T*k) at perm) -> inverse permutation; index by it
+    view [T, k, H]; sum(1)
+
+(``aten._grouped_mm`` instead of the fallback op in bf16: under export transformers takes
+the native kernel for bf16 only; ``to``/``_assert_tensor_metadata`` dtype nodes are left out
+above.) An expert-parallel strategy keeps the router and replaces the nodes from the two
+``reshape``s to the ``sum``: ``dispatch`` stands for the sort, floor_divide, token ``index``,
+histc and cumsum (its counts give the local experts' offsets); the two grouped matmuls and the
+SwiGLU between them stay, on the rank's slice ``[r*E/n, (r+1)*E/n)`` of ``gate_up_proj`` and
+``down_proj`` (``Shard(0)``, the expert dim) with local offsets; and ``combine`` stands for
+the weights' ``index`` by perm and the ``mul`` (moved after the return trip), the inverse
+permutation and the sum over k.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from autopar.core.errors import AutoparError
+
+# (rows grouped by local expert, rows per local expert) -> one output row per input row
+ExpertsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+# (global expert id, that expert's rows) -> its output rows
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What ``dispatch`` delivered to this rank and what ``combine`` needs to send it back.
+
+    ``tokens`` holds the rows of local expert 0, then of local expert 1, ... (``counts`` rows
+    each; global id of local expert i is ``first_expert + i``), each expert's rows in
+    source-rank order. The rest is the bookkeeping of the two permutations and the splits.
+    """
+
+    tokens: torch.Tensor             # [received rows, H], grouped by local expert
+    counts: list[int]                # rows per local expert
+    first_expert: int                # global id of local expert 0
+    group: dist.ProcessGroup | None  # None: one rank, nothing communicated
+    unsort: torch.Tensor             # send order -> (token, choice) order, [T*k]
+    ungroup: torch.Tensor            # expert-major rows -> received (source-major) order
+    sent: list[int]                  # rows sent to each rank
+    received: list[int]              # rows received from each rank
+
+
+def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return (1, 0) if group is None else (group.size(), group.rank())
+
+
+def experts_per_rank(num_experts: int, ranks: int) -> int:
+    """E/n, checked: experts split contiguously and evenly over the ranks."""
+    if ranks < 1 or num_experts % ranks:
+        raise AutoparError(f"{num_experts} experts cannot split evenly over {ranks} ranks: expert parallelism "
+                           "needs a group whose size divides the number of experts")
+    return num_experts // ranks
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The permutation undoing ``perm`` (``x[perm][_inverse(perm)] == x``)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
+def _all_to_all(x: torch.Tensor, received: list[int], sent: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Rows ``x`` split by ``sent`` to the ranks; the rows each rank sent here, by ``received``.
+    Autograd-aware: its backward is the same exchange with the splits swapped."""
+    if group is None:
+        return x
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), received, sent, group))
+
+
+def _exchange_counts(per_expert: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[n, E/n] counts of this rank's pairs per expert (row r: rank r's experts) -> [n, E/n]
+    counts of the pairs each rank sends to this rank's experts (row s: from rank s)."""
+    if group is None:
+        return per_expert
+    received = torch.empty_like(per_expert)
+    dist.all_to_all_single(received, per_expert, group=group)
+    return received
+
+
+def _check_routing(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> None:
+    if tokens.dim() != 2 or expert_ids.dim() != 2 or expert_ids.size(0) != tokens.size(0):
+        raise AutoparError(f"dispatch takes tokens [T, H] and expert ids [T, k]; got shapes {tuple(tokens.shape)} "
+                           f"and {tuple(expert_ids.shape)}")
+    if expert_ids.numel():
+        low, high = torch.stack(expert_ids.aminmax()).tolist()
+        if low < 0 or high >= num_experts:
+            raise AutoparError(f"expert ids must lie in [0, {num_experts}); got ids from {low} to {high}")
+
+
+def dispatch(tokens: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+             group: dist.ProcessGroup | None) -> Dispatched:
+    """Send this rank's tokens [T, H] to the ranks holding their top-k experts (``expert_ids``
+    [T, k], global ids); receive the rows for this rank's experts, grouped by expert.
+
+    Pairs are sorted by global expert (stable), which also groups them by destination rank;
+    each source's rows arrive grouped by local expert, and a stable sort by expert makes each
+    expert's rows contiguous over all sources. ``group`` None is one rank (no communication).
+    """
+    n, rank = _size_rank(group)
+    local = experts_per_rank(num_experts, n)
+    _check_routing(tokens, expert_ids, num_experts)
+    flat = expert_ids.reshape(-1)
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    order = torch.argsort(flat, stable=True)
+    outgoing = tokens[order // expert_ids.size(1)]
+    incoming = _exchange_counts(per_expert.view(n, local), group)   # [source rank, local expert]
+    sizes = torch.cat([per_expert.view(n, local).sum(1), incoming.sum(1), incoming.sum(0)]).tolist()   # one sync
+    sent, received, counts = sizes[:n], sizes[n:2 * n], sizes[2 * n:]
+    rows = _all_to_all(outgoing, received, sent, group)
+    expert_of_row = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(incoming.flatten())
+    regroup = torch.argsort(expert_of_row, stable=True)
+    return Dispatched(rows[regroup], counts, rank * local, group, _inverse(order), _inverse(regroup), sent, received)
+
+
+def combine(expert_out: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor) -> torch.Tensor:
+    """[T, H'] for this rank's tokens: the experts' outputs (one row per row of
+    ``dispatched.tokens``) sent back, weighted by the router ``weights`` [T, k] and summed over
+    the k choices. The products are summed in the wider of the two dtypes, as transformers does,
+    and the result has the experts' dtype."""
+    d = dispatched
+    if expert_out.size(0) != d.tokens.size(0):
+        raise AutoparError(f"the experts returned {expert_out.size(0)} rows for {d.tokens.size(0)} dispatched rows")
+    if weights.dim() != 2 or weights.numel() != d.unsort.numel():
+        raise AutoparError(f"router weights must be [T, k] with T*k = {d.unsort.numel()}; got {tuple(weights.shape)}")
+    returned = _all_to_all(expert_out[d.ungroup], d.sent, d.received, d.group)
+    pairs = returned[d.unsort].view(*weights.shape, returned.size(-1))
+    return (pairs * weights.unsqueeze(-1)).sum(1).to(expert_out.dtype)
+
+
+def expert_parallel_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                        experts: ExpertsFn, num_experts: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The MoE layer's output for this rank's tokens: ``dispatch``, this rank's ``experts`` on the
+    received rows (grouped by local expert, with their counts), ``combine``."""
+    d = dispatch(tokens, expert_ids, num_experts, group)
+    return combine(experts(d.tokens, d.counts), d, weights)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert in transformers' fused layout: ``gate_up`` [2I, H] (gate rows first),
+    ``down`` [H, I]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts on rows grouped by expert (``counts`` rows for each of ``gate_up``
+    [E, 2I, H] and ``down`` [E, H, I]): an ``ExpertsFn``. An expert without rows gets zero
+    gradients."""
+    if len(counts) != gate_up.size(0) or gate_up.size(0) != down.size(0):
+        raise AutoparError(f"{len(counts)} row counts for {gate_up.size(0)} gate_up and {down.size(0)} down experts")
+    return torch.cat([swiglu(part, gate_up[e], down[e]) for e, part in enumerate(x.split(counts))])
+
+
+def reference_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, expert: ExpertFn,
+                  num_experts: int) -> torch.Tensor:
+    """The same layer on one device, written independently of dispatch/combine: for each expert,
+    its tokens (found by mask), ``expert(e, rows)`` weighted by their router weights, added to
+    the tokens' outputs. What expert-parallel results are checked against."""
+    out = torch.zeros(tokens.shape, dtype=torch.promote_types(tokens.dtype, weights.dtype), device=tokens.device)
+    for e in range(num_experts):
+        rows, choice = (expert_ids == e).nonzero(as_tuple=True)
+        if rows.numel():
+            out = out.index_add(0, rows, expert(e, tokens[rows]) * weights[rows, choice].unsqueeze(-1))
+    return out.to(tokens.dtype)

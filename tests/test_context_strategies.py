@@ -5,6 +5,7 @@ of each strategy on simulated meshes are checked by tests/test_strategies_numeri
 ``sdpa-context-*`` cases of tests/strategy_cases.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,7 +17,9 @@ from autopar.core.ops.attention import SDPA, context_moves
 from autopar.core.strategies import build_space
 from autopar.planning.planner import plan_captured
 from codegen.generate import generate
-from tests.equivalence import build, check_training, gloo_runner
+from cost_models.activations import gradients
+from cost_models.profile_ops import op_call
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches
 from tests.tiers import slow
 
 VOCAB, DIM, HEADS, SEQ = 11, 8, 2, 8
@@ -100,6 +103,20 @@ def test_the_cost_model_is_told_what_moves():
     assert context_moves(nc.node, by["heads"], (2,), True, None) == []
 
 
+def test_profiling_times_the_slowest_ranks_attention():
+    """Ring: the last rank's queries against every key (unmasked: it sees every block); Ulysses:
+    half the heads over the whole sequence, causal."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    grad = gradients(space)
+    call = {s.names[0]: op_call(nc, s, (2,), grad) for s in nc.strategies}
+    shapes = {name: [tuple(a.shape) for a in c.args[:3]] for name, c in call.items()}
+    local, whole, half_heads = (2, HEADS, SEQ // 2, DIM // HEADS), (2, HEADS, SEQ, DIM // HEADS), (2, HEADS // 2, SEQ, DIM // HEADS)
+    assert shapes["context-ring"] == [local, whole, whole] and call["context-ring"].args[3:] == ()
+    assert shapes["context-ulysses"] == [half_heads] * 3 and call["context-ulysses"].args[5] is True
+
+
 @slow
 def test_ring_attention_forced_trains_as_one_device_across_processes():
     """Two gloo processes, SDPA forced to the ring (point-to-point between the processes): the
@@ -113,3 +130,18 @@ def test_ring_attention_forced_trains_as_one_device_across_processes():
     plan = plan_captured(captured, mesh, forced=forced)
     assert "kernels.context_attention(" in generate(captured, plan).source
     check_training(CausalLM, 0, 0, (2,), gloo_runner, {"plan": plan}, batches=batches)
+
+
+@pytest.mark.parametrize("kind", ["context-ring", "context-ulysses"])
+@slow
+def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
+    """Llama's folded causal mask is found causal when planned (the rules are offered) and when
+    run; rotary embeddings reach attention split as their positions are: 3 AdamW steps on 2
+    simulated ranks equal one device's."""
+    name, mesh = "llama-tiny", MeshSpec((2,))
+    captured = capture(build(name), *make_batches(name, 2, 16, steps=1)[0])
+    space = build_space(captured, mesh)
+    forced = {nc.node.name: next(s for s in nc.strategies if s.names == (kind,))
+              for nc in space.nodes if nc.node.target is SDPA}
+    assert len(forced) == 2
+    check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})

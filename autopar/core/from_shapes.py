@@ -59,6 +59,7 @@ def value_from_shapes(node: fx.Node, limit: int = LIMIT) -> Any:
     if nodes is None:
         return None
     values: dict[fx.Node, Any] = {}
+    last_use = {inp: n for n in nodes for inp in n.all_input_nodes}
     for n in nodes:
         if _size(n):
             val = n.meta["val"]
@@ -75,4 +76,7 @@ def value_from_shapes(node: fx.Node, limit: int = LIMIT) -> Any:
             values[n] = n.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - any failure: the value stays unknown
             return None
+        for inp in n.all_input_nodes:   # held no longer than needed: a long sequence's masks are large
+            if last_use[inp] is n:
+                del values[inp]
     return values[node]

@@ -50,9 +50,11 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 @rule(SDPA)
 def split_attention(v: OpView, n: int) -> list[AxisRule]:
-    """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads).
+    """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads), or
+    the sequence (``context_rules``).
 
-    Runs per shard locally, so both need an even split; a mask follows q where it has that dim.
+    Batch and heads run per shard locally, so both need an even split; a mask follows q where it
+    has that dim.
     """
     q, k = v.in_shapes[0], v.in_shapes[1]
     rules = [replicate(v)]

@@ -164,6 +164,21 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(self.pq(q), self.pk(k), self.pv(v), **self.kw)
 
 
+class FoldedMaskAttention(nn.Module):
+    """SDPA reading a causal mask built from positions, as Hugging Face builds it: folded, found
+    causal when planned (attention split by sequence is offered) and when run (SDPA is_causal)."""
+
+    def __init__(self, B: int, H: int, T: int, D: int) -> None:
+        super().__init__()
+        self.pq, self.pk, self.pv = Pre(B, H, T, D), Pre(B, H, T, D), Pre(B, H, T, D)
+
+    def forward(self, q, k, v):
+        B, _, T, _ = q.shape
+        pos = torch.arange(T, device=q.device)
+        mask = (pos[None, :] <= pos[:, None])[None, None].expand(B, 1, T, T)
+        return F.scaled_dot_product_attention(self.pq(q), self.pk(k), self.pv(v), attn_mask=mask)
+
+
 class GPTAttentionHeads(nn.Module):
     """nanoGPT's head split and merge: split(C) -> getitem -> view -> transpose -> sdpa ->
     transpose -> contiguous -> view."""
@@ -563,6 +578,19 @@ CASES: list[Case] = [
          lambda: (torch.randn(2, 6, 5, 4), torch.randn(2, 6, 5, 4), torch.randn(2, 6, 5, 4)),
          (aten.scaled_dot_product_attention.default,),
          {aten.scaled_dot_product_attention.default: {"batch", "heads"}}, all_2d=True),
+    # sequence 6: split by sequence over 2 and 3 ranks (ring; Ulysses where the heads divide too)
+    Case("sdpa-context-causal", lambda: Attention(2, 6, 6, 6, 4, is_causal=True),
+         lambda: (torch.randn(2, 6, 6, 4), torch.randn(2, 6, 6, 4), torch.randn(2, 6, 6, 4)),
+         (aten.scaled_dot_product_attention.default,),
+         {aten.scaled_dot_product_attention.default: {"context-ring", "context-ulysses"}}),
+    Case("sdpa-context-gqa", lambda: Attention(2, 4, 2, 6, 8, scale=0.25, enable_gqa=True),
+         lambda: (torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)),
+         (aten.scaled_dot_product_attention.default,),
+         {aten.scaled_dot_product_attention.default: {"context-ring", "context-ulysses"}}),
+    Case("sdpa-context-folded-mask", lambda: FoldedMaskAttention(2, 2, 6, 4),
+         lambda: (torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)),
+         (aten.scaled_dot_product_attention.default,),
+         {aten.scaled_dot_product_attention.default: {"context-ring", "context-ulysses"}}),
     Case("gpt-attention-heads", GPTAttentionHeads, lambda: (torch.randn(3, 5, 24),),
          (aten.split.Tensor, aten.view.default, aten.transpose.int),
          {aten.split.Tensor: {"follow"}, aten.view.default: {"follow"}, aten.transpose.int: {"follow"}}),

@@ -387,3 +387,38 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                          enable_gqa=q.size(1) != k.size(1))
     return _heads_to_seq(out, group)
+
+
+# ----------------------------------------------------------------------------
+# All-gathered keys and values
+# ----------------------------------------------------------------------------
+
+
+def allgather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: torch.Tensor | None = None, *, is_causal: bool, group: dist.ProcessGroup,
+                        rows: torch.Tensor, layout: Layout, scale: float | None = None,
+                        enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of the whole sequence, each rank of ``group`` holding its
+    part (placed by ``layout``) of query, key and value: keys and values are all-gathered (a
+    functional collective: its backward reduce-scatters their gradients) and this rank's queries,
+    at global positions ``rows`` (``positions``), attend to all of them, under the causal mask of
+    those positions or under ``attn_mask``'s rows (a mask of the whole sequence, [..., seq, seq]
+    or broadcast along queries). Llama 3's context parallelism does the same.
+
+    Memory: the whole sequence's keys and values, kept for the backward; ``ring_attention`` keeps
+    two blocks. It needs only collectives, so it also runs where ranks are simulated in one
+    process (LocalTensorMode), and takes any mask.
+    """
+    _check_attention(query, key, value, is_causal)
+    n = group.size()
+    whole_k, whole_v = (funcol.all_gather_single(t.contiguous(), 2, group) for t in (key, value))
+    seq = whole_k.size(2)
+    keys = torch.cat([positions(seq, n, r, layout) for r in range(n)]).to(query.device)   # gathered order
+    if is_causal:
+        attn_mask = keys.unsqueeze(0) <= rows.unsqueeze(1)
+    elif attn_mask is not None:
+        if attn_mask.size(-2) == seq:
+            attn_mask = attn_mask.index_select(-2, rows)
+        if attn_mask.size(-1) == seq and layout != "contiguous":
+            attn_mask = attn_mask.index_select(-1, keys)
+    return F.scaled_dot_product_attention(query, whole_k, whole_v, attn_mask, scale=scale, enable_gqa=enable_gqa)

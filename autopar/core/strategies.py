@@ -29,7 +29,7 @@ from autopar.core.execution import writes_in_place, written_aliases
 from autopar.core.fold import foldable
 from autopar.core.loss_weights import loss_with_gradients
 from autopar.core.mesh import MeshSpec
-from autopar.core.ops import axis_rules, rule_for
+from autopar.core.ops import axis_rules, rule_for, rule_key_of
 from autopar.core.placements import Placements, largest_shard_shape, placements_str
 from autopar.core.rules import AxisRule
 
@@ -171,7 +171,7 @@ _rule_cache: dict[tuple, list[Strategy]] = {}
 
 def _cache_key(node: fx.Node, in_shapes, out_shape, mesh: MeshSpec) -> tuple:
     args = torch.utils._pytree.tree_map(lambda a: "T" if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-    return (node.target, repr(args), in_shapes, out_shape, mesh.shape)
+    return (node.target, repr(args), in_shapes, out_shape, mesh.shape, rule_key_of(node))
 
 
 def op_strategies(node: fx.Node, inputs: list[fx.Node], mesh: MeshSpec) -> list[Strategy]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Hashable
 
 import torch.fx as fx
 
 from autopar.core.ops.base import KERNELS, REGISTRY, Kernels, OpEntry
 from autopar.core.rules import AxisRule, RuleFn, apply_rule, family_rule
 
-__all__ = ["KERNELS", "Kernels", "OpEntry", "axis_rules", "entry_for", "rule_for"]
+__all__ = ["KERNELS", "Kernels", "OpEntry", "axis_rules", "entry_for", "rule_for", "rule_key_of"]
 
 
 def _register_all() -> None:
@@ -43,6 +44,13 @@ def rule_for(node: fx.Node) -> RuleFn | None:
     if entry is not None and entry.rule is not None:
         return entry.rule
     return family_rule(node)
+
+
+def rule_key_of(node: fx.Node) -> Hashable:
+    """What ``node``'s rule reads beyond its shapes and arguments (its entry's ``rule_key``), for
+    the cache of its strategies; None where nothing."""
+    entry = entry_for(node)
+    return entry.rule_key(node) if entry is not None and entry.rule_key is not None else None
 
 
 def axis_rules(node: fx.Node, in_shapes: tuple[tuple[int, ...], ...], out_shape: tuple[int, ...],

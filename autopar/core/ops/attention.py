@@ -1,19 +1,47 @@
-"""Scaled dot-product attention (``aten.scaled_dot_product_attention``): split by batch or heads;
-a folded mask that is causal (or lets everything through) on this rank is passed as ``is_causal``
-(or no mask), as eager Hugging Face calls it; its backward keeps what the fused kernels keep.
+"""Scaled dot-product attention (``aten.scaled_dot_product_attention``): split by batch or heads,
+or by sequence (context parallelism: ``autopar.core.context_parallel``'s ring or Ulysses
+attention); a folded mask that is causal (or lets everything through) on this rank is passed as
+``is_causal`` (or no mask), as eager Hugging Face calls it; its backward keeps what the fused
+kernels keep.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, get_args
 
 import torch
 import torch.fx as fx
-from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed._local_tensor import (
+    LocalTensor,
+    local_tensor_mode,
+    maybe_disable_local_tensor_mode,
+    rank_map,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
 
 from autopar.core.capture import tensor_val
-from autopar.core.ops.base import Emitter, Kept, Site, emitter, kernel, rule, saved
+from autopar.core.context_parallel import allgather_attention, positions, ring_attention, ulysses_attention
+from autopar.core.from_shapes import value_from_shapes
+from autopar.core.ops.base import (
+    Collective,
+    Emitter,
+    Kept,
+    LocalCall,
+    Placed,
+    Site,
+    collectives,
+    emitter,
+    kernel,
+    rule,
+    rule_key,
+    saved,
+    timed,
+)
+from autopar.core.placements import Placements
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
 aten = torch.ops.aten
@@ -22,9 +50,11 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 @rule(SDPA)
 def split_attention(v: OpView, n: int) -> list[AxisRule]:
-    """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads).
+    """SDPA on [batch, heads, seq, dim]: batch or heads (GQA: kv heads split with q heads), or
+    the sequence (``context_rules``).
 
-    Runs per shard locally, so both need an even split; a mask follows q where it has that dim.
+    Batch and heads run per shard locally, so both need an even split; a mask follows q where it
+    has that dim.
     """
     q, k = v.in_shapes[0], v.in_shapes[1]
     rules = [replicate(v)]
@@ -42,13 +72,22 @@ def split_attention(v: OpView, n: int) -> list[AxisRule]:
                 break
         else:
             rules.append(AxisRule(Shard(d), tuple(ins), name))
-    return rules
+    return rules + context_rules(v, n)
 
 
 @emitter(SDPA)
 def emit(em: Emitter, site: Site) -> bool:
-    """Where its mask is folded (``codegen.generate._Emitter.tell_attention``), the runtime's
-    ``attention``, which reads what ``attention_mask`` made of the mask on this rank."""
+    """Split by sequence, ``context_attention`` over the axis that splits it. Where its mask is
+    folded (``codegen.generate._Emitter.tell_attention``), the runtime's ``attention``, which
+    reads what ``attention_mask`` made of the mask on this rank."""
+    context = context_of(site.plan)
+    if context is not None:
+        text = em.call_text(site.node, site.reads)
+        axis, kind = context
+        em.emit(f"{site.node.name} = kernels.context_attention({text[text.index('(') + 1:-1]}, mesh=mesh, "
+                f"axis={axis}, kind={kind!r})",
+                site.comment + f"; the sequence split over {em.axes[axis]}: {_HOW[kind]}")
+        return True
     if site.node.name not in em.masked_attention:
         return False
     text = em.call_text(site.node, site.reads)
@@ -119,3 +158,163 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if isinstance(attn_mask, str):   # CAUSAL
         return aten.scaled_dot_product_attention.default(query, key, value, None, dropout_p, True, **kwargs)
     return aten.scaled_dot_product_attention.default(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Split by sequence (context parallelism)
+# ----------------------------------------------------------------------------
+
+#: How a rule split by sequence runs: ``ring_attention`` or ``ulysses_attention``.
+ContextKind = Literal["ring", "ulysses"]
+CONTEXT_KINDS: tuple[ContextKind, ...] = get_args(ContextKind)
+_HOW = {"ring": "ring attention (keys and values passed around the ring, exact softmax merge)",
+        "ulysses": "Ulysses attention (all-to-alls regroup it by heads around attention on the whole sequence)"}
+SEQ = 2   # the sequence dim of [batch, heads, seq, dim]
+
+
+@functools.lru_cache(maxsize=256)
+def planned_mask_kind(mask: fx.Node) -> str | None:
+    """What ``attention_mask`` will find this mask to be ("causal", "none" or "mask"), where it is
+    computed from sizes alone: computed here as the forward computes it (``from_shapes``). None
+    where it reads an input or is too large to compute (``from_shapes.LIMIT``)."""
+    value = value_from_shapes(mask)
+    return _mask_kind(value) if isinstance(value, torch.Tensor) else None
+
+
+@rule_key(SDPA)
+def mask_of(node: fx.Node) -> str | None:
+    """What its mask is known to be when planned (``planned_mask_kind``; None: no mask, or not
+    known): the rules differ by it, and calls of equal shapes may not have the same mask."""
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return planned_mask_kind(mask) if isinstance(mask, fx.Node) else None
+
+
+def causal_or_open(mask: fx.Node) -> bool:
+    """Is this attention mask known, at planning time, to be exactly causal or to let every query
+    see every key?"""
+    return planned_mask_kind(mask) in ("causal", "none")
+
+
+def context_rules(v: OpView, n: int) -> list[AxisRule]:
+    """q, k, v split on the sequence (dim 2), the output too: ring attention, or Ulysses where
+    query and key/value heads divide by ``n``. Exact for no mask (causal or not) or a mask from
+    sizes alone that is causal or open (``causal_or_open``); needs self-attention (keys as long
+    as queries), an even split, no dropout, and the sequence not yet split by an earlier axis
+    (one axis runs it). A mask is read whole (R) where it is split this way."""
+    q, k = v.in_shapes[0], v.in_shapes[1]
+    query, mask = v.node.args[0], v.arg(3, "attn_mask")
+    if (len(q) != 4 or not all(isinstance(s, int) for s in (*q, *k)) or q[SEQ] != k[SEQ]
+            or not fits(q[SEQ], n, even=True) or v.arg(4, "dropout_p", 0.0) != 0.0
+            or not isinstance(query, fx.Node) or tensor_val(query).shape[SEQ] != q[SEQ]):
+        return []
+    if mask is not None and not (isinstance(mask, fx.Node) and causal_or_open(mask)):
+        return []
+    ins = (Shard(SEQ),) * 3 + (Replicate(),) * (len(v.in_shapes) - 3)
+    rules = [AxisRule(Shard(SEQ), ins, "context-ring")]
+    if q[1] % n == 0 and k[1] % n == 0:
+        rules.append(AxisRule(Shard(SEQ), ins, "context-ulysses"))
+    return rules
+
+
+def context_of(placed: Placed) -> tuple[int, ContextKind] | None:
+    """(mesh axis, kind) where ``placed`` splits the query by sequence, else None. The kind is
+    the rule's name on that axis (a ``Strategy``'s ``names``, a ``NodePlan``'s label)."""
+    axes = [a for a, p in enumerate(placed.ins[0]) if p == Shard(SEQ)]
+    if not axes:
+        return None
+    names = getattr(placed, "names", None)
+    label = names[axes[0]] if names is not None else getattr(placed, "strategy", "")
+    return axes[0], next(k for k in CONTEXT_KINDS if f"context-{k}" in label)
+
+
+def _with(p: Placements, axis: int, placement: Placement) -> Placements:
+    return tuple(placement if a == axis else q for a, q in enumerate(p))
+
+
+def _causal(node: fx.Node) -> bool:
+    """Does the whole attention run causal (``is_causal``, or a mask ``causal_or_open`` let in
+    that is causal)?"""
+    is_causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return mask_of(node) == "causal" or bool(is_causal)
+
+
+@timed(SDPA)
+def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
+                 grad: Mapping[fx.Node, bool]) -> LocalCall:
+    """Split by sequence, the attention the slowest rank computes. Ring: its queries against
+    every key, unmasked (a causal contiguous ring's last rank sees every block; the diagonal
+    one counted whole, as FLOP counts count causal attention). Ulysses: the whole sequence for
+    1/n of the heads, masked as the op is."""
+    context = context_of(placed)
+    if context is None:
+        return call
+    axis, kind = context
+    n = mesh_shape[axis]
+    q, k, v = call.args[:3]
+    kwargs = {key: val for key, val in call.kwargs.items() if key in ("scale", "enable_gqa")}
+
+    def grown(t: torch.Tensor, heads: bool) -> torch.Tensor:
+        shape = (t.shape[0], t.shape[1] // n if heads else t.shape[1], t.shape[2] * n, t.shape[3])
+        return torch.empty(shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+
+    if kind == "ring":
+        return LocalCall(SDPA, (q, grown(k, False), grown(v, False)), kwargs)
+    return LocalCall(SDPA, (grown(q, True), grown(k, True), grown(v, True), None, 0.0, _causal(node)), kwargs)
+
+
+@collectives(SDPA)
+def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: bool,
+                  loss_with_gradients: str | None) -> list[Collective]:
+    """Split by sequence, what moves over its axis. Ring: keys and values go round the ring,
+    (n-1)/n of each reaching every rank, as an all-gather; in the backward their gradients come
+    back the same way, as a reduce-scatter. Ulysses: q, k, v and the output each change from a
+    sequence to a heads split (an all-to-all), and their gradients back."""
+    context = context_of(placed)
+    if context is None:
+        return []
+    axis, kind = context
+    vals = [tensor_val(a) for a in node.args[:3]]
+    moves = []
+    if kind == "ring":
+        for t, p in zip(vals[1:], placed.ins[1:3], strict=True):
+            moves.append(Collective(tuple(t.shape), t.dtype, p, _with(p, axis, Replicate())))
+            if grad:
+                moves.append(Collective(tuple(t.shape), t.dtype, _with(p, axis, Partial()), p))
+        return moves
+    tensors = [*vals, tensor_val(node)]
+    for i, (t, p) in enumerate(zip(tensors, (*placed.ins[:3], placed.out), strict=True)):
+        by_seq, by_heads = p, _with(p, axis, Shard(1))
+        forward = (by_seq, by_heads) if i < 3 else (by_heads, by_seq)   # q, k, v in; the output back
+        moves.append(Collective(tuple(t.shape), t.dtype, *forward))
+        if grad:
+            moves.append(Collective(tuple(t.shape), t.dtype, forward[1], forward[0]))
+    return moves
+
+
+def _axis_coordinate(mesh: DeviceMesh, axis: int, rank: int) -> int:
+    """Where global ``rank`` sits along mesh ``axis``."""
+    return int((mesh.mesh == rank).nonzero()[0][axis])
+
+
+@kernel
+def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                      enable_gqa: bool = False, mesh: DeviceMesh, axis: int, kind: ContextKind) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` of q, k, v split contiguously by sequence over mesh
+    ``axis`` (this rank's rows of the output): ``ring_attention`` or ``ulysses_attention`` over
+    the axis's process group. A mask ``attention_mask`` found causal runs as ``is_causal``. Where
+    point-to-point sends do not run (ranks simulated in one process) the ring, and any other
+    mask, run as ``allgather_attention``: the same numbers; Ulysses on heads that a later axis
+    split to fewer than its ranks runs as the ring."""
+    if isinstance(attn_mask, str):   # CAUSAL
+        attn_mask, is_causal = None, True
+    group = mesh.get_group(axis)
+    n = group.size()
+    if attn_mask is None and kind == "ulysses" and query.size(1) % n == 0 and key.size(1) % n == 0:
+        return ulysses_attention(query, key, value, is_causal=is_causal, group=group, scale=scale)
+    if attn_mask is None and local_tensor_mode() is None:
+        return ring_attention(query, key, value, is_causal=is_causal, group=group, layout="contiguous", scale=scale)
+    seq = query.size(SEQ) * n
+    rows = rank_map(lambda r: positions(seq, n, _axis_coordinate(mesh, axis, r), "contiguous").to(query.device))
+    return allgather_attention(query, key, value, attn_mask, is_causal=is_causal, group=group, rows=rows,
+                               layout="contiguous", scale=scale, enable_gqa=enable_gqa)

@@ -7,6 +7,8 @@ module of this package (as DTensor registers a sharding strategy beside its op),
 optional:
 
 * ``@rule(op)``: its sharding rule for one mesh axis (``rules.RuleFn``);
+* ``@rule_key(op)``: what its rule reads of the node beyond shapes and arguments (a folded
+  mask's kind): rules are cached by shapes and arguments, and by this;
 * ``@emitter(op)``: how generated code runs it (``Emitter``, ``Site``), or False: as a plain call;
 * ``@timed(op)``: the call profiling times for it, which the cost model then looks up;
 * ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
@@ -19,7 +21,7 @@ code generation). ``docs/ops.md`` walks through cross-entropy's entry.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar
 
@@ -113,6 +115,7 @@ EmitFn = Callable[[Emitter, Site], bool]
 TimedFn = Callable[[LocalCall, fx.Node, Placed, Sequence[int], Mapping[fx.Node, bool]], LocalCall]
 CollectivesFn = Callable[[fx.Node, Placed, Sequence[int], bool, "str | None"], list[Collective]]
 SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
+RuleKeyFn = Callable[[fx.Node], Hashable]
 
 
 @dataclass
@@ -121,6 +124,7 @@ class OpEntry:
 
     target: Any
     rule: RuleFn | None = None
+    rule_key: RuleKeyFn | None = None
     emit: EmitFn | None = None
     timed: TimedFn | None = None
     collectives: CollectivesFn | None = None
@@ -152,6 +156,7 @@ def _registrar(hook: str) -> Callable[..., Callable[[F], F]]:
 
 
 rule = _registrar("rule")
+rule_key = _registrar("rule_key")
 emitter = _registrar("emit")
 timed = _registrar("timed")
 collectives = _registrar("collectives")

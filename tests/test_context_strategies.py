@@ -1,0 +1,147 @@
+"""Attention split by sequence as planner strategies (``autopar.core.ops.attention``): which SDPA
+calls get the "context-ring" / "context-ulysses" rules, what the cost model is told they move,
+and a model trained with the ring forced across gloo processes, against one device. The numbers
+of each strategy on simulated meshes are checked by tests/test_strategies_numeric.py (the
+``sdpa-context-*`` cases of tests/strategy_cases.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.core.capture import capture
+from autopar.core.mesh import MeshSpec
+from autopar.core.ops.attention import SDPA, context_moves
+from autopar.core.strategies import build_space
+from autopar.planning.planner import plan_captured
+from codegen.generate import generate
+from cost_models.activations import gradients
+from cost_models.profile_ops import op_call
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches
+from tests.tiers import slow
+
+VOCAB, DIM, HEADS, SEQ = 11, 8, 2, 8
+
+
+class CausalLM(nn.Module):
+    """Embeddings, one causal self-attention (SDPA, is_causal) with a residual, an LM head and
+    the mean cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.qkv, self.proj, self.head = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device))
+        q, k, v = (t.view(B, T, HEADS, DIM // HEADS).transpose(1, 2) for t in self.qkv(x).split(DIM, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, DIM)
+        return F.cross_entropy(self.head(x + self.proj(y)).view(-1, VOCAB), labels.view(-1))
+
+
+class MaskedAttention(nn.Module):
+    """SDPA reading a mask built from sizes (``window``: a sliding window, not causal) or given."""
+
+    def __init__(self, window: int | None) -> None:
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v, mask=None):
+        if mask is None:
+            pos = torch.arange(q.shape[2])
+            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < self.window)
+        return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=mask)
+
+
+def _batches(steps: int = 3, batch: int = 2) -> list:
+    gen = torch.Generator().manual_seed(5)
+    return [((torch.randint(0, VOCAB, (batch, SEQ), generator=gen), torch.randint(0, VOCAB, (batch, SEQ), generator=gen)),
+             {}) for _ in range(steps)]
+
+
+def _sdpa_rules(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...] = (2,)) -> set[str]:
+    captured = capture(model, inputs)
+    space = build_space(captured, MeshSpec(mesh_shape))
+    return {name for nc in space.nodes if nc.node.target is SDPA for s in nc.strategies for name in s.names}
+
+
+def test_only_a_causal_or_open_mask_from_sizes_lets_attention_split_by_sequence():
+    qkv = tuple(torch.randn(2, 2, 6, 4) for _ in range(3))
+    assert {"context-ring", "context-ulysses"} <= _sdpa_rules(MaskedAttention(6), qkv)   # the window spans it all
+    assert not {"context-ring", "context-ulysses"} & _sdpa_rules(MaskedAttention(2), qkv)
+    given = torch.ones(6, 6, dtype=torch.bool).tril()   # an input: not known when planned
+    assert not {"context-ring", "context-ulysses"} & _sdpa_rules(MaskedAttention(None), (*qkv, given))
+    odd = tuple(torch.randn(2, 2, 5, 4) for _ in range(3))
+    assert "context-ring" not in _sdpa_rules(MaskedAttention(5), odd)
+
+
+def test_one_axis_splits_the_sequence_and_ulysses_needs_the_heads_to_divide():
+    qkv = tuple(torch.randn(2, 3, 8, 4) for _ in range(3))
+    captured = capture(MaskedAttention(8), qkv)
+    space = build_space(captured, MeshSpec((2, 2)))
+    names = {s.names for nc in space.nodes if nc.node.target is SDPA for s in nc.strategies}
+    assert ("context-ring", "batch") in names and ("batch", "context-ring") in names
+    assert not any(n[0].startswith("context") and n[1].startswith("context") for n in names)
+    assert not any("context-ulysses" in n for n in names)   # 3 heads on 2 ranks
+
+
+def test_the_cost_model_is_told_what_moves():
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    by = {s.names[0]: s for s in nc.strategies}
+    shape = (2, HEADS, SEQ, DIM // HEADS)
+    ring = context_moves(nc.node, by["context-ring"], (2,), True, None)
+    gather, scatter = ((Shard(2),), (Replicate(),)), ((Partial(),), (Shard(2),))
+    assert [(m.shape, m.src, m.dst) for m in ring] == [(shape, *gather), (shape, *scatter)] * 2
+    assert len(context_moves(nc.node, by["context-ring"], (2,), False, None)) == 2   # no backward
+    ulysses = context_moves(nc.node, by["context-ulysses"], (2,), True, None)
+    assert len(ulysses) == 8 and all({m.src, m.dst} == {(Shard(2),), (Shard(1),)} for m in ulysses)
+    assert context_moves(nc.node, by["heads"], (2,), True, None) == []
+
+
+def test_profiling_times_the_slowest_ranks_attention():
+    """Ring: the last rank's queries against every key (unmasked: it sees every block); Ulysses:
+    half the heads over the whole sequence, causal."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    grad = gradients(space)
+    call = {s.names[0]: op_call(nc, s, (2,), grad) for s in nc.strategies}
+    shapes = {name: [tuple(a.shape) for a in c.args[:3]] for name, c in call.items()}
+    local, whole, half_heads = (2, HEADS, SEQ // 2, DIM // HEADS), (2, HEADS, SEQ, DIM // HEADS), (2, HEADS // 2, SEQ, DIM // HEADS)
+    assert shapes["context-ring"] == [local, whole, whole] and call["context-ring"].args[3:] == ()
+    assert shapes["context-ulysses"] == [half_heads] * 3 and call["context-ulysses"].args[5] is True
+
+
+@slow
+def test_ring_attention_forced_trains_as_one_device_across_processes():
+    """Two gloo processes, SDPA forced to the ring (point-to-point between the processes): the
+    losses and parameters after 3 AdamW steps equal one device's."""
+    batches = _batches()
+    captured = capture(build(CausalLM), *batches[0])
+    mesh = MeshSpec((2,))
+    space = build_space(captured, mesh)
+    forced = {nc.node.name: next(s for s in nc.strategies if s.names == ("context-ring",))
+              for nc in space.nodes if nc.node.target is SDPA}
+    plan = plan_captured(captured, mesh, forced=forced)
+    assert "kernels.context_attention(" in generate(captured, plan).source
+    check_training(CausalLM, 0, 0, (2,), gloo_runner, {"plan": plan}, batches=batches)
+
+
+@pytest.mark.parametrize("kind", ["context-ring", "context-ulysses"])
+@slow
+def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
+    """Llama's folded causal mask is found causal when planned (the rules are offered) and when
+    run; rotary embeddings reach attention split as their positions are: 3 AdamW steps on 2
+    simulated ranks equal one device's."""
+    name, mesh = "llama-tiny", MeshSpec((2,))
+    captured = capture(build(name), *make_batches(name, 2, 16, steps=1)[0])
+    space = build_space(captured, mesh)
+    forced = {nc.node.name: next(s for s in nc.strategies if s.names == (kind,))
+              for nc in space.nodes if nc.node.target is SDPA}
+    assert len(forced) == 2
+    check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})

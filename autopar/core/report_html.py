@@ -10,6 +10,7 @@ the strategies the search weighed. Repeated layers share a row (``report.param_p
 from __future__ import annotations
 
 import html
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -258,9 +259,21 @@ def strategy_rows(plan: Plan) -> list[tuple[str, str, str, str]]:
             "faster, but over the budget or not chosen (see the search log)"
         ranked.append((step, (name, fmt(step, "s"), fmt(h.get("peak_memory_bytes"), "B"), why)))
     for name, text in s.get("pipelines", {}).items():
-        ranked.append((float("inf"), (f"pipeline {name}", text, "", "weighed: " + s.get("pipeline", "see the search log"))))
-    ranked.sort(key=lambda r: r[0])
+        shown, _, peak = text.partition(", peak ")
+        seconds = _seconds(shown)
+        why = "the chosen layout" if shown == fmt(p.step_time_s, "s") and peak == fmt(p.peak_memory_bytes, "B") else \
+            s.get("pipeline", "weighed (see the search log)")
+        row = (f"pipeline {name}", shown, peak, why) if seconds else \
+            (f"pipeline {name}", "-", "-", text)
+        ranked.append((seconds or float("inf"), row))
+    ranked.sort(key=lambda r: float(f"{r[0]:.3g}"))   # as shown: the chosen plan first among equals
     return [row for _, row in ranked]
+
+
+def _seconds(text: str) -> float | None:
+    """The seconds ``fmt`` wrote as ``text`` ("59.5 ms"), or None."""
+    m = re.fullmatch(r"([\d.]+) (ns|us|ms|s)", text.strip())
+    return float(m.group(1)) * {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)] if m else None
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -102,6 +102,8 @@ def test_html_report_draws_every_chart_from_the_plan_alone(tiny, tmp_path):
     rows = text.split("Strategies weighed")[1]
     assert "chosen" in rows and all(name in rows for name in plan.solver["hand_plans"])
     assert len(text) < 100_000
+    marked = replace(plan, recompute={"transformer.h.0": "full"}).to_html()
+    assert "transformer.h.*.attn.c_attn (x2) [recompute full 1/2]" in marked
 
 
 def test_html_report_of_a_pipeline_has_its_schedule(pipelined):

@@ -177,12 +177,12 @@ def _placed(n: NodePlan) -> tuple[str, ...]:
     return tuple(placements_str(ps)[1:-1].replace(" ", "").split(",")) if ps else ()
 
 
-def _recomputed(plan: Plan, layer: str) -> str:
-    """The recomputation mode of the block holding ``layer`` (a pattern), or ""."""
-    for path, mode in plan.recompute.items():
-        if layer == param_pattern(path) or layer.startswith(param_pattern(path) + "."):
-            return mode
-    return ""
+def _recomputed(plan: Plan, nodes: list[NodePlan]) -> str:
+    """" [recompute full 40/96]" where some layers of a row lie in recomputed blocks, else ""."""
+    layers = {_layer_of(n) for n in nodes}
+    modes = Counter(mode for layer in layers for path, mode in plan.recompute.items()
+                    if layer == path or layer.startswith(path + "."))
+    return "".join(f" [recompute {mode} {c}/{len(layers)}]" for mode, c in modes.items())
 
 
 def placement_map(plan: Plan) -> str:
@@ -191,12 +191,11 @@ def placement_map(plan: Plan) -> str:
     layers marked in their name."""
     axes = plan.mesh.axis_names
     groups = layer_groups(plan)
-    left, cell = 300, (WIDTH - 310) / max(len(axes), 1)
+    left, cell = 400, (WIDTH - 410) / max(len(axes), 1)
     body = [_text(left + cell * (a + 0.5), 14, f"{name} ({plan.mesh.shape[a]})", "middle") for a, name in enumerate(axes)]
     for i, (layer, nodes) in enumerate(groups.items()):
         y = 20 + 16 * i
-        mode = _recomputed(plan, layer)
-        body.append(_text(left - 4, y + 11, _count(layer, nodes)[-46:] + (f" [recompute {mode}]" if mode else ""), "end"))
+        body.append(_text(left - 4, y + 11, _count(layer, nodes)[-46:] + _recomputed(plan, nodes), "end"))
         for a in range(len(axes)):
             counts = Counter(p[a] for n in nodes if len(p := _placed(n)) > a).most_common()
             if not counts:
@@ -296,7 +295,7 @@ def plan_html(plan: Plan, schedule: Sequence[Interval] | None = None) -> str:
              _section("Memory per device over the step" + where,
                       "Rebuilt from the peak's breakdown and each node's kept activations: the plan keeps no per-op "
                       "memory timeline, so the shape between the moments is approximate; the peak's parts are the "
-                      "plan's.", memory_chart(plan)),
+                      "plan's ('state': parameters with their optimizer states, which the plan keeps as one).", memory_chart(plan)),
              _section("Placement map", "Per layer (repeated layers share a row) and mesh axis: the placements of "
                       "its nodes, most common first (parameters as stored). R replicated, S(d) split on dim d, "
                       "P partial.", placement_map(plan)),

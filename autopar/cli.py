@@ -36,6 +36,7 @@ from dataclasses import Field
 from typing import Any, Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
 from autopar.core.errors import AutoparError, MeshError
+from autopar.core.plan import Plan
 from autopar.core.precision import Precision
 from autopar.core.progress import ENV as PROGRESS_ENV
 from autopar.planning.options import AS_FIELD, Flag, PlanOptions, field_doc, option_flags
@@ -170,10 +171,43 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print()
         print(symbolic_plan_costs(model, plan, example_args, example_kwargs, optimizer=args.optimizer).describe())
-    if args.json:
-        plan.to_json(args.json)
-        _progress(f"plan saved to {args.json} (load it with autopar.Plan.from_json and pass it to autopar.compile(plan=...))")
+    _save(plan, args.json, args.html)
     return 0
+
+
+def _save(plan: Plan, json_path: str | None, html_path: str | None) -> None:
+    """``--json``: the plan; ``--html``: its report as a page of charts (a pipeline's schedule
+    replayed for its Gantt chart)."""
+    if json_path:
+        plan.to_json(json_path)
+        _progress(f"plan saved to {json_path} (load it with autopar.Plan.from_json and pass it to autopar.compile(plan=...))")
+    if html_path:
+        from autopar.planning.pipeline import schedule_timeline
+
+        plan.to_html(html_path, schedule_timeline(plan))
+        _progress(f"report saved to {html_path} (one self-contained HTML file)")
+
+
+# ----------------------------------------------------------------------------------------- diff
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """``autopar diff a.json b.json``: what changed between two saved plans."""
+    from autopar.core.diff import plan_diff
+
+    a, b = Plan.from_json(args.first), Plan.from_json(args.second)   # (a missing file: PlanFileError, exit 2)
+    lines = plan_diff(a, b)
+    print("\n".join(lines) if lines else "no change: the two plans place every node alike and predict the same step")
+    return 0
+
+
+def _diff_parser(sub: Any) -> argparse.ArgumentParser:
+    """``autopar diff``."""
+    diff = sub.add_parser("diff", help="what changed between two saved plans (autopar plan --json)")
+    diff.add_argument("first", help="a plan's JSON file")
+    diff.add_argument("second", help="another plan's JSON file")
+    diff.set_defaults(func=cmd_diff)
+    return diff
 
 
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
@@ -505,7 +539,7 @@ def _talk_flags(parser: argparse.ArgumentParser, default: Any = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``autopar`` parser: ``-v``/``-q`` and the commands ``demo``, ``plan``, ``profile``, ``models``."""
+    """The ``autopar`` parser: ``-v``/``-q`` and the commands ``demo``, ``plan``, ``profile``, ``models``, ``diff``."""
     parser = argparse.ArgumentParser(
         prog="autopar",
         description="autopar: an auto-parallelizing compiler for PyTorch training.",
@@ -514,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     _talk_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for add in (_demo_parser, _plan_parser, _profile_parser, _models_parser):
+    for add in (_demo_parser, _plan_parser, _profile_parser, _models_parser, _diff_parser):
         command = add(sub)
         _talk_flags(command, argparse.SUPPRESS)
     return parser
@@ -554,6 +588,8 @@ def _plan_parser(sub: Any) -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
+    plan.add_argument("--html", metavar="FILE", default=None,
+                      help="save the report as one self-contained HTML page of charts (Plan.to_html)")
     plan.add_argument("--all-nodes", action="store_true",
                       help="list every node's predicted compute, communication, memory and their source")
     plan.add_argument("--scaling", action="store_true",

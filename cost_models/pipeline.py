@@ -53,6 +53,10 @@ class StageCost:
     activation_bytes: float = 0.0
 
 
+#: One computation as ``simulate`` ran it: (rank, kind "F", "B", "I" or "W", stage, microbatch, start s, end s).
+Interval = tuple[int, str, int, int, float, float]
+
+
 @dataclass(frozen=True)
 class PipelineStep:
     """A simulated step: ``step_s`` from the first forward to the last backward; per rank, its
@@ -132,10 +136,11 @@ def _single_stage_order(schedule: str, rank: int, ranks: int, microbatches: int)
 
 
 def simulate(schedule: str, stages: Sequence[StageCost], ranks: int, microbatches: int,
-             send_s: Sequence[float] | float = 0.0) -> PipelineStep:
+             send_s: Sequence[float] | float = 0.0, timeline: list[Interval] | None = None) -> PipelineStep:
     """Play ``schedule`` out over ``stages`` (in pipeline order; ``ranks`` x ``stages_per_rank``
     of them) for ``microbatches``. ``send_s``: seconds to send one microbatch's activation (or its
-    gradient) across each stage boundary, where the two stages sit on different ranks."""
+    gradient) across each stage boundary, where the two stages sit on different ranks. ``timeline``:
+    a list each computation is appended to, as it runs (a Gantt chart's bars)."""
     per_rank = len(stages) // ranks
     if per_rank * ranks != len(stages) or per_rank != stages_per_rank(schedule, per_rank):
         raise AutoparError(f"{schedule} on {ranks} ranks runs {ranks * stages_per_rank(schedule, max(per_rank, 1))} "
@@ -170,6 +175,8 @@ def simulate(schedule: str, stages: Sequence[StageCost], ranks: int, microbatche
                     elif a.computation_type == _B or a.computation_type == _W:
                         events[r].append((start + took, -cost.activation_bytes))
                     busy[r] += took
+                    if timeline is not None:
+                        timeline.append((r, a.computation_type.value, a.stage_index, a.microbatch_index, start, start + took))
                     start += took
                 free[r] = start
                 position[r] += 1

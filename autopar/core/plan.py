@@ -7,8 +7,9 @@ fingerprint and mesh it was made for, so it is never applied to another.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from autopar.core.blocks import RecomputeMode
 from autopar.core.errors import PlanFileError
@@ -16,6 +17,9 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.placements import Placements, parse_placement, placements_str
 from autopar.core.precision import Precision
 from autopar.core.report import format_report
+
+if TYPE_CHECKING:
+    from autopar.core.report_html import Interval
 
 PLAN_FORMAT_VERSION = 11   # 5: precision; 6: microbatches, recompute; 7: reduce_precision; 8: offloaded, accumulated; 9: pipeline, sync_s;
                           # 10: pipeline.microbatch_fingerprint; 11: the parameters of each pipeline stage
@@ -413,6 +417,18 @@ class Plan:
         """The planning report; ``top=None`` lists every node's predicted compute, communication
         and memory, and whether each figure was measured or came from the roofline."""
         return format_report(self, top=top)
+
+    def to_html(self, path: str | None = None, schedule: Sequence[Interval] | None = None) -> str:
+        """The plan as one self-contained HTML page of charts (``autopar.core.report_html``);
+        written to ``path`` if given. ``schedule``: a pipeline plan's simulated computations, for
+        its Gantt chart (``autopar.planning.pipeline.schedule_timeline(plan)``)."""
+        from autopar.core.report_html import plan_html
+
+        text = plan_html(self, schedule)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
 
     def __repr__(self) -> str:
         p = self.predicted

@@ -24,7 +24,7 @@ if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only 
     from autopar.core.blocks import RecomputeMode
     from autopar.core.plan import NodePlan, Plan, Prediction, TimeLimitLog
 
-__all__ = ["BASES", "format_report", "fmt", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
+__all__ = ["BASES", "format_report", "fmt", "headline", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
 #: What a prediction rests on (``Prediction.basis``), as the report says it.
 BASES = {
@@ -258,6 +258,21 @@ def _step_parts(p: Prediction) -> str:
     return ", ".join(parts)
 
 
+def utilisation(p: Prediction) -> str:
+    """MFU and HFU as the reports give them ("" where the peak FLOP/s are unknown)."""
+    return f"MFU {_share(p.mfu, 1)}, HFU {_share(p.hfu, 1)}" if p.mfu > 0 else ""
+
+
+def headline(plan: Plan) -> dict[str, str]:
+    """The figures both reports lead with (text ``format_report``, HTML ``report_html``)."""
+    p = plan.predicted
+    used = f", {_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the budget" if plan.memory_budget > 0 else ""
+    return {"model": plan.model_name, "mesh": plan.mesh.describe(), "step time": step_with_band(p),
+            "utilisation": utilisation(p) or "unknown",
+            "peak memory": f"{fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}",
+            "planning time": fmt(plan.planning_s, "s")}
+
+
 def format_report(plan: Plan, top: int | None = 12) -> str:
     """A readable planning report: what was chosen, what it is predicted to cost, and why it is
     slow. ``top``: nodes listed with their costs (``None``: every node)."""
@@ -305,18 +320,18 @@ def _prediction_lines(plan: Plan) -> list[str]:
     """The predicted step: its time and what it is made of, peak memory and its parts,
     communication per axis, utilisation, and what the figures rest on."""
     p = plan.predicted
+    head = headline(plan)
     lower_bound = " (a lower bound: see 'rests on')" if p.basis == "roofline" else ""
-    used = f", {_share(p.peak_memory_bytes, plan.memory_budget, 1)} of the budget" if plan.memory_budget > 0 else ""
     out = ["Predicted training step (forward + backward + optimizer, slowest device)",
-           f"  step time       {step_with_band(p)}{lower_bound}  ({_step_parts(p)})",
-           f"  peak memory     {fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}"]
+           f"  step time       {head['step time']}{lower_bound}  ({_step_parts(p)})",
+           f"  peak memory     {head['peak memory']}"]
     if p.memory_breakdown:
         width = max(len(k) for k in p.memory_breakdown)
         out.extend(f"    {k.ljust(width)}  {fmt(v, 'B').rjust(10)}" for k, v in p.memory_breakdown.items())
     comm = ", ".join(f"{a}: {fmt(b, 'B')}" for a, b in p.comm_bytes.items()) or "none"
     out.append(f"  communication   {comm} (bytes sent per device per step, by mesh axis)")
     if p.mfu > 0:
-        out.append(f"  utilisation     MFU {_share(p.mfu, 1)}, HFU {_share(p.hfu, 1)} (model FLOPs, and with "
+        out.append(f"  utilisation     {utilisation(p)} (model FLOPs, and with "
                    f"recomputed forwards, over the devices' peak in the compute dtype)")
     return [*out, f"  rests on        {BASES.get(p.basis, p.basis)}", f"  costs from      {p.cost_source or '?'}", ""]
 

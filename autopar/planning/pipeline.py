@@ -39,7 +39,7 @@ from autopar.core.units import fmt
 from autopar.planning import work
 from autopar.planning.clock import Deadline, Once
 from cost_models.comm import Link, collective_time, link_for_axis
-from cost_models.pipeline import StageCost, balanced_stages, simulate, stages_per_rank
+from cost_models.pipeline import Interval, StageCost, balanced_stages, simulate, stages_per_rank
 from cost_models.profile import Profile, resolve_profile, runtime_overhead
 
 #: Of one microbatch's time on a stage, the share its forward takes (the roofline's backward is
@@ -507,3 +507,17 @@ def pipeline_degrees(n: int, blocks: int) -> list[int]:
     fits = [f for f in range(2, min(n, blocks) + 1) if n % f == 0]
     even = [f for f in fits if blocks % f == 0]
     return sorted(even or fits, reverse=True)[:2]
+
+
+def schedule_timeline(plan: Plan) -> list[Interval]:
+    """The pipeline schedule of ``plan`` played out again on its stages' recorded seconds per
+    microbatch, for a Gantt chart (``Plan.to_html``): per computation (rank, kind, stage,
+    microbatch, start, end). Activation sends are not recorded in the plan, so they take no time
+    here, nor does a zero-bubble schedule's weight gradient run apart (empty without a pipeline)."""
+    p = plan.pipeline
+    if p is None:
+        return []
+    out: list[Interval] = []
+    simulate(p.schedule, [StageCost(s.forward_s, s.backward_s) for s in p.stages], p.ranks, p.num_microbatches,
+             timeline=out)
+    return out

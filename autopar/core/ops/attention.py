@@ -315,6 +315,9 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if attn_mask is None and local_tensor_mode() is None:
         return ring_attention(query, key, value, is_causal=is_causal, group=group, layout="contiguous", scale=scale)
     seq = query.size(SEQ) * n
-    rows = rank_map(lambda r: positions(seq, n, _axis_coordinate(mesh, axis, r), "contiguous").to(query.device))
+    if local_tensor_mode() is None:   # one rank of real processes: its own coordinate
+        rows = positions(seq, n, mesh.get_coordinate()[axis], "contiguous").to(query.device)
+    else:
+        rows = rank_map(lambda r: positions(seq, n, _axis_coordinate(mesh, axis, r), "contiguous").to(query.device))
     return allgather_attention(query, key, value, attn_mask, is_causal=is_causal, group=group, rows=rows,
                                layout="contiguous", scale=scale, enable_gqa=enable_gqa)

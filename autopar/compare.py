@@ -291,7 +291,7 @@ def _measure_worker(mesh: Any, model_name: str, batch: int | None, seq: int | No
         countdown.tick()
         taken[name] += 1
         r, k = divmod(taken[name] - 1, warmup + steps)
-        talk.note(f"round {r + 1} of {rounds}: {name}, step {k + 1} of {warmup + steps}; {countdown.text()}")
+        talk.note(f"round {r + 1} of {rounds}: {name}, step {k + 1} of {warmup + steps} ({countdown.text()})")
         if countdown.done % per_round == 0:
             say(f"  round {countdown.done // per_round} of {rounds} timed: {countdown.text()}")
 
@@ -301,7 +301,7 @@ def _measure_worker(mesh: Any, model_name: str, batch: int | None, seq: int | No
         for name, (module, optimizer, rank_batch) in runs.items():
             peak[name] = peak_step_bytes(module, rank_batch, optimizer)[0]
             countdown.tick()
-            talk.note(f"peak memory of {name}: {countdown.text()}")
+            talk.note(f"peak memory of {name} ({countdown.text()})")
     say(f"  peak memory of each measured: {countdown.text()}")
     return {"rounds": times, "peak": peak, "errors": errors}
 
@@ -335,9 +335,10 @@ def _build_runs(mesh: Any, model_name: str, batch: int | None, seq: int | None, 
     makers: dict[str, Callable[[], tuple[Any, Any]]] = {**{name: partial(compiled, text) for name, text in plans.items()},
                                                         **{name: partial(wrapped, name) for name in wrappers}}
     runs, errors = {}, {}
-    t0 = time.perf_counter()
-    for i, (name, make) in enumerate(makers.items()):
-        say(f"  building {i + 1} of {len(makers)}: {name} ({time.perf_counter() - t0:.0f} s)")
+    built = talk.Countdown(len(makers), "built")
+    for name, make in makers.items():
+        say(f"  building {name} ({built.text()})")
+        built.tick()
         try:
             with talk.working(f"building {name}"):
                 module, rank_batch = together(f"building {name}", make)

@@ -177,11 +177,11 @@ def note(what: str) -> None:
 
 
 class Countdown:
-    """Work of ``total`` steps of about equal length (``compare --measure``'s training steps taken
-    in turns): how far it is, its seconds, and the seconds left at the pace so far."""
+    """Work of ``total`` steps of about equal length (``compare --measure``'s builds, its training
+    steps taken in turns): how far it is, its seconds, and the seconds left at the pace so far."""
 
-    def __init__(self, total: int, now: Callable[[], float] = time.perf_counter) -> None:
-        self.total, self.now, self.start, self.done = total, now, now(), 0
+    def __init__(self, total: int, unit: str = "steps", now: Callable[[], float] = time.perf_counter) -> None:
+        self.total, self.unit, self.now, self.start, self.done = total, unit, now, now(), 0
 
     def tick(self, steps: int = 1) -> None:
         self.done += steps
@@ -193,10 +193,10 @@ class Countdown:
         return (self.now() - self.start) / self.done * max(self.total - self.done, 0)
 
     def text(self) -> str:
-        """"step 12 of 120, 8 s, about 70 s left"."""
+        """"12 of 120 steps, 8 s, about 70 s left"."""
         left = self.left_s()
         told = "" if left is None else f", about {left:.0f} s left"
-        return f"step {self.done} of {self.total}, {self.now() - self.start:.0f} s{told}"
+        return f"{self.done} of {self.total} {self.unit}, {self.now() - self.start:.0f} s{told}"
 
 
 def log_summary(plan: Plan) -> None:

@@ -129,9 +129,9 @@ class Comparison:
                          "last). " + (f"Measured: {self.measured}." if self.measured else "Not measured."),
                          table(self.headers(), self.rows())),
                  section("Predicted step time", "Per training step, on the worst device.",
-                         bar_chart([(s.name, {"compute": s.plan.predicted.step_time_s}) for s in ordered
+                         bar_chart([(s.name, {"predicted": s.plan.predicted.step_time_s}) for s in ordered
                                     if s.plan is not None], "s", "predicted step time"))]
-        timed = [(s.name, {"busy": s.measured_step_s}) for s in ordered if s.measured_step_s is not None]
+        timed = [(s.name, {"measured": s.measured_step_s}) for s in ordered if s.measured_step_s is not None]
         if timed:
             parts.append(section("Measured step time", self.measured, bar_chart(timed, "s", "measured step time")))
         text = page(f"autopar compare: {self.title()}", parts)

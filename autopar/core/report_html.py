@@ -28,7 +28,7 @@ Interval = tuple[int, str, int, int, float, float]
 COLOURS = {"state": "#4e79a7", "parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#76b7b2",
            "activations": "#59a14f", "recomputed": "#edc948", "working": "#b07aa1", "compute": "#4e79a7",
            "blocking comm": "#e15759", "gradient sync": "#f28e2b", "F": "#4e79a7", "B": "#59a14f",
-           "I": "#59a14f", "W": "#76b7b2", "busy": "#4e79a7"}
+           "I": "#59a14f", "W": "#76b7b2", "busy": "#4e79a7", "predicted": "#4e79a7", "measured": "#59a14f"}
 WIDTH = 760
 #: Above this many computations the Gantt chart draws each rank's busy runs, not every microbatch.
 GANTT_DETAIL = 3000
@@ -166,7 +166,7 @@ def memory_chart(plan: Plan) -> str:
     px = x0 + w * peak / max(n - 1, 1)
     body += [f'<line x1="{px:.1f}" y1="30" x2="{px:.1f}" y2="{30 + h:.0f}" stroke="#000" stroke-dasharray="4"/>',
              _text(px, 28 + h + 16, f"peak {fmt(plan.predicted.peak_memory_bytes, 'B')} at "
-                   f"{plan.predicted.peak_at or '?'}", "middle" if 0.2 < peak / n < 0.8 else "start"),
+                   f"{plan.predicted.peak_at or '?'}", "start" if peak / n <= 0.2 else "middle" if peak / n < 0.8 else "end"),
              _text(x0 - 4, 40, fmt(top, "B"), "end"), _text(x0, 30 + h + 30, "forward ->  <- backward")]
     return _svg(h + 70, body, "memory per device over the step")
 

@@ -200,6 +200,7 @@ def measure(comparison: Comparison, model_name: str, batch: int | None, seq: int
     if min(rounds, steps) < 1 or warmup < 0:
         raise AutoparError(f"measuring needs rounds >= 1, steps >= 1 and warmup >= 0 (got {rounds}, {steps}, {warmup})")
     plans = _to_run(comparison)
+    _check_host_memory(plans, spec)
     wrappers = {k: why for k, why in _torch_wrappers(spec, model_name).items() if k in torch_wrappers}
     t0 = time.perf_counter()
     ranks = run_on_gloo_mesh(_measure_worker, spec.shape, model_name, batch, seq,
@@ -227,6 +228,17 @@ def _to_run(comparison: Comparison) -> dict[str, Plan]:
             continue
         out[s.name] = s.plan
     return out
+
+
+def _check_host_memory(plans: Mapping[str, Plan], spec: MeshSpec) -> None:
+    """Every strategy lives on every rank for the whole launch: their predicted peaks, twice over
+    (torch's wrappers beside them), must fit in half of this host's memory."""
+    need = 2 * spec.size * sum(p.predicted.peak_memory_bytes for p in plans.values())
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have / 2:
+        raise AutoparError(f"measuring {len(plans)} strategies at once on {spec.size} processes would hold about "
+                           f"{fmt(need, 'B')} of this host's {fmt(have, 'B')}; compare fewer (--pipeline none, a "
+                           "smaller --batch) or without --measure")
 
 
 def _torch_wrappers(spec: MeshSpec, model_name: str) -> dict[str, str]:

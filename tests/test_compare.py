@@ -74,3 +74,14 @@ def test_measure_fills_measured_columns():
     for s in comparison.strategies:
         assert s.measured_step_s and s.measured_step_s > 0 and s.measured_peak_bytes and s.measured_peak_bytes > 0, s
     assert "measured step" in comparison.table() and comparison.sorted()[-1].name == "torch DDP"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--variant=--recompute sometimes"], "bad --variant '--recompute sometimes'"),
+    (["--variant=--no-such-flag"], "unknown --no-such-flag"),
+    (["--measure", "--hardware", "h100-80gb"], "--measure trains on this host's CPU"),
+])
+def test_compare_says_what_was_wrong(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--model", "gpt-tiny", "--mesh", "2", *argv])
+    assert exc.value.code == 2 and said in capsys.readouterr().err

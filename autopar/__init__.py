@@ -18,6 +18,7 @@ The passes, in order, and where each lives (every package imports only the ones 
     autopar/planning/    shrink, hand plans, problem building and the planner: -> Plan
     autopar/profiling/   measuring this host: local gloo meshes, op/collective timings, calibration
     autopar/api.py, cli  plan(), compile(), full_state_dict(), the ``autopar`` command
+    autopar/compare.py   strategies planned (and measured) side by side: ``autopar compare``
     autopar/checkpoint.py save(), load(): checkpoints of a compiled module and its optimizer
 
 Importing this package loads none of them: each public name loads its module on first use.

@@ -8,6 +8,10 @@
     Plan a zoo model (or ``pkg.module:factory``) for a mesh that need not exist: the model is
     built on the ``meta`` device, so a 175B model plans on a laptop. Prints the report and can
     save the plan as JSON.
+``autopar compare --model NAME --mesh 2x2 [--measure]``
+    Plan a model under the auto plan, every hand plan and forced variants and print them side by
+    side, sorted by predicted step time; ``--measure`` also trains each on a local gloo mesh,
+    beside torch's DDP, FSDP2 and tensor parallel (``autopar.compare``).
 ``autopar profile --model NAME --mesh 2x2``
     Measure this machine for a zoo model (or ``pkg.module:factory``) on a local mesh: the
     model's ops at every candidate strategy's local shapes, the collectives per mesh axis and the
@@ -141,28 +145,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
-
     import autopar
-    from autopar.core.hardware import get_hardware
     from autopar.core.units import fmt
-    from autopar.models.zoo import get_model
 
-    spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
-    get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
-    _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget,
-                    time_limit=args.time_limit)
-    options = _plan_options(args)
-    entry = get_model(args.model)
-    t0 = time.perf_counter()
-    _progress(f"building {entry.name} ({_fmt_count(entry.num_params)} parameters) on the meta device...")
-    with torch.device("meta"):
-        model = entry.build()
-    example_args, example_kwargs = entry.example(args.batch, args.seq, device="meta")
+    spec, options, entry = _planning_inputs(args)
+    model, example_args, example_kwargs = _built(entry, args, "meta")
     plan_call = autopar.plan   # the planner's modules load here, not in the time the plan reports
-    _progress(f"built in {time.perf_counter() - t0:.1f} s; planning for {spec.describe()} in {options.precision}"
-              f"{'' if args.precision else ' (the default for ' + args.hardware + '; --precision to choose)'}, "
-              f"time limit {_limit(options.time_limit)}...")
+    _say_planning(spec, options, args)
     plan = plan_call(model, spec, example_args, example_kwargs, options=options)
     _progress(f"planned in {fmt(plan.planning_s, 's')} (the report's planning time)")
     print(plan.report(top=None if args.all_nodes else args.top))
@@ -173,6 +162,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(symbolic_plan_costs(model, plan, example_args, example_kwargs, optimizer=args.optimizer).describe())
     _save(plan, args.json, args.html)
     return 0
+
+
+def _planning_inputs(args: argparse.Namespace) -> tuple[Any, PlanOptions, Any]:
+    """The mesh, options and zoo entry of ``autopar plan``'s (and ``compare``'s) flags, checked
+    before the slow capture."""
+    from autopar.core.hardware import get_hardware
+    from autopar.models.zoo import get_model
+
+    spec = _mesh_spec(args.mesh, args.axis_names, args.hardware)
+    get_hardware(args.hardware)  # unknown hardware: fail before the (slow) capture
+    _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget,
+                    time_limit=args.time_limit)
+    return spec, _plan_options(args), get_model(args.model)
+
+
+def _built(entry: Any, args: argparse.Namespace, device: str) -> tuple[Any, Any, Any]:
+    """(model, example args, example kwargs) of ``entry`` on ``device``: ``meta`` to plan for a
+    mesh that need not exist, ``cpu`` where the plans are then run here."""
+    import torch
+
+    t0 = time.perf_counter()
+    _progress(f"building {entry.name} ({_fmt_count(entry.num_params)} parameters) on the {device} device...")
+    if device == "cpu":
+        torch.manual_seed(DEMO_SEED)
+    with torch.device(device):
+        model = entry.build()
+    example_args, example_kwargs = entry.example(args.batch, args.seq, device=device)
+    _progress(f"built in {time.perf_counter() - t0:.1f} s")
+    return model, example_args, example_kwargs
+
+
+def _say_planning(spec: Any, options: PlanOptions, args: argparse.Namespace) -> None:
+    _progress(f"planning for {spec.describe()} in {options.precision}"
+              f"{'' if args.precision else ' (the default for ' + args.hardware + '; --precision to choose)'}, "
+              f"time limit {_limit(options.time_limit)}...")
 
 
 def _save(plan: Plan, json_path: str | None, html_path: str | None) -> None:
@@ -186,6 +210,84 @@ def _save(plan: Plan, json_path: str | None, html_path: str | None) -> None:
 
         plan.to_html(html_path, schedule_timeline(plan))
         _progress(f"report saved to {html_path} (one self-contained HTML file)")
+
+
+# -------------------------------------------------------------------------------------- compare
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``autopar compare``: the auto plan, every hand plan and the ``--variant``s side by side;
+    ``--measure``: also trained on a local gloo mesh beside torch's wrappers."""
+    from autopar.compare import TORCH_WRAPPERS, measure, plan_strategies
+
+    if args.hardware is None:
+        args.hardware = "cpu" if args.measure else "h100-80gb"
+    if args.measure and args.hardware != "cpu":
+        raise AutoparError(f"--measure trains on this host's CPU, so its figures compare with predictions for "
+                           f"--hardware cpu (the default with --measure), not {args.hardware!r}")
+    _check_positive(rounds=args.rounds, steps=args.steps)
+    spec, options, entry = _planning_inputs(args)
+    variants = {f"auto, {text.strip()}": _variant_options(args, text) for text in args.variant}
+    if args.measure and options.profile == "auto":
+        _measure_first_profile(entry, spec, entry.example(args.batch, args.seq, device="cpu"), _progress, {},
+                               not _quiet)
+    # run here (--measure): built on the CPU, as the ranks build it, so that the plans' fingerprints match
+    model, example_args, example_kwargs = _built(entry, args, "cpu" if args.measure else "meta")
+    _say_planning(spec, options, args)
+    comparison = plan_strategies(model, spec, example_args, example_kwargs, options=options, variants=variants,
+                                 name=entry.name, say=_progress)
+    if args.measure:
+        _progress(f"measuring on {spec.size} gloo processes (forkserver): every strategy built on each, then "
+                  f"{args.rounds} rounds of {args.warmup} + {args.steps} steps of each, in turns...")
+        measure(comparison, args.model, args.batch, args.seq, rounds=args.rounds, warmup=args.warmup,
+                steps=args.steps, torch_wrappers=() if args.no_torch else TORCH_WRAPPERS, progress=not _quiet)
+    print(comparison.table())
+    if args.html:
+        comparison.to_html(args.html)
+        _progress(f"comparison saved to {args.html} (one self-contained HTML file)")
+    return 0
+
+
+def _variant_options(args: argparse.Namespace, text: str) -> PlanOptions:
+    """The options of ``--variant TEXT``: ``autopar plan``'s option flags in ``TEXT`` over the
+    command's own."""
+    import shlex
+
+    parser = argparse.ArgumentParser(prog="--variant", add_help=False, exit_on_error=False)
+    _option_flags(parser)
+    try:
+        values, extra = parser.parse_known_args(shlex.split(text), namespace=copy.copy(args))
+    except (argparse.ArgumentError, ValueError) as e:
+        raise AutoparError(f"bad --variant {text!r}: {e}") from None
+    if extra or not text.strip():
+        raise AutoparError(f"bad --variant {text!r}: {'unknown ' + ' '.join(extra) if extra else 'empty'}; it takes "
+                           "`autopar plan`'s planning options, e.g. --variant='--recompute full' or "
+                           "--variant='--pipeline Schedule1F1B --microbatches 4'")
+    return _plan_options(values)
+
+
+def _compare_parser(sub: Any) -> argparse.ArgumentParser:
+    """``autopar compare``."""
+    cmp = sub.add_parser("compare", help="plan a model under several strategies and print them side by side",
+                         description="Plan a zoo model (or pkg.module:factory) as `autopar plan` does, under every "
+                                     "hand plan (DDP, FSDP, ZeRO, Megatron, pipelines) and under forced variants; "
+                                     "print one table sorted by predicted step time. --measure also trains each on "
+                                     "local gloo processes beside torch's DDP, FSDP2 and tensor parallel.")
+    _model_flags(cmp, hardware=None)
+    cmp.add_argument("--variant", action="append", default=[], metavar="OPTIONS",
+                     help="also the auto plan under these planning options (autopar plan's flags, quoted), e.g. "
+                          "--variant='--recompute full'; repeat for more")
+    cmp.add_argument("--html", metavar="FILE", default=None, help="also save the table as an HTML page")
+    cmp.add_argument("--measure", action="store_true",
+                     help="train every strategy that fits on a local CPU mesh of gloo processes, in turns in one "
+                          "launch, and add the measured step time and peak memory (implies --hardware cpu)")
+    cmp.add_argument("--rounds", type=int, default=2, help="--measure: rounds of turns (default 2)")
+    cmp.add_argument("--warmup", type=int, default=1, help="--measure: untimed steps of each turn (default 1)")
+    cmp.add_argument("--steps", type=int, default=2, help="--measure: timed steps of each turn (default 2)")
+    cmp.add_argument("--no-torch", action="store_true", help="--measure: leave out torch's own DDP, FSDP2 and TP")
+    _option_flags(cmp.add_argument_group("planning options", "the fields of autopar.PlanOptions, for every strategy"))
+    cmp.set_defaults(func=cmd_compare)
+    return cmp
 
 
 # ----------------------------------------------------------------------------------------- diff
@@ -539,7 +641,8 @@ def _talk_flags(parser: argparse.ArgumentParser, default: Any = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``autopar`` parser: ``-v``/``-q`` and the commands ``demo``, ``plan``, ``profile``, ``models``, ``diff``."""
+    """The ``autopar`` parser: ``-v``/``-q`` and the commands ``demo``, ``plan``, ``compare``, ``profile``,
+    ``models``, ``diff``."""
     parser = argparse.ArgumentParser(
         prog="autopar",
         description="autopar: an auto-parallelizing compiler for PyTorch training.",
@@ -548,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     _talk_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for add in (_demo_parser, _plan_parser, _profile_parser, _models_parser, _diff_parser):
+    for add in (_demo_parser, _plan_parser, _compare_parser, _profile_parser, _models_parser, _diff_parser):
         command = add(sub)
         _talk_flags(command, argparse.SUPPRESS)
     return parser
@@ -578,14 +681,7 @@ def _plan_parser(sub: Any) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan a model for a mesh that need not exist (built on the meta device)",
                           description="Plan a zoo model (or pkg.module:factory) for a device mesh; nothing is "
                                       "allocated or run, so any cluster size can be planned here.")
-    plan.add_argument("--model", required=True, help="zoo model name (see `autopar models`) or pkg.module:factory")
-    plan.add_argument("--mesh", required=True, help="mesh shape, e.g. 8, 8x8, 2x4x8")
-    plan.add_argument("--hardware", default="h100-80gb",
-                      help="hardware preset (cpu, a100-40gb, a100-80gb, h100-80gb, h200) or a JSON file "
-                           "(default h100-80gb)")
-    plan.add_argument("--axis-names", default=None, help="mesh axis names, e.g. dp,tp (default: dp,tp for 2-D)")
-    plan.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
-    plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    _model_flags(plan, hardware="h100-80gb")
     plan.add_argument("--top", type=int, default=12, help="nodes listed in the report (default 12)")
     plan.add_argument("--json", metavar="FILE", default=None, help="save the plan as JSON (autopar.Plan.from_json)")
     plan.add_argument("--html", metavar="FILE", default=None,
@@ -594,11 +690,27 @@ def _plan_parser(sub: Any) -> argparse.ArgumentParser:
                       help="list every node's predicted compute, communication, memory and their source")
     plan.add_argument("--scaling", action="store_true",
                       help="also print step time and memory as formulas of batch size B and sequence length S")
-    options = plan.add_argument_group("planning options", "the fields of autopar.PlanOptions")
-    for f, flag in option_flags():
-        _add_option_flag(options, f, flag)
+    _option_flags(plan.add_argument_group("planning options", "the fields of autopar.PlanOptions"))
     plan.set_defaults(func=cmd_plan)
     return plan
+
+
+def _model_flags(parser: argparse.ArgumentParser, hardware: str | None) -> None:
+    """What ``plan`` and ``compare`` plan: the model, its batch shape, the mesh and its hardware."""
+    parser.add_argument("--model", required=True, help="zoo model name (see `autopar models`) or pkg.module:factory")
+    parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 8, 8x8, 2x4x8")
+    parser.add_argument("--hardware", default=hardware,
+                        help="hardware preset (cpu, a100-40gb, a100-80gb, h100-80gb, h200) or a JSON file "
+                             f"(default {hardware or 'h100-80gb, cpu with --measure'})")
+    parser.add_argument("--axis-names", default=None, help="mesh axis names, e.g. dp,tp (default: dp,tp for 2-D)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+
+
+def _option_flags(parser: Any) -> None:
+    """A flag per ``PlanOptions`` field."""
+    for f, flag in option_flags():
+        _add_option_flag(parser, f, flag)
 
 
 def _add_option_flag(parser: Any, f: Field, flag: Flag) -> None:

@@ -85,10 +85,7 @@ def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], pl
         torch.manual_seed(SEED)
         return entry.build()
 
-    wrap = {"torch DDP": lambda model: peers.ddp(model, example), "torch FSDP2": lambda model: peers.fsdp2(model, example),
-            "torch TP x FSDP2": lambda model: peers.tensor_parallel(model, example, mesh),
-            "torch eager": lambda model: (model, example)}
-    runs = {label: wrap[label.removesuffix(PLAIN)](build()) for label in torch_variants}
+    runs = {label: peers.wrap(label.removesuffix(PLAIN), build(), example, mesh) for label in torch_variants}
     for label, text in plans.items():
         runs[f"autopar {label}"] = (autopar.compile(build(), mesh, *example, plan=autopar.Plan.from_json(text)),
                                     example)

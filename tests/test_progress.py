@@ -246,3 +246,14 @@ def test_the_command_line_is_silent_with_q(monkeypatch, capsys):
         logging.getLogger("autopar").setLevel(level)
     out, err = capsys.readouterr()
     assert err == "" and "autopar plan: GPT on 2 devices" in out and os.environ[progress.ENV] == "0"
+
+
+def test_a_countdown_says_the_time_left_at_the_pace_so_far():
+    clock = [100.0]
+    countdown = progress.Countdown(10, now=lambda: clock[0])
+    assert progress.Countdown(3, "built").text() == "0 of 3 built, 0 s"
+    assert countdown.left_s() is None and countdown.text() == "0 of 10 steps, 0 s"
+    clock[0] += 8.0
+    countdown.tick(4)
+    assert countdown.left_s() == pytest.approx(12.0)
+    assert countdown.text() == "4 of 10 steps, 8 s, about 12 s left"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import shutil
 from dataclasses import replace
 from html.parser import HTMLParser
 
@@ -20,9 +22,18 @@ from autopar.core.units import fmt
 from autopar.planning.baselines import candidates
 from autopar.planning.pipeline import schedule_timeline
 from tests.equivalence import build, make_batches
+from tests.tiers import slow
 
 CHARTS = ("memory per device over the step", "placement map", "time per layer", "communication per mesh axis")
 SHAPES = ("rect", "polygon", "line", "path", "circle")
+#: Headless Chromium binaries the screenshot test looks for on PATH (Debian: chromium-headless-shell).
+CHROMIUMS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+#: Set to a folder (docs/images) and the screenshot test saves a PNG of each chart there.
+SAVE_CHARTS = "AUTOPAR_SAVE_CHARTS"
+# Per chart: its label, its box, and how many of its shapes the browser laid out with an area.
+DRAWN = """els => els.map(e => [e.getAttribute('aria-label'), e.getBoundingClientRect().width,
+    e.getBoundingClientRect().height, [...e.querySelectorAll('rect,polygon,line')].filter(s => {
+        const b = s.getBBox(); return b.width > 0 || b.height > 0; }).length])"""
 
 
 class Page(HTMLParser):
@@ -155,3 +166,47 @@ def test_cli_writes_html_and_diffs(tiny, tmp_path):
         assert main(["-q", "plan", "--model", "gpt-tiny", "--mesh", "2x2", "--html", str(html_path)]) == 0
     Page(html_path.read_text())
     assert all(f'aria-label="{c}"' in html_path.read_text() for c in CHARTS)
+
+
+def _browser():
+    """playwright's sync API and a headless Chromium binary, or a skip saying what is missing."""
+    how = "pip install playwright; apt-get install chromium-headless-shell (playwright's own browser download needs " \
+          "a host this machine cannot reach)"
+    sync = pytest.importorskip("playwright.sync_api", reason=f"the screenshot test needs playwright: {how}")
+    exe = next((path for path in map(shutil.which, CHROMIUMS) if path), None)
+    if exe is None:
+        pytest.skip(f"no headless Chromium on PATH ({', '.join(CHROMIUMS)}): {how}")
+    return sync, exe
+
+
+@slow
+def test_reports_render_in_headless_chromium(tiny, pipelined, tmp_path):
+    """Both pages open in Chromium offline: no console error, every chart laid out with shapes
+    that have an area; a screenshot of each (``AUTOPAR_SAVE_CHARTS=docs/images``: a PNG per chart)."""
+    sync, exe = _browser()
+    pages = {"gpt-tiny-2x2": (tiny[0].to_html(), CHARTS),
+             "pipeline": (pipelined.to_html(schedule=schedule_timeline(pipelined)), ("pipeline schedule",))}
+    save = os.environ.get(SAVE_CHARTS)
+    with sync.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            for name, (text, charts) in pages.items():
+                path = tmp_path / f"{name}.html"
+                path.write_text(text)
+                page = browser.new_page(viewport={"width": 1000, "height": 800})
+                errors: list[str] = []
+                page.on("console", lambda m, errors=errors: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                page.goto(path.as_uri())
+                drawn = {label: (w, h, shapes) for label, w, h, shapes in page.eval_on_selector_all("svg", DRAWN)}
+                assert not errors, errors
+                for chart in charts:
+                    w, h, shapes = drawn[chart]
+                    assert w > 0 and h > 0 and shapes > 0, (name, chart, drawn[chart])
+                assert len(page.screenshot(full_page=True)) > 10_000
+                if save:
+                    for chart in charts:
+                        page.locator(f'svg[aria-label="{chart}"]').screenshot(
+                            path=os.path.join(save, chart.replace(" ", "-") + ".png"))
+        finally:
+            browser.close()

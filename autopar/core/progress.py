@@ -33,7 +33,7 @@ from autopar.core.together import first_rank
 if TYPE_CHECKING:
     from autopar.core.plan import Plan
 
-__all__ = ["ENV", "StatusLine", "doing", "log", "log_summary", "note", "say", "shown", "verbose", "working"]
+__all__ = ["ENV", "Countdown", "StatusLine", "doing", "log", "log_summary", "note", "say", "shown", "verbose", "working"]
 
 #: Set to "0" (or "false", "no", "off") and no status line is drawn.
 ENV = "AUTOPAR_PROGRESS"
@@ -174,6 +174,29 @@ def note(what: str) -> None:
     log.debug("autopar: %s", what)
     if _active is not None:
         _active.noted = what
+
+
+class Countdown:
+    """Work of ``total`` steps of about equal length (``compare --measure``'s builds, its training
+    steps taken in turns): how far it is, its seconds, and the seconds left at the pace so far."""
+
+    def __init__(self, total: int, unit: str = "steps", now: Callable[[], float] = time.perf_counter) -> None:
+        self.total, self.unit, self.now, self.start, self.done = total, unit, now, now(), 0
+
+    def tick(self, steps: int = 1) -> None:
+        self.done += steps
+
+    def left_s(self) -> float | None:
+        """Seconds left at the pace so far (None before the first step)."""
+        if not self.done:
+            return None
+        return (self.now() - self.start) / self.done * max(self.total - self.done, 0)
+
+    def text(self) -> str:
+        """"12 of 120 steps, 8 s, about 70 s left"."""
+        left = self.left_s()
+        told = "" if left is None else f", about {left:.0f} s left"
+        return f"{self.done} of {self.total} {self.unit}, {self.now() - self.start:.0f} s{told}"
 
 
 def log_summary(plan: Plan) -> None:

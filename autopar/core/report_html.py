@@ -28,7 +28,7 @@ Interval = tuple[int, str, int, int, float, float]
 COLOURS = {"state": "#4e79a7", "parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#76b7b2",
            "activations": "#59a14f", "recomputed": "#edc948", "working": "#b07aa1", "compute": "#4e79a7",
            "blocking comm": "#e15759", "gradient sync": "#f28e2b", "F": "#4e79a7", "B": "#59a14f",
-           "I": "#59a14f", "W": "#76b7b2", "busy": "#4e79a7"}
+           "I": "#59a14f", "W": "#76b7b2", "busy": "#4e79a7", "predicted": "#4e79a7", "measured": "#59a14f"}
 WIDTH = 760
 #: Above this many computations the Gantt chart draws each rank's busy runs, not every microbatch.
 GANTT_DETAIL = 3000
@@ -166,7 +166,7 @@ def memory_chart(plan: Plan) -> str:
     px = x0 + w * peak / max(n - 1, 1)
     body += [f'<line x1="{px:.1f}" y1="30" x2="{px:.1f}" y2="{30 + h:.0f}" stroke="#000" stroke-dasharray="4"/>',
              _text(px, 28 + h + 16, f"peak {fmt(plan.predicted.peak_memory_bytes, 'B')} at "
-                   f"{plan.predicted.peak_at or '?'}", "middle" if 0.2 < peak / n < 0.8 else "start"),
+                   f"{plan.predicted.peak_at or '?'}", "start" if peak / n <= 0.2 else "middle" if peak / n < 0.8 else "end"),
              _text(x0 - 4, 40, fmt(top, "B"), "end"), _text(x0, 30 + h + 30, "forward ->  <- backward")]
     return _svg(h + 70, body, "memory per device over the step")
 
@@ -275,13 +275,15 @@ def _seconds(text: str) -> float | None:
     return float(m.group(1)) * {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)] if m else None
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """An HTML table of ``rows`` of text (escaped) under ``headers``."""
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _section(title: str, note: str, content: str) -> str:
+def section(title: str, note: str, content: str) -> str:
+    """A titled part of a page: its heading, a note saying what it shows, then ``content``."""
     return f'<h2>{_e(title)}</h2><p class="note">{_e(note)}</p>{content}'
 
 
@@ -291,24 +293,29 @@ def plan_html(plan: Plan, schedule: Sequence[Interval] | None = None) -> str:
     head = headline(plan)
     where = "" if plan.pipeline is None else f" (a device of pipeline rank {plan.pipeline.peak_rank()}, the peak's)"
     parts = [f"<h1>autopar plan: {_e(plan.model_name)} on {_e(plan.mesh.describe())}</h1>",
-             _table(["", ""], [(k, v) for k, v in head.items()]),
-             _section("Memory per device over the step" + where,
+             table(["", ""], [(k, v) for k, v in head.items()]),
+             section("Memory per device over the step" + where,
                       "Rebuilt from the peak's breakdown and each node's kept activations: the plan keeps no per-op "
                       "memory timeline, so the shape between the moments is approximate; the peak's parts are the "
                       "plan's ('state': parameters with their optimizer states, which the plan keeps as one).", memory_chart(plan)),
-             _section("Placement map", "Per layer (repeated layers share a row) and mesh axis: the placements of "
+             section("Placement map", "Per layer (repeated layers share a row) and mesh axis: the placements of "
                       "its nodes, most common first (parameters as stored). R replicated, S(d) split on dim d, "
                       "P partial.", placement_map(plan)),
-             _section("Time per layer", "Summed over the layers of a row, per step: compute (forward, backward, "
+             section("Time per layer", "Summed over the layers of a row, per step: compute (forward, backward, "
                       "optimizer), blocking communication, gradient synchronisation queued in the backward "
                       f"(exposed in all: {fmt(plan.predicted.exposed_comm_s, 's')}).", time_chart(plan)),
-             _section("Communication per mesh axis", "Bytes each device sends a step.", comm_chart(plan))]
+             section("Communication per mesh axis", "Bytes each device sends a step.", comm_chart(plan))]
     if plan.pipeline is not None:
         parts.append(_pipeline_section(plan, schedule))
-    parts.append(_section("Strategies weighed", "Fastest first; the chosen plan, every hand plan costed, every "
-                          "pipeline layout tried.", _table(["strategy", "step", "peak memory", "verdict"],
+    parts.append(section("Strategies weighed", "Fastest first; the chosen plan, every hand plan costed, every "
+                          "pipeline layout tried.", table(["strategy", "step", "peak memory", "verdict"],
                                                            strategy_rows(plan))))
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>autopar plan: {_e(plan.model_name)}</title>"
+    return page(f"autopar plan: {plan.model_name}", parts)
+
+
+def page(title: str, parts: Sequence[str]) -> str:
+    """A whole self-contained page: ``title``, the project's style, then ``parts`` (HTML)."""
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n")
 
 
@@ -319,5 +326,5 @@ def _pipeline_section(plan: Plan, schedule: Sequence[Interval] | None) -> str:
             f"microbatches; predicted bubble {100 * p.bubble_fraction:.1f}% of the busiest rank's step. Replayed on "
             "the stages' recorded seconds per microbatch (activation sends not drawn).")
     if not schedule:
-        return _section("Pipeline schedule", note + " No schedule was given to draw.", "")
-    return _section("Pipeline schedule", note, gantt_chart(schedule))
+        return section("Pipeline schedule", note + " No schedule was given to draw.", "")
+    return section("Pipeline schedule", note, gantt_chart(schedule))

@@ -33,7 +33,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import AutoparError
 
-__all__ = ["StepMeasurement", "measure_training", "time_training", "time_in_turns", "ratio_in_rounds", "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth"]
+__all__ = ["StepMeasurement", "measure_training", "time_training", "time_in_turns", "ratio_in_rounds",
+           "slowest_rank_steps", "training_step", "loss_of", "live_bytes", "cpu_peak_growth", "peak_step_bytes"]
 
 Batch = tuple[tuple, dict]
 K = TypeVar("K")
@@ -165,10 +166,11 @@ def _sync(device: torch.device) -> None:
 
 
 def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,
-                  warmup: int = 2, steps: int = 5, loss_fn: Callable[[Any], torch.Tensor] | None = None
-                  ) -> list[float]:
+                  warmup: int = 2, steps: int = 5, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                  on_step: Callable[[], None] | None = None) -> list[float]:
     """Train ``warmup`` steps (optimizer states then exist), then time ``steps`` steps: seconds of
-    each. ``batches`` (``(args, kwargs)`` pairs) are used in turn.
+    each. ``batches`` (``(args, kwargs)`` pairs) are used in turn; ``on_step`` is called after
+    every step (progress), outside the timed span.
 
     Every rank of a distributed module must call this together (steps start after a barrier).
     """
@@ -178,8 +180,10 @@ def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.
         raise AutoparError(f"timing training needs steps >= 1 and warmup >= 0 (got {steps}, {warmup})")
     device = _device(module)
     loss_fn = loss_fn or loss_of
+    tick = on_step or (lambda: None)
     for i in range(warmup):
         training_step(module, batches[i % len(batches)], optimizer, loss_fn)
+        tick()
     times = []
     gc.collect()   # as timeit does: a collection the timed steps did not cause falls outside them
     gc.disable()
@@ -191,13 +195,14 @@ def time_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.
             training_step(module, batches[i % len(batches)], optimizer, loss_fn)
             _sync(device)
             times.append(time.perf_counter() - t0)
+            tick()
     finally:
         gc.enable()
     return times
 
 
 def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch]], *, rounds: int, warmup: int,
-                  steps: int) -> dict[K, list[list[float]]]:
+                  steps: int, on_step: Callable[[K], None] | None = None) -> dict[K, list[list[float]]]:
     """``time_training`` of every run (module, optimizer, batch) in turn, ``rounds`` times: each
     run's timed steps, round by round. Turns spread each run's steps over the whole timing, so
     that the host's slow and fast spells (they last seconds) fall on all runs alike; the rounds'
@@ -206,6 +211,7 @@ def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch
     fixed order, a run that always follows the heaviest pays for it in every round).
 
     Every rank of distributed modules must call this together, with the runs in the same order.
+    ``on_step(key)`` is called after each of a run's steps (progress).
     """
     times: dict[K, list[list[float]]] = {key: [] for key in runs}
     keys = list(runs)
@@ -213,7 +219,8 @@ def time_in_turns(runs: Mapping[K, tuple[nn.Module, torch.optim.Optimizer, Batch
         for k in turn_order(len(keys), r):
             key = keys[k]
             module, optimizer, batch = runs[key]
-            times[key].append(time_training(module, [batch], optimizer, warmup=warmup, steps=steps))
+            tick = None if on_step is None else (lambda key=key: on_step(key))
+            times[key].append(time_training(module, [batch], optimizer, warmup=warmup, steps=steps, on_step=tick))
     return times
 
 
@@ -251,11 +258,23 @@ def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: tor
     Every rank of a distributed module must call this together (steps start after a barrier).
     """
     times = time_training(module, batches, optimizer, warmup=warmup, steps=steps, loss_fn=loss_fn)
+    batch = batches[(warmup + steps) % len(batches)]
+    peak, baseline = peak_step_bytes(module, batch, optimizer, loss_fn)
+    return StepMeasurement(step_s=statistics.median(times), step_s_all=times, peak_bytes=peak,
+                           baseline_bytes=baseline)
+
+
+def peak_step_bytes(module: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> tuple[int, int]:
+    """(peak, baseline): the tensor bytes live at the peak of one more training step on ``batch``
+    and at its start, on this rank (CUDA's peak counter; on the CPU the profiler's allocations).
+
+    Every rank of a distributed module must call this together (the step starts after a barrier).
+    """
     device = _device(module)
-    last = warmup + steps
 
     def step() -> None:
-        training_step(module, batches[last % len(batches)], optimizer, loss_fn or loss_of)
+        training_step(module, batch, optimizer, loss_fn or loss_of)
 
     gc.collect()
     _barrier()
@@ -265,13 +284,10 @@ def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: tor
         torch.cuda.reset_peak_memory_stats(device)
         step()
         _sync(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        baseline = live_bytes(_state_tensors(module, optimizer, batches[last % len(batches)]))
-        growth = cpu_peak_growth(step)
-        if growth == 0:  # a training step always allocates: the profiler recorded nothing
-            raise AutoparError("the profiler reported no CPU allocation during a training step; "
-                               "cannot measure peak memory (is another profiler active?)")
-        peak = baseline + growth
-    return StepMeasurement(step_s=statistics.median(times), step_s_all=times, peak_bytes=peak,
-                           baseline_bytes=baseline)
+        return torch.cuda.max_memory_allocated(device), baseline
+    baseline = live_bytes(_state_tensors(module, optimizer, batch))
+    growth = cpu_peak_growth(step)
+    if growth == 0:  # a training step always allocates: the profiler recorded nothing
+        raise AutoparError("the profiler reported no CPU allocation during a training step; "
+                           "cannot measure peak memory (is another profiler active?)")
+    return baseline + growth, baseline

@@ -77,3 +77,21 @@ def tensor_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[n
         parallelize_module(layer, tp, plan)
         fully_shard(layer, mesh=dp)
     return fully_shard(model, mesh=dp), rank_batch(batch, mesh.size(0), mesh.get_local_rank(0))
+
+
+#: torch's wrappers by the name results give them.
+NAMES = ("torch DDP", "torch FSDP2", "torch TP x FSDP2", "torch eager")
+
+
+def wrap(name: str, model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[nn.Module, Batch]:
+    """``model`` wrapped as torch's wrapper ``name`` (one of ``NAMES``; "torch eager": as it is),
+    with this rank's part of ``batch``."""
+    if name == "torch DDP":
+        return ddp(model, batch)
+    if name == "torch FSDP2":
+        return fsdp2(model, batch)
+    if name == "torch TP x FSDP2":
+        return tensor_parallel(model, batch, mesh)
+    if name == "torch eager":
+        return model, batch
+    raise ValueError(f"unknown torch wrapper {name!r}; expected one of {', '.join(NAMES)}")

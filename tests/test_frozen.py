@@ -142,3 +142,17 @@ def test_frozen_parameters_are_priced_without_gradient_or_optimizer_state():
     lookup = {k: next(n for n in plan.nodes if n.name == "embedding") for k, plan in plans.items()}
     assert lookup[False].sync_s > 0 and lookup[True].sync_s == 0
     assert plans[True].predicted.peak_memory_bytes < plans[False].predicted.peak_memory_bytes - 2 * nbytes
+
+
+def test_a_plan_is_for_the_parameters_frozen_when_it_was_made():
+    """The plan prices and syncs only trainable parameters' gradients: the model's id (its
+    fingerprint) covers which are frozen, so a plan is not applied to the model trained otherwise;
+    a model with none frozen keeps the id of its graph alone."""
+    from autopar.core.capture import capture, fingerprint
+
+    args, kwargs = make_batches("gpt-tiny", 4, 8, steps=1)[0]
+    trained = capture(get_model("gpt-tiny").build(), args, kwargs)
+    frozen = capture(gpt_frozen_embedding(), args, kwargs)
+    assert EMBEDDING in frozen.frozen and not trained.frozen
+    assert trained.fingerprint != frozen.fingerprint
+    assert trained.fingerprint == fingerprint(trained.program, trained.model_name)

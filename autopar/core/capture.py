@@ -235,11 +235,15 @@ def frozen_parameters(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
-def fingerprint(program: ExportedProgram, model_name: str) -> str:
-    """A stable id of the graph (ops and shapes), so a plan is never applied to another model."""
+def fingerprint(program: ExportedProgram, model_name: str, frozen: frozenset[str] = frozenset()) -> str:
+    """A stable id of the graph (ops and shapes) and of the parameters frozen in it, so a plan is
+    never applied to another model, nor to the same one trained otherwise (a plan prices and syncs
+    only trainable parameters' gradients). No frozen parameter adds nothing to the id."""
     import hashlib
 
     h = hashlib.sha256(model_name.encode())
+    if frozen:
+        h.update(("frozen:" + ",".join(sorted(frozen)) + ";").encode())
     for n in program.graph.nodes:
         if n.target in IDENTITY_OPS:
             continue
@@ -377,6 +381,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     notes = _notes(model, added)
     name = type(model).__name__
     _refuse_buffer_writes(program.graph_signature, name)
+    frozen = frozen_parameters(model)
     return CapturedGraph(
         program=program,
         param_of=param_of,
@@ -386,10 +391,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         in_spec=in_spec,
         out_spec=program.call_spec.out_spec,
         model_name=name,
-        fingerprint=fingerprint(program, name),
+        fingerprint=fingerprint(program, name, frozen),
         precision=precision,
         warnings=notes,
-        frozen=frozen_parameters(model),
+        frozen=frozen,
     )
 
 

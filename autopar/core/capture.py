@@ -472,6 +472,14 @@ def _is_tensor_like(n: fx.Node) -> bool:
     return tensor_val(n) is not None
 
 
+_RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+
+
+def is_random(node: fx.Node) -> bool:
+    """An op drawing random numbers (dropout's mask): its value differs from call to call."""
+    return isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM)
+
+
 def tensor_val(node: fx.Node) -> torch.Tensor | None:
     """A node's (first) tensor output as export recorded it (global shape and dtype), or None."""
     val = node.meta.get("val")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.config
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind
 from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch is pinned (setup.py)
@@ -67,7 +67,9 @@ class CapturedGraph:
 
 
 def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Fail early, with the signature, when the example inputs cannot be passed to forward."""
+    """Fail early, with the signature, when the example inputs cannot be passed to forward, and
+    when the model was built with every rank simulated (``_refuse_simulated_state``)."""
+    _refuse_simulated_state(model)
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
@@ -225,6 +227,18 @@ def _refuse_higher_order_ops(program: ExportedProgram, model_name: str) -> None:
         advice = "; ".join(_HIGHER_ORDER_ADVICE.get(op, f"{op}: write the model without it") for op in found)
         raise CaptureError(f"{model_name} contains higher-order ops autopar cannot shard yet ({', '.join(found)}). "
                            f"What to do: {advice}.")
+
+
+def _refuse_simulated_state(model: torch.nn.Module) -> None:
+    """A model built under ``LocalTensorMode`` (inside ``run_on_local_tensor_mesh``) holds a tensor
+    per simulated rank in each parameter: export cannot trace those (it stopped on a bare
+    ``StopIteration``), and the single device's model is the one to hand over."""
+    simulated = next((name for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, LocalTensor)), None)
+    if simulated is not None:
+        raise CaptureError(
+            f"{type(model).__name__} was built with every rank simulated (its {simulated} is a LocalTensor: the "
+            "model was made inside LocalTensorMode, e.g. in the function run_on_local_tensor_mesh runs). Build the "
+            "model outside it, as for one device, and pass it in; autopar shards it over the simulated ranks.")
 
 
 def frozen_parameters(model: torch.nn.Module) -> frozenset[str]:

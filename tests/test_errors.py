@@ -179,6 +179,28 @@ def test_gradient_checkpointing_enable_is_ignored_with_a_warning():
     assert any("gradient checkpointing" in w for w in plan.warnings), plan.warnings
 
 
+class Checkpointed(nn.Module):
+    """A hand-written model checkpointing its block with ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.reentrant = nn.Linear(4, 4), nn.Linear(4, 4), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = lambda y: self.b(torch.relu(self.a(y)))   # noqa: E731
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_calls_are_ignored_with_a_warning(reentrant):
+    """Export inlines ``torch.utils.checkpoint``: the graph no longer shows it, the plan says so."""
+    from autopar.core.capture import capture
+
+    with pytest.warns(UserWarning, match="1 torch.utils.checkpoint call.* plans recomputation itself"):
+        captured = capture(Checkpointed(reentrant), (torch.randn(2, 4),))
+    assert any("torch.utils.checkpoint" in w for w in captured.warnings), captured.warnings
+
+
 # ------------------------------------------------------------------ processes
 NO_GUARD = """
 import torch.distributed as dist

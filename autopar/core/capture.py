@@ -111,20 +111,47 @@ def _with_added(dynamic_shapes: Any, added: dict) -> Any:
     return {**dynamic_shapes, **dict.fromkeys(added)} if isinstance(dynamic_shapes, dict) else dynamic_shapes
 
 
-def _notes(model: torch.nn.Module, added: dict) -> list[str]:
+def _notes(model: torch.nn.Module, added: dict, checkpoints: int) -> list[str]:
     """What capture did that the user did not ask for, said in the plan (``Plan.warnings``); the
-    model's own activation checkpointing, which the plan ignores, also as a Python warning."""
+    model's own activation checkpointing (``checkpoints``: its ``torch.utils.checkpoint`` calls
+    traced), which the plan ignores, also as a Python warning."""
     name = type(model).__name__
     notes = [f"autopar called {name}.forward with {k}={v!r}, which the inputs left unset: training keeps no "
              f"key/value cache (pass {k} with the inputs to choose otherwise)" for k, v in added.items()]
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-    if model.training and checkpointed:   # Hugging Face's gradient_checkpointing_enable(): traced through
-        ignored = (f"{name} has gradient checkpointing on (gradient_checkpointing_enable()): autopar ignores it and "
-                   "plans recomputation itself (the recompute= option: 'auto' recomputes where memory needs it, "
-                   "'full' every repeated block)")
+    hf = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    if model.training and (hf or checkpoints):   # traced through: the ops inside run once, as captured
+        how = ("gradient checkpointing on (gradient_checkpointing_enable())" if hf
+               else f"{checkpoints} torch.utils.checkpoint call(s) in its forward")
+        ignored = (f"{name} has {how}: autopar ignores it and plans recomputation itself (the recompute= option: "
+                   "'auto' recomputes where memory needs it, 'full' every repeated block)")
         warnings.warn(ignored, stacklevel=3)
         notes.append(ignored)
     return notes
+
+
+@contextmanager
+def _counting_checkpoints(calls: list[str]) -> Iterator[None]:
+    """Record the model's ``torch.utils.checkpoint`` calls while it is traced (export inlines the
+    ops inside them, so the graph no longer shows them): one entry per call, in ``calls``."""
+    import torch.utils.checkpoint as ckpt
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append("non-reentrant")
+        return generator(*args, **kwargs)
+
+    class Reentrant:
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            calls.append("reentrant")
+            return function.apply(*args)
+
+    generator, function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    # both looked up by name when checkpoint() runs
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = counted, Reentrant  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, function  # type: ignore[misc]
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -382,7 +409,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     added = {k: v for k, v in exported.items() if k not in kwargs}
     if added and dynamic_shapes is not None:   # shaped as the inputs given: the added one has none
         dynamic_shapes = _with_added(dynamic_shapes, added)
-    program = _export(model, traced, args, exported, dynamic_shapes)
+    checkpoints: list[str] = []
+    with _counting_checkpoints(checkpoints):
+        program = _export(model, traced, args, exported, dynamic_shapes)
     in_spec = program.call_spec.in_spec
     for key in added:
         in_spec = _drop_added_input(program, key)
@@ -392,7 +421,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _refuse_higher_order_ops(program, type(model).__name__)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
-    notes = _notes(model, added)
+    notes = _notes(model, added, len(checkpoints))
     name = type(model).__name__
     _refuse_buffer_writes(program.graph_signature, name)
     frozen = frozen_parameters(model)

@@ -167,8 +167,14 @@ def _user_frame(exc: BaseException) -> str:
 
 
 
-def _capture_hint(message: str) -> str | None:
-    """What to do about export's error ``message`` (its first line), where its cause is known."""
+def _capture_hint(message: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """What to do about export's error ``message`` (its first line), where its cause is known;
+    ``dtype``: the precision policy's compute dtype the model was traced under."""
+    if dtype != torch.float32 and re.search(r"dtype|BFloat16|Half", message):
+        return (f"under a precision policy computing in {dtype} autopar casts the parameters and floating inputs "
+                "to it (FSDP2's MixedPrecisionPolicy), not the buffers nor the tensors the model makes: this op "
+                f"mixes {dtype} with float32. Cast that operand to the activations' dtype where the model uses it "
+                "(as Hugging Face models cast their buffers), or plan with precision='fp32'.")
     unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
     if unknown and "Cache" in unknown.group(1):
         return ("the model returns a key/value cache, for generation; training keeps none: pass use_cache=False "
@@ -185,13 +191,13 @@ def _capture_hint(message: str) -> str | None:
     return None
 
 
-def _capture_error(model: torch.nn.Module, e: Exception) -> CaptureError:
+def _capture_error(model: torch.nn.Module, e: Exception, dtype: torch.dtype = torch.float32) -> CaptureError:
     """Export's error ``e`` said for the user: where in the model, why, what to do. A known cause
     comes first, export's words after it, and without export's traceback (raised ``from None``);
-    an unknown one keeps it (its ``__cause__``)."""
+    an unknown one keeps it (its ``__cause__``). ``dtype``: as ``_capture_hint`` takes it."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = f"torch.export could not capture {type(model).__name__}{_user_frame(e)}"
-    hint = _capture_hint(first)
+    hint = _capture_hint(first, dtype)
     if hint is None:
         error = CaptureError(f"{where}: {type(e).__name__}: {first}. Check that the model runs eagerly on these "
                              "inputs (model(*args, **kwargs)); the line named above is where tracing failed.")
@@ -451,7 +457,8 @@ def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs
         with maybe_disable_local_tensor_mode(), _lean_tracing():
             return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
-        raise _capture_error(model, e)  # noqa: B904 - _capture_error chains export's error or not
+        dtype = traced.dtype if isinstance(traced, ComputeIn) else torch.float32
+        raise _capture_error(model, e, dtype)  # noqa: B904 - _capture_error chains export's error or not
 
 
 def _inputs_by_kind(sig: ExportGraphSignature) -> tuple[dict[str, str], dict[str, str], dict[str, str], list[str]]:

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
-from autopar.core.capture import CapturedGraph, flat_tensor_inputs, readable_name, tensor_val
+from autopar.core.capture import CapturedGraph, flat_tensor_inputs, is_random, readable_name, tensor_val
 from autopar.core.execution import written_aliases
 from autopar.core.plan import NodePlan, Plan
 
@@ -76,3 +76,20 @@ def _replicate(node: fx.Node, ndim: int) -> NodePlan:
     whole = (Replicate(),) * ndim
     return NodePlan(node.name, str(node.target), readable_name(node), "replicate (not planned in this mode)",
                     whole, tuple(whole for _ in flat_tensor_inputs(node)), None, None, 0.0, 0.0, 0.0)
+
+
+def by_mode(graph: fx.Graph) -> list[str]:
+    """The ops of a graph captured in training mode that eval mode would run otherwise: dropout's
+    (its random mask: eval passes values through) and batch norm's (eval reads the running
+    statistics). What a model does by ``self.training`` in Python shows only in another capture."""
+    return [n.name for n in graph.nodes if n.op == "call_function"
+            and ((is_random(n) and _dropout_p(n) != 0) or "batch_norm" in str(n.target))]
+
+
+def _dropout_p(node: fx.Node) -> object:
+    """The value of a random op's dropout probability argument (``p``, ``dropout_p``: attention's
+    dropout of 0 draws nothing), None where it has none."""
+    for i, arg in enumerate(node.target._schema.arguments):   # type: ignore[union-attr]
+        if arg.name in ("p", "dropout_p"):
+            return node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else arg.default_value)
+    return None

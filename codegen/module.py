@@ -15,7 +15,7 @@ import codegen.runtime as runtime
 from autopar.core import collectives
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
-from autopar.core.errors import InputMismatchError, LossWeightError
+from autopar.core.errors import AutoparError, InputMismatchError, LossWeightError
 from autopar.core.launched import handed_over, settle
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
@@ -123,6 +123,7 @@ class ShardedModule(nn.Module):
                  and used <= set(direct_grads))
         sharded: dict[int, nn.Parameter | None] = {}
         direct: dict[str, nn.Parameter] = {}
+        self._autopar_trains: list[tuple[str, nn.Parameter, bool]] = []   # (FQN, parameter, trains as planned)
         for fqn, node in sorted(plan.parameters.items(), key=lambda kv: kv[0] not in used):
             owner, _, leaf = fqn.rpartition(".")
             mod = self.get_submodule(owner)
@@ -138,12 +139,26 @@ class ShardedModule(nn.Module):
                     shard = runtime.to_host(shard)
                 trains = captured.trains(fqn)
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=trains)
+                self._autopar_trains.append((fqn, sharded[id(p)], trains))
                 if trains and fqn in direct_grads:
                     direct[fqn] = sharded[id(p)]
                 elif trains and fqn not in gathered and not plain:   # plain: read directly, or not at all
                     runtime.sync_grad_to(sharded[id(p)], plan.reduce_precision)
             setattr(mod, leaf, sharded[id(p)])
         return direct
+
+    def _refuse_refrozen(self) -> None:
+        """The plan syncs (and prices) the gradients of the parameters trainable when the model was
+        captured: one frozen or unfrozen since would train wrong (a gradient never synchronised,
+        or one awaited that never comes), so it is refused by name."""
+        changed = [(fqn, p.requires_grad) for fqn, p, trains in self._autopar_trains if p.requires_grad != trains]
+        if changed:
+            said = ", ".join(f"{fqn} ({'unfrozen' if now else 'frozen'})" for fqn, now in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise AutoparError(
+                f"{len(changed)} parameter(s) changed requires_grad after autopar.compile: {said}{more}. The plan "
+                "synchronises the gradients of the parameters trainable when it was made. Freeze or unfreeze them "
+                "on the model before compiling it (and plan again), or set requires_grad back.")
 
     def _replicate_buffers_and_constants(self, captured: CapturedGraph, mesh: DeviceMesh,
                                          keep: set[str] | None = None) -> None:
@@ -223,7 +238,10 @@ class ShardedModule(nn.Module):
         return self._forwards.get(flat, args, kwargs, outputs, self.training), flat
 
     def _flat(self, args: tuple, kwargs: dict) -> list[Any]:
-        """The inputs flattened, refused if structured unlike the example inputs."""
+        """The inputs flattened, refused if structured unlike the example inputs (or, where grad
+        is enabled, if parameters were frozen or unfrozen since the plan: ``_refuse_refrozen``)."""
+        if torch.is_grad_enabled():
+            self._refuse_refrozen()
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 import codegen.runtime as runtime
 from autopar.core import collectives
 from autopar.core.capture import CapturedGraph, needs_grad, tensor_val
-from autopar.core.errors import InputMismatchError, LossWeightError, MeshError
+from autopar.core.errors import AutoparError, InputMismatchError, LossWeightError, MeshError
 from autopar.core.launched import Pending, handed_over, settle
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
@@ -48,6 +48,7 @@ from autopar.core.placements import shard_shape_at
 from autopar.core.plan import Plan, rank_of_stage
 from codegen.generate import GeneratedCode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
+from codegen.modes import by_mode
 from codegen.module import ShardedModule, compile_source, grad_sync_of
 from codegen.stages import StageCode
 from codegen.zero3 import GatheredParams
@@ -211,6 +212,7 @@ class PipelinedModule(ShardedModule):
         """The model's outputs for each microbatch of the batch, run through the stages in order
         (no backward), concatenated along the batch (the loss: weighted as ``train_step`` weighs
         it), on every rank."""
+        self._refuse_eval_mode()
         parts = split(args, kwargs, self.plan.microbatch_size)
         n = len(parts)
         if n != self.plan.pipeline.num_microbatches or batch_size(args, kwargs) != self.plan.batch_size:
@@ -226,6 +228,19 @@ class PipelinedModule(ShardedModule):
         weights = self._weighting.weights(counts, n) if self._weighting.index is not None else [1.0] * n
         merged = [_merge([o[j] for o in outputs], weights, j == self._weighting.index) for j in range(len(outputs[0]))]
         return pytree.tree_unflatten(merged, self._out_spec)
+
+    def _refuse_eval_mode(self) -> None:
+        """A pipeline's stages run the model as captured in training mode: in eval mode, where that
+        capture has ops eval would run otherwise (``codegen.modes.by_mode``), refused by name, never
+        run as in training."""
+        differ = by_mode(self._captured.graph) if not self.training else []
+        if differ:
+            raise AutoparError(
+                f"a pipelined module evaluates only as in training mode, and {self.plan.model_name} in eval mode "
+                f"runs {len(differ)} op(s) otherwise (dropout or batch norm: {', '.join(differ[:3])}"
+                f"{', ...' if len(differ) > 3 else ''}). Evaluate with the model in training mode under "
+                "torch.no_grad() if that is what you want, or evaluate on a plan without a pipeline "
+                "(pipeline=False).")
 
     def _evaluate(self, flat: list[Any], loss_count: float | torch.Tensor | None) -> list[Any]:
         """One microbatch through every stage: each rank runs its stages, receiving from the stage

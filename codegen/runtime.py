@@ -29,13 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.core.errors import AutoparError
-
-try:   # torch 2.13; the GPU machines lent here run 2.11, where only simulated ranks need it
-    from torch.distributed._local_tensor import rank_map
-except ImportError:   # pragma: no cover
-    def rank_map(cb):
-        raise AutoparError("simulated ranks (LocalTensorMode) need torch 2.13 (pip install torch==2.13.0)")
 from autopar.core.collectives import (
     all_reduce,
     as_dtensor,
@@ -44,7 +37,9 @@ from autopar.core.collectives import (
     planned,
     spans_job,
 )
+from autopar.core.errors import AutoparError
 from autopar.core.precision import reduce_dtype
+from autopar.core.together import rank_map
 
 aten = torch.ops.aten
 
@@ -75,8 +70,12 @@ def rank_inputs(values: Sequence[Any]) -> list[Any]:
     one rank's value: each tensor becomes a per-rank tensor. A no-op on real processes."""
     if local_tensor_mode() is None:
         return list(values)
-    return [rank_map(lambda _rank, v=v: v) if isinstance(v, torch.Tensor) and not isinstance(v, LocalTensor) else v
-            for v in values]
+    return [_every_rank(v) if isinstance(v, torch.Tensor) and not isinstance(v, LocalTensor) else v for v in values]
+
+
+def _every_rank(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as every simulated rank's (a LocalTensor)."""
+    return rank_map(lambda _rank: value)
 
 
 def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Sequence[Placement],

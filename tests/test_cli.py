@@ -71,6 +71,14 @@ def test_unknown_model_exits_2(capsys):
     assert err.startswith("error: unknown model 'gpt-tinyy'") and "gpt-tiny" in err and "Traceback" not in err
 
 
+def test_a_pipeline_with_extra_fields_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "gpt-tiny", "--mesh", "2x2", "--pipeline", "Schedule1F1B:pp:4:1:8"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pipeline takes at most" in err and "Traceback" not in err
+
+
 def test_models_lists_zoo(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -68,6 +68,14 @@ def test_a_plan_for_another_model_is_refused_for_the_model_before_the_mesh():
     assert isinstance(error, PlanFileError) and "another model or input shapes" in str(error), error
 
 
+def test_a_model_built_with_its_ranks_simulated_is_told_to_be_built_outside():
+    """Built inside ``run_on_local_tensor_mesh`` its parameters are LocalTensors, which export
+    cannot trace: said so before tracing, not a bare StopIteration from inside it."""
+    args, kwargs = make_batches("gpt-tiny", 4, 8, steps=1)[0]
+    with pytest.raises(CaptureError, match=r"built with every rank simulated .*Build the model outside it"):
+        run_on_local_tensor_mesh(lambda mesh: autopar.compile(build("gpt-tiny"), mesh, args, kwargs), (2,))
+
+
 # ------------------------------------------------------------------ control flow: never advise torch.cond
 class DataDependent(nn.Module):
     def __init__(self) -> None:
@@ -169,6 +177,28 @@ def test_gradient_checkpointing_enable_is_ignored_with_a_warning():
         plan = check_training(llama_checkpointed, 0, 0, (2,), local_runner, {"time_limit": SOLVE_S},
                               batches=_batches())
     assert any("gradient checkpointing" in w for w in plan.warnings), plan.warnings
+
+
+class Checkpointed(nn.Module):
+    """A hand-written model checkpointing its block with ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.reentrant = nn.Linear(4, 4), nn.Linear(4, 4), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = lambda y: self.b(torch.relu(self.a(y)))   # noqa: E731
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_calls_are_ignored_with_a_warning(reentrant):
+    """Export inlines ``torch.utils.checkpoint``: the graph no longer shows it, the plan says so."""
+    from autopar.core.capture import capture
+
+    with pytest.warns(UserWarning, match="1 torch.utils.checkpoint call.* plans recomputation itself"):
+        captured = capture(Checkpointed(reentrant), (torch.randn(2, 4),))
+    assert any("torch.utils.checkpoint" in w for w in captured.warnings), captured.warnings
 
 
 # ------------------------------------------------------------------ processes

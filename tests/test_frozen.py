@@ -142,3 +142,46 @@ def test_frozen_parameters_are_priced_without_gradient_or_optimizer_state():
     lookup = {k: next(n for n in plan.nodes if n.name == "embedding") for k, plan in plans.items()}
     assert lookup[False].sync_s > 0 and lookup[True].sync_s == 0
     assert plans[True].predicted.peak_memory_bytes < plans[False].predicted.peak_memory_bytes - 2 * nbytes
+
+
+def test_a_plan_is_for_the_parameters_frozen_when_it_was_made():
+    """The plan prices and syncs only trainable parameters' gradients: the model's id (its
+    fingerprint) covers which are frozen, so a plan is not applied to the model trained otherwise;
+    a model with none frozen keeps the id of its graph alone."""
+    from autopar.core.capture import capture, fingerprint
+
+    args, kwargs = make_batches("gpt-tiny", 4, 8, steps=1)[0]
+    trained = capture(get_model("gpt-tiny").build(), args, kwargs)
+    frozen = capture(gpt_frozen_embedding(), args, kwargs)
+    assert EMBEDDING in frozen.frozen and not trained.frozen
+    assert trained.fingerprint != frozen.fingerprint
+    assert trained.fingerprint == fingerprint(trained.program, trained.model_name)
+
+
+def test_freezing_changed_after_compile_is_refused_by_name():
+    """The plan syncs the gradients of the parameters trainable when it was made: a parameter
+    unfrozen (or frozen) after ``compile`` is named, not trained wrong."""
+    from autopar.core.errors import AutoparError
+    from autopar.profiling.launch import run_on_local_tensor_mesh
+
+    args, kwargs = make_batches("gpt-tiny", 4, 8, steps=1)[0]
+    model = gpt_frozen_embedding()
+
+    def body(mesh):
+        pmodel = autopar.compile(model, mesh, args, kwargs, pipeline=False, time_limit=SOLVE_S)
+        pmodel.train_step(*args, **kwargs)   # as planned: runs
+        said = []
+        for fqn, flip in ((EMBEDDING, True), ("transformer.ln_f.weight", False)):
+            param = pmodel.get_parameter(fqn)
+            param.requires_grad_(flip)
+            with pytest.raises(AutoparError) as error:
+                pmodel(*args, **kwargs)
+            param.requires_grad_(not flip)
+            said.append(str(error.value))
+        with torch.no_grad():   # an evaluation: no gradient, nothing to refuse
+            pmodel.get_parameter(EMBEDDING).requires_grad_(True)
+            pmodel(*args, **kwargs)
+        return said
+
+    said = run_on_local_tensor_mesh(body, (2,))
+    assert f"{EMBEDDING} (unfrozen)" in said[0] and "transformer.ln_f.weight (frozen)" in said[1], said

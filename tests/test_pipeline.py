@@ -9,6 +9,7 @@ parameters must equal one device's, on every rank; one case on 2x2x2 (8 processe
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -191,6 +192,8 @@ def _other_batch(mesh, name, text, batches):
         pmodel.train_step(*half[0], **half[1])
     except InputMismatchError as e:
         messages.append(str(e))
+    pmodel.eval()   # the model has no op eval mode runs otherwise: evaluates
+    messages.append(float(loss_of(pmodel(*args, **kwargs))))
     return messages
 
 
@@ -201,8 +204,26 @@ def test_pipeline_refuses_another_batch_size():
     text = pipeline_plans(name, batches, MeshSpec((2, 2), ("pp", "tp")), "tp", schedules=(("Schedule1F1B", 1),))[0]
     messages = run_on_gloo_mesh(_other_batch, (2, 2), name, text, batches, axis_names=("pp", "tp"),
                                 start_method="forkserver")
-    for compiled, stepped in messages:
+    for compiled, stepped, evaluated in messages:
         assert "runs batches of 8 rows, the example has 4" in compiled and "batches of 8 rows" in stepped
+        assert math.isfinite(evaluated)
+
+
+def test_a_pipeline_refuses_eval_mode_where_the_model_runs_otherwise_in_it():
+    """Its stages run the training-mode capture: dropout and batch norm there are named in eval
+    mode, not run as in training."""
+    from types import SimpleNamespace
+
+    from codegen.pipelined import PipelinedModule
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.BatchNorm1d(4))
+    graph = capture(model, (torch.randn(3, 4),)).graph
+    stub = SimpleNamespace(training=False, _captured=SimpleNamespace(graph=graph),
+                           plan=SimpleNamespace(model_name="Sequential"))
+    with pytest.raises(AutoparError, match=r"evaluates only as in training mode.*Sequential.* 2 op\(s\)"):
+        PipelinedModule._refuse_eval_mode(stub)
+    stub.training = True
+    PipelinedModule._refuse_eval_mode(stub)   # in training mode: runs as captured
 
 
 def test_pipeline_stages_are_priced_on_the_jobs_profile():

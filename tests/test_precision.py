@@ -153,3 +153,30 @@ def test_plans_carry_their_precision(tmp_path):
     assert "precision=" not in str(info.value)
     with pytest.raises(AutoparError, match="precision must be one of fp32, bf16"):
         autopar.plan(model, MeshSpec((2,)), args, kwargs, precision="fp16")
+
+
+class MixesABuffer(torch.nn.Module):
+    """An fp32 buffer added to bf16 activations by an op that wants one dtype (``baddbmm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("bias", torch.zeros(1, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.baddbmm(self.bias.expand(x.shape[0], 4, 4), h, h.transpose(1, 2)).sum()
+
+
+def test_an_op_mixing_a_buffer_with_bf16_activations_is_explained():
+    """bf16 casts parameters and inputs, not buffers (FSDP2's policy): where the model then mixes
+    dtypes, the error says so and what to do, not "check that the model runs eagerly" (it does)."""
+    from autopar.core.capture import capture
+    from autopar.core.errors import CaptureError
+
+    x = torch.randn(2, 4, 8)
+    capture(MixesABuffer(), (x,))   # fp32: captured
+    with pytest.raises(CaptureError, match=r"casts the parameters and floating inputs .* not the buffers.*"
+                                           r"precision='fp32'") as error:
+        capture(MixesABuffer(), (x,), precision="bf16")
+    assert "runs eagerly" not in str(error.value)

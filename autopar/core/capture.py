@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.config
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind
 from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch is pinned (setup.py)
@@ -67,7 +67,9 @@ class CapturedGraph:
 
 
 def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Fail early, with the signature, when the example inputs cannot be passed to forward."""
+    """Fail early, with the signature, when the example inputs cannot be passed to forward, and
+    when the model was built with every rank simulated (``_refuse_simulated_state``)."""
+    _refuse_simulated_state(model)
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
@@ -109,20 +111,47 @@ def _with_added(dynamic_shapes: Any, added: dict) -> Any:
     return {**dynamic_shapes, **dict.fromkeys(added)} if isinstance(dynamic_shapes, dict) else dynamic_shapes
 
 
-def _notes(model: torch.nn.Module, added: dict) -> list[str]:
+def _notes(model: torch.nn.Module, added: dict, checkpoints: int) -> list[str]:
     """What capture did that the user did not ask for, said in the plan (``Plan.warnings``); the
-    model's own activation checkpointing, which the plan ignores, also as a Python warning."""
+    model's own activation checkpointing (``checkpoints``: its ``torch.utils.checkpoint`` calls
+    traced), which the plan ignores, also as a Python warning."""
     name = type(model).__name__
     notes = [f"autopar called {name}.forward with {k}={v!r}, which the inputs left unset: training keeps no "
              f"key/value cache (pass {k} with the inputs to choose otherwise)" for k, v in added.items()]
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-    if model.training and checkpointed:   # Hugging Face's gradient_checkpointing_enable(): traced through
-        ignored = (f"{name} has gradient checkpointing on (gradient_checkpointing_enable()): autopar ignores it and "
-                   "plans recomputation itself (the recompute= option: 'auto' recomputes where memory needs it, "
-                   "'full' every repeated block)")
+    hf = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    if model.training and (hf or checkpoints):   # traced through: the ops inside run once, as captured
+        how = ("gradient checkpointing on (gradient_checkpointing_enable())" if hf
+               else f"{checkpoints} torch.utils.checkpoint call(s) in its forward")
+        ignored = (f"{name} has {how}: autopar ignores it and plans recomputation itself (the recompute= option: "
+                   "'auto' recomputes where memory needs it, 'full' every repeated block)")
         warnings.warn(ignored, stacklevel=3)
         notes.append(ignored)
     return notes
+
+
+@contextmanager
+def _counting_checkpoints(calls: list[str]) -> Iterator[None]:
+    """Record the model's ``torch.utils.checkpoint`` calls while it is traced (export inlines the
+    ops inside them, so the graph no longer shows them): one entry per call, in ``calls``."""
+    import torch.utils.checkpoint as ckpt
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append("non-reentrant")
+        return generator(*args, **kwargs)
+
+    class Reentrant:
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            calls.append("reentrant")
+            return function.apply(*args)
+
+    generator, function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    # both looked up by name when checkpoint() runs
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = counted, Reentrant  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, function  # type: ignore[misc]
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -138,8 +167,14 @@ def _user_frame(exc: BaseException) -> str:
 
 
 
-def _capture_hint(message: str) -> str | None:
-    """What to do about export's error ``message`` (its first line), where its cause is known."""
+def _capture_hint(message: str, dtype: torch.dtype = torch.float32) -> str | None:
+    """What to do about export's error ``message`` (its first line), where its cause is known;
+    ``dtype``: the precision policy's compute dtype the model was traced under."""
+    if dtype != torch.float32 and re.search(r"dtype|BFloat16|Half", message):
+        return (f"under a precision policy computing in {dtype} autopar casts the parameters and floating inputs "
+                "to it (FSDP2's MixedPrecisionPolicy), not the buffers nor the tensors the model makes: this op "
+                f"mixes {dtype} with float32. Cast that operand to the activations' dtype where the model uses it "
+                "(as Hugging Face models cast their buffers), or plan with precision='fp32'.")
     unknown = re.search(r"Found <class '([\w.]+)'> in output", message)
     if unknown and "Cache" in unknown.group(1):
         return ("the model returns a key/value cache, for generation; training keeps none: pass use_cache=False "
@@ -156,13 +191,13 @@ def _capture_hint(message: str) -> str | None:
     return None
 
 
-def _capture_error(model: torch.nn.Module, e: Exception) -> CaptureError:
+def _capture_error(model: torch.nn.Module, e: Exception, dtype: torch.dtype = torch.float32) -> CaptureError:
     """Export's error ``e`` said for the user: where in the model, why, what to do. A known cause
     comes first, export's words after it, and without export's traceback (raised ``from None``);
-    an unknown one keeps it (its ``__cause__``)."""
+    an unknown one keeps it (its ``__cause__``). ``dtype``: as ``_capture_hint`` takes it."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     where = f"torch.export could not capture {type(model).__name__}{_user_frame(e)}"
-    hint = _capture_hint(first)
+    hint = _capture_hint(first, dtype)
     if hint is None:
         error = CaptureError(f"{where}: {type(e).__name__}: {first}. Check that the model runs eagerly on these "
                              "inputs (model(*args, **kwargs)); the line named above is where tracing failed.")
@@ -227,6 +262,18 @@ def _refuse_higher_order_ops(program: ExportedProgram, model_name: str) -> None:
                            f"What to do: {advice}.")
 
 
+def _refuse_simulated_state(model: torch.nn.Module) -> None:
+    """A model built under ``LocalTensorMode`` (inside ``run_on_local_tensor_mesh``) holds a tensor
+    per simulated rank in each parameter: export cannot trace those (it stopped on a bare
+    ``StopIteration``), and the single device's model is the one to hand over."""
+    simulated = next((name for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, LocalTensor)), None)
+    if simulated is not None:
+        raise CaptureError(
+            f"{type(model).__name__} was built with every rank simulated (its {simulated} is a LocalTensor: the "
+            "model was made inside LocalTensorMode, e.g. in the function run_on_local_tensor_mesh runs). Build the "
+            "model outside it, as for one device, and pass it in; autopar shards it over the simulated ranks.")
+
+
 def frozen_parameters(model: torch.nn.Module) -> frozenset[str]:
     """The FQNs (every name of a tied one) of ``model``'s parameters with ``requires_grad=False``,
     as users freeze them (a frozen embedding, a fine-tuned model's base weights under LoRA
@@ -235,11 +282,15 @@ def frozen_parameters(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
-def fingerprint(program: ExportedProgram, model_name: str) -> str:
-    """A stable id of the graph (ops and shapes), so a plan is never applied to another model."""
+def fingerprint(program: ExportedProgram, model_name: str, frozen: frozenset[str] = frozenset()) -> str:
+    """A stable id of the graph (ops and shapes) and of the parameters frozen in it, so a plan is
+    never applied to another model, nor to the same one trained otherwise (a plan prices and syncs
+    only trainable parameters' gradients). No frozen parameter adds nothing to the id."""
     import hashlib
 
     h = hashlib.sha256(model_name.encode())
+    if frozen:
+        h.update(("frozen:" + ",".join(sorted(frozen)) + ";").encode())
     for n in program.graph.nodes:
         if n.target in IDENTITY_OPS:
             continue
@@ -364,7 +415,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     added = {k: v for k, v in exported.items() if k not in kwargs}
     if added and dynamic_shapes is not None:   # shaped as the inputs given: the added one has none
         dynamic_shapes = _with_added(dynamic_shapes, added)
-    program = _export(model, traced, args, exported, dynamic_shapes)
+    checkpoints: list[str] = []
+    with _counting_checkpoints(checkpoints):
+        program = _export(model, traced, args, exported, dynamic_shapes)
     in_spec = program.call_spec.in_spec
     for key in added:
         in_spec = _drop_added_input(program, key)
@@ -374,9 +427,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _refuse_higher_order_ops(program, type(model).__name__)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
-    notes = _notes(model, added)
+    notes = _notes(model, added, len(checkpoints))
     name = type(model).__name__
     _refuse_buffer_writes(program.graph_signature, name)
+    frozen = frozen_parameters(model)
     return CapturedGraph(
         program=program,
         param_of=param_of,
@@ -386,10 +440,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         in_spec=in_spec,
         out_spec=program.call_spec.out_spec,
         model_name=name,
-        fingerprint=fingerprint(program, name),
+        fingerprint=fingerprint(program, name, frozen),
         precision=precision,
         warnings=notes,
-        frozen=frozen_parameters(model),
+        frozen=frozen,
     )
 
 
@@ -403,7 +457,8 @@ def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs
         with maybe_disable_local_tensor_mode(), _lean_tracing():
             return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
-        raise _capture_error(model, e)  # noqa: B904 - _capture_error chains export's error or not
+        dtype = traced.dtype if isinstance(traced, ComputeIn) else torch.float32
+        raise _capture_error(model, e, dtype)  # noqa: B904 - _capture_error chains export's error or not
 
 
 def _inputs_by_kind(sig: ExportGraphSignature) -> tuple[dict[str, str], dict[str, str], dict[str, str], list[str]]:
@@ -465,6 +520,14 @@ def needs_grad(graph: fx.Graph, params: set[fx.Node]) -> dict[fx.Node, bool]:
 
 def _is_tensor_like(n: fx.Node) -> bool:
     return tensor_val(n) is not None
+
+
+_RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+
+
+def is_random(node: fx.Node) -> bool:
+    """An op drawing random numbers (dropout's mask): its value differs from call to call."""
+    return isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM)
 
 
 def tensor_val(node: fx.Node) -> torch.Tensor | None:

@@ -22,12 +22,11 @@ from collections.abc import Container, Iterable
 import torch
 import torch.fx as fx
 
-from autopar.core.capture import CapturedGraph, value_bytes
+from autopar.core.capture import CapturedGraph, is_random, value_bytes
 from autopar.core.ops.attention import SDPA
 
 aten = torch.ops.aten
 FOLD_BYTES = 16 * 2**20
-_RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
 
 
 def foldable(captured: CapturedGraph, planned: Container[str], written: Container[str],
@@ -39,7 +38,7 @@ def foldable(captured: CapturedGraph, planned: Container[str], written: Containe
     folded: set[str] = set()
     for node in graph.nodes:
         if (node.op == "call_function" and node.name in planned and node.name not in written
-                and output not in node.users and not _random(node)
+                and output not in node.users and not is_random(node)
                 and isinstance(node.meta.get("val"), torch.Tensor)
                 and all(inp.name in folded or _size(inp) for inp in node.all_input_nodes)):
             folded.add(node.name)
@@ -72,10 +71,6 @@ def _size(node: fx.Node) -> bool:
     """A size read off a tensor's shape (a capture with symbolic sizes, ``autopar.planning.symbolic``):
     fixed for a generated forward, which is specialised on its inputs' shapes."""
     return isinstance(node.meta.get("val"), (int, torch.SymInt))
-
-
-def _random(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM)
 
 
 def _descendants(graph: fx.Graph, names: Iterable[str]) -> set[str]:

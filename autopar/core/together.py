@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import local_tensor_mode
 
-from autopar.core.errors import RankFailedError
+from autopar.core.errors import AutoparError, RankFailedError
 
 T = TypeVar("T")
 _SAME = "the same error as rank"   # begins the message of a rank that failed as the first did
@@ -28,6 +29,16 @@ def one_process() -> bool:
     LocalTensorMode or a fake backend)? Nothing to agree on then."""
     return (local_tensor_mode() is not None or not dist.is_initialized() or dist.get_world_size() == 1
             or dist.get_backend() == "fake")
+
+
+def rank_map(cb: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A tensor whose value on rank ``r`` is ``cb(r)``: under ``LocalTensorMode`` a LocalTensor of
+    every simulated rank's (``run_on_local_tensor_mesh``), in a real process ``cb(its rank)``."""
+    try:   # torch 2.13; the GPU machines lent here run 2.11, where only simulated ranks need it
+        from torch.distributed._local_tensor import rank_map as torch_rank_map
+    except ImportError:   # pragma: no cover
+        raise AutoparError("simulated ranks (LocalTensorMode) need torch 2.13 (pip install torch==2.13.0)") from None
+    return torch_rank_map(cb)
 
 
 def first_rank() -> bool:

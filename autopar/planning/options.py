@@ -97,8 +97,12 @@ def _pipeline_from_text(text: str) -> str | bool | dict:
     if text in ("auto", "none"):
         return text
     parts = text.split(":")
+    keys = ("axis", "microbatches", "virtual_stages")
+    if len(parts) > 1 + len(keys):
+        raise AutoparError(f"--pipeline takes at most SCHEDULE:AXIS:MICROBATCHES:STAGES_PER_RANK, got {text!r} "
+                           f"({len(parts)} fields); drop the extra ones")
     fields: dict = {"schedule": parts[0]}
-    for key, value in zip(("axis", "microbatches", "virtual_stages"), parts[1:], strict=False):
+    for key, value in zip(keys, parts[1:], strict=False):
         fields[key] = value if key == "axis" or value == "auto" else _count(value)
     return fields
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from autopar.core.errors import AutoparError
-from autopar.core.together import told_by_another_rank
+from autopar.core.together import rank_map, told_by_another_rank
 
 __all__ = [
     "DistributedRunError",
@@ -727,12 +727,3 @@ def per_rank(t: Any, world_size: int | None = None) -> list[torch.Tensor]:
     raise TypeError(f"per_rank expects a tensor, LocalTensor or DTensor; got {type(t).__name__}")
 
 
-def rank_map(cb: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """A tensor whose value on rank ``r`` is ``cb(r)``.
-
-    Under ``run_on_local_tensor_mesh`` this is a LocalTensor built from every rank's
-    ``cb(r)``; in a real process (``run_on_gloo_mesh``) it is ``cb(dist.get_rank())``.
-    """
-    from torch.distributed._local_tensor import rank_map as _rank_map
-
-    return _rank_map(cb)

@@ -36,6 +36,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import Field
 from typing import Any, Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
@@ -763,18 +765,32 @@ def _models_parser(sub: Any) -> argparse.ArgumentParser:
     return models
 
 
-def _talk(verbose: bool, quiet: bool) -> None:
+@contextmanager
+def _talking(verbose: bool, quiet: bool) -> Iterator[None]:
     """``-v``: every stage logged (``progress.verbose``); ``-q``: no progress lines, no status line
-    (for this process and the gloo processes it starts, through the environment), no summary."""
+    (for this process and the gloo processes it starts, through the environment), no summary.
+    Undone when the command ends: ``main`` called from Python (a test) leaves nothing changed."""
     global _quiet
     from autopar.core import progress
 
+    loggers = [logging.getLogger(name) for name in ("autopar", "cost_models", "codegen", "solver")]
+    saved = _quiet, os.environ.get(progress.ENV), [lg.level for lg in loggers]
     _quiet = quiet
     if verbose:
         progress.verbose()
     if quiet:
         os.environ[progress.ENV] = "0"
         logging.getLogger("autopar").setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        _quiet, env, levels = saved
+        if env is None:
+            os.environ.pop(progress.ENV, None)
+        else:
+            os.environ[progress.ENV] = env
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -788,9 +804,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _importable_from_here()
     if args.verbose and args.quiet:
         parser.error("-v and -q cannot go together")
-    _talk(args.verbose, args.quiet)
     try:
-        return args.func(args)
+        with _talking(args.verbose, args.quiet):
+            return args.func(args)
     except AutoparError as e:
         # (a DistributedRunError's message carries the failing rank's traceback)
         print(f"error: {e}", file=sys.stderr)

@@ -5,16 +5,23 @@ of each strategy on simulated meshes are checked by tests/test_strategies_numeri
 ``sdpa-context-*`` cases of tests/strategy_cases.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.cli import _plan_options, build_parser
 from autopar.core.capture import capture
+from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.attention import SDPA, context_moves
+from autopar.core.plan import Plan
 from autopar.core.strategies import build_space
+from autopar.planning.context import ContextChoice, restrict_context
+from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from codegen.generate import generate
 from cost_models.activations import gradients
@@ -145,3 +152,68 @@ def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
               for nc in space.nodes if nc.node.target is SDPA}
     assert len(forced) == 2
     check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})
+
+
+# ---------------------------------------------------------------- the planning option
+
+def test_the_context_parallel_option_is_checked_and_taken_from_the_command_line():
+    for bad in (True, "ring", {"axis": "cp", "kind": "zigzag"}, {"kind": "ring"}, {"axis": "cp", "degree": 2}):
+        with pytest.raises(AutoparError, match="context_parallel"):
+            PlanOptions(context_parallel=bad)
+    assert PlanOptions(context_parallel={"axis": "cp"}).context_parallel == {"axis": "cp"}
+    parser = build_parser()
+    for text, want in (("auto", "auto"), ("none", False), ("ulysses:cp", ContextChoice("cp", "ulysses"))):
+        args = parser.parse_args(["plan", "--model", "gpt-tiny", "--mesh", "2", "--context-parallel", text])
+        assert _plan_options(args).context_parallel == want
+    with pytest.raises(AutoparError, match="KIND:AXIS"):
+        _plan_options(parser.parse_args(["plan", "--model", "gpt-tiny", "--mesh", "2", "--context-parallel", "cp"]))
+
+
+def _restricted(model: nn.Module, inputs: tuple, mesh: MeshSpec, setting) -> set[str]:
+    space = build_space(capture(model, inputs), mesh)
+    restrict_context(space, setting)
+    return {name for nc in space.nodes if nc.node.target is SDPA for s in nc.strategies for name in s.names}
+
+
+def test_forcing_context_parallelism_narrows_attention_or_says_why_it_cannot():
+    qkv = tuple(torch.randn(2, 2, 8, 4) for _ in range(3))
+    mesh = MeshSpec((2, 2), ("dp", "cp"))
+    forced = _restricted(MaskedAttention(8), qkv, mesh, {"axis": "cp", "kind": "ulysses"})
+    assert "context-ulysses" in forced and not {"context-ring", "heads"} & forced
+    assert not {"context-ring", "context-ulysses"} & _restricted(MaskedAttention(8), qkv, mesh, False)
+    assert {"context-ring", "context-ulysses", "heads"} <= _restricted(MaskedAttention(8), qkv, mesh, "auto")
+    refused = [({"axis": "sp", "kind": "ring"}, MaskedAttention(8), "mesh's axes are 'dp', 'cp'"),
+               ({"axis": "cp", "kind": "ring"}, MaskedAttention(3), "neither|not known to be causal"),
+               ({"axis": "cp", "kind": "ring"}, nn.Linear(4, 4), "no attention")]
+    for setting, model, why in refused:
+        with pytest.raises(AutoparError, match=why):
+            _restricted(model, qkv[:1] if isinstance(model, nn.Linear) else qkv, mesh, setting)
+    odd_heads = tuple(torch.randn(2, 3, 8, 4) for _ in range(3))
+    with pytest.raises(AutoparError, match="3 query heads and 3 key/value heads do not both divide by 2"):
+        _restricted(MaskedAttention(8), odd_heads, mesh, {"axis": "cp", "kind": "ulysses"})
+
+
+def test_the_plan_records_attention_split_by_sequence_in_json_and_reports():
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    mesh = MeshSpec((2,), ("cp",))
+    plan = plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"}, progress=False))
+    cp = plan.context_parallel
+    assert cp is not None and (cp.axis, cp.kind, cp.load_balance) == ("cp", "ring", "contiguous")
+    assert list(cp.nodes) == [nc.node.name for nc in build_space(captured, mesh).nodes if nc.node.target is SDPA]
+    back = Plan.from_json(plan.to_json())
+    assert back.context_parallel == cp and json.loads(plan.to_json())["context_parallel"]["kind"] == "ring"
+    assert "context         ring attention" in plan.report() and "context parallel" in plan.to_html()
+    older = json.loads(plan.to_json())
+    del older["context_parallel"]   # files written before the field still load
+    assert Plan.from_json(json.dumps(older)).context_parallel == cp
+    unsplit = plan_captured(captured, mesh, PlanOptions(context_parallel=False, progress=False))
+    assert unsplit.context_parallel is None and "context         none" in unsplit.report()
+
+
+@slow
+def test_ulysses_forced_through_compile_trains_as_one_device():
+    """``autopar.compile(..., context_parallel={"axis": "x", "kind": "ulysses"})`` on 2 simulated
+    ranks: every attention split by heads around all-to-alls; 3 AdamW steps equal one device's."""
+    plan = check_training(CausalLM, 0, 0, (2,), local_runner,
+                          {"context_parallel": {"axis": "x", "kind": "ulysses"}, "profile": None}, batches=_batches())
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"

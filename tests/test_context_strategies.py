@@ -20,6 +20,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.ops.attention import SDPA, context_moves
 from autopar.core.plan import Plan
 from autopar.core.strategies import build_space
+from autopar.planning.baselines import candidates, context_role_sets, plan_name
 from autopar.planning.context import ContextChoice, restrict_context
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
@@ -63,6 +64,14 @@ class MaskedAttention(nn.Module):
         return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=mask)
 
 
+class ShiftedMask(nn.Module):
+    """SDPA under a mask from sizes that hides the diagonal too (strictly causal)."""
+
+    def forward(self, q, k, v):
+        pos = torch.arange(q.shape[2])
+        return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=pos[None, :] < pos[:, None])
+
+
 def _batches(steps: int = 3, batch: int = 2) -> list:
     gen = torch.Generator().manual_seed(5)
     return [((torch.randint(0, VOCAB, (batch, SEQ), generator=gen), torch.randint(0, VOCAB, (batch, SEQ), generator=gen)),
@@ -83,6 +92,17 @@ def test_only_a_causal_or_open_mask_from_sizes_lets_attention_split_by_sequence(
     assert not {"context-ring", "context-ulysses"} & _sdpa_rules(MaskedAttention(None), (*qkv, given))
     odd = tuple(torch.randn(2, 2, 5, 4) for _ in range(3))
     assert "context-ring" not in _sdpa_rules(MaskedAttention(5), odd)
+
+
+def test_a_long_sequences_mask_is_known_from_a_grid_of_positions():
+    """Past ``from_shapes.LIMIT`` (4200 x 4200 booleans) the mask is computed at a grid of
+    positions only (``mask_grid``): a window spanning the sequence is causal there, a shorter
+    one (1000) or a diagonal shifted by one is not."""
+    long = tuple(torch.zeros(1, 1, 4200, 2) for _ in range(3))
+    assert "context-ring" in _sdpa_rules(MaskedAttention(4200), long)
+    assert "context-ring" not in _sdpa_rules(MaskedAttention(1000), long)
+    shifted = ShiftedMask()
+    assert "context-ring" not in _sdpa_rules(shifted, long)
 
 
 def test_one_axis_splits_the_sequence_and_ulysses_needs_the_heads_to_divide():
@@ -217,3 +237,21 @@ def test_ulysses_forced_through_compile_trains_as_one_device():
     plan = check_training(CausalLM, 0, 0, (2,), local_runner,
                           {"context_parallel": {"axis": "x", "kind": "ulysses"}, "profile": None}, batches=_batches())
     assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"
+
+
+def test_torchtitans_context_parallel_hand_plans_are_candidates():
+    """FSDP x CP (CP on the last axis) and FSDP x TP x CP (TP on the last, CP on the one before),
+    where attention can be split there; costed as candidates, none where context parallelism is
+    off."""
+    mesh = MeshSpec((2, 2), ("dp", "cp"))
+    assert [plan_name(mesh, roles) for roles in context_role_sets(mesh, {0, 1})] == [
+        "fsdp(dp) x fsdp+cp(cp)", "fsdp+cp(dp) x tp(cp)"]
+    cube = MeshSpec((2, 2, 2), ("dp", "cp", "tp"))
+    assert [plan_name(cube, roles) for roles in context_role_sets(cube, {1})] == ["fsdp(dp) x fsdp+cp(cp) x tp(tp)"]
+    assert context_role_sets(mesh, set()) == []
+    batch, line = _batches(1, batch=1)[0][0], MeshSpec((2,), ("cp",))
+    plan = candidates(CausalLM(), line, batch, profile=None, progress=False)["fsdp+cp"]
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ring"
+    assert all(isinstance(n.storage[0], Shard) for n in plan.nodes if n.op == "parameter")   # FSDP on that axis
+    off = candidates(CausalLM(), line, batch, profile=None, progress=False, context_parallel=False)
+    assert "fsdp+cp" not in off and all(p.context_parallel is None for p in off.values())

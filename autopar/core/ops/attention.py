@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_
 
 from autopar.core.capture import tensor_val
 from autopar.core.context_parallel import allgather_attention, positions, ring_attention, ulysses_attention
-from autopar.core.from_shapes import value_from_shapes
+from autopar.core.from_shapes import sampled_from_shapes, value_from_shapes
 from autopar.core.ops.base import (
     Collective,
     Emitter,
@@ -175,10 +175,37 @@ SEQ = 2   # the sequence dim of [batch, heads, seq, dim]
 @functools.lru_cache(maxsize=256)
 def planned_mask_kind(mask: fx.Node) -> str | None:
     """What ``attention_mask`` will find this mask to be ("causal", "none" or "mask"), where it is
-    computed from sizes alone: computed here as the forward computes it (``from_shapes``). None
-    where it reads an input or is too large to compute (``from_shapes.LIMIT``)."""
+    computed from sizes alone: computed here as the forward computes it (``from_shapes``); a
+    mask too large for that (``from_shapes.LIMIT``: a long sequence's) is computed at a grid of
+    query and key positions only (``mask_grid``), and taken to be what it is there. None where
+    it reads an input, or neither way computes it. (Only the cost depends on it: the run finds
+    out again, exactly.)"""
     value = value_from_shapes(mask)
-    return _mask_kind(value) if isinstance(value, torch.Tensor) else None
+    if isinstance(value, torch.Tensor):
+        return _mask_kind(value)
+    shape = tensor_val(mask).shape
+    if len(shape) < 2 or shape[-1] != shape[-2] or not all(isinstance(s, int) for s in shape):
+        return None
+    positions = mask_grid(shape[-1])
+    grid = sampled_from_shapes(mask, positions, positions)
+    if grid is None or grid.dtype != torch.bool:
+        return None
+    if bool(grid.all()):
+        return "none"
+    causal = positions[None, :] <= positions[:, None]
+    return "causal" if torch.equal(grid, causal.expand_as(grid)) else "mask"
+
+
+def mask_grid(seq: int, edge: int = 64, points: int = 96, around: int = 8) -> torch.Tensor:
+    """Query and key positions at which a long sequence's mask is computed when planned: the
+    first and last ``edge``, ``around`` either side of ``points`` positions spread over the
+    sequence, and of every block edge of 2 to 128 equal blocks (where a split sequence's ranks
+    meet): a window, a shifted diagonal or a block structure shows there."""
+    spread = torch.linspace(0, seq - 1, points).long()
+    edges = torch.tensor([seq * i // d for d in (2, 4, 8, 16, 32, 64, 128) for i in range(1, d)], dtype=torch.long)
+    near = torch.cat([spread, edges])[:, None] + torch.arange(-around, around + 1)[None, :]
+    every = torch.cat([torch.arange(min(edge, seq)), torch.arange(max(seq - edge, 0), seq), near.flatten()])
+    return every.clamp(0, seq - 1).unique()
 
 
 @rule_key(SDPA)

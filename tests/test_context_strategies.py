@@ -27,7 +27,7 @@ from autopar.planning.planner import plan_captured
 from codegen.generate import generate
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
-from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
 from tests.tiers import slow
 
 VOCAB, DIM, HEADS, SEQ = 11, 8, 2, 8
@@ -255,3 +255,20 @@ def test_torchtitans_context_parallel_hand_plans_are_candidates():
     assert all(isinstance(n.storage[0], Shard) for n in plan.nodes if n.op == "parameter")   # FSDP on that axis
     off = candidates(CausalLM(), line, batch, profile=None, progress=False, context_parallel=False)
     assert "fsdp+cp" not in off and all(p.context_parallel is None for p in off.values())
+
+
+@slow
+def test_a_long_sequences_causal_mask_is_held_once_not_per_recomputed_block():
+    """Llama at 4200 tokens on meta (its mask past ``from_shapes.LIMIT``): attention may split by
+    sequence, and the mask, computed once (folded; an assert reading it does not keep it), is no
+    input a recomputed block keeps: 32 Llama-3 8B blocks kept 64 GiB of mask each at 256k tokens."""
+    from autopar.planning.problem import prepare
+
+    model, args, kwargs = meta_model("llama-tiny", 1, 4200)
+    captured = capture(model, args, kwargs)
+    planning = prepare(captured, MeshSpec((4,), ("cp",), hardware="h100-80gb"), recompute="full")
+    attention = [nc for nc in planning.space.nodes if nc.node.target is SDPA]
+    assert attention and all(any("context-ring" in s.names for s in nc.strategies) for nc in attention)
+    masks = {nc.node.args[3] for nc in attention}
+    assert len(masks) == 1 and masks.pop().name in planning.space.folded
+    assert all(3 not in planning.model._block_inputs[nc.node] for nc in attention)

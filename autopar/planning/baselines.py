@@ -214,7 +214,10 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
     auto plan's time. ``context``: torchtitan's context-parallel plans too, where attention can
     be split by sequence (``context_role_sets``)."""
     mesh = planning.space.mesh
-    sets = role_sets(mesh) + (context_role_sets(mesh, _ring_axes(planning.space)) if context else [])
+    # torchtitan's context-parallel plans costed first: where a long sequence makes them the ones
+    # that fit, the time share must not run out before they are; listed last (ties go to the rest)
+    contexts = context_role_sets(mesh, _ring_axes(planning.space)) if context else []
+    sets = contexts + role_sets(mesh)
     on_batch = _on_batch(planning.space)
     traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
     out: dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError] = {}
@@ -240,7 +243,8 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
                 out[name] = _solved(planning, own, allowed, name, False) if cost_unfit else e
         except PlanningTimeout:
             end.clock.note(f"hand plan {name!r} (not costed)")
-    return out
+    first = {plan_name(mesh, roles) for roles in contexts}
+    return {**{k: v for k, v in out.items() if k not in first}, **{k: v for k, v in out.items() if k in first}}
 
 
 def _solved(planning: Planning, deadline: Deadline | None, allowed: list[list[int] | None], name: str,

@@ -530,8 +530,9 @@ class CostModel:
 
     def _first_block_readers(self) -> dict[fx.Node, frozenset[int]]:
         """For each op in a recomputed block, the inputs from outside the block (activations, not
-        parameters or buffers) it is the first of its block to read: the checkpoint keeps those."""
-        own = {nc.node for nc in self.space.nodes if nc.kind in ("param", "buffer")}
+        parameters, buffers or folded values: those are held once, for every block) it is the
+        first of its block to read: the checkpoint keeps those."""
+        own = {nc.node for nc in self.space.nodes if nc.kind in ("param", "buffer") or nc.node.name in self.space.folded}
         claimed: set[tuple[int, fx.Node]] = set()
         readers: dict[fx.Node, frozenset[int]] = {}
         for nc in self.space.nodes:

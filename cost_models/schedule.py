@@ -237,8 +237,10 @@ class PricedSpace:
         for nc in space.nodes:
             key = model.node_signature(nc)
             if key not in shared:
+                # an output left where the plan puts it (``gather_outputs=False``) is no collective's input
+                moved = nc.kind != "output" or model.gather_outputs
                 shared[key] = ([model.node(nc, s) for s in nc.strategies],
-                               np.array([max(model.input_bytes(nc, s, floating_only=True), default=0.0)
+                               np.array([max(model.input_bytes(nc, s, floating_only=True), default=0.0) if moved else 0.0
                                          for s in nc.strategies], dtype=float))
             self.nodes.append(shared[key][0])
             self.largest_input.append(shared[key][1])

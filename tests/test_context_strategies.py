@@ -5,21 +5,29 @@ of each strategy on simulated meshes are checked by tests/test_strategies_numeri
 ``sdpa-context-*`` cases of tests/strategy_cases.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.cli import _plan_options, build_parser
 from autopar.core.capture import capture
+from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.attention import SDPA, context_moves
+from autopar.core.plan import Plan
 from autopar.core.strategies import build_space
+from autopar.planning.baselines import candidates, context_role_sets, plan_name
+from autopar.planning.context import ContextChoice, restrict_context
+from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from codegen.generate import generate
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
-from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
 from tests.tiers import slow
 
 VOCAB, DIM, HEADS, SEQ = 11, 8, 2, 8
@@ -56,6 +64,14 @@ class MaskedAttention(nn.Module):
         return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=mask)
 
 
+class ShiftedMask(nn.Module):
+    """SDPA under a mask from sizes that hides the diagonal too (strictly causal)."""
+
+    def forward(self, q, k, v):
+        pos = torch.arange(q.shape[2])
+        return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=pos[None, :] < pos[:, None])
+
+
 def _batches(steps: int = 3, batch: int = 2) -> list:
     gen = torch.Generator().manual_seed(5)
     return [((torch.randint(0, VOCAB, (batch, SEQ), generator=gen), torch.randint(0, VOCAB, (batch, SEQ), generator=gen)),
@@ -76,6 +92,17 @@ def test_only_a_causal_or_open_mask_from_sizes_lets_attention_split_by_sequence(
     assert not {"context-ring", "context-ulysses"} & _sdpa_rules(MaskedAttention(None), (*qkv, given))
     odd = tuple(torch.randn(2, 2, 5, 4) for _ in range(3))
     assert "context-ring" not in _sdpa_rules(MaskedAttention(5), odd)
+
+
+def test_a_long_sequences_mask_is_known_from_a_grid_of_positions():
+    """Past ``from_shapes.LIMIT`` (4200 x 4200 booleans) the mask is computed at a grid of
+    positions only (``mask_grid``): a window spanning the sequence is causal there, a shorter
+    one (1000) or a diagonal shifted by one is not."""
+    long = tuple(torch.zeros(1, 1, 4200, 2) for _ in range(3))
+    assert "context-ring" in _sdpa_rules(MaskedAttention(4200), long)
+    assert "context-ring" not in _sdpa_rules(MaskedAttention(1000), long)
+    shifted = ShiftedMask()
+    assert "context-ring" not in _sdpa_rules(shifted, long)
 
 
 def test_one_axis_splits_the_sequence_and_ulysses_needs_the_heads_to_divide():
@@ -145,3 +172,103 @@ def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
               for nc in space.nodes if nc.node.target is SDPA}
     assert len(forced) == 2
     check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})
+
+
+# ---------------------------------------------------------------- the planning option
+
+def test_the_context_parallel_option_is_checked_and_taken_from_the_command_line():
+    for bad in (True, "ring", {"axis": "cp", "kind": "zigzag"}, {"kind": "ring"}, {"axis": "cp", "degree": 2}):
+        with pytest.raises(AutoparError, match="context_parallel"):
+            PlanOptions(context_parallel=bad)
+    assert PlanOptions(context_parallel={"axis": "cp"}).context_parallel == {"axis": "cp"}
+    parser = build_parser()
+    for text, want in (("auto", "auto"), ("none", False), ("ulysses:cp", ContextChoice("cp", "ulysses"))):
+        args = parser.parse_args(["plan", "--model", "gpt-tiny", "--mesh", "2", "--context-parallel", text])
+        assert _plan_options(args).context_parallel == want
+    with pytest.raises(AutoparError, match="KIND:AXIS"):
+        _plan_options(parser.parse_args(["plan", "--model", "gpt-tiny", "--mesh", "2", "--context-parallel", "cp"]))
+
+
+def _restricted(model: nn.Module, inputs: tuple, mesh: MeshSpec, setting) -> set[str]:
+    space = build_space(capture(model, inputs), mesh)
+    restrict_context(space, setting)
+    return {name for nc in space.nodes if nc.node.target is SDPA for s in nc.strategies for name in s.names}
+
+
+def test_forcing_context_parallelism_narrows_attention_or_says_why_it_cannot():
+    qkv = tuple(torch.randn(2, 2, 8, 4) for _ in range(3))
+    mesh = MeshSpec((2, 2), ("dp", "cp"))
+    forced = _restricted(MaskedAttention(8), qkv, mesh, {"axis": "cp", "kind": "ulysses"})
+    assert "context-ulysses" in forced and not {"context-ring", "heads"} & forced
+    assert not {"context-ring", "context-ulysses"} & _restricted(MaskedAttention(8), qkv, mesh, False)
+    assert {"context-ring", "context-ulysses", "heads"} <= _restricted(MaskedAttention(8), qkv, mesh, "auto")
+    refused = [({"axis": "sp", "kind": "ring"}, MaskedAttention(8), "mesh's axes are 'dp', 'cp'"),
+               ({"axis": "cp", "kind": "ring"}, MaskedAttention(3), "neither|not known to be causal"),
+               ({"axis": "cp", "kind": "ring"}, nn.Linear(4, 4), "no attention")]
+    for setting, model, why in refused:
+        with pytest.raises(AutoparError, match=why):
+            _restricted(model, qkv[:1] if isinstance(model, nn.Linear) else qkv, mesh, setting)
+    odd_heads = tuple(torch.randn(2, 3, 8, 4) for _ in range(3))
+    with pytest.raises(AutoparError, match="3 query heads and 3 key/value heads do not both divide by 2"):
+        _restricted(MaskedAttention(8), odd_heads, mesh, {"axis": "cp", "kind": "ulysses"})
+
+
+def test_the_plan_records_attention_split_by_sequence_in_json_and_reports():
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    mesh = MeshSpec((2,), ("cp",))
+    plan = plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"}, progress=False))
+    cp = plan.context_parallel
+    assert cp is not None and (cp.axis, cp.kind, cp.load_balance) == ("cp", "ring", "contiguous")
+    assert list(cp.nodes) == [nc.node.name for nc in build_space(captured, mesh).nodes if nc.node.target is SDPA]
+    back = Plan.from_json(plan.to_json())
+    assert back.context_parallel == cp and json.loads(plan.to_json())["context_parallel"]["kind"] == "ring"
+    assert "context         ring attention" in plan.report() and "context parallel" in plan.to_html()
+    older = json.loads(plan.to_json())
+    del older["context_parallel"]   # files written before the field still load
+    assert Plan.from_json(json.dumps(older)).context_parallel == cp
+    unsplit = plan_captured(captured, mesh, PlanOptions(context_parallel=False, progress=False))
+    assert unsplit.context_parallel is None and "context         none" in unsplit.report()
+
+
+@slow
+def test_ulysses_forced_through_compile_trains_as_one_device():
+    """``autopar.compile(..., context_parallel={"axis": "x", "kind": "ulysses"})`` on 2 simulated
+    ranks: every attention split by heads around all-to-alls; 3 AdamW steps equal one device's."""
+    plan = check_training(CausalLM, 0, 0, (2,), local_runner,
+                          {"context_parallel": {"axis": "x", "kind": "ulysses"}, "profile": None}, batches=_batches())
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"
+
+
+def test_torchtitans_context_parallel_hand_plans_are_candidates():
+    """FSDP x CP (CP on the last axis) and FSDP x TP x CP (TP on the last, CP on the one before),
+    where attention can be split there; costed as candidates, none where context parallelism is
+    off."""
+    mesh = MeshSpec((2, 2), ("dp", "cp"))
+    assert [plan_name(mesh, roles) for roles in context_role_sets(mesh, {0, 1})] == [
+        "fsdp(dp) x fsdp+cp(cp)", "fsdp+cp(dp) x tp(cp)"]
+    cube = MeshSpec((2, 2, 2), ("dp", "cp", "tp"))
+    assert [plan_name(cube, roles) for roles in context_role_sets(cube, {1})] == ["fsdp(dp) x fsdp+cp(cp) x tp(tp)"]
+    assert context_role_sets(mesh, set()) == []
+    batch, line = _batches(1, batch=1)[0][0], MeshSpec((2,), ("cp",))
+    plan = candidates(CausalLM(), line, batch, profile=None, progress=False)["fsdp+cp"]
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ring"
+    assert all(isinstance(n.storage[0], Shard) for n in plan.nodes if n.op == "parameter")   # FSDP on that axis
+    off = candidates(CausalLM(), line, batch, profile=None, progress=False, context_parallel=False)
+    assert "fsdp+cp" not in off and all(p.context_parallel is None for p in off.values())
+
+
+@slow
+def test_a_long_sequences_causal_mask_is_held_once_not_per_recomputed_block():
+    """Llama at 4200 tokens on meta (its mask past ``from_shapes.LIMIT``): attention may split by
+    sequence, and the mask, computed once (folded; an assert reading it does not keep it), is no
+    input a recomputed block keeps: 32 Llama-3 8B blocks kept 64 GiB of mask each at 256k tokens."""
+    from autopar.planning.problem import prepare
+
+    model, args, kwargs = meta_model("llama-tiny", 1, 4200)
+    captured = capture(model, args, kwargs)
+    planning = prepare(captured, MeshSpec((4,), ("cp",), hardware="h100-80gb"), recompute="full")
+    attention = [nc for nc in planning.space.nodes if nc.node.target is SDPA]
+    assert attention and all(any("context-ring" in s.names for s in nc.strategies) for nc in attention)
+    masks = {nc.node.args[3] for nc in attention}
+    assert len(masks) == 1 and masks.pop().name in planning.space.folded
+    assert all(3 not in planning.model._block_inputs[nc.node] for nc in attention)

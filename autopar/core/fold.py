@@ -50,8 +50,9 @@ def foldable(captured: CapturedGraph, planned: Container[str], written: Containe
 
 
 def kept(graph: fx.Graph, folded: set[str]) -> set[str]:
-    """The folded values the rest of the forward reads."""
-    return {inp.name for n in graph.nodes if n.name not in folded
+    """The folded values the rest of the forward reads (not its asserts, which generated code
+    leaves out: a long sequence's mask checked by one must not be kept whole)."""
+    return {inp.name for n in graph.nodes if n.name not in folded and "assert" not in str(n.target)
             for inp in n.all_input_nodes if inp.name in folded}
 
 

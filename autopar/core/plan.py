@@ -230,6 +230,22 @@ class SearchLog(TypedDict, total=False):
     pipelines: dict[str, str]  # each pipeline layout tried: its step and peak, or why there is none
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """Where a plan splits attention by sequence (context parallelism): the mesh axis, how
+    ("ring" or "ulysses"; joined by "+" where its attentions differ), how the sequence is laid
+    out over the axis's ranks ("contiguous": rank r holds the r-th block; "balanced": the
+    head-tail halves r and 2n-1-r, equal causal work) and the attention nodes so split."""
+
+    axis: str
+    kind: str
+    load_balance: str
+    nodes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "nodes": list(self.nodes)}
+
+
 @dataclass
 class Plan:
     """The planner's answer: each node's chosen strategy (``nodes``) with its predicted costs, the
@@ -305,6 +321,21 @@ class Plan:
         return replace(self, mesh=mesh, nodes=nodes, pipeline=None)
 
     @property
+    def context_parallel(self) -> ContextParallel | None:
+        """Where attention is split by sequence, and how (None: nowhere); read off the nodes'
+        strategies, so every plan (hand plans, reloaded files) says it."""
+        from autopar.core.ops.attention import SDPA, context_layout, context_of  # the rule's names
+
+        found = [(n.name, context_of(n)) for n in self.nodes if n.op == str(SDPA)]
+        split = [(name, c) for name, c in found if c is not None]
+        if not split:
+            return None
+        axes = dict.fromkeys(self.mesh.axis_names[a] for _, (a, _) in split)
+        kinds = dict.fromkeys(k for _, (_, k) in split)
+        layouts = dict.fromkeys(context_layout(self.node(name)) for name, _ in split)
+        return ContextParallel("+".join(axes), "+".join(kinds), "+".join(layouts), tuple(name for name, _ in split))
+
+    @property
     def offloaded(self) -> list[str]:
         """Parameters whose shards, gradients and optimizer states live in host memory."""
         return [fqn for fqn, n in self.parameters.items() if n.offloaded]
@@ -326,6 +357,7 @@ class Plan:
             "microbatches": self.microbatches,
             "recompute": self.recompute,
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            "context_parallel": cp.to_dict() if (cp := self.context_parallel) is not None else None,   # read off the nodes
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),

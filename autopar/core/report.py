@@ -270,7 +270,20 @@ def headline(plan: Plan) -> dict[str, str]:
     return {"model": plan.model_name, "mesh": plan.mesh.describe(), "step time": step_with_band(p),
             "utilisation": utilisation(p) or "unknown",
             "peak memory": f"{fmt(p.peak_memory_bytes, 'B')} per device{used}, at {p.peak_at or '?'}",
-            "planning time": fmt(plan.planning_s, "s")}
+            "planning time": fmt(plan.planning_s, "s"),
+            **({"context parallel": context_text(plan)} if plan.context_parallel is not None else {})}
+
+
+def context_text(plan: Plan) -> str:
+    """Where and how the plan splits attention by sequence (``Plan.context_parallel``)."""
+    cp = plan.context_parallel
+    if cp is None:
+        return "none (every attention runs on whole sequences)"
+    how = {"ring": "ring attention (keys and values passed around the axis)",
+           "ulysses": "Ulysses (all-to-alls regroup the sequence by heads around attention)"}.get(cp.kind, cp.kind)
+    ranks = "x".join(str(plan.mesh.shape[plan.mesh.axis_names.index(a)]) for a in cp.axis.split("+"))
+    return (f"{how} over {cp.axis} ({ranks} ranks), {cp.load_balance} layout, {len(cp.nodes)} attention "
+            f"call(s) split by sequence")
 
 
 def format_report(plan: Plan, top: int | None = 12) -> str:
@@ -308,6 +321,7 @@ def _header_lines(plan: Plan) -> list[str]:
         "  offload         " + (f"optimizer: {len(offloaded)} ZeRO-sharded parameter(s) keep their shards, gradients "
                                 "and optimizer states in host memory; the optimizer steps them there" if offloaded
                                 else "none (parameters, gradients and optimizer states on the device)"),
+        "  context         " + context_text(plan),
         "  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
                                 else "returned as DTensors, placed as planned (gather_outputs=False)"),
     ]
@@ -442,6 +456,8 @@ def _knobs(plan: Plan) -> str:
         said.append(f"{plan.microbatches} microbatches of {plan.microbatch_size} rows")
     if plan.recompute:
         said.append(f"{plan.recompute_mode} recomputation of {len(plan.recompute)} blocks")
+    if plan.context_parallel is not None:
+        said.append(f"attention split by sequence over {plan.context_parallel.axis} ({plan.context_parallel.kind})")
     if plan.offloaded:
         said.append(f"the optimizer states of {len(plan.offloaded)} parameters in host memory")
     return "".join(f"; {s}" for s in said)

@@ -13,10 +13,14 @@ A hand plan gives each mesh axis a role:
 * ``tp``: Megatron tensor parallel: every matmul weight sharded (the solver picks column or row
   per matrix, which recovers Megatron's column -> row pairs), inputs replicated;
 * ``tp+sp``: ``tp`` with sequence parallelism: the residual stream (adds of two activations) is
-  split along the sequence between the tensor-parallel regions.
+  split along the sequence between the tensor-parallel regions;
+* ``cp``: context parallel as torchtitan runs it: the inputs split by sequence, every attention
+  split by sequence as ring attention, parameters stored sharded and gathered on use (FSDP over
+  the context axis too), where the model has attention that can be split so.
 
 Combined over the axes (tensor parallel on the last, intra-node axis), this gives DDP, FSDP, HSDP, Megatron
-with and without sequence parallelism, and every data x tensor mix on 2-D and 3-D meshes. Each is
+with and without sequence parallelism, every data x tensor mix on 2-D and 3-D meshes, and
+torchtitan's FSDP x CP and FSDP x TP x CP (``context_role_sets``). Each is
 the planner's problem with the choices the role forbids removed; the solver fills in the rest
 (how each activation is laid out), so a hand plan is the best plan of its family under the same
 cost model, and a warm start the auto plan can only improve on. A hand plan that does not fit the
@@ -40,6 +44,7 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
+from autopar.core.ops.attention import SDPA
 from autopar.core.plan import Plan
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
@@ -59,7 +64,7 @@ __all__ = ["candidates", "hand_plans", "ROLES"]
 
 #: What a hand plan does on one mesh axis: data parallel (``dp``), FSDP (ZeRO-3), Megatron tensor
 #: parallel without and with sequence parallelism, ZeRO-2 or ZeRO-1.
-Role = Literal["dp", "fsdp", "tp", "tp+sp", "zero2", "zero1"]
+Role = Literal["dp", "fsdp", "tp", "tp+sp", "zero2", "zero1", "cp"]
 ROLES: tuple[Role, ...] = ("dp", "fsdp", "tp", "tp+sp")   # combined freely over the axes (``role_sets``)
 DATA_ROLES: tuple[Role, ...] = ("dp", "fsdp", "zero2", "zero1")   # the batch split, every weight used whole
 R = Replicate()
@@ -127,7 +132,8 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
                            microbatches=m, whole=captured,
                            recompute="none" if options.recompute == "auto" else options.recompute,
                            offload=options.offload == "optimizer")
-        for name, entry in hand_plans(planning, deadline=deadline, share=1.0).items():
+        # a stage's plans: Megatron's (its pipelines run no context parallelism)
+        for name, entry in hand_plans(planning, deadline=deadline, share=1.0, context=False).items():
             if isinstance(entry, InfeasibleError):
                 continue
             for schedule, virtual in schedules:
@@ -163,12 +169,32 @@ def role_sets(mesh: MeshSpec) -> list[tuple[Role, ...]]:
     return out
 
 
+def context_role_sets(mesh: MeshSpec, ring_axes: set[int]) -> list[tuple[Role, ...]]:
+    """torchtitan's context-parallel plans on ``mesh`` (its mesh order: FSDP outermost, then
+    CP, then TP innermost), where some attention can run as a ring on the context axis
+    (``ring_axes``): FSDP x CP (CP on the last axis, FSDP on the others and on the context axis
+    too) and FSDP x TP x CP (TP on the last axis, CP on the one before, FSDP on the rest)."""
+    live = [a for a, n in enumerate(mesh.shape) if n > 1]
+    out: list[tuple[Role, ...]] = []
+    for cp, tp in ((live[-1:], None), (live[-2:-1], live[-1] if len(live) > 1 else None)):
+        if cp and cp[0] in ring_axes and (tp is not None or cp[0] == live[-1]):
+            out.append(tuple("cp" if a == cp[0] else "tp" if a == tp else "fsdp" if a in live else "dp"
+                             for a in range(mesh.ndim)))
+    return out
+
+
+def _ring_axes(space) -> set[int]:
+    """The mesh axes some attention of ``space`` can run ring attention on."""
+    return {a for nc in space.nodes if nc.kind == "op" and nc.node.target is SDPA
+            for s in nc.strategies for a, name in enumerate(s.names) if name == "context-ring"}
+
+
 def plan_name(mesh: MeshSpec, roles: Sequence[Role]) -> str:
-    live = [(mesh.axis_names[a], r) for a, r in enumerate(roles) if mesh.shape[a] > 1]
+    live = [(mesh.axis_names[a], "fsdp+cp" if r == "cp" else r) for a, r in enumerate(roles) if mesh.shape[a] > 1]
     kinds = {r for _, r in live}
     if kinds <= {"dp"}:
         return "ddp"
-    if kinds in ({"fsdp"}, {"zero2"}, {"zero1"}):
+    if kinds in ({"fsdp"}, {"zero2"}, {"zero1"}, {"fsdp+cp"}):
         return kinds.pop()
     if len(live) == 1:
         return live[0][1]
@@ -176,7 +202,7 @@ def plan_name(mesh: MeshSpec, roles: Sequence[Role]) -> str:
 
 
 def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: float = HAND_PLAN_TIME_SHARE,
-               cost_unfit: bool = True) -> dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError]:
+               cost_unfit: bool = True, context: bool = True) -> dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError]:
     """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision). One no choice
     of which fits the budget is costed without it (``cost_unfit``), or stands as the solver's
     error, which says the least memory it needs: the planner only compares plans that fit, and a
@@ -185,9 +211,13 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
     All together end by ``share`` of the time ``deadline`` leaves, each one solved in an equal part
     of what the ones before left (those the memory bound rules out take none); those the time does
     not reach are left out (the deadline's clock says so): a solve past the share would eat the
-    auto plan's time."""
+    auto plan's time. ``context``: torchtitan's context-parallel plans too, where attention can
+    be split by sequence (``context_role_sets``)."""
     mesh = planning.space.mesh
-    sets = role_sets(mesh)
+    # torchtitan's context-parallel plans costed first: where a long sequence makes them the ones
+    # that fit, the time share must not run out before they are; listed last (ties go to the rest)
+    contexts = context_role_sets(mesh, _ring_axes(planning.space)) if context else []
+    sets = contexts + role_sets(mesh)
     on_batch = _on_batch(planning.space)
     traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
     out: dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError] = {}
@@ -213,7 +243,8 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
                 out[name] = _solved(planning, own, allowed, name, False) if cost_unfit else e
         except PlanningTimeout:
             end.clock.note(f"hand plan {name!r} (not costed)")
-    return out
+    first = {plan_name(mesh, roles) for roles in contexts}
+    return {**{k: v for k, v in out.items() if k not in first}, **{k: v for k, v in out.items() if k in first}}
 
 
 def _solved(planning: Planning, deadline: Deadline | None, allowed: list[list[int] | None], name: str,
@@ -248,50 +279,78 @@ def _allowed(planning: Planning, roles: Sequence[Role], traits: Sequence[Traits]
     return allowed
 
 
-Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...]]
+Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...], bool]
 
 
 def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
     """What the roles look at: (computes on the batch, is a matmul weight, is a residual add,
-    positions of the inputs that are weights of this matmul, of this embedding's table)."""
+    positions of the inputs that are weights of this matmul, of this embedding's table, is
+    attention)."""
     if nc.kind == "param":
-        return False, _is_matmul_weight(nc), False, (), ()
+        return False, _is_matmul_weight(nc), False, (), (), False
     if nc.kind == "op":
         weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
         tables = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in EMBEDDINGS and _from_param(space, u))
-        return on_batch, False, _is_residual_add(nc), weights, tables
-    return False, False, False, (), ()
+        return on_batch, False, _is_residual_add(nc), weights, tables, nc.node.target is SDPA
+    return False, False, False, (), (), False
 
 
 def _obeys(mesh: MeshSpec, kind: NodeKind, traits: Traits, s: Strategy, roles: Sequence[Role]) -> bool:
-    on_batch, matmul_weight, residual_add, weights, tables = traits
     for a, role in enumerate(roles):
         if mesh.shape[a] == 1:
             continue
-        if kind == "param":
-            use, stored = s.out[a], s.storage[a]
-            if role == "dp" and not (use == R and stored == R):
+        if role == "cp":
+            if not _obeys_context(kind, traits, s, a):
                 return False
-            if role in ("fsdp", "zero2", "zero1") and not (use == R and isinstance(stored, Shard)
-                                                            and s.kept == (role != "fsdp")
-                                                            and s.accumulated == (role == "zero1")):
-                return False
-            if role.startswith("tp") and (stored != use or (matmul_weight and not isinstance(use, Shard))):
-                return False
-        elif kind == "input":
-            want = Shard(0) if role in DATA_ROLES else R
-            if s.out[a] != want:
-                return False
-        elif kind == "op":
-            replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
-            if role in DATA_ROLES and on_batch == replicated:
-                return False   # an op on the batch computed on every rank, or one without it split
-            if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights + tables):
-                return False   # data parallelism uses every weight whole (embedding tables too: DDP's do)
-            if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
-                return False   # Megatron splits the matmul itself: its weight is used sharded
-            if role == "tp+sp" and residual_add and s.out[a] != Shard(1):
-                return False
+            continue
+        if not _obeys_role(kind, traits, s, a, role):
+            return False
+    return True
+
+
+def _obeys_context(kind: NodeKind, traits: Traits, s: Strategy, a: int) -> bool:
+    """Does ``s`` run as torchtitan's context parallelism on axis ``a``: parameters FSDP, the
+    inputs split by sequence, ops on the batch split (attention as a ring), weights used whole?"""
+    on_batch, _, _, weights, tables, attention = traits
+    if kind == "param":
+        return s.out[a] == R and isinstance(s.storage[a], Shard) and not s.kept
+    if kind == "input":
+        return s.out[a] == Shard(1)
+    if kind == "op":
+        if attention:
+            return s.names[a] == "context-ring"
+        replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
+        return on_batch != replicated and all(s.ins[k][a] == R for k in weights + tables)
+    return True
+
+
+def _obeys_role(kind: NodeKind, traits: Traits, s: Strategy, a: int, role: Role) -> bool:
+    """Does ``s`` obey ``role`` (one of ``ROLES`` or ZeRO) on axis ``a``?"""
+    on_batch, matmul_weight, residual_add, weights, tables, _ = traits
+    if kind == "param":
+        use, stored = s.out[a], s.storage[a]
+        if role == "dp" and not (use == R and stored == R):
+            return False
+        if role in ("fsdp", "zero2", "zero1") and not (use == R and isinstance(stored, Shard)
+                                                        and s.kept == (role != "fsdp")
+                                                        and s.accumulated == (role == "zero1")):
+            return False
+        if role.startswith("tp") and (stored != use or (matmul_weight and not isinstance(use, Shard))):
+            return False
+    elif kind == "input":
+        want = Shard(0) if role in DATA_ROLES else R
+        if s.out[a] != want:
+            return False
+    elif kind == "op":
+        replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
+        if role in DATA_ROLES and on_batch == replicated:
+            return False   # an op on the batch computed on every rank, or one without it split
+        if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights + tables):
+            return False   # data parallelism uses every weight whole (embedding tables too: DDP's do)
+        if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
+            return False   # Megatron splits the matmul itself: its weight is used sharded
+        if role == "tp+sp" and residual_add and s.out[a] != Shard(1):
+            return False
     return True
 
 

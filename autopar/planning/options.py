@@ -16,6 +16,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.hardware import get_hardware
 from autopar.core.microbatch import check_microbatches
 from autopar.core.precision import Precision, check_precision
+from autopar.planning.context import ContextChoice, context_choice, context_from_text
 from autopar.planning.pipeline import PipelineChoice, pipeline_choice
 from cost_models.estimate import OPTIMIZERS, get_optimizer
 from cost_models.profile import Profile
@@ -196,6 +197,16 @@ class PlanOptions:
              note="Here: auto, none, or a torch.distributed.pipelining schedule class (Schedule1F1B, "
                   "ScheduleInterleaved1F1B, ...) with the axis carrying the stages, the microbatches and the "
                   "stages per rank."))
+    context_parallel: Literal["auto", False] | ContextChoice | dict = _option(
+        "auto", "Context parallelism: attention split by sequence over a mesh axis, keys and values passed "
+        "around a ring (\"ring\") or regrouped by heads with all-to-alls (\"ulysses\"), the rest of the model "
+        "split by sequence with it (``autopar.core.context_parallel``). \"auto\" lets the search weigh it "
+        "where the model has attention that can be split so (self-attention, causal or unmasked, no dropout); "
+        "False never; a ``ContextChoice`` (or a dict ``{\"axis\": AXIS, \"kind\": \"ring\" | \"ulysses\"}``) "
+        "makes every attention that can be split so use that kind on that mesh axis, and is refused, saying "
+        "why, where none can (``autopar.planning.context``).",
+        Flag(to_option=context_from_text, metavar="auto|none|KIND:AXIS",
+             note="Here: auto, none, or ring:AXIS / ulysses:AXIS (a mesh axis name)."))
     progress: bool = _option(
         True, "While planning, a status line on stderr says what runs, for how long and what is left of "
         "``time_limit`` (rank 0, where stderr is a terminal, unless the environment sets "
@@ -218,6 +229,7 @@ class PlanOptions:
         if self.offload not in OFFLOAD:
             raise AutoparError(f"offload is {', '.join(map(repr, OFFLOAD))}, got {self.offload!r}")
         pipeline_choice(self.pipeline)
+        context_choice(self.context_parallel)
 
     def device_budget(self, hardware: str) -> float:
         """Bytes per device a plan may hold: ``memory_budget``, else the memory of ``hardware``'s preset."""

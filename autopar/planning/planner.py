@@ -23,6 +23,7 @@ from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.clock import Clock, Deadline, Once
+from autopar.planning.context import context_choice
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import (
     PipelineChoice,
@@ -227,7 +228,8 @@ class Problems:
         profile = options.profile if isinstance(options.profile, (str, Path, type(None))) else id(options.profile)
         return (id(captured), mesh, k, recompute if isinstance(recompute, str) else tuple(sorted(recompute.items())),
                 offload, id(forced) if forced else None, options.device_budget(mesh.hardware), profile,
-                options.optimizer, options.gather_outputs, options.reduce_precision, options.share_layers)
+                options.optimizer, options.gather_outputs, options.reduce_precision, options.share_layers,
+                context_choice(options.context_parallel))
 
     def get(self, key: tuple) -> Planning | None:
         return self.built.get(key)

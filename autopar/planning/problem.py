@@ -28,6 +28,7 @@ from autopar.core.strategies import Strategy, StrategySpace, alias_strategies, b
 from autopar.core.units import fmt
 from autopar.planning import work
 from autopar.planning.clock import HARD_STOP, STAGES, Clock, Deadline, Timed
+from autopar.planning.context import restrict_context
 from autopar.planning.options import PlanOptions
 from autopar.planning.shrink import Grouping, group
 from cost_models.confidence import band_of, basis_of, step_flops
@@ -133,6 +134,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
             space = replace(space, warnings=list(space.warnings))
         else:
             space = build_space(captured, mesh)
+            restrict_context(space, options.context_parallel)
             if forced:
                 _force(space, forced)
     with _stage(timings, "costs", line, what) as costs_s:

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_
 
 from autopar.core.capture import tensor_val
 from autopar.core.context_parallel import allgather_attention, positions, ring_attention, ulysses_attention
-from autopar.core.from_shapes import value_from_shapes
+from autopar.core.from_shapes import sampled_from_shapes, value_from_shapes
 from autopar.core.ops.base import (
     Collective,
     Emitter,
@@ -175,10 +175,37 @@ SEQ = 2   # the sequence dim of [batch, heads, seq, dim]
 @functools.lru_cache(maxsize=256)
 def planned_mask_kind(mask: fx.Node) -> str | None:
     """What ``attention_mask`` will find this mask to be ("causal", "none" or "mask"), where it is
-    computed from sizes alone: computed here as the forward computes it (``from_shapes``). None
-    where it reads an input or is too large to compute (``from_shapes.LIMIT``)."""
+    computed from sizes alone: computed here as the forward computes it (``from_shapes``); a
+    mask too large for that (``from_shapes.LIMIT``: a long sequence's) is computed at a grid of
+    query and key positions only (``mask_grid``), and taken to be what it is there. None where
+    it reads an input, or neither way computes it. (Only the cost depends on it: the run finds
+    out again, exactly.)"""
     value = value_from_shapes(mask)
-    return _mask_kind(value) if isinstance(value, torch.Tensor) else None
+    if isinstance(value, torch.Tensor):
+        return _mask_kind(value)
+    shape = tensor_val(mask).shape
+    if len(shape) < 2 or shape[-1] != shape[-2] or not all(isinstance(s, int) for s in shape):
+        return None
+    positions = mask_grid(shape[-1])
+    grid = sampled_from_shapes(mask, positions, positions)
+    if grid is None or grid.dtype != torch.bool:
+        return None
+    if bool(grid.all()):
+        return "none"
+    causal = positions[None, :] <= positions[:, None]
+    return "causal" if torch.equal(grid, causal.expand_as(grid)) else "mask"
+
+
+def mask_grid(seq: int, edge: int = 64, points: int = 96, around: int = 8) -> torch.Tensor:
+    """Query and key positions at which a long sequence's mask is computed when planned: the
+    first and last ``edge``, ``around`` either side of ``points`` positions spread over the
+    sequence, and of every block edge of 2 to 128 equal blocks (where a split sequence's ranks
+    meet): a window, a shifted diagonal or a block structure shows there."""
+    spread = torch.linspace(0, seq - 1, points).long()
+    edges = torch.tensor([seq * i // d for d in (2, 4, 8, 16, 32, 64, 128) for i in range(1, d)], dtype=torch.long)
+    near = torch.cat([spread, edges])[:, None] + torch.arange(-around, around + 1)[None, :]
+    every = torch.cat([torch.arange(min(edge, seq)), torch.arange(max(seq - edge, 0), seq), near.flatten()])
+    return every.clamp(0, seq - 1).unique()
 
 
 @rule_key(SDPA)
@@ -197,23 +224,42 @@ def causal_or_open(mask: fx.Node) -> bool:
 
 def context_rules(v: OpView, n: int) -> list[AxisRule]:
     """q, k, v split on the sequence (dim 2), the output too: ring attention, or Ulysses where
-    query and key/value heads divide by ``n``. Exact for no mask (causal or not) or a mask from
-    sizes alone that is causal or open (``causal_or_open``); needs self-attention (keys as long
-    as queries), an even split, no dropout, and the sequence not yet split by an earlier axis
-    (one axis runs it). A mask is read whole (R) where it is split this way."""
+    query and key/value heads divide by ``n`` (``context_refusal`` says what each needs), and the
+    sequence not yet split by an earlier axis (one axis runs it). A mask is read whole (R) where
+    it is split this way."""
     q, k = v.in_shapes[0], v.in_shapes[1]
-    query, mask = v.node.args[0], v.arg(3, "attn_mask")
-    if (len(q) != 4 or not all(isinstance(s, int) for s in (*q, *k)) or q[SEQ] != k[SEQ]
-            or not fits(q[SEQ], n, even=True) or v.arg(4, "dropout_p", 0.0) != 0.0
-            or not isinstance(query, fx.Node) or tensor_val(query).shape[SEQ] != q[SEQ]):
-        return []
-    if mask is not None and not (isinstance(mask, fx.Node) and causal_or_open(mask)):
+    query, mask, dropout = v.node.args[0], v.arg(3, "attn_mask"), v.arg(4, "dropout_p", 0.0)
+    if (context_refusal(q, k, mask, dropout, n, "ring") is not None or not isinstance(query, fx.Node)
+            or tensor_val(query).shape[SEQ] != q[SEQ]):
         return []
     ins = (Shard(SEQ),) * 3 + (Replicate(),) * (len(v.in_shapes) - 3)
     rules = [AxisRule(Shard(SEQ), ins, "context-ring")]
-    if q[1] % n == 0 and k[1] % n == 0:
+    if context_refusal(q, k, mask, dropout, n, "ulysses") is None:
         rules.append(AxisRule(Shard(SEQ), ins, "context-ulysses"))
     return rules
+
+
+def context_refusal(q: Sequence[Any], k: Sequence[Any], mask: Any, dropout: Any, n: int,
+                    kind: ContextKind) -> str | None:
+    """Why SDPA of query shape ``q``, key shape ``k``, ``mask`` (a node, or None) and ``dropout``
+    cannot be split by sequence over ``n`` ranks as ``kind``, else None. Exact only for
+    self-attention (keys as long as queries) in equal parts, without dropout, with no mask or
+    one from sizes alone that is causal or open (``causal_or_open``); Ulysses also needs query
+    and key/value heads that divide by ``n``."""
+    if len(q) != 4 or not all(isinstance(s, int) for s in (*q, *k)):
+        return "its query is not [batch, heads, sequence, dim] of fixed sizes"
+    if q[SEQ] != k[SEQ]:
+        return f"its keys ({k[SEQ]}) are not as long as its queries ({q[SEQ]}): not self-attention"
+    if not fits(q[SEQ], n, even=True):
+        return f"its sequence of {q[SEQ]} does not split into {n} equal parts"
+    if dropout != 0.0:
+        return "it has dropout"
+    if mask is not None and not (isinstance(mask, fx.Node) and causal_or_open(mask)):
+        return ("its mask is not known to be causal or open when planned (a mask read from an input, or one "
+                "that masks more: padding, a sliding window)")
+    if kind == "ulysses" and (q[1] % n or k[1] % n):
+        return f"its {q[1]} query heads and {k[1]} key/value heads do not both divide by {n} (Ulysses splits heads)"
+    return None
 
 
 def context_of(placed: Placed) -> tuple[int, ContextKind] | None:
@@ -225,6 +271,12 @@ def context_of(placed: Placed) -> tuple[int, ContextKind] | None:
     names = getattr(placed, "names", None)
     label = names[axes[0]] if names is not None else getattr(placed, "strategy", "")
     return axes[0], next(k for k in CONTEXT_KINDS if f"context-{k}" in label)
+
+
+def context_layout(placed: Placed) -> Literal["contiguous", "balanced"]:
+    """How ``placed``'s sequence is laid out over the ranks of the axis splitting it: each rank
+    one contiguous block (the only layout the runtime's strategies use yet)."""
+    return "contiguous"
 
 
 def _with(p: Placements, axis: int, placement: Placement) -> Placements:

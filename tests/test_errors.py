@@ -70,7 +70,7 @@ def test_a_plan_for_another_model_is_refused_for_the_model_before_the_mesh():
 
 def test_a_model_built_with_its_ranks_simulated_is_told_to_be_built_outside():
     """Built inside ``run_on_local_tensor_mesh`` its parameters are LocalTensors, which export
-    cannot trace: said so before tracing, not a bare StopIteration from inside it."""
+    traces only in the simplest models: where it fails, said so, not a bare StopIteration."""
     args, kwargs = make_batches("gpt-tiny", 4, 8, steps=1)[0]
     with pytest.raises(CaptureError, match=r"built with every rank simulated .*Build the model outside it"):
         run_on_local_tensor_mesh(lambda mesh: autopar.compile(build("gpt-tiny"), mesh, args, kwargs), (2,))

@@ -67,9 +67,7 @@ class CapturedGraph:
 
 
 def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Fail early, with the signature, when the example inputs cannot be passed to forward, and
-    when the model was built with every rank simulated (``_refuse_simulated_state``)."""
-    _refuse_simulated_state(model)
+    """Fail early, with the signature, when the example inputs cannot be passed to forward."""
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
@@ -262,16 +260,18 @@ def _refuse_higher_order_ops(program: ExportedProgram, model_name: str) -> None:
                            f"What to do: {advice}.")
 
 
-def _refuse_simulated_state(model: torch.nn.Module) -> None:
-    """A model built under ``LocalTensorMode`` (inside ``run_on_local_tensor_mesh``) holds a tensor
-    per simulated rank in each parameter: export cannot trace those (it stopped on a bare
-    ``StopIteration``), and the single device's model is the one to hand over."""
+def _simulated_state_error(model: torch.nn.Module) -> CaptureError | None:
+    """Why export failed where the model was built under ``LocalTensorMode`` (inside
+    ``run_on_local_tensor_mesh``): a tensor per simulated rank in its state, which export traces
+    only in the simplest models (a GPT stopped on a bare ``StopIteration``); None where it was not."""
     simulated = next((name for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, LocalTensor)), None)
-    if simulated is not None:
-        raise CaptureError(
-            f"{type(model).__name__} was built with every rank simulated (its {simulated} is a LocalTensor: the "
-            "model was made inside LocalTensorMode, e.g. in the function run_on_local_tensor_mesh runs). Build the "
-            "model outside it, as for one device, and pass it in; autopar shards it over the simulated ranks.")
+    if simulated is None:
+        return None
+    return CaptureError(
+        f"torch.export could not capture {type(model).__name__}, built with every rank simulated (its {simulated} "
+        "is a LocalTensor: the model was made inside LocalTensorMode, e.g. in the function run_on_local_tensor_mesh "
+        "runs). Build the model outside it, as for one device, and pass it in; autopar shards it over the simulated "
+        "ranks.")
 
 
 def frozen_parameters(model: torch.nn.Module) -> frozenset[str]:
@@ -457,6 +457,9 @@ def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs
         with maybe_disable_local_tensor_mode(), _lean_tracing():
             return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
+        simulated = _simulated_state_error(model)
+        if simulated is not None:
+            raise simulated from e
         dtype = traced.dtype if isinstance(traced, ComputeIn) else torch.float32
         raise _capture_error(model, e, dtype)  # noqa: B904 - _capture_error chains export's error or not
 

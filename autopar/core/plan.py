@@ -230,6 +230,15 @@ class SearchLog(TypedDict, total=False):
     pipelines: dict[str, str]  # each pipeline layout tried: its step and peak, or why there is none
 
 
+class ExpertParallelPlan(TypedDict):
+    """How a plan splits mixture-of-experts layers by expert (``Plan.expert_parallel``)."""
+
+    axis: str                 # the mesh axis whose ranks each hold a slice of the experts
+    experts_per_rank: int     # E/n
+    layers: int               # MoE layers split so
+    of: int                   # MoE layers in all
+
+
 @dataclass
 class Plan:
     """The planner's answer: each node's chosen strategy (``nodes``) with its predicted costs, the
@@ -256,6 +265,7 @@ class Plan:
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
     recompute: dict[str, RecomputeMode] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
     pipeline: PipelinePlan | None = None  # stages over a mesh axis, or None
+    expert_parallel: ExpertParallelPlan | None = None   # MoE experts split by expert, or None
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -326,6 +336,7 @@ class Plan:
             "microbatches": self.microbatches,
             "recompute": self.recompute,
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            "expert_parallel": self.expert_parallel,
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
@@ -382,6 +393,7 @@ class Plan:
                 microbatches=d["microbatches"],
                 recompute=d["recompute"],
                 pipeline=PipelinePlan.from_dict(d["pipeline"]) if d["pipeline"] is not None else None,
+                expert_parallel=d.get("expert_parallel"),   # absent from plans written before it
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:

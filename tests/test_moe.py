@@ -1,0 +1,98 @@
+"""Mixture-of-experts layers as the planner sees them (``autopar.core.ops.moe``): transformers'
+experts captured as one op, the option that steers expert parallelism, the plan that records it,
+and the zoo's Mixtral trained with its experts split by expert against one device, on simulated
+meshes of 2 and 2x2 and on 2 gloo processes (routing uneven: some ranks send some experts no
+token)."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+import autopar
+import autopar.core.expert_parallel as ep
+import tests.equivalence as equivalence
+from autopar.core.capture import capture
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import MeshSpec
+from autopar.core.ops.moe import MOE
+from autopar.core.plan import Plan
+from autopar.profiling.launch import per_rank
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
+
+NAME = "mixtral-tiny"   # 4 experts, top-2, 2 layers
+BATCHES = make_batches(NAME, 2, 4)   # 8 tokens a step: few per rank, so some experts get none from some rank
+_one_device = equivalence.train_reference
+
+
+@functools.cache
+def _reference(precision: str) -> tuple:
+    return _one_device(NAME, BATCHES, precision)
+
+
+@pytest.fixture(autouse=True)
+def _shared_reference(monkeypatch):
+    """One device's training of ``BATCHES``, computed once for every mesh."""
+    monkeypatch.setattr(equivalence, "train_reference",
+                        lambda name, batches, precision="fp32": _reference(precision) if batches is BATCHES
+                        else _one_device(name, batches, precision))
+
+
+def _recording_dispatch(monkeypatch) -> list[list[list[int]]]:
+    """Record, at each dispatch, each rank's (token, choice) pairs per expert."""
+    seen: list[list[list[int]]] = []
+    real = ep.dispatch
+
+    def dispatch(tokens, expert_ids, num_experts, group):
+        seen.append([torch.bincount(ids.flatten(), minlength=num_experts).tolist() for ids in per_rank(expert_ids)])
+        return real(tokens, expert_ids, num_experts, group)
+
+    monkeypatch.setattr(ep, "dispatch", dispatch)
+    return seen
+
+
+def _plan(mesh_shape: tuple[int, ...], axis: str) -> Plan:
+    args, kwargs = BATCHES[0]
+    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, expert_parallel={"axis": axis},
+                        hand_plans=False, time_limit=2.0, deterministic=True, profile=None)
+
+
+@pytest.mark.parametrize("mesh_shape, runners", [((2,), (local_runner, gloo_runner)), ((2, 2), (local_runner,))])
+def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runners, monkeypatch):
+    seen = _recording_dispatch(monkeypatch)
+    axis = MeshSpec(mesh_shape).axis_names[-1]
+    plan = _plan(mesh_shape, axis)
+    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": 2, "layers": 2, "of": 2}
+    for runner in runners:
+        check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
+    assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen
+    assert f"split by expert over {axis}: 2 experts per rank" in plan.report()
+    saved = json.loads(plan.to_json())
+    assert Plan.from_json(json.dumps(saved)).expert_parallel == plan.expert_parallel
+    del saved["expert_parallel"]   # a plan written before the field
+    assert Plan.from_json(json.dumps(saved)).expert_parallel is None
+
+
+def test_transformers_experts_are_captured_as_one_op_and_the_registry_restored():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model, args, kwargs = meta_model(NAME, 2, 4)
+    before = dict(ALL_EXPERTS_FUNCTIONS._local_mapping)
+    graph = capture(model, args, kwargs).graph
+    assert [n.args[3].name for n in graph.nodes if n.target is MOE] == [
+        f"p_model_layers_{i}_mlp_experts_gate_up_proj" for i in range(2)]
+    assert not any("grouped_mm" in str(n.target) for n in graph.nodes)
+    assert ALL_EXPERTS_FUNCTIONS._local_mapping == before
+
+
+@pytest.mark.parametrize("choice, error", [
+    ({"axis": "ep"}, "names mesh axis 'ep', which the mesh ('dp', 'tp') lacks"),
+    ({"axis": "tp"}, "has 4 experts, which cannot split evenly over mesh axis 'tp' of 3 ranks"),
+    ({"mesh": "tp"}, "expert_parallel is 'auto', False, or {'axis': name}"),
+])
+def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
+    model, args, kwargs = meta_model(NAME, 3, 4)
+    with pytest.raises(AutoparError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        autopar.plan(model, MeshSpec((1, 3)), args, kwargs, expert_parallel=choice, profile=None)

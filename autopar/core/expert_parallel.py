@@ -18,38 +18,19 @@ with the split sizes swapped, uneven ones included), and the permutations are in
 backward scatters (summing a token's k gradients). Gradients reach the tokens, the router
 weights (through ``combine``'s weighting) and the experts' parameters.
 
-How transformers 5 builds the block, and what ``torch.export`` captures of it (for the
-planner's integration, the next step). ``MixtralSparseMoeBlock`` (also OLMoE's; Qwen2-MoE's
-adds a gated shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
-``softmax`` in fp32, ``topk``, top values renormalised to sum to 1; OLMoE renormalises only
-under ``norm_topk_prob``) then ``experts`` (``MixtralExperts``: fused ``gate_up_proj``
-[E, 2I, H] and ``down_proj`` [E, H, I] parameters, its forward picked by
-``@use_experts_implementation`` from ``config._experts_implementation``: "grouped_mm" by
-default, "batched_mm", or "eager", a Python loop over ``nonzero()`` of the experts hit, which
-export refuses: a guard on a data-dependent size). The default, exported (``strict=False``,
-a [2, 3, 16] input, E=4, k=2, T=6) gives these nodes between the router and the output::
-
-    topk -> (values [T, k], ids [T, k]); div_ by their sum (renormalised weights)
-    reshape [T*k] of the weights; reshape [T*k] of the ids
-    sort(ids) -> (sorted ids, perm)       floor_divide(perm, k) -> token of each pair
-    index(hidden, [token]) -> [T*k, H]    index(weights, [perm]) -> [T*k]
-    histc(sorted ids as float, bins=E, min=0, max=E-1) -> counts [E]; cumsum -> offsets
-    transformers.grouped_mm_fallback(x, transpose(gate_up_proj), offsets) -> [T*k, 2I]
-    chunk(2) -> silu(gate) * up
-    transformers.grouped_mm_fallback(h, transpose(down_proj), offsets) -> [T*k, H]
-    mul by unsqueeze(sorted weights)
-    empty_like(perm); index_put_(arange(T*k) at perm) -> inverse permutation; index by it
-    view [T, k, H]; sum(1)
-
-(``aten._grouped_mm`` instead of the fallback op in bf16: under export transformers takes
-the native kernel for bf16 only; ``to``/``_assert_tensor_metadata`` dtype nodes are left out
-above.) An expert-parallel strategy keeps the router and replaces the nodes from the two
-``reshape``s to the ``sum``: ``dispatch`` stands for the sort, floor_divide, token ``index``,
-histc and cumsum (its counts give the local experts' offsets); the two grouped matmuls and the
-SwiGLU between them stay, on the rank's slice ``[r*E/n, (r+1)*E/n)`` of ``gate_up_proj`` and
-``down_proj`` (``Shard(0)``, the expert dim) with local offsets; and ``combine`` stands for
-the weights' ``index`` by perm and the ``mul`` (moved after the return trip), the inverse
-permutation and the sum over k.
+How transformers 5 builds the block. ``MixtralSparseMoeBlock`` (also OLMoE's; Qwen2-MoE's adds
+a gated shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
+``softmax`` in fp32, ``topk``, top values renormalised to sum to 1) then ``experts``
+(``MixtralExperts``: fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters,
+its forward picked by ``@use_experts_implementation`` from ``config._experts_implementation``
+through transformers' ``ALL_EXPERTS_FUNCTIONS`` registry: "grouped_mm" by default, "batched_mm",
+or "eager", a Python loop over the experts hit, which export refuses). Exported as it is, the
+default gives some twenty nodes per layer (sort by expert, gather, ``histc`` and ``cumsum`` to
+offsets, two grouped matmuls, an inverse permutation written in place, a sum over k) that no
+sharding rule can split by expert. So capture exports under ``experts_as_one_op``, which points
+the registry's implementations at ``moe_experts``, one custom op per layer (the router stays as
+it is); ``autopar.core.ops.moe`` says how that op splits, and runs it split by expert with
+``routed_experts`` over an axis's group.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Mixture-of-experts layers as the planner sees them (``autopar.core.ops.moe``): transformers'
 experts captured as one op, the option that steers expert parallelism, the plan that records it,
-and the zoo's Mixtral trained with its experts split by expert against one device, on simulated
-meshes of 2 and 2x2 and on 2 gloo processes (routing uneven: some ranks send some experts no
-token)."""
+and the zoo's Mixtral trained with its experts split by expert against one device, on 2 gloo
+processes and a simulated 2x2 mesh (routing uneven: some ranks send some experts no token)."""
 from __future__ import annotations
 
 import functools
@@ -59,15 +58,18 @@ def _plan(mesh_shape: tuple[int, ...], axis: str) -> Plan:
                         hand_plans=False, time_limit=2.0, deterministic=True, profile=None)
 
 
-@pytest.mark.parametrize("mesh_shape, runners", [((2,), (local_runner, gloo_runner)), ((2, 2), (local_runner,))])
-def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runners, monkeypatch):
+@pytest.mark.parametrize("mesh_shape, runner", [((2,), gloo_runner), ((2, 2), local_runner)])
+def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runner, monkeypatch):
+    """On 2 gloo processes (real all-to-alls) and on a simulated 2x2 mesh (beside a data or
+    tensor split on the other axis), where the dispatches are recorded: some rank sends some
+    expert no token. (A simulated mesh of 2 runs the strategy in tests/strategy_cases.py.)"""
     seen = _recording_dispatch(monkeypatch)
     axis = MeshSpec(mesh_shape).axis_names[-1]
     plan = _plan(mesh_shape, axis)
     assert plan.expert_parallel == {"axis": axis, "experts_per_rank": 2, "layers": 2, "of": 2}
-    for runner in runners:
-        check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
-    assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen
+    check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
+    if runner is local_runner:
+        assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen
     assert f"split by expert over {axis}: 2 experts per rank" in plan.report()
     saved = json.loads(plan.to_json())
     assert Plan.from_json(json.dumps(saved)).expert_parallel == plan.expert_parallel

@@ -77,10 +77,27 @@ def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     assert Plan.from_json(json.dumps(saved)).expert_parallel is None
 
 
-def test_transformers_experts_are_captured_as_one_op_and_the_registry_restored():
+def _meta_moe(config: str, implementation: str) -> tuple:
+    """A 2-layer transformers MoE model of ``config`` on meta, its experts run as ``implementation``."""
+    import transformers
+
+    sizes = {"MixtralConfig": {"num_local_experts": 4}, "Qwen2MoeConfig": {"num_experts": 4, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 32}, "OlmoeConfig": {"num_experts": 4, "eos_token_id": 0}}[config]
+    cfg = getattr(transformers, config)(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                        intermediate_size=128, vocab_size=256, num_experts_per_tok=2, **sizes)
+    cfg._experts_implementation = implementation
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.empty(2, 4, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids.clone(), "use_cache": False}
+
+
+@pytest.mark.parametrize("config, implementation", [("MixtralConfig", "grouped_mm"), ("MixtralConfig", "eager"),
+                                                    ("Qwen2MoeConfig", "batched_mm"), ("OlmoeConfig", "grouped_mm")])
+def test_transformers_experts_are_captured_as_one_op_and_the_registry_restored(config, implementation):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    model, args, kwargs = meta_model(NAME, 2, 4)
+    model, args, kwargs = _meta_moe(config, implementation)
     before = dict(ALL_EXPERTS_FUNCTIONS._local_mapping)
     graph = capture(model, args, kwargs).graph
     assert [n.args[3].name for n in graph.nodes if n.target is MOE] == [
@@ -98,3 +115,22 @@ def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
     model, args, kwargs = meta_model(NAME, 3, 4)
     with pytest.raises(AutoparError, match=error.replace("(", r"\(").replace(")", r"\)")):
         autopar.plan(model, MeshSpec((1, 3)), args, kwargs, expert_parallel=choice, profile=None)
+
+
+def test_the_op_differentiates_as_its_kernel():
+    """``autopar::moe_experts`` (what profiling times and an exported program runs) gives the
+    outputs and gradients of ``routed_experts`` under autograd, zero ids (as profiling passes
+    them) included."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[0, 2], [2, 1], [0, 0], [1, 2], [2, 0]])
+    for routing in (ids, torch.zeros_like(ids)):
+        inputs = [torch.randn(5, 4, generator=gen), routing, torch.rand(5, 2, generator=gen),
+                  torch.randn(3, 6, 4, generator=gen), torch.randn(3, 4, 3, generator=gen)]
+        grads = []
+        for fn in (torch.ops.autopar.moe_experts, ep.routed_experts):
+            leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+            out = fn(*leaves)
+            floats = [t for t in leaves if t.is_floating_point()]
+            grads.append((out, *torch.autograd.grad(out, floats, torch.ones_like(out))))
+        for got, want in zip(*grads, strict=True):
+            torch.testing.assert_close(got, want)

@@ -134,3 +134,22 @@ def test_the_op_differentiates_as_its_kernel():
             grads.append((out, *torch.autograd.grad(out, floats, torch.ones_like(out))))
         for got, want in zip(*grads, strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
+    """Megatron's expert x data parallelism: on a data-parallel axis a hand plan keeps weights
+    whole, except the experts', which it may split by expert (stored and used so)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.core.strategies import build_space
+    from autopar.planning.baselines import _obeys, _traits
+
+    model, args, kwargs = meta_model(NAME, 2, 4)
+    space = build_space(capture(model, args, kwargs), MeshSpec((2, 2)))
+    by_expert = (Shard(0), Replicate())
+    for fqn, allowed in (("model.layers.0.mlp.experts.gate_up_proj", True), ("model.layers.0.mlp.experts.down_proj", True),
+                         ("model.layers.0.self_attn.q_proj.weight", False)):
+        nc = next(nc for nc in space.nodes if nc.fqn == fqn)
+        split = [s for s in nc.strategies if s.out == s.storage == by_expert]
+        assert split and all(_obeys(space.mesh, "param", _traits(space, nc, False), s, ("dp", "tp")) == allowed
+                             for s in split), fqn

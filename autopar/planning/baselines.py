@@ -40,6 +40,7 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
+from autopar.core.ops import moe
 from autopar.core.plan import Plan
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
@@ -248,28 +249,31 @@ def _allowed(planning: Planning, roles: Sequence[Role], traits: Sequence[Traits]
     return allowed
 
 
-Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...]]
+Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...], bool]
 
 
 def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
     """What the roles look at: (computes on the batch, is a matmul weight, is a residual add,
-    positions of the inputs that are weights of this matmul, of this embedding's table)."""
+    positions of the inputs that are weights of this matmul, of this embedding's table, is an
+    expert weight of a mixture-of-experts layer)."""
     if nc.kind == "param":
-        return False, _is_matmul_weight(nc), False, (), ()
+        return False, _is_matmul_weight(nc), False, (), (), _is_expert_weight(nc)
     if nc.kind == "op":
         weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
         tables = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in EMBEDDINGS and _from_param(space, u))
-        return on_batch, False, _is_residual_add(nc), weights, tables
-    return False, False, False, (), ()
+        return on_batch, False, _is_residual_add(nc), weights, tables, False
+    return False, False, False, (), (), False
 
 
 def _obeys(mesh: MeshSpec, kind: NodeKind, traits: Traits, s: Strategy, roles: Sequence[Role]) -> bool:
-    on_batch, matmul_weight, residual_add, weights, tables = traits
+    on_batch, matmul_weight, residual_add, weights, tables, expert_weight = traits
     for a, role in enumerate(roles):
         if mesh.shape[a] == 1:
             continue
         if kind == "param":
             use, stored = s.out[a], s.storage[a]
+            if role in DATA_ROLES and expert_weight and use == stored == Shard(0):
+                continue   # experts split by expert over a data axis: Megatron's expert x data parallelism
             if role == "dp" and not (use == R and stored == R):
                 return False
             if role in ("fsdp", "zero2", "zero1") and not (use == R and isinstance(stored, Shard)
@@ -319,6 +323,19 @@ def _is_matmul_weight(nc: NodeChoices) -> bool:
     while todo:
         for user in todo.pop().users:
             if user.target in MATMULS:
+                return True
+            if user.target in VIEW_OPS or user.target in CAST_OPS:
+                todo.append(user)
+    return False
+
+
+def _is_expert_weight(nc: NodeChoices) -> bool:
+    """Read (through views and casts) as the experts' weights of a mixture-of-experts layer."""
+    todo = [nc.node]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user.target is moe.MOE and node in user.args[moe.GATE_UP:]:
                 return True
             if user.target in VIEW_OPS or user.target in CAST_OPS:
                 todo.append(user)

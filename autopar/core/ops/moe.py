@@ -136,7 +136,8 @@ def _refuse_forced(space: StrategySpace, layers: list[NodeChoices], axis: str) -
     names, shape = space.mesh.axis_names, space.mesh.shape
     if axis not in names:
         raise AutoparError(f"expert_parallel names mesh axis {axis!r}, which the mesh {tuple(names)} lacks: name "
-                           "one of its axes")
+                           "one of its axes (a pipeline's stages plan on the mesh without its pipeline axis, whose "
+                           "ranks hold other layers: experts cannot split over it)")
     if not layers:
         raise AutoparError("expert_parallel names an axis, but the model has no mixture-of-experts layer autopar "
                            "recognises (transformers' experts classes with fused gate_up_proj / down_proj weights "

@@ -14,6 +14,7 @@ import autopar
 import autopar.core.expert_parallel as ep
 import tests.equivalence as equivalence
 from autopar.core.capture import capture
+from autopar.core.diff import plan_diff
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
@@ -76,7 +77,9 @@ def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     saved = json.loads(plan.to_json())
     assert Plan.from_json(json.dumps(saved)).expert_parallel == plan.expert_parallel
     del saved["expert_parallel"]   # a plan written before the field
-    assert Plan.from_json(json.dumps(saved)).expert_parallel is None
+    older = Plan.from_json(json.dumps(saved))
+    assert older.expert_parallel is None
+    assert f"expert parallelism: over {axis}, 2 experts per rank -> none" in plan_diff(plan, older)
 
 
 def _meta_moe(config: str, implementation: str) -> tuple:

@@ -24,6 +24,7 @@ from autopar.core.placements import Placements
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
 if TYPE_CHECKING:   # strategies imports this package
+    from autopar.core.mesh import MeshSpec
     from autopar.core.plan import ExpertParallelPlan
     from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 
@@ -134,10 +135,10 @@ def _refuse_forced(space: StrategySpace, layers: list[NodeChoices], axis: str) -
     """The index of mesh axis ``axis``, where every MoE layer of ``layers`` can split its experts
     over it; else a clear ``AutoparError``."""
     names, shape = space.mesh.axis_names, space.mesh.shape
-    if axis not in names:
-        raise AutoparError(f"expert_parallel names mesh axis {axis!r}, which the mesh {tuple(names)} lacks: name "
-                           "one of its axes (a pipeline's stages plan on the mesh without its pipeline axis, whose "
-                           "ranks hold other layers: experts cannot split over it)")
+    if axis not in names:   # the mesh was checked (``check_axis``): a pipeline stage's, without the pipeline axis
+        raise AutoparError(f"expert_parallel names mesh axis {axis!r}, which carries the pipeline's stages (its "
+                           "ranks hold other layers): name another axis to split the experts over, or another "
+                           "pipeline axis")
     if not layers:
         raise AutoparError("expert_parallel names an axis, but the model has no mixture-of-experts layer autopar "
                            "recognises (transformers' experts classes with fused gate_up_proj / down_proj weights "
@@ -152,6 +153,13 @@ def _refuse_forced(space: StrategySpace, layers: list[NodeChoices], axis: str) -
             raise AutoparError(f"{nc.node.name}'s {tokens} tokens cannot split evenly over mesh axis {axis!r} of "
                                f"{shape[a]} ranks (each rank routes its own tokens): change the batch or the axis")
     return a
+
+
+def check_axis(choice: str | bool | dict[str, str], mesh: MeshSpec) -> None:
+    """Refuse an ``expert_parallel`` axis the mesh lacks (a typo), before any planning."""
+    if isinstance(choice, dict) and choice["axis"] not in mesh.axis_names:
+        raise AutoparError(f"expert_parallel names mesh axis {choice['axis']!r}, which the mesh "
+                           f"{tuple(mesh.axis_names)} lacks: name one of its axes")
 
 
 def narrowed(space: StrategySpace, choice: str | bool | dict[str, str]) -> StrategySpace:

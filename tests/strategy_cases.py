@@ -25,6 +25,7 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 importlib.import_module("transformers.integrations.moe")   # registers torch.ops.transformers.grouped_mm_fallback
 GROUPED_MM = torch.ops.transformers.grouped_mm_fallback.default
+MOE = torch.ops.autopar.moe_experts.default   # registered with autopar.core.expert_parallel
 
 
 class Pre(nn.Module):
@@ -503,6 +504,26 @@ class Experts(nn.Module):
         return GROUPED_MM(self.pre(x), self.w, offs)
 
 
+class MoEExperts(nn.Module):
+    """A mixture-of-experts layer's experts as capture records them (``autopar::moe_experts``):
+    8 tokens routed top-2 to 4 SwiGLU experts, expert 3 chosen by none, so that split by expert
+    one rank's experts see few tokens and one none; the router weights observed through ``Pre``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.weights = Pre(8, 6), Pre(8, 2)
+        self.gate_up = nn.Parameter(0.3 * torch.randn(4, 10, 6))
+        self.down = nn.Parameter(0.3 * torch.randn(4, 6, 5))
+
+    def forward(self, x, ids, weights):
+        return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down)
+
+
+def _routing() -> torch.Tensor:
+    """[8, 2] expert ids in 0..2: tokens 0-3 choose experts 0 and 1, tokens 4-7 experts 1 and 2."""
+    return torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [2, 1], [1, 2], [2, 1], [1, 2]])
+
+
 class Scatter(nn.Module):
     """Writing along an index, out of place: ``scatter`` of a tensor and of a value, ``scatter_add``
     (as one-hot targets and routing weights are built)."""
@@ -667,6 +688,8 @@ CASES: list[Case] = [
          {aten.copy_.default: {"replicate"}, aten.masked_fill_.Scalar: {"replicate"}}),
     Case("experts", Experts, lambda: (torch.randn(7, 6),), (GROUPED_MM,),
          {GROUPED_MM: {"column", "row", "partial"}}),
+    Case("moe-experts", MoEExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
+         {MOE: {"batch", "experts"}}, meshes=((2,), (2, 2))),
     Case("scatter", Scatter, lambda: (torch.randn(5, 3, 6), torch.randint(0, 6, (5, 3, 2)), torch.randn(5, 3, 2)),
          (aten.scatter.src, aten.scatter.value, aten.scatter_add.default),
          {aten.scatter.src: {"follow", "partial"}, aten.scatter.value: {"follow"},

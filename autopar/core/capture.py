@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
+from autopar.core.expert_parallel import experts_as_one_op
 from autopar.core.precision import ComputeIn, Precision, check_precision
 
 
@@ -449,12 +450,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
 
 def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs: dict,
             dynamic_shapes: Any) -> torch.export.ExportedProgram:
-    """``torch.export.export(traced, ...)`` (non-strict, lean: ``_lean_tracing``), its failures
-    raised as ``_capture_error`` says about ``model``."""
+    """``torch.export.export(traced, ...)`` (non-strict, lean: ``_lean_tracing``; transformers'
+    experts as one op each: ``experts_as_one_op``), its failures raised as ``_capture_error`` says
+    about ``model``."""
     try:
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.
-        with maybe_disable_local_tensor_mode(), _lean_tracing():
+        with maybe_disable_local_tensor_mode(), _lean_tracing(), experts_as_one_op():
             return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; all mean "not traceable"
         simulated = _simulated_state_error(model)

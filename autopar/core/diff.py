@@ -27,11 +27,17 @@ def _placement(n: NodePlan) -> str:
     return f"{n.strategy} {placements_str(n.out)}{stored}" + (" offloaded" if n.offloaded else "")
 
 
+def _experts(plan: Plan) -> str:
+    ep = plan.expert_parallel
+    return "none" if ep is None else f"over {ep['axis']}, {ep['experts_per_rank']} experts per rank"
+
+
 def _headline_lines(a: Plan, b: Plan) -> list[str]:
     pa, pb = a.predicted, b.predicted
     out = [*_changed("model", a.model_name, b.model_name), *_changed("mesh", a.mesh.describe(), b.mesh.describe()),
            *_changed("plan", a.name, b.name), *_changed("precision", a.precision, b.precision),
-           *_changed("batch", a.batch_size, b.batch_size), *_changed("microbatches", a.microbatches, b.microbatches)]
+           *_changed("batch", a.batch_size, b.batch_size), *_changed("microbatches", a.microbatches, b.microbatches),
+           *_changed("expert parallelism", _experts(a), _experts(b))]
     if pa.step_time_s != pb.step_time_s:
         out.append(f"predicted step: {fmt(pa.step_time_s, 's')} -> {fmt(pb.step_time_s, 's')} "
                    f"({100 * (pb.step_time_s / pa.step_time_s - 1) if pa.step_time_s else 0:+.1f}%)")

@@ -18,42 +18,25 @@ with the split sizes swapped, uneven ones included), and the permutations are in
 backward scatters (summing a token's k gradients). Gradients reach the tokens, the router
 weights (through ``combine``'s weighting) and the experts' parameters.
 
-How transformers 5 builds the block, and what ``torch.export`` captures of it (for the
-planner's integration, the next step). ``MixtralSparseMoeBlock`` (also OLMoE's; Qwen2-MoE's
-adds a gated shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
-``softmax`` in fp32, ``topk``, top values renormalised to sum to 1; OLMoE renormalises only
-under ``norm_topk_prob``) then ``experts`` (``MixtralExperts``: fused ``gate_up_proj``
-[E, 2I, H] and ``down_proj`` [E, H, I] parameters, its forward picked by
-``@use_experts_implementation`` from ``config._experts_implementation``: "grouped_mm" by
-default, "batched_mm", or "eager", a Python loop over ``nonzero()`` of the experts hit, which
-export refuses: a guard on a data-dependent size). The default, exported (``strict=False``,
-a [2, 3, 16] input, E=4, k=2, T=6) gives these nodes between the router and the output::
-
-    topk -> (values [T, k], ids [T, k]); div_ by their sum (renormalised weights)
-    reshape [T*k] of the weights; reshape [T*k] of the ids
-    sort(ids) -> (sorted ids, perm)       floor_divide(perm, k) -> token of each pair
-    index(hidden, [token]) -> [T*k, H]    index(weights, [perm]) -> [T*k]
-    histc(sorted ids as float, bins=E, min=0, max=E-1) -> counts [E]; cumsum -> offsets
-    transformers.grouped_mm_fallback(x, transpose(gate_up_proj), offsets) -> [T*k, 2I]
-    chunk(2) -> silu(gate) * up
-    transformers.grouped_mm_fallback(h, transpose(down_proj), offsets) -> [T*k, H]
-    mul by unsqueeze(sorted weights)
-    empty_like(perm); index_put_(arange(T*k) at perm) -> inverse permutation; index by it
-    view [T, k, H]; sum(1)
-
-(``aten._grouped_mm`` instead of the fallback op in bf16: under export transformers takes
-the native kernel for bf16 only; ``to``/``_assert_tensor_metadata`` dtype nodes are left out
-above.) An expert-parallel strategy keeps the router and replaces the nodes from the two
-``reshape``s to the ``sum``: ``dispatch`` stands for the sort, floor_divide, token ``index``,
-histc and cumsum (its counts give the local experts' offsets); the two grouped matmuls and the
-SwiGLU between them stay, on the rank's slice ``[r*E/n, (r+1)*E/n)`` of ``gate_up_proj`` and
-``down_proj`` (``Shard(0)``, the expert dim) with local offsets; and ``combine`` stands for
-the weights' ``index`` by perm and the ``mul`` (moved after the return trip), the inverse
-permutation and the sum over k.
+How transformers 5 builds the block. ``MixtralSparseMoeBlock`` (also OLMoE's; Qwen2-MoE's adds
+a gated shared expert beside it) is ``gate`` (``MixtralTopKRouter``: ``linear`` to logits,
+``softmax`` in fp32, ``topk``, top values renormalised to sum to 1) then ``experts``
+(``MixtralExperts``: fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters,
+its forward picked by ``@use_experts_implementation`` from ``config._experts_implementation``
+through transformers' ``ALL_EXPERTS_FUNCTIONS`` registry: "grouped_mm" by default, "batched_mm",
+or "eager", a Python loop over the experts hit, which export refuses). Exported as it is, the
+default gives some twenty nodes per layer (sort by expert, gather, ``histc`` and ``cumsum`` to
+offsets, two grouped matmuls, an inverse permutation written in place, a sum over k) that no
+sharding rule can split by expert. So capture exports under ``experts_as_one_op``, which points
+the registry's implementations at ``moe_experts``, one custom op per layer (the router stays as
+it is); ``autopar.core.ops.moe`` says how that op splits, and runs it split by expert with
+``routed_experts`` over an axis's group.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +85,7 @@ def experts_per_rank(num_experts: int, ranks: int) -> int:
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     """The permutation undoing ``perm`` (``x[perm][_inverse(perm)] == x``)."""
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inverse
+    return torch.argsort(perm)   # (no arange of a size: under LocalTensorMode sizes differ by rank)
 
 
 def _all_to_all(x: torch.Tensor, received: list[int], sent: list[int],
@@ -211,3 +192,101 @@ def reference_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch
         if rows.numel():
             out = out.index_add(0, rows, expert(e, tokens[rows]) * weights[rows, choice].unsqueeze(-1))
     return out.to(tokens.dtype)
+
+
+# ----------------------------------------------------------------------------
+# The experts as one op, for capture
+# ----------------------------------------------------------------------------
+
+
+def routed_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """transformers' SwiGLU experts on this rank's tokens ``hidden`` [T, H], routed by ``top_idx``
+    / ``top_w`` [T, k] (global expert ids, router weights) to experts ``gate_up`` [E', 2I, H] and
+    ``down`` [E', H, I]: this rank's slice of the experts when ``group`` splits them by expert
+    (``expert_parallel_moe``), else all of them. Computed in the experts' dtype, returned in the
+    tokens', as ``grouped_mm_experts_forward`` does."""
+    n = _size_rank(group)[0]
+    out = expert_parallel_moe(hidden.to(gate_up.dtype), top_w, top_idx,
+                              lambda rows, counts: grouped_swiglu(rows, counts, gate_up, down),
+                              gate_up.size(0) * n, group)
+    return out.to(hidden.dtype)
+
+
+@torch.library.custom_op("autopar::moe_experts", mutates_args=())
+def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts layer's experts as one op (``routed_experts`` on one device): what
+    capture records in place of the ops of transformers' experts implementations, so that the
+    planner sees one node per MoE layer (``autopar.core.ops.moe`` says how it splits)."""
+    return routed_experts(hidden, top_idx, top_w, gate_up, down)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(hidden, top_idx, top_w, gate_up, down):
+    if hidden.dim() != 2 or top_idx.shape != top_w.shape or top_idx.size(0) != hidden.size(0):
+        raise AutoparError(f"moe_experts takes hidden [T, H] and top-k ids and weights [T, k]; got "
+                           f"{tuple(hidden.shape)}, {tuple(top_idx.shape)}, {tuple(top_w.shape)}")
+    return hidden.new_empty(hidden.shape)
+
+
+def _keep_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _moe_experts_backward(ctx, grad: torch.Tensor) -> tuple:
+    """Gradients by running ``routed_experts`` again under autograd (the op is opaque to it)."""
+    needs = ctx.needs_input_grad
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs, strict=True)]
+        wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
+        grads = iter(torch.autograd.grad(routed_experts(*leaves), wanted, grad, allow_unused=True) if wanted else ())
+    return tuple(next(grads) if need else None for need in needs)
+
+
+torch.library.register_autograd("autopar::moe_experts", _moe_experts_backward, setup_context=_keep_inputs)
+
+
+def _plain_swiglu_experts(module: torch.nn.Module) -> bool:
+    """Is ``module`` (a transformers experts class) the layout ``moe_experts`` computes: fused
+    [gate; up] weights [E, 2I, H], down [E, H, I], no biases, SiLU gate, nothing after?"""
+    from transformers.integrations.moe import _default_apply_gate
+
+    return (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+            and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
+            and not getattr(module, "has_post_expert_norm", True) and not getattr(module, "_is_expert_parallel", True)
+            and type(module)._apply_gate is _default_apply_gate
+            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and getattr(module, "gate_up_proj", None) is not None and module.gate_up_proj.dim() == 3
+            and getattr(module, "down_proj", None) is not None and module.down_proj.dim() == 3)
+
+
+@contextmanager
+def experts_as_one_op() -> Iterator[None]:
+    """While it is open, transformers 5's experts (classes decorated ``@use_experts_implementation``,
+    whichever of "eager", "batched_mm" or "grouped_mm" their config picks) run as ``moe_experts``
+    where their layout is its (``_plain_swiglu_experts``), else as they would. Capture exports
+    under it; the registry of implementations is restored after, the model itself untouched."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:   # no transformers (or one without the experts interface): nothing to route
+        yield
+        return
+    local = ALL_EXPERTS_FUNCTIONS._local_mapping
+    saved = dict(local)
+    for name in ("eager", "batched_mm", "grouped_mm"):
+        original = ALL_EXPERTS_FUNCTIONS.get(name)
+        local[name] = functools.partial(_as_one_op, original)
+    try:
+        yield
+    finally:
+        local.clear()
+        local.update(saved)
+
+
+def _as_one_op(original: Callable | None, module: torch.nn.Module, hidden_states: torch.Tensor,
+               top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    if _plain_swiglu_experts(module):
+        return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+    forward = original or type(module).forward.__wrapped__   # "eager": the class's own forward
+    return forward(module, hidden_states, top_k_index, top_k_weights)

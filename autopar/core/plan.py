@@ -246,6 +246,15 @@ class ContextParallel:
         return {**asdict(self), "nodes": list(self.nodes)}
 
 
+class ExpertParallelPlan(TypedDict):
+    """How a plan splits mixture-of-experts layers by expert (``Plan.expert_parallel``)."""
+
+    axis: str                 # the mesh axis whose ranks each hold a slice of the experts
+    experts_per_rank: int     # E/n
+    layers: int               # MoE layers split so
+    of: int                   # MoE layers in all
+
+
 @dataclass
 class Plan:
     """The planner's answer: each node's chosen strategy (``nodes``) with its predicted costs, the
@@ -272,6 +281,7 @@ class Plan:
     microbatches: int = 1                 # gradient accumulation: microbatches per step (``train_step``)
     recompute: dict[str, RecomputeMode] = field(default_factory=dict)   # repeated block path -> "full" or "selective" (its attention core)
     pipeline: PipelinePlan | None = None  # stages over a mesh axis, or None
+    expert_parallel: ExpertParallelPlan | None = None   # MoE experts split by expert, or None
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -358,6 +368,7 @@ class Plan:
             "recompute": self.recompute,
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "context_parallel": cp.to_dict() if (cp := self.context_parallel) is not None else None,   # read off the nodes
+            "expert_parallel": self.expert_parallel,
             "feasible": self.feasible,
             "shortfall_bytes": self.shortfall_bytes,
             "predicted": asdict(self.predicted),
@@ -414,6 +425,7 @@ class Plan:
                 microbatches=d["microbatches"],
                 recompute=d["recompute"],
                 pipeline=PipelinePlan.from_dict(d["pipeline"]) if d["pipeline"] is not None else None,
+                expert_parallel=d.get("expert_parallel"),   # absent from plans written before it
                 version=d["version"],
             )
         except (KeyError, TypeError) as e:

@@ -22,7 +22,7 @@ from autopar.core.units import fmt
 
 if TYPE_CHECKING:   # plan.py imports this module for Plan.report(); types only here
     from autopar.core.blocks import RecomputeMode
-    from autopar.core.plan import NodePlan, Plan, Prediction, TimeLimitLog
+    from autopar.core.plan import ExpertParallelPlan, NodePlan, Plan, Prediction, TimeLimitLog
 
 __all__ = ["BASES", "format_report", "fmt", "headline", "param_pattern", "step_with_band", "summary"]  # fmt re-exported from autopar.core.units
 
@@ -177,6 +177,12 @@ def _recompute_line(recompute: dict[str, RecomputeMode]) -> str:
                      + f": {what[mode]}" for mode, paths in by_mode.items())
 
 
+def _experts_line(ep: ExpertParallelPlan) -> str:
+    """Expert parallelism: the axis splitting the mixture-of-experts layers by expert."""
+    return (f"split by expert over {ep['axis']}: {ep['experts_per_rank']} experts per rank, tokens sent to their "
+            f"experts' ranks and back by all-to-all ({ep['layers']} of {ep['of']} MoE layers)")
+
+
 def _pipeline_lines(plan: Plan) -> list[str]:
     """The pipeline section: schedule, microbatches, bubble, and one row per stage."""
     p = plan.pipeline
@@ -325,6 +331,8 @@ def _header_lines(plan: Plan) -> list[str]:
         "  outputs         " + ("gathered whole on every rank" if plan.gather_outputs
                                 else "returned as DTensors, placed as planned (gather_outputs=False)"),
     ]
+    if plan.expert_parallel is not None:
+        out.insert(-2, "  experts         " + _experts_line(plan.expert_parallel))
     if not plan.feasible:
         out.append("  FEASIBLE        no: no plan fits the memory budget; the one below is the least bad")
     return [*out, ""]

@@ -44,6 +44,7 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
+from autopar.core.ops import moe
 from autopar.core.ops.attention import SDPA
 from autopar.core.plan import Plan
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
@@ -279,20 +280,20 @@ def _allowed(planning: Planning, roles: Sequence[Role], traits: Sequence[Traits]
     return allowed
 
 
-Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...], bool]
+Traits = tuple[bool, bool, bool, tuple[int, ...], tuple[int, ...], bool, bool]
 
 
 def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
     """What the roles look at: (computes on the batch, is a matmul weight, is a residual add,
     positions of the inputs that are weights of this matmul, of this embedding's table, is
-    attention)."""
+    attention, is an expert weight of a mixture-of-experts layer)."""
     if nc.kind == "param":
-        return False, _is_matmul_weight(nc), False, (), (), False
+        return False, _is_matmul_weight(nc), False, (), (), False, _is_expert_weight(nc)
     if nc.kind == "op":
         weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
         tables = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in EMBEDDINGS and _from_param(space, u))
-        return on_batch, False, _is_residual_add(nc), weights, tables, nc.node.target is SDPA
-    return False, False, False, (), (), False
+        return on_batch, False, _is_residual_add(nc), weights, tables, nc.node.target is SDPA, False
+    return False, False, False, (), (), False, False
 
 
 def _obeys(mesh: MeshSpec, kind: NodeKind, traits: Traits, s: Strategy, roles: Sequence[Role]) -> bool:
@@ -311,7 +312,7 @@ def _obeys(mesh: MeshSpec, kind: NodeKind, traits: Traits, s: Strategy, roles: S
 def _obeys_context(kind: NodeKind, traits: Traits, s: Strategy, a: int) -> bool:
     """Does ``s`` run as torchtitan's context parallelism on axis ``a``: parameters FSDP, the
     inputs split by sequence, ops on the batch split (attention as a ring), weights used whole?"""
-    on_batch, _, _, weights, tables, attention = traits
+    on_batch, _, _, weights, tables, attention, _ = traits
     if kind == "param":
         return s.out[a] == R and isinstance(s.storage[a], Shard) and not s.kept
     if kind == "input":
@@ -326,9 +327,11 @@ def _obeys_context(kind: NodeKind, traits: Traits, s: Strategy, a: int) -> bool:
 
 def _obeys_role(kind: NodeKind, traits: Traits, s: Strategy, a: int, role: Role) -> bool:
     """Does ``s`` obey ``role`` (one of ``ROLES`` or ZeRO) on axis ``a``?"""
-    on_batch, matmul_weight, residual_add, weights, tables, _ = traits
+    on_batch, matmul_weight, residual_add, weights, tables, _, expert_weight = traits
     if kind == "param":
         use, stored = s.out[a], s.storage[a]
+        if role in DATA_ROLES and expert_weight and use == stored == Shard(0):
+            return True   # experts split by expert over a data axis: Megatron's expert x data parallelism
         if role == "dp" and not (use == R and stored == R):
             return False
         if role in ("fsdp", "zero2", "zero1") and not (use == R and isinstance(stored, Shard)
@@ -378,6 +381,19 @@ def _is_matmul_weight(nc: NodeChoices) -> bool:
     while todo:
         for user in todo.pop().users:
             if user.target in MATMULS:
+                return True
+            if user.target in VIEW_OPS or user.target in CAST_OPS:
+                todo.append(user)
+    return False
+
+
+def _is_expert_weight(nc: NodeChoices) -> bool:
+    """Read (through views and casts) as the experts' weights of a mixture-of-experts layer."""
+    todo = [nc.node]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user.target is moe.MOE and node in user.args[moe.GATE_UP:]:
                 return True
             if user.target in VIEW_OPS or user.target in CAST_OPS:
                 todo.append(user)

@@ -33,6 +33,8 @@ Offload = Literal["auto", "none", "optimizer"]
 OFFLOAD: tuple[Offload, ...] = get_args(Offload)
 #: ``PlanOptions.recompute``'s values: a mode of ``Plan.recompute``, or "auto".
 Recompute = Literal["auto", RecomputeMode]
+#: ``PlanOptions.expert_parallel``'s values: "auto", False, or ``{"axis": name}`` forcing it.
+ExpertParallel = Literal["auto", False] | dict[str, str]
 #: ``PlanOptions.microbatches``' values: a count, or "auto".
 Microbatches = int | Literal["auto"]
 
@@ -91,6 +93,20 @@ def _count(text: str) -> int:
 def _microbatches_from_text(text: str) -> Microbatches:
     """``--microbatches``: auto, or a count."""
     return "auto" if text == "auto" else _count(text)
+
+
+def _expert_parallel_from_text(text: str) -> ExpertParallel:
+    """``--expert-parallel``: auto, none, or the mesh axis to split the experts over."""
+    return {"auto": "auto", "none": False}.get(text, {"axis": text})  # type: ignore[return-value]
+
+
+def check_expert_parallel(value: Any) -> None:
+    """Refuse an ``expert_parallel`` that is not "auto", False or ``{"axis": name}``."""
+    if value == "auto" or value is False:
+        return
+    if not (isinstance(value, dict) and set(value) == {"axis"} and isinstance(value["axis"], str)):
+        raise AutoparError(f"expert_parallel is 'auto', False, or {{'axis': name}} naming the mesh axis to split "
+                           f"the experts over; got {value!r}")
 
 
 def _pipeline_from_text(text: str) -> str | bool | dict:
@@ -207,6 +223,14 @@ class PlanOptions:
         "why, where none can (``autopar.planning.context``).",
         Flag(to_option=context_from_text, metavar="auto|none|KIND:AXIS",
              note="Here: auto, none, or ring:AXIS / ulysses:AXIS (a mesh axis name)."))
+    expert_parallel: ExpertParallel = _option(
+        "auto", "Expert parallelism for mixture-of-experts layers (``autopar.core.ops.moe``): each rank of a "
+        "mesh axis holds E/n of a layer's experts and tokens go to their experts' ranks and back by all-to-all. "
+        "\"auto\" lets the planner weigh it against the other strategies of each layer, False never uses it, "
+        "``{\"axis\": name}`` splits every such layer's experts over that axis (``Plan.expert_parallel`` says "
+        "what was chosen).",
+        Flag(to_option=_expert_parallel_from_text, metavar="auto|none|AXIS",
+             note="Here: auto, none, or the name of the mesh axis to split the experts over."))
     progress: bool = _option(
         True, "While planning, a status line on stderr says what runs, for how long and what is left of "
         "``time_limit`` (rank 0, where stderr is a terminal, unless the environment sets "
@@ -230,6 +254,7 @@ class PlanOptions:
             raise AutoparError(f"offload is {', '.join(map(repr, OFFLOAD))}, got {self.offload!r}")
         pipeline_choice(self.pipeline)
         context_choice(self.context_parallel)
+        check_expert_parallel(self.expert_parallel)
 
     def device_budget(self, hardware: str) -> float:
         """Bytes per device a plan may hold: ``memory_budget``, else the memory of ``hardware``'s preset."""

@@ -18,6 +18,7 @@ from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
+from autopar.core.ops import moe
 from autopar.core.plan import HandPlanSummary, Plan
 from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
@@ -71,6 +72,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     ``options.time_limit`` bounds the whole call on it (``autopar.planning.clock``). The plan's
     ``timings`` add up to the call's wall time; ``solver["time_limit"]`` says what the limit cut
     short, where it did (another run may then give another plan)."""
+    moe.check_axis(options.expert_parallel, mesh)
     whole_batch = whole_batch_state(captured)
     if whole_batch:   # batch statistics, buffer writes: never in parts of the batch
         refuse_split_steps(captured.model_name, whole_batch, _in_parts(options),

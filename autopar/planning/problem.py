@@ -21,6 +21,7 @@ from autopar.core.capture import CapturedGraph, readable_name
 from autopar.core.errors import AutoparError, InfeasibleError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows
+from autopar.core.ops import moe
 from autopar.core.plan import NodePlan, Plan, Prediction, SearchLog
 from autopar.core.precision import Precision
 from autopar.core.progress import StatusLine, doing
@@ -137,6 +138,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
             restrict_context(space, options.context_parallel)
             if forced:
                 _force(space, forced)
+        space = moe.narrowed(space, options.expert_parallel)
     with _stage(timings, "costs", line, what) as costs_s:
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
@@ -395,7 +397,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                 warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
                 precision=captured.precision, reduce_precision=model.reduce_precision,
                 batch_size=captured_rows(captured) * planning.microbatches, microbatches=planning.microbatches,
-                recompute=dict(planning.recompute),
+                recompute=dict(planning.recompute), expert_parallel=moe.expert_parallel_of(space, chosen),
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim

@@ -1,0 +1,188 @@
+"""A mixture-of-experts layer's experts (``autopar::moe_experts``, the one op capture records for
+transformers' experts: ``autopar.core.expert_parallel.experts_as_one_op``): replicated, split by
+token (each rank its tokens, every expert), or split by expert over one mesh axis (expert
+parallelism: each rank holds E/n experts and routes its tokens to their ranks by all-to-all,
+``autopar.core.expert_parallel``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils.flop_counter import register_flop_formula
+
+from autopar.core.capture import tensor_val
+from autopar.core.errors import AutoparError
+from autopar.core.expert_parallel import routed_experts
+from autopar.core.ops.base import Collective, Emitter, Kept, Placed, Site, collectives, emitter, kernel, rule, saved
+from autopar.core.placements import Placements
+from autopar.core.rules import AxisRule, OpView, fits, replicate
+
+if TYPE_CHECKING:   # strategies imports this package
+    from autopar.core.mesh import MeshSpec
+    from autopar.core.plan import ExpertParallelPlan
+    from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
+
+MOE = torch.ops.autopar.moe_experts.default
+#: The rule name of the experts split by expert over an axis (expert parallelism).
+EXPERTS = "experts"
+HIDDEN, IDS, WEIGHTS, GATE_UP, DOWN = range(5)   # the op's inputs
+
+
+@rule(MOE)
+def split_experts(v: OpView, n: int) -> list[AxisRule]:
+    """Tokens [T, H] (with their top-k ids and weights [T, k]) split evenly on dim 0, the
+    experts whole ("batch") or split by expert (``EXPERTS``: dim 0 of ``gate_up`` and ``down``),
+    where the number of experts divides by ``n`` and no earlier axis split them (one axis runs
+    the all-to-alls)."""
+    tokens, gate_up = v.in_shapes[HIDDEN], v.in_shapes[GATE_UP]
+    rules = [replicate(v)]
+    if not fits(tokens[0], n, even=True):
+        return rules
+    split = (Shard(0),) * 3
+    rules.append(AxisRule(Shard(0), split + (Replicate(), Replicate()), "batch"))
+    if gate_up[0] == num_experts(v.node) and gate_up[0] % n == 0:
+        rules.append(AxisRule(Shard(0), split + (Shard(0), Shard(0)), EXPERTS))
+    return rules
+
+
+def num_experts(node: fx.Node) -> int:
+    """E: how many experts the layer has (dim 0 of its ``gate_up``)."""
+    return int(tensor_val(node.args[GATE_UP]).shape[0])
+
+
+def expert_axis(placed: Placed) -> int | None:
+    """The mesh axis that splits the experts by expert under ``placed``, or None."""
+    return next((a for a, p in enumerate(placed.ins[GATE_UP]) if p == Shard(0)), None)
+
+
+@emitter(MOE)
+def emit(em: Emitter, site: Site) -> bool:
+    """Always the kernel ``moe_experts``: over its axis's group where the experts are split by
+    expert; else on this rank's tokens with every expert (the same code, differentiated by
+    autograd rather than the op's recomputing backward)."""
+    axis = expert_axis(site.plan)
+    text = em.call_text(site.node, site.reads)
+    how = (f"; experts split by expert over {em.axes[axis]}: tokens sent to their experts' ranks and back by "
+           "all-to-all" if axis is not None else "")
+    em.emit(f"{site.node.name} = kernels.moe_experts({text[text.index('(') + 1:-1]}, mesh=mesh, axis={axis})",
+            site.comment + how)
+    return True
+
+
+@kernel
+def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, *, mesh: DeviceMesh, axis: int | None) -> torch.Tensor:
+    """The experts on this rank's tokens: ``routed_experts`` over mesh ``axis``'s group (this
+    rank's experts being its slice of them), or with every expert here (``axis`` None)."""
+    return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis))
+
+
+def _with(p: Placements, axis: int, placement: Shard | Replicate) -> Placements:
+    return tuple(placement if a == axis else q for a, q in enumerate(p))
+
+
+@collectives(MOE)
+def all_to_alls(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: bool,
+                loss_with_gradients: str | None) -> list[Collective]:
+    """Split by expert: the counts exchanged (one small all-to-all), then each (token, choice)
+    row [T*k, H] sent to its expert's rank and the result sent back (two all-to-alls), each again
+    in the backward; priced as an all-to-all of the rows on the axis (uniform routing: each rank
+    sends and receives T*k/n rows)."""
+    axis = expert_axis(placed)
+    if axis is None:
+        return []
+    hidden, ids = tensor_val(node.args[HIDDEN]), tensor_val(node.args[IDS])
+    rows = (hidden.shape[0] * ids.shape[1], hidden.shape[1])
+    tokens = placed.ins[HIDDEN]
+    move = Collective(rows, hidden.dtype, tokens, _with(tokens, axis, Shard(1)))
+    counts = Collective((mesh_shape[axis], num_experts(node)), torch.int64, _with(tokens, axis, Shard(0)),
+                        _with(tokens, axis, Shard(1)))
+    return [counts, move, move] + ([move, move] if grad else [])
+
+
+@saved(MOE)
+def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
+    """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
+    (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
+    activation, up projection and product (4I), in the experts' dtype."""
+    hidden, ids, gate_up = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP))
+    rows = hidden.shape[0] * ids.shape[1]
+    inner = gate_up.shape[1] // 2
+    extra = rows * (2 * hidden.shape[1] + 4 * inner) * gate_up.element_size()
+    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra)
+
+
+@register_flop_formula(torch.ops.autopar.moe_experts)
+def _flops(hidden_shape, ids_shape, weights_shape, gate_up_shape, down_shape, *args, out_shape=None, **kwargs) -> int:
+    """The grouped GEMMs over the rows routed (T*k): [rows, H] x [H, 2I] and [rows, I] x [I, H]."""
+    rows = hidden_shape[0] * ids_shape[1]
+    return 2 * rows * gate_up_shape[1] * gate_up_shape[2] + 2 * rows * down_shape[1] * down_shape[2]
+
+
+
+# ----------------------------------------------------------------------------
+# What the planner is told to do, and what it did
+# ----------------------------------------------------------------------------
+
+
+def _refuse_forced(space: StrategySpace, layers: list[NodeChoices], axis: str) -> int:
+    """The index of mesh axis ``axis``, where every MoE layer of ``layers`` can split its experts
+    over it; else a clear ``AutoparError``."""
+    names, shape = space.mesh.axis_names, space.mesh.shape
+    if axis not in names:   # the mesh was checked (``check_axis``): a pipeline stage's, without the pipeline axis
+        raise AutoparError(f"expert_parallel names mesh axis {axis!r}, which carries the pipeline's stages (its "
+                           "ranks hold other layers): name another axis to split the experts over, or another "
+                           "pipeline axis")
+    if not layers:
+        raise AutoparError("expert_parallel names an axis, but the model has no mixture-of-experts layer autopar "
+                           "recognises (transformers' experts classes with fused gate_up_proj / down_proj weights "
+                           "and SiLU); pass expert_parallel='auto' or False")
+    a = names.index(axis)
+    for nc in layers:
+        e, tokens = num_experts(nc.node), tensor_val(nc.node.args[HIDDEN]).shape[0]
+        if e % shape[a]:
+            raise AutoparError(f"{nc.node.name} has {e} experts, which cannot split evenly over mesh axis {axis!r} "
+                               f"of {shape[a]} ranks: name an axis whose size divides {e}")
+        if not any(expert_axis(s) == a for s in nc.strategies):
+            raise AutoparError(f"{nc.node.name}'s {tokens} tokens cannot split evenly over mesh axis {axis!r} of "
+                               f"{shape[a]} ranks (each rank routes its own tokens): change the batch or the axis")
+    return a
+
+
+def check_axis(choice: str | bool | dict[str, str], mesh: MeshSpec) -> None:
+    """Refuse an ``expert_parallel`` axis the mesh lacks (a typo), before any planning."""
+    if isinstance(choice, dict) and choice["axis"] not in mesh.axis_names:
+        raise AutoparError(f"expert_parallel names mesh axis {choice['axis']!r}, which the mesh "
+                           f"{tuple(mesh.axis_names)} lacks: name one of its axes")
+
+
+def narrowed(space: StrategySpace, choice: str | bool | dict[str, str]) -> StrategySpace:
+    """``space`` with the MoE layers' strategies ``PlanOptions.expert_parallel`` allows: all
+    ("auto"), none split by expert (False), or only those splitting the experts over the axis
+    ``{"axis": name}`` names. A new space: the one given (which problems share) is kept."""
+    if choice == "auto":
+        return space
+    layers = [nc for nc in space.nodes if nc.node.target is MOE]
+    axis = None if choice is False else _refuse_forced(space, layers, choice["axis"])  # type: ignore[index]
+    nodes = [replace(nc, strategies=[s for s in nc.strategies if expert_axis(s) == axis])
+             if nc.node.target is MOE else nc for nc in space.nodes]
+    return replace(space, nodes=nodes)
+
+
+def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy]) -> ExpertParallelPlan | None:
+    """``Plan.expert_parallel``: the mesh axis most MoE layers split their experts over, the
+    experts each rank holds, and how many layers of how many do; None where none does."""
+    axes = [(expert_axis(s), num_experts(nc.node)) for nc, s in zip(space.nodes, chosen, strict=True)
+            if nc.node.target is MOE]
+    split = [(a, e) for a, e in axes if a is not None]
+    if not split:
+        return None
+    a, e = max(set(split), key=split.count)
+    return {"axis": space.mesh.axis_names[a], "experts_per_rank": e // space.mesh.shape[a],
+            "layers": split.count((a, e)), "of": len(axes)}

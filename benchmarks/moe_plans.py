@@ -1,0 +1,67 @@
+"""Mixture-of-experts models planned with and without expert parallelism (issue 43): each built
+on ``meta`` as transformers builds it, 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
+planned as a training loop runs (``gather_outputs=False``) under the default 60 s limit, once with
+``expert_parallel="auto"`` and once with ``False``. Prints one row per plan.
+
+    python benchmarks/moe_plans.py                  # both models (about 4 minutes)
+    python benchmarks/moe_plans.py --only mixtral   # one
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+
+import autopar
+from autopar.core.mesh import MeshSpec
+from autopar.models.zoo import get_model
+
+BATCH, SEQ = 256, 4096
+
+
+def deepseek_v2_lite() -> torch.nn.Module:
+    """DeepSeek-V2-Lite's shapes (15.7B parameters: 27 layers, the first dense; 64 routed experts
+    of 1408, 6 per token, 2 shared; MLA attention) as transformers' ``DeepseekV3Config`` builds them."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=4096)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+MODELS = {"mixtral": lambda: get_model("mixtral-8x7b").build(), "deepseek-v2-lite": deepseek_v2_lite}
+
+
+def plan_row(name: str, expert_parallel: str | bool) -> str:
+    with torch.device("meta"):
+        model = MODELS[name]()
+    ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    start = time.perf_counter()
+    plan = autopar.plan(model, MeshSpec((8, 8), hardware="h100-80gb"), (ids,), {"labels": ids.clone(), "use_cache": False},
+                        precision="bf16", gather_outputs=False, expert_parallel=expert_parallel, progress=False)
+    wall = time.perf_counter() - start
+    pp = plan.pipeline
+    pipeline = f"pipeline over {pp.axis} ({pp.num_stages} stages)" if pp is not None else "no pipeline"
+    ep = plan.expert_parallel
+    experts = f"EP over {ep['axis']} ({ep['experts_per_rank']} a rank)" if ep else "no EP"
+    return (f"| {name} | {expert_parallel} | {plan.predicted.step_time_s:.2f} s | {'yes' if plan.feasible else 'no'} | "
+            f"{100 * plan.predicted.mfu:.0f}% | {pipeline}, {plan.microbatches} mb, {experts} | {wall:.1f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(MODELS))
+    only = parser.parse_args().only
+    names = [only] if only else list(MODELS)
+    print("| model | expert_parallel | step (predicted) | fits | MFU | plan | planning |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in names:
+        for choice in ("auto", False):
+            print(plan_row(name, choice), flush=True)
+
+
+if __name__ == "__main__":
+    main()

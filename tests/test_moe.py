@@ -1,0 +1,160 @@
+"""Mixture-of-experts layers as the planner sees them (``autopar.core.ops.moe``): transformers'
+experts captured as one op, the option that steers expert parallelism, the plan that records it,
+and the zoo's Mixtral trained with its experts split by expert against one device, on 2 gloo
+processes and a simulated 2x2 mesh (routing uneven: some ranks send some experts no token)."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+import autopar
+import autopar.core.expert_parallel as ep
+import tests.equivalence as equivalence
+from autopar.core.capture import capture
+from autopar.core.diff import plan_diff
+from autopar.core.errors import AutoparError
+from autopar.core.mesh import MeshSpec
+from autopar.core.ops.moe import MOE
+from autopar.core.plan import Plan
+from autopar.profiling.launch import per_rank
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
+
+NAME = "mixtral-tiny"   # 4 experts, top-2, 2 layers
+BATCHES = make_batches(NAME, 2, 4)   # 8 tokens a step: few per rank, so some experts get none from some rank
+_one_device = equivalence.train_reference
+
+
+@functools.cache
+def _reference(precision: str) -> tuple:
+    return _one_device(NAME, BATCHES, precision)
+
+
+@pytest.fixture(autouse=True)
+def _shared_reference(monkeypatch):
+    """One device's training of ``BATCHES``, computed once for every mesh."""
+    monkeypatch.setattr(equivalence, "train_reference",
+                        lambda name, batches, precision="fp32": _reference(precision) if batches is BATCHES
+                        else _one_device(name, batches, precision))
+
+
+def _recording_dispatch(monkeypatch) -> list[list[list[int]]]:
+    """Record, at each dispatch, each rank's (token, choice) pairs per expert."""
+    seen: list[list[list[int]]] = []
+    real = ep.dispatch
+
+    def dispatch(tokens, expert_ids, num_experts, group):
+        seen.append([torch.bincount(ids.flatten(), minlength=num_experts).tolist() for ids in per_rank(expert_ids)])
+        return real(tokens, expert_ids, num_experts, group)
+
+    monkeypatch.setattr(ep, "dispatch", dispatch)
+    return seen
+
+
+def _plan(mesh_shape: tuple[int, ...], axis: str) -> Plan:
+    args, kwargs = BATCHES[0]
+    # solved to optimality (no time limit a loaded host could cut short), the search kept small
+    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, expert_parallel={"axis": axis},
+                        hand_plans=False, time_limit=None, profile=None, pipeline=False, microbatches=1,
+                        recompute="none")
+
+
+@pytest.mark.parametrize("mesh_shape, runner", [((2,), gloo_runner), ((2, 2), local_runner)])
+def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runner, monkeypatch):
+    """On 2 gloo processes (real all-to-alls) and on a simulated 2x2 mesh (beside a data or
+    tensor split on the other axis), where the dispatches are recorded: some rank sends some
+    expert no token. (A simulated mesh of 2 runs the strategy in tests/strategy_cases.py.)"""
+    seen = _recording_dispatch(monkeypatch)
+    axis = MeshSpec(mesh_shape).axis_names[-1]
+    plan = _plan(mesh_shape, axis)
+    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": 2, "layers": 2, "of": 2}
+    check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
+    if runner is local_runner:
+        assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen
+    assert f"split by expert over {axis}: 2 experts per rank" in plan.report()
+    saved = json.loads(plan.to_json())
+    assert Plan.from_json(json.dumps(saved)).expert_parallel == plan.expert_parallel
+    del saved["expert_parallel"]   # a plan written before the field
+    older = Plan.from_json(json.dumps(saved))
+    assert older.expert_parallel is None
+    assert f"expert parallelism: over {axis}, 2 experts per rank -> none" in plan_diff(plan, older)
+
+
+def _meta_moe(config: str, implementation: str) -> tuple:
+    """A 2-layer transformers MoE model of ``config`` on meta, its experts run as ``implementation``."""
+    import transformers
+
+    sizes = {"MixtralConfig": {"num_local_experts": 4}, "Qwen2MoeConfig": {"num_experts": 4, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 32}, "OlmoeConfig": {"num_experts": 4, "eos_token_id": 0}}[config]
+    cfg = getattr(transformers, config)(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                        intermediate_size=128, vocab_size=256, num_experts_per_tok=2, **sizes)
+    cfg._experts_implementation = implementation
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.empty(2, 4, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids.clone(), "use_cache": False}
+
+
+@pytest.mark.parametrize("config, implementation", [("MixtralConfig", "grouped_mm"), ("MixtralConfig", "eager"),
+                                                    ("Qwen2MoeConfig", "batched_mm"), ("OlmoeConfig", "grouped_mm")])
+def test_transformers_experts_are_captured_as_one_op_and_the_registry_restored(config, implementation):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model, args, kwargs = _meta_moe(config, implementation)
+    before = dict(ALL_EXPERTS_FUNCTIONS._local_mapping)
+    graph = capture(model, args, kwargs).graph
+    assert [n.args[3].name for n in graph.nodes if n.target is MOE] == [
+        f"p_model_layers_{i}_mlp_experts_gate_up_proj" for i in range(2)]
+    assert not any("grouped_mm" in str(n.target) for n in graph.nodes)
+    assert ALL_EXPERTS_FUNCTIONS._local_mapping == before
+
+
+@pytest.mark.parametrize("choice, error", [
+    ({"axis": "ep"}, "names mesh axis 'ep', which the mesh ('dp', 'tp') lacks"),
+    ({"axis": "tp"}, "has 4 experts, which cannot split evenly over mesh axis 'tp' of 3 ranks"),
+    ({"mesh": "tp"}, "expert_parallel is 'auto', False, or {'axis': name}"),
+])
+def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
+    model, args, kwargs = meta_model(NAME, 3, 4)
+    with pytest.raises(AutoparError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        autopar.plan(model, MeshSpec((1, 3)), args, kwargs, expert_parallel=choice, profile=None)
+
+
+def test_the_op_differentiates_as_its_kernel():
+    """``autopar::moe_experts`` (what profiling times and an exported program runs) gives the
+    outputs and gradients of ``routed_experts`` under autograd, zero ids (as profiling passes
+    them) included."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[0, 2], [2, 1], [0, 0], [1, 2], [2, 0]])
+    for routing in (ids, torch.zeros_like(ids)):
+        inputs = [torch.randn(5, 4, generator=gen), routing, torch.rand(5, 2, generator=gen),
+                  torch.randn(3, 6, 4, generator=gen), torch.randn(3, 4, 3, generator=gen)]
+        grads = []
+        for fn in (torch.ops.autopar.moe_experts, ep.routed_experts):
+            leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+            out = fn(*leaves)
+            floats = [t for t in leaves if t.is_floating_point()]
+            grads.append((out, *torch.autograd.grad(out, floats, torch.ones_like(out))))
+        for got, want in zip(*grads, strict=True):
+            torch.testing.assert_close(got, want)
+
+
+def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
+    """Megatron's expert x data parallelism: on a data-parallel axis a hand plan keeps weights
+    whole, except the experts', which it may split by expert (stored and used so)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.core.strategies import build_space
+    from autopar.planning.baselines import _obeys, _traits
+
+    model, args, kwargs = meta_model(NAME, 2, 4)
+    space = build_space(capture(model, args, kwargs), MeshSpec((2, 2)))
+    by_expert = (Shard(0), Replicate())
+    for fqn, allowed in (("model.layers.0.mlp.experts.gate_up_proj", True), ("model.layers.0.mlp.experts.down_proj", True),
+                         ("model.layers.0.self_attn.q_proj.weight", False)):
+        nc = next(nc for nc in space.nodes if nc.fqn == fqn)
+        split = [s for s in nc.strategies if s.out == s.storage == by_expert]
+        assert split and all(_obeys(space.mesh, "param", _traits(space, nc, False), s, ("dp", "tp")) == allowed
+                             for s in split), fqn

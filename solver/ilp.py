@@ -397,10 +397,7 @@ class _Pair:
             return cls(u, v, rows, cols, core)
         cached = classes.get(id(term.core)) if classes is not None else None
         if cached is None:
-            key = np.round(core / (np.abs(core).max() * _SEPARABLE_RTOL * 10), 0)
-            _, first_rows, row_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
-            _, first_cols, col_of = np.unique(key, axis=1, return_index=True, return_inverse=True)
-            cached = (term.core, first_rows, row_of, first_cols, col_of)
+            cached = (term.core, *_core_classes(core))
             if classes is not None:
                 classes[id(term.core)] = cached
         _, first_rows, row_of, first_cols, col_of = cached
@@ -418,6 +415,28 @@ class _Pair:
     def row(self, s: int) -> np.ndarray:
         """Cost per v choice with u at choice ``s``."""
         return self.core[self.rows[s], self.cols]
+
+
+#: ``_core_classes`` of the cores seen, by content: the hand plans and repairs solve restrictions of
+#: one problem, whose cores are new arrays of the same values (bounded: cleared when full)
+_CORE_CLASSES: dict[tuple, tuple[np.ndarray, ...]] = {}
+_CORE_CLASSES_MAX = 1 << 14
+
+
+def _core_classes(core: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A core's row classes and column classes (rows, columns equal to within the folding
+    tolerance: rounding noise of one placement's cost is one placement), as ``np.unique`` gives
+    them: (first row of each, class of each row, first column of each, class of each column)."""
+    key = np.round(core / (np.abs(core).max() * _SEPARABLE_RTOL * 10), 0)
+    content = (key.shape, key.tobytes())
+    found = _CORE_CLASSES.get(content)
+    if found is None:
+        _, first_rows, row_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        _, first_cols, col_of = np.unique(key, axis=1, return_index=True, return_inverse=True)
+        if len(_CORE_CLASSES) >= _CORE_CLASSES_MAX:
+            _CORE_CLASSES.clear()
+        found = _CORE_CLASSES[content] = (first_rows, row_of, first_cols, col_of)
+    return found
 
 
 @dataclass

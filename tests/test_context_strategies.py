@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import autopar
 from autopar.cli import _plan_options, build_parser
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
@@ -24,10 +25,23 @@ from autopar.planning.baselines import candidates, context_role_sets, plan_name
 from autopar.planning.context import ContextChoice, restrict_context
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
+from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.generate import generate
 from cost_models.activations import gradients
 from cost_models.profile_ops import op_call
-from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
+from tests.equivalence import (
+    ATOL,
+    RTOL,
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    make_batches,
+    meta_model,
+    padded_batches,
+    train_reference,
+    train_steps,
+)
 from tests.tiers import slow
 
 VOCAB, DIM, HEADS, SEQ = 11, 8, 2, 8
@@ -272,3 +286,101 @@ def test_a_long_sequences_causal_mask_is_held_once_not_per_recomputed_block():
     masks = {nc.node.args[3] for nc in attention}
     assert len(masks) == 1 and masks.pop().name in planning.space.folded
     assert all(3 not in planning.model._block_inputs[nc.node] for nc in attention)
+
+
+# ---------------------------------------------------------------- the models as built, forced
+
+CP_MODELS = ("gpt-tiny", "llama-tiny", "gpt2-tiny")
+CP_SEQ = 32   # 8 tokens a rank on 4 ranks
+
+
+def _forced_plan(name: str, mesh: MeshSpec, batches: list, kind: str, axis: str = "cp") -> str:
+    """``name`` planned for ``batches[0]`` with attention forced to ``kind`` on ``axis``, as JSON."""
+    args, kwargs = batches[0]
+    plan = autopar.plan(build(name), mesh, args, kwargs, context_parallel={"axis": axis, "kind": kind},
+                        profile=None, progress=False)
+    assert plan.context_parallel is not None and plan.context_parallel.kind == kind, (name, kind)
+    return plan.to_json()
+
+
+def _train_each(mesh, cases: list[tuple[str, str, list]]) -> list[tuple[list[float], dict]]:
+    """On every rank: each (model, plan JSON, batches) compiled and trained; its losses and whole state."""
+    out = []
+    for name, text, batches in cases:
+        args, kwargs = batches[0]
+        pmodel = autopar.compile(build(name), mesh, args, kwargs, plan=Plan.from_json(text))
+        out.append(([float(l) for l in train_steps(pmodel, batches)], autopar.full_state_dict(pmodel)))
+    return out
+
+
+def _check_as_one_device(label: str, name: str, batches: list, losses: list[float], state: dict) -> None:
+    ref_losses, ref_state = train_reference(name, batches)
+    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{label}: losses"
+    assert state.keys() == ref_state.keys(), label
+    for key, want in ref_state.items():
+        torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{label} {key}: {m}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@slow
+def test_models_as_built_with_attention_forced_by_sequence_train_as_one_device_on_gloo(n):
+    """gpt-tiny, HF Llama and HF GPT-2 as built, causal, attention forced to the ring and to
+    Ulysses over ``n`` gloo processes (one launch trains every plan in turn), and on 2 a padded
+    batch (labels -100) under the ring: 3 AdamW steps equal one device's on every rank."""
+    mesh = MeshSpec((n,), ("cp",))
+    cases = [(name, kind, make_batches(name, 2, CP_SEQ)) for name in CP_MODELS for kind in ("ring", "ulysses")]
+    if n == 2:
+        cases.append(("gpt2-tiny", "ring", padded_batches("gpt2-tiny")))
+    plans = [(name, _forced_plan(name, mesh, batches, kind), batches) for name, kind, batches in cases]
+    results = run_on_gloo_mesh(_train_each, mesh.shape, plans, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for k, (name, kind, batches) in enumerate(cases):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"{name} {kind} rank {r}/{n}", name, batches, *per_plan[k])
+
+
+def _ulysses_beside_batch(name: str, mesh: MeshSpec, batches: list) -> str:
+    """``name`` with every attention split by batch on the first axis and by Ulysses on the second."""
+    captured = capture(build(name), *batches[0])
+    space = build_space(captured, mesh)
+    forced = {nc.node.name: next(s for s in nc.strategies if s.names == ("batch", "context-ulysses"))
+              for nc in space.nodes if nc.node.target is SDPA}
+    return plan_captured(captured, mesh, PlanOptions(profile=None, progress=False), forced=forced).to_json()
+
+
+def _hand_plan(name: str, mesh: MeshSpec, batches: list, which: str) -> str:
+    plan = candidates(build(name), mesh, *batches[0], profile=None, progress=False)[which]
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ring", which
+    return plan.to_json()
+
+
+@slow
+def test_models_as_built_split_by_sequence_beside_data_or_tensor_parallelism_on_2x2():
+    """On a 2 x 2 mesh of gloo processes, one launch: each model with its attention split by
+    sequence on the second axis and data parallel on the first (torchtitan's FSDP x CP with the
+    ring; Ulysses with attention split by batch beside it), and gpt-tiny with the ring on the first
+    axis and tensor parallelism on the second (FSDP x TP x CP): every rank as one device."""
+    mesh = MeshSpec((2, 2), ("a", "b"))
+    cases, plans = [], []
+    for name in CP_MODELS:
+        batches = make_batches(name, 2, CP_SEQ)
+        cases += [(f"{name} fsdp x ring", name, batches), (f"{name} batch x ulysses", name, batches)]
+        plans += [_hand_plan(name, mesh, batches, "fsdp(a) x fsdp+cp(b)"), _ulysses_beside_batch(name, mesh, batches)]
+    batches = make_batches("gpt-tiny", 2, CP_SEQ)
+    cases.append(("gpt-tiny ring x tp", "gpt-tiny", batches))
+    plans.append(_hand_plan("gpt-tiny", mesh, batches, "fsdp+cp(a) x tp(b)"))
+    trained = [(name, text, b) for (_, name, b), text in zip(cases, plans, strict=True)]
+    results = run_on_gloo_mesh(_train_each, mesh.shape, trained, axis_names=mesh.axis_names, start_method="forkserver", timeout_s=600)
+    for k, (label, name, batches) in enumerate(cases):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"{label} rank {r}", name, batches, *per_plan[k])
+
+
+def test_a_sequence_the_axis_cannot_split_evenly_is_refused_saying_how_to_pad_it():
+    """15 tokens forced onto 2 ranks: refused when planned, saying the length and the padding that fits."""
+    args, kwargs = make_batches("llama-tiny", 2, 15, steps=1)[0]
+    for kind in ("ring", "ulysses"):
+        with pytest.raises(AutoparError, match="its sequence of 15 does not split into 2 equal parts: pad it to 16 "
+                                               "tokens .* labels -100"):
+            autopar.plan(build("llama-tiny"), MeshSpec((2,), ("cp",)), args, kwargs,
+                         context_parallel={"axis": "cp", "kind": kind}, profile=None, progress=False)

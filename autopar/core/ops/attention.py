@@ -251,7 +251,9 @@ def context_refusal(q: Sequence[Any], k: Sequence[Any], mask: Any, dropout: Any,
     if q[SEQ] != k[SEQ]:
         return f"its keys ({k[SEQ]}) are not as long as its queries ({q[SEQ]}): not self-attention"
     if not fits(q[SEQ], n, even=True):
-        return f"its sequence of {q[SEQ]} does not split into {n} equal parts"
+        padded = -(-q[SEQ] // n) * n
+        return (f"its sequence of {q[SEQ]} does not split into {n} equal parts: pad it to {padded} tokens (a multiple "
+                f"of {n}) at the end, with labels -100 there, which leaves a causal model's loss unchanged")
     if dropout != 0.0:
         return "it has dropout"
     if mask is not None and not (isinstance(mask, fx.Node) and causal_or_open(mask)):

@@ -535,6 +535,12 @@ def is_random(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM)
 
 
+def is_size(node: fx.Node) -> bool:
+    """A size read off a tensor's shape (a capture with symbolic sizes, ``autopar.planning.symbolic``):
+    fixed for a generated forward, which is specialised on its inputs' shapes."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt))
+
+
 def tensor_val(node: fx.Node) -> torch.Tensor | None:
     """A node's (first) tensor output as export recorded it (global shape and dtype), or None."""
     val = node.meta.get("val")

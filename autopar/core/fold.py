@@ -22,7 +22,7 @@ from collections.abc import Container, Iterable
 import torch
 import torch.fx as fx
 
-from autopar.core.capture import CapturedGraph, is_random, value_bytes
+from autopar.core.capture import CapturedGraph, is_random, is_size, value_bytes
 from autopar.core.ops.attention import SDPA
 
 aten = torch.ops.aten
@@ -40,7 +40,7 @@ def foldable(captured: CapturedGraph, planned: Container[str], written: Containe
         if (node.op == "call_function" and node.name in planned and node.name not in written
                 and output not in node.users and not is_random(node)
                 and isinstance(node.meta.get("val"), torch.Tensor)
-                and all(inp.name in folded or _size(inp) for inp in node.all_input_nodes)):
+                and all(inp.name in folded or is_size(inp) for inp in node.all_input_nodes)):
             folded.add(node.name)
     while True:   # values kept between calls stay small
         large = {n for n in kept(graph, folded) - set(attention_masks(graph, folded)) if value_bytes(graph, n) > limit}
@@ -66,12 +66,6 @@ def attention_masks(graph: fx.Graph, folded: set[str]) -> list[str]:
                              and node not in u.args[:3] for u in users):
                 masks.append(node.name)
     return masks
-
-
-def _size(node: fx.Node) -> bool:
-    """A size read off a tensor's shape (a capture with symbolic sizes, ``autopar.planning.symbolic``):
-    fixed for a generated forward, which is specialised on its inputs' shapes."""
-    return isinstance(node.meta.get("val"), (int, torch.SymInt))
 
 
 def _descendants(graph: fx.Graph, names: Iterable[str]) -> set[str]:

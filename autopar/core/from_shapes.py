@@ -13,9 +13,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autopar.core.capture import is_random, is_size
+
 #: Largest value (in elements) computed: a mask of a long sequence is left unknown beyond it.
 LIMIT = 2**24
-_RANDOM = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
 _CPU = torch.device("cpu")
 
 
@@ -31,21 +32,17 @@ def _ancestors(node: fx.Node) -> list[fx.Node] | None:
         if n.op == "placeholder":
             return None
         found[n] = None
-        if not _size(n):
+        if not is_size(n):
             stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(found, key=order.__getitem__)
-
-
-def _size(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (int, torch.SymInt))
 
 
 def _computable(node: fx.Node, limit: int) -> bool:
     """An op this module may run: deterministic, of concrete sizes, its value within ``limit``."""
     if node.op != "call_function":
         return False
-    if isinstance(node.target, torch._ops.OpOverload) and any(t in node.target.tags for t in _RANDOM):
+    if is_random(node):
         return False
     vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     return all(all(isinstance(s, int) for s in v.shape) and v.numel() <= limit for v in vals)
@@ -86,7 +83,7 @@ def _evaluate(node: fx.Node, limit: int, grid: tuple[torch.Tensor, torch.Tensor]
     gridded: set[fx.Node] = set()   # values held at the grid only
     last_use = {inp: n for n in nodes for inp in n.all_input_nodes}
     for n in nodes:
-        if _size(n):
+        if is_size(n):
             val = n.meta["val"]
             if not isinstance(val, int):
                 return None
@@ -118,7 +115,7 @@ def _on_grid(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if any(t in target.tags for t in _RANDOM):
+    if is_random(node):
         return False
     if not (torch.Tag.pointwise in target.tags or target in _ELEMENTWISE_LIKE or target is _EXPAND):
         return False

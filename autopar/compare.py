@@ -162,10 +162,10 @@ def plan_strategies(model: Any, mesh: MeshSpec, example_args: Any, example_kwarg
     say(f"auto plan in {time.perf_counter() - t0:.1f} s; costing every hand plan...")
     t0 = time.perf_counter()
     kept = auto.solver.get("kept_hand_plan") if auto is not None else None
-    for name, plan in candidates(model, mesh, example_args, example_kwargs, options=options).items():
-        out.strategies.append(Strategy(name, "hand plan", plan))
-        if name == kept:
-            out.strategies[0].same_as = name
+    for hand, plan in candidates(model, mesh, example_args, example_kwargs, options=options).items():
+        out.strategies.append(Strategy(hand, "hand plan", plan))
+        if hand == kept:
+            out.strategies[0].same_as = hand
     say(f"{len(out.strategies) - 1} hand plans in {time.perf_counter() - t0:.1f} s")
     for label, forced in (variants or {}).items():
         t0 = time.perf_counter()

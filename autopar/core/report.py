@@ -179,7 +179,7 @@ def _recompute_line(recompute: dict[str, RecomputeMode]) -> str:
 
 def _experts_line(ep: ExpertParallelPlan) -> str:
     """Expert parallelism: the axis splitting the mixture-of-experts layers by expert."""
-    return (f"split by expert over {ep['axis']}: {ep['experts_per_rank']} experts per rank, tokens sent to their "
+    return (f"split by expert over {ep['axis']}: {ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank, tokens sent to their "
             f"experts' ranks and back by all-to-all ({ep['layers']} of {ep['of']} MoE layers)")
 
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar.cli import _plan_options, build_parser
+from autopar.core import from_shapes
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
@@ -173,19 +174,27 @@ def test_ring_attention_forced_trains_as_one_device_across_processes():
     check_training(CausalLM, 0, 0, (2,), gloo_runner, {"plan": plan}, batches=batches)
 
 
-@pytest.mark.parametrize("kind", ["context-ring", "context-ulysses"])
+@pytest.mark.parametrize("kind, long", [("context-ring", False), ("context-ulysses", False), ("context-ring", True)])
 @slow
-def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
+def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind, long, monkeypatch):
     """Llama's folded causal mask is found causal when planned (the rules are offered) and when
     run; rotary embeddings reach attention split as their positions are: 3 AdamW steps on 2
-    simulated ranks equal one device's."""
+    simulated ranks equal one device's. ``long``: the mask is past ``from_shapes.LIMIT`` (as a
+    long sequence's), known causal from a grid of positions when planned: the generated code
+    never builds it and tells SDPA it is causal."""
+    if long:
+        monkeypatch.setattr(from_shapes, "LIMIT", 64)   # the 2 x 1 x 16 x 16 mask is over it
     name, mesh = "llama-tiny", MeshSpec((2,))
     captured = capture(build(name), *make_batches(name, 2, 16, steps=1)[0])
     space = build_space(captured, mesh)
     forced = {nc.node.name: next(s for s in nc.strategies if s.names == (kind,))
               for nc in space.nodes if nc.node.target is SDPA}
     assert len(forced) == 2
-    check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})
+    plan = plan_captured(captured, mesh, forced=forced)
+    source = generate(captured, plan).source
+    unbuilt = [line for line in source.splitlines() if "never built" in line]
+    assert len(unbuilt) == long and all(" = 'causal'" in line for line in unbuilt), unbuilt
+    check_training(name, 2, 16, (2,), local_runner, {"plan": plan})
 
 
 # ---------------------------------------------------------------- the planning option

@@ -127,11 +127,14 @@ CAUSAL = "causal"
 
 
 @kernel
-def attention_mask(mask: torch.Tensor) -> torch.Tensor | str | None:
+def attention_mask(mask: torch.Tensor | str | None) -> torch.Tensor | str | None:
     """A folded attention mask as SDPA needs it on this rank: None where it lets every query see
     every key, ``CAUSAL`` where it is exactly the causal mask of square attention, else the mask.
     Eager Hugging Face makes the same call on the batch (no padding: SDPA's is_causal); an
-    exported graph builds the mask instead."""
+    exported graph builds the mask instead. A mask never built (``fold.unbuilt_masks``) comes as
+    its answer already."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
     values = list(mask._local_tensors.values()) if isinstance(mask, LocalTensor) else [mask]
     with maybe_disable_local_tensor_mode():
         kinds = {_mask_kind(v) for v in values}

@@ -126,6 +126,17 @@ def _flops(hidden_shape, ids_shape, weights_shape, gate_up_shape, down_shape, *a
 
 
 
+def grouped_gemms(hidden: Sequence[int], ids: Sequence[int], weights: Sequence[int], gate_up: Sequence[int],
+                  down: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """The products (m, n, k, batch) the experts run on one rank, from its inputs' local shapes:
+    each of its E_l experts multiplies its share of the rows routed to this rank (T*k rows,
+    uniform routing: T*k / E_l each) by [H, 2I], then by [I, H]; priced per shape
+    (``cost_models.efficiency``), so few tokens an expert reach less of the GEMM rate."""
+    experts = gate_up[0]
+    rows = -(-hidden[0] * ids[1] // experts)
+    return [(rows, gate_up[1], gate_up[2], experts), (rows, down[1], down[2], experts)]
+
+
 # ----------------------------------------------------------------------------
 # What the planner is told to do, and what it did
 # ----------------------------------------------------------------------------

@@ -115,6 +115,13 @@ class Cost:
         summed = {name: getattr(self, name) + getattr(o, name) for name in _SUMMED}
         return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b, strict=True)), measured=self.measured | o.measured)
 
+    def busier(self, factor: float) -> "Cost":
+        """This cost on a rank doing ``factor`` times the mean work (``CostModel.expert_skew``):
+        its seconds, bytes moved and working memory scaled."""
+        return replace(self, compute_s=self.compute_s * factor, backward_s=self.backward_s * factor,
+                       comm_s=self.comm_s * factor, overlap_s=self.overlap_s * factor,
+                       transient_bytes=self.transient_bytes * factor, comm_bytes=tuple(b * factor for b in self.comm_bytes))
+
     @property
     def time_s(self) -> float:
         """Seconds if nothing overlapped (the solver and ``schedule`` hide ``overlap_s``)."""
@@ -170,6 +177,7 @@ class CostModel:
     recompute: str | Mapping[str, RecomputeMode] = "none"   # "full": every repeated block recomputed in the backward; "selective": their attention cores; or per block
     reduce_precision: Precision = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
+    expert_skew: float = 1.0         # the busiest expert-parallel rank's routed rows over the mean (``PlanOptions``)
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -324,7 +332,8 @@ class CostModel:
             return Cost(state_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
         if nc.kind in ("output", "alias") or val is None or nc.node.name in self.space.folded:
             return Cost()   # a folded op runs once, at the first step: nothing a step (its result is small)
-        compute = self._compute(nc, s, val) + self._inside(nc, s)
+        load = self._load(nc, s)
+        compute = (self._compute(nc, s, val) + self._inside(nc, s)).busier(load)
         recomputed = nc.node in self.block_of
         if recomputed:   # its forward runs again in the backward
             again = compute.compute_s / self.microbatches - compute.backward_s
@@ -336,6 +345,7 @@ class CostModel:
         if nc.node.target in VIEW_OPS:   # aliases: no data moved, nothing kept
             return compute
         kept, internal = self._kept(nc, s, val)
+        kept, internal = kept + internal * (load - 1.0), internal * load
         # Working memory: the output (its gradient, in the backward) and the op's internal tensors
         # (their gradients); input gradients are tracked by the schedule.
         if recomputed:
@@ -438,6 +448,12 @@ class CostModel:
             return Cost()
         inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
         return sum((self.redistribute(c.shape, c.dtype, c.src, c.dst) for c in inside), Cost())
+
+    def _load(self, nc: NodeChoices, s: Strategy) -> float:
+        """The share of the mean work this op's busiest rank does (``OpEntry.imbalance``): 1 but
+        for experts split by expert under a skewed router."""
+        entry = entry_for(nc.node)
+        return 1.0 if entry is None or entry.imbalance is None else entry.imbalance(s, self.expert_skew)
 
     def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
         """Local bytes an op's forward reads and writes: its inputs and its output."""

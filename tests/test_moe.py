@@ -96,6 +96,25 @@ def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     assert f"expert parallelism: over {axis}, {per_rank} per rank -> none" in plan_diff(plan, older)
 
 
+def test_a_skewed_router_is_priced_on_the_busiest_rank_and_recorded():
+    """``expert_skew``: the experts split by expert cost that many times more on the busiest rank
+    (GEMMs and all-to-alls), the plan records and reports it; below 1 is refused."""
+    args, kwargs = BATCHES[0]
+    options = dict(expert_parallel={"axis": "x"}, hand_plans=False, time_limit=None, profile=None, pipeline=False,
+                   microbatches=1, recompute="none")
+    even, skewed = (autopar.plan(build(NAME), MeshSpec((2,)), args, kwargs, expert_skew=skew, **options)
+                    for skew in (1.0, 1.5))
+    experts = [(a, b) for a, b in zip(even.nodes, skewed.nodes, strict=True) if a.op == str(MOE)]
+    assert len(experts) == 2
+    for a, b in experts:
+        assert b.compute_s == pytest.approx(1.5 * a.compute_s) and b.comm_s > a.comm_s   # its all-to-alls; moves into it alike
+    assert "skew" not in even.expert_parallel and skewed.expert_parallel["skew"] == 1.5
+    assert "busiest rank receiving 1.5x the mean" in skewed.report()
+    assert Plan.from_json(skewed.to_json()).expert_parallel == skewed.expert_parallel
+    with pytest.raises(AutoparError, match="expert_skew is the busiest rank's routed rows over the mean"):
+        PlanOptions(expert_skew=0.5)
+
+
 def _meta_moe(config: str, implementation: str) -> tuple:
     """A 2-layer transformers MoE model of ``config`` on meta, its experts run as ``implementation``."""
     import transformers

@@ -13,6 +13,8 @@ optional:
 * ``@timed(op)``: the call profiling times for it, which the cost model then looks up;
 * ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
 * ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead;
+* ``@imbalance(op)``: how many times the mean work (compute, collectives, kept tensors) its
+  busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
   runtime: the module that says how the op splits also says how a split op runs.
 
@@ -116,6 +118,7 @@ TimedFn = Callable[[LocalCall, fx.Node, Placed, Sequence[int], Mapping[fx.Node, 
 CollectivesFn = Callable[[fx.Node, Placed, Sequence[int], bool, "str | None"], list[Collective]]
 SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
 RuleKeyFn = Callable[[fx.Node], Hashable]
+ImbalanceFn = Callable[[Placed, float], float]
 
 
 @dataclass
@@ -129,6 +132,7 @@ class OpEntry:
     timed: TimedFn | None = None
     collectives: CollectivesFn | None = None
     saved: SavedFn | None = None
+    imbalance: ImbalanceFn | None = None
 
 
 #: op -> its entry, filled in as the modules of ``autopar.core.ops`` are imported.
@@ -161,6 +165,7 @@ emitter = _registrar("emit")
 timed = _registrar("timed")
 collectives = _registrar("collectives")
 saved = _registrar("saved")
+imbalance = _registrar("imbalance")
 
 
 #: name -> a function generated code calls as ``kernels.<name>``, filled in by ``@kernel`` as the

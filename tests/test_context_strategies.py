@@ -384,3 +384,22 @@ def test_a_sequence_the_axis_cannot_split_evenly_is_refused_saying_how_to_pad_it
                                                "tokens .* labels -100"):
             autopar.plan(build("llama-tiny"), MeshSpec((2,), ("cp",)), args, kwargs,
                          context_parallel={"axis": "cp", "kind": kind}, profile=None, progress=False)
+
+
+@slow
+def test_ulysses_beside_tensor_parallelism_trains_as_one_device_on_simulated_2x2():
+    """HF GPT-2 as built, every attention split by sequence as Ulysses on the first axis and by
+    heads (tensor parallelism) on the second, on 4 simulated ranks (the all-to-alls are
+    collectives, so LocalTensorMode runs them as gloo would): 3 AdamW steps equal one device's.
+    Each rank's 2 heads are regrouped over the Ulysses axis, one a rank."""
+    name = "gpt2-tiny"
+    batches = make_batches(name, 2, CP_SEQ)
+    captured = capture(build(name), *batches[0])
+    mesh = MeshSpec((2, 2))
+    space = build_space(captured, mesh)
+    forced = {nc.node.name: next(s for s in nc.strategies if s.names == ("context-ulysses", "heads"))
+              for nc in space.nodes if nc.node.target is SDPA}
+    assert forced
+    plan = plan_captured(captured, mesh, PlanOptions(profile=None, progress=False), forced=forced)
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"
+    check_training(name, 2, CP_SEQ, (2, 2), local_runner, {"plan": plan}, batches=batches)

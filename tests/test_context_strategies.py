@@ -18,7 +18,7 @@ from autopar.cli import _plan_options, build_parser
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
-from autopar.core.ops.attention import SDPA, context_moves
+from autopar.core.ops.attention import SDPA, context_moves, fused_kernel
 from autopar.core.plan import Plan
 from autopar.core.strategies import build_space
 from autopar.planning.baselines import candidates, context_role_sets, plan_name
@@ -28,6 +28,7 @@ from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.generate import generate
 from cost_models.activations import gradients
+from cost_models.estimate import CostModel
 from cost_models.profile_ops import op_call
 from tests.equivalence import (
     ATOL,
@@ -137,11 +138,42 @@ def test_the_cost_model_is_told_what_moves():
     shape = (2, HEADS, SEQ, DIM // HEADS)
     ring = context_moves(nc.node, by["context-ring"], (2,), True, None)
     gather, scatter = ((Shard(2),), (Replicate(),)), ((Partial(),), (Shard(2),))
-    assert [(m.shape, m.src, m.dst) for m in ring] == [(shape, *gather), (shape, *scatter)] * 2
+    # keys, then values: sent round in the forward and again in the backward (recomputed), their
+    # gradients brought back in fp32; each under the other block's attention
+    assert [(m.shape, m.src, m.dst, m.dtype) for m in ring] == [
+        (shape, *gather, torch.float32), (shape, *gather, torch.float32), (shape, *scatter, torch.float32)] * 2
+    assert all(m.hidden_by == 0.5 for m in ring)
     assert len(context_moves(nc.node, by["context-ring"], (2,), False, None)) == 2   # no backward
     ulysses = context_moves(nc.node, by["context-ulysses"], (2,), True, None)
     assert len(ulysses) == 8 and all({m.src, m.dst} == {(Shard(2),), (Shard(1),)} for m in ulysses)
     assert context_moves(nc.node, by["heads"], (2,), True, None) == []
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+def test_the_rings_transfers_are_hidden_by_the_blocks_computed_meanwhile_as_far_as_the_host_overlaps(overlap):
+    """Priced blocking where this host hides no asynchronous collective under compute (as this
+    CPU measured), and beyond the other block's attention only where it does (a GPU)."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    ring = next(s for s in nc.strategies if s.names == ("context-ring",))
+    model = CostModel(MeshSpec((2,)), space)
+    model.overlap_efficiency = overlap
+    moved = sum(model.redistribute(m.shape, m.dtype, m.src, m.dst).comm_s
+                for m in context_moves(nc.node, ring, (2,), True, None))
+    compute = model._compute(nc, ring, nc.node.meta["val"]).compute_s
+    assert moved > 0 and model.node(nc, ring).comm_s == pytest.approx(max(0.0, moved - overlap * compute / 2))
+
+
+def test_attention_under_a_mask_found_causal_keeps_what_the_fused_kernel_keeps():
+    """A mask from sizes found causal runs as is_causal: the backward keeps q, k, v, the output
+    and a log-sum-exp per row, not the masked math path's seq x seq matrices fake tensors show."""
+    qkv = tuple(torch.randn(2, HEADS, 64, 4) for _ in range(3))
+    for window, extra in ((64, 2 * HEADS * 64 * 4), (3, None)):   # causal; a sliding window (not causal)
+        space = build_space(capture(MaskedAttention(window), qkv), MeshSpec((2,)))
+        nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+        kept = fused_kernel(nc.node, (True, True, True))
+        assert (kept and kept.extra_bytes) == extra, window
 
 
 def test_profiling_times_the_slowest_ranks_attention():

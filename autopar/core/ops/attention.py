@@ -102,9 +102,12 @@ def fused_kernel(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """On ``meta`` (planning for a cluster that is not here) SDPA takes its math path, which keeps
     the batch x heads x seq x seq attention matrix; the fused kernels training really runs (flash /
     memory-efficient on CUDA, flash on CPU) keep q, k, v, the output and one fp32 log-sum-exp per
-    query row instead. Elsewhere what the op keeps on fake tensors (None)."""
+    query row instead. So does a call whose mask is found causal or open when planned: it runs
+    as ``is_causal`` or unmasked (``attention``, ``context_attention``), where fake tensors would
+    take the masked math path. Elsewhere what the op keeps on fake tensors (None)."""
     out = tensor_val(node)
-    if out.device.type != "meta":
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if out.device.type != "meta" and not (isinstance(mask, fx.Node) and causal_or_open(mask)):
         return None
     rows = 1
     for size in out.shape[:-1]:
@@ -319,10 +322,12 @@ def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seq
 @collectives(SDPA)
 def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: bool,
                   loss_with_gradients: str | None) -> list[Collective]:
-    """Split by sequence, what moves over its axis. Ring: keys and values go round the ring,
-    (n-1)/n of each reaching every rank, as an all-gather; in the backward their gradients come
-    back the same way, as a reduce-scatter. Ulysses: q, k, v and the output each change from a
-    sequence to a heads split (an all-to-all), and their gradients back."""
+    """Split by sequence, what moves over its axis. Ring (``ring_attention``): keys and values go
+    round the ring, (n-1)/n of each reaching every rank, as an all-gather; the backward sends them
+    round again (recomputed, not kept) and brings their gradients back in fp32 accumulators, as
+    a reduce-scatter. Each step's transfer is launched before the block at hand is computed, so
+    it runs under the n-1 blocks computed meanwhile (``hidden_by``). Ulysses: q, k, v and the
+    output each change from a sequence to a heads split (an all-to-all), and their gradients back."""
     context = context_of(placed)
     if context is None:
         return []
@@ -330,10 +335,12 @@ def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad
     vals = [tensor_val(a) for a in node.args[:3]]
     moves = []
     if kind == "ring":
+        under = (mesh_shape[axis] - 1) / mesh_shape[axis]
         for t, p in zip(vals[1:], placed.ins[1:3], strict=True):
-            moves.append(Collective(tuple(t.shape), t.dtype, p, _with(p, axis, Replicate())))
+            gather = Collective(tuple(t.shape), t.dtype, p, _with(p, axis, Replicate()), under)
+            moves.append(gather)
             if grad:
-                moves.append(Collective(tuple(t.shape), t.dtype, _with(p, axis, Partial()), p))
+                moves += [gather, Collective(tuple(t.shape), torch.float32, _with(p, axis, Partial()), p, under)]
         return moves
     tensors = [*vals, tensor_val(node)]
     for i, (t, p) in enumerate(zip(tensors, (*placed.ins[:3], placed.out), strict=True)):

@@ -165,6 +165,35 @@ def test_the_rings_transfers_are_hidden_by_the_blocks_computed_meanwhile_as_far_
     assert moved > 0 and model.node(nc, ring).comm_s == pytest.approx(max(0.0, moved - overlap * compute / 2))
 
 
+def test_ulysses_where_tensor_parallelism_left_too_few_heads_is_priced_as_the_ring_it_runs():
+    """Llama's 2 key/value heads split by heads on one axis leave one a rank: Ulysses over the
+    other axis cannot split it, runs the ring, and is priced so (not as attention on no heads)."""
+    q, kv = torch.randn(2, 4, 8, 4), torch.randn(2, 2, 8, 4)
+    model = lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True,  # noqa: E731
+                                                           enable_gqa=True)
+    space = build_space(capture(_Fn(model), (q, kv, kv)), MeshSpec((2, 2)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    by = {s.names: s for s in nc.strategies}
+    for names, like in ((("context-ulysses", "heads"), ("context-ring", "heads")),
+                        (("context-ulysses", "batch"), None)):
+        moves = [(m.src, m.dst) for m in context_moves(nc.node, by[names], (2, 2), True, None)]
+        call = op_call(nc, by[names], (2, 2), gradients(space))
+        if like is None:   # 4 and 2 heads split over 2: Ulysses
+            assert len(moves) == 8 and min(t.shape[1] for t in call.args[:3]) == 1
+        else:
+            assert moves == [(m.src, m.dst) for m in context_moves(nc.node, by[like], (2, 2), True, None)]
+            assert call.key == op_call(nc, by[like], (2, 2), gradients(space)).key
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def test_attention_under_a_mask_found_causal_keeps_what_the_fused_kernel_keeps():
     """A mask from sizes found causal runs as is_causal: the backward keeps q, k, v, the output
     and a log-sum-exp per row, not the masked math path's seq x seq matrices fake tensors show."""

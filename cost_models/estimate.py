@@ -437,7 +437,9 @@ class CostModel:
         attention its key/value blocks). Those in flight while the op computes (``hidden_by``, a
         share of its ``compute_s``) are hidden by that compute as far as this host overlaps an
         asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
-        exposed time is what its transfer takes beyond the block computed meanwhile."""
+        exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
+        block a step, such a collective holds the block sent and the one received, not the
+        whole tensor."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
@@ -446,7 +448,9 @@ class CostModel:
         for c in inside:
             moved = self.redistribute(c.shape, c.dtype, c.src, c.dst)
             if c.hidden_by:
-                hideable, share = hideable + moved, max(share, c.hidden_by)
+                block = min(shard_fraction(c.src, self.mesh.shape), shard_fraction(c.dst, self.mesh.shape))
+                held = 2 * _numel(c.shape) * _itemsize(c.dtype) * block   # as _collective_buffers, of one block
+                hideable, share = hideable + replace(moved, transient_bytes=held), max(share, c.hidden_by)
             else:
                 blocking = blocking + moved
         hidden = self.overlap_efficiency * minimum(hideable.comm_s, share * compute_s)

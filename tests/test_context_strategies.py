@@ -163,6 +163,8 @@ def test_the_rings_transfers_are_hidden_by_the_blocks_computed_meanwhile_as_far_
                 for m in context_moves(nc.node, ring, (2,), True, None))
     compute = model._compute(nc, ring, nc.node.meta["val"]).compute_s
     assert moved > 0 and model.node(nc, ring).comm_s == pytest.approx(max(0.0, moved - overlap * compute / 2))
+    block = 2 * HEADS * (SEQ // 2) * (DIM // HEADS) * 4   # one rank's keys (or values) in fp32
+    assert model._inside(nc, ring, compute).transient_bytes == 6 * 2 * block   # each step's sent and received block
 
 
 def test_ulysses_where_tensor_parallelism_left_too_few_heads_is_priced_as_the_ring_it_runs():

@@ -240,15 +240,18 @@ def test_ring_attention_forced_trains_as_one_device_across_processes():
 @slow
 def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
     """Llama's folded causal mask is found causal when planned (the rules are offered) and when
-    run; rotary embeddings reach attention split as their positions are: 3 AdamW steps on 2
-    simulated ranks equal one device's."""
+    run; rotary embeddings reach attention split as their positions are; a batch of one, its
+    logits flattened for the loss with the sequence still split: 3 AdamW steps on 2 simulated
+    ranks equal one device's."""
     name, mesh = "llama-tiny", MeshSpec((2,))
-    captured = capture(build(name), *make_batches(name, 2, 16, steps=1)[0])
+    captured = capture(build(name), *make_batches(name, 1, 16, steps=1)[0])
     space = build_space(captured, mesh)
     forced = {nc.node.name: next(s for s in nc.strategies if s.names == (kind,))
               for nc in space.nodes if nc.node.target is SDPA}
     assert len(forced) == 2
-    check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})
+    plan = plan_captured(captured, mesh, forced=forced)
+    assert any(n.op == "aten.view.default" and n.ins == ((Shard(1),),) and n.out == (Shard(0),) for n in plan.nodes)
+    check_training(name, 1, 16, (2,), local_runner, {"plan": plan})
 
 
 # ---------------------------------------------------------------- the planning option

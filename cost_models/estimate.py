@@ -333,7 +333,8 @@ class CostModel:
         if nc.kind in ("output", "alias") or val is None or nc.node.name in self.space.folded:
             return Cost()   # a folded op runs once, at the first step: nothing a step (its result is small)
         load = self._load(nc, s)
-        compute = (self._compute(nc, s, val) + self._inside(nc, s)).busier(load)
+        compute = self._compute(nc, s, val)
+        compute = (compute + self._inside(nc, s, compute.compute_s)).busier(load)
         recomputed = nc.node in self.block_of
         if recomputed:   # its forward runs again in the backward
             again = compute.compute_s / self.microbatches - compute.backward_s
@@ -440,14 +441,30 @@ class CostModel:
             bwd = 0.0
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
-    def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
+    def _inside(self, nc: NodeChoices, s: Strategy, compute_s: float) -> Cost:
         """The collectives an op runs inside itself (``autopar.core.ops``: a loss over a split batch
-        made whole sums its local losses, a training batch norm split by batch its statistics)."""
+        made whole sums its local losses, a training batch norm split by batch its statistics, ring
+        attention its key/value blocks). Those in flight while the op computes (``hidden_by``, a
+        share of its ``compute_s``) are hidden by that compute as far as this host overlaps an
+        asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
+        exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
+        block a step, such a collective holds the block sent and the one received, not the
+        whole tensor."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
         inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
-        return sum((self.redistribute(c.shape, c.dtype, c.src, c.dst) for c in inside), Cost())
+        blocking, hideable, share = Cost(), Cost(), 0.0
+        for c in inside:
+            moved = self.redistribute(c.shape, c.dtype, c.src, c.dst)
+            if c.hidden_by:
+                block = min(shard_fraction(c.src, self.mesh.shape), shard_fraction(c.dst, self.mesh.shape))
+                held = 2 * _numel(c.shape) * _itemsize(c.dtype) * block   # as _collective_buffers, of one block
+                hideable, share = hideable + replace(moved, transient_bytes=held), max(share, c.hidden_by)
+            else:
+                blocking = blocking + moved
+        hidden = self.overlap_efficiency * minimum(hideable.comm_s, share * compute_s)
+        return blocking + replace(hideable, comm_s=hideable.comm_s - hidden)
 
     def _load(self, nc: NodeChoices, s: Strategy) -> float:
         """The share of the mean work this op's busiest rank does (``OpEntry.imbalance``): 1 but

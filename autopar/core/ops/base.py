@@ -58,12 +58,15 @@ class LocalCall(NamedTuple):
 
 class Collective(NamedTuple):
     """A collective an op runs inside itself: a tensor of ``shape`` and ``dtype`` moved from
-    placements ``src`` to ``dst`` (priced as ``CostModel.redistribute`` prices a move)."""
+    placements ``src`` to ``dst`` (priced as ``CostModel.redistribute`` prices a move).
+    ``hidden_by``: the share of the op's compute that runs while it is in flight (0: it blocks),
+    which hides it as far as this host overlaps communication with compute."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     src: Placements
     dst: Placements
+    hidden_by: float = 0.0
 
 
 class Kept(NamedTuple):

@@ -18,6 +18,8 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
         --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B, GPipe)
     python benchmarks/cost_accuracy.py --knobs context_parallel --meshes 2,2x2 --launches 1 \
         --out benchmarks/results/cost_accuracy_context.json   # attention split by sequence: ring, Ulysses
+    python benchmarks/cost_accuracy.py --knobs expert_parallel --models mixtral-tiny --meshes 2,4,2x2 \
+        --launches 1 --out benchmarks/results/cost_accuracy_experts.json   # experts split by expert (all-to-all)
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -55,6 +57,7 @@ from autopar.core.blocks import recompute_modes
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import hardware_for_device
+from autopar.core.ops.moe import MOE
 from autopar.core.units import fmt
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.zoo import ZooEntry, get_model
@@ -72,12 +75,16 @@ MODELS = ("gpt-tiny", "gpt2-tiny", "llama-tiny", *CORPUS_MODELS)
 MESHES = ((1,), (2,), (4,), (2, 2))
 # Zoo default (8 x 32) up to 8x the tokens; every model here has 64 positions (BLOOM: none, ALiBi).
 SIZES = ((8, 32), (16, 64), (32, 64))
+#: ``expert_parallel``'s knob value: the experts split by expert over the mesh's last axis
+#: (``{"axis": name}``); only for models with mixture-of-experts layers.
+LAST_AXIS = "last axis"
 # ``--knobs``: each config planned under each of these knobs (``autopar.PlanOptions``, a pipeline of
 # two stages over the first axis on meshes of two axes; and
 # ``hand_plan``: that standard plan, here ZeRO-2 or ZeRO-1), on the sizes with activations worth saving.
 KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
          (("hand_plan", "zero2"), ("microbatches", 2)), (("hand_plan", "zero1"), ("microbatches", 2)),
-         (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),), (("pipeline", "ScheduleGPipe"),))
+         (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),), (("pipeline", "ScheduleGPipe"),),
+         (("expert_parallel", LAST_AXIS),), (("expert_parallel", LAST_AXIS), ("recompute", "full")))
 KNOB_SIZES = SIZES[1:]
 # ``--knobs context_parallel``: attention forced to split by sequence on the mesh's first axis
 # (``PlanOptions.context_parallel``: that axis, this kind), the planner free on the others; on
@@ -150,8 +157,10 @@ def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[i
     variants = list(CONTEXT_KNOBS) if context else \
         [k for k in KNOBS if knob is None or any(name == knob for name, _ in k)] if knobs else [()]
     cores = {m: has_attention_cores(m) for m in models} if knobs else {}
+    moe = {m: has_experts(m) for m in models} if knobs else {}
     return [Config(model, mesh, b, s, k) for model in models for mesh in meshes for b, s in sizes for k in variants
             if (cores.get(model, True) or ("recompute", "selective") not in k)
+            and (moe.get(model, True) or not any(name == "expert_parallel" for name, _ in k))
             and (len(mesh) > 1 or not any(name == "pipeline" for name, _ in k))], skipped   # stages need a second axis
 
 
@@ -162,6 +171,15 @@ def has_attention_cores(model: str) -> bool:
     with torch.device("meta"):
         graph = capture(entry.build(), *entry.example(1, 8, device="meta")).graph
     return bool(recompute_modes(graph, "selective"))
+
+
+def has_experts(model: str) -> bool:
+    """Does ``model`` have mixture-of-experts layers (``autopar::moe_experts`` in its capture),
+    which ``expert_parallel`` can split by expert?"""
+    entry = model_entry(model)
+    with torch.device("meta"):
+        graph = capture(entry.build(), *entry.example(1, 8, device="meta")).graph
+    return any(n.target is MOE for n in graph.nodes)
 
 
 def parse_plan_args(items: Sequence[str]) -> dict[str, Any]:
@@ -323,6 +341,8 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     if isinstance(options.get("context_parallel"), str) and options["context_parallel"] != "auto":   # a kind
         options["context_parallel"] = {"axis": spec.axis_names[0], "kind": options["context_parallel"]}
     hand = options.pop("hand_plan", None)
+    if options.get("expert_parallel") == LAST_AXIS:
+        options["expert_parallel"] = {"axis": spec.axis_names[-1]}
     profile_s = 0.0
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
         planned = PlanOptions.of(None, **options)
@@ -468,9 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated mesh shapes (default 1,2,4,2x2)")
     ap.add_argument("--quick", action="store_true", help=f"only the smallest size ({SIZES[0][0]}x{SIZES[0][1]})")
     ap.add_argument("--knobs", nargs="?", const="all", default=None, metavar="NAME",
-                    help="plan each config under each knob (KNOBS: microbatches, recomputation, ZeRO, pipeline) "
-                         "instead of plain; NAME keeps the knobs of that option only, e.g. --knobs pipeline; "
-                         "--knobs context_parallel: ring and Ulysses attention on long sequences (CONTEXT_KNOBS)")
+                    help="plan each config under each knob (KNOBS: microbatches, recomputation, ZeRO, pipeline, "
+                         "expert_parallel) instead of plain; NAME keeps the knobs of that option only, e.g. --knobs "
+                         "pipeline; --knobs context_parallel: ring and Ulysses attention on long sequences (CONTEXT_KNOBS)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo processes; cuda: one nccl process per GPU (default cpu)")
     ap.add_argument("--hardware", default=None, help="hardware preset or JSON file to plan for (default: this device's)")

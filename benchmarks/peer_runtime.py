@@ -13,6 +13,11 @@ two ran a second apart, so a spell of load on this shared host (rounds of one va
   ColwiseParallel/RowwiseParallel on tp, FSDP2 on dp) where torch's API can split the model
   unchanged (separate q/k/v projections in ``nn.Linear``: Llama), against autopar's
   'fsdp(dp) x tp(tp)' hand plan (``autopar.profiling.peers`` builds torch's variants).
+* mixture-of-experts models (Mixtral), meshes 2, 4 and 2x2 (dp x ep): torch EP x DP
+  (torchtitan-style expert parallelism written by hand: experts split by expert over the last
+  axis, tokens sent to them by all-to-all, the rest under DDP) against autopar's plan with
+  ``expert_parallel`` forced onto the same axis ("ep"); and torch DDP against autopar's 'ddp'
+  (FSDP and the plain loop left out, to keep a launch of 4 ranks within its time limit).
 * one process: eager PyTorch against autopar on a (1,) mesh.
 
 Torch's wrappers get each rank's part of the global batch (DDP and FSDP2 a quarter, TP ranks their
@@ -28,7 +33,7 @@ output returned whole on every rank; the loss's sum and the logits' gather are l
 for only when read: the loop reads neither).
 
 Prints each variant's step and the ratios: autopar hand plan / the torch wrapper doing the same
-(target <= 1.10), auto / fastest torch variant (<= 1.05), the plain loop on autopar's 'ddp' and
+(target <= 1.10), autopar's expert-parallel plan / torch EP x DP (<= 1.10), auto / fastest torch variant (<= 1.05), the plain loop on autopar's 'ddp' and
 auto plans / on torch DDP (<= 1.05), one process autopar / eager (<= 1.05); saves
 benchmarks/results/peer_runtime.json.
 
@@ -39,6 +44,7 @@ launches take turns, one round each (the plain loop's variants are left out ther
 
     python benchmarks/peer_runtime.py                              # every model, mesh 4, 2x2 and 1
     python benchmarks/peer_runtime.py --models gpt-tiny --meshes 4,1
+    python benchmarks/peer_runtime.py --models mixtral-tiny --meshes 2,4,2x2
 """
 from __future__ import annotations
 
@@ -62,17 +68,19 @@ from autopar.profiling.profiler import profile_model
 from machine import machine_line, save_results
 
 RESULTS = Path(__file__).parent / "results" / "peer_runtime.json"
-MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "gpt2-125m": (8, 128)}
+MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "gpt2-125m": (8, 128),
+          "mixtral-tiny": (16, 64)}
 MESHES = ((4,), (2, 2), (1,))
 ROUNDS = 15
 WARMUP_STEPS = {"gpt2-125m": (1, 3)}   # (warmup, timed) steps a round; others (2, 20): its steps take seconds here
 STATE_BYTES_PER_PARAM = 16   # fp32 parameter, gradient and AdamW's two states
 SEED = 1234
-TARGETS = {"hand / torch": 1.10, "auto / fastest torch": 1.05, "plain loop / torch DDP": 1.05,
-           "autopar (1,) / eager": 1.05}
+TARGETS = {"hand / torch": 1.10, "EP / torch EP": 1.10, "auto / fastest torch": 1.05,
+           "plain loop / torch DDP": 1.05, "autopar (1,) / eager": 1.05}
 PLAIN = ", plain loop"   # a variant timed in the loop users write (``_PlainLoop``)
 # autopar hand plan -> the torch variant doing the same thing
-PEERS = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "fsdp(dp) x tp(tp)": "torch TP x FSDP2"}
+PEERS = {"ddp": "torch DDP", "fsdp": "torch FSDP2", "fsdp(dp) x tp(tp)": "torch TP x FSDP2", "ep": "torch EP x DP"}
+EP = "ep"   # autopar's plan with its experts split by expert over the mesh's last axis (``expert_parallel`` forced)
 
 
 def _worker(mesh, name: str, batch: int, seq: int, torch_variants: list[str], plans: dict[str, str], rounds: int
@@ -122,26 +130,20 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     torch.manual_seed(SEED)
     model = entry.build()
     args, kwargs = entry.example(batch, seq)
-    spec = autopar.MeshSpec(mesh, ("dp",) if len(mesh) == 1 else ("dp", "tp"), hardware="cpu")
+    moe = bool(peers.experts_modules(model))
+    spec = autopar.MeshSpec(mesh, ("dp",) if len(mesh) == 1 else ("dp", "ep" if moe else "tp"), hardware="cpu")
     if profile == "auto" and spec.size > 1:
         profile_model(model, spec, args, kwargs, progress=None)
     # torch's wrappers return each rank's part of the outputs: so do autopar's plans here
     options = autopar.PlanOptions(profile=None if profile == "none" else "auto", gather_outputs=spec.size == 1)
     t0 = time.perf_counter()
     auto = autopar.plan(model, spec, args, kwargs, options=options)
-    plans = {}
-    torch_variants = ["torch eager"]
-    if spec.size > 1:
-        torch_variants = ["torch DDP", "torch FSDP2"]
-        if len(mesh) == 2 and peers.tensor_parallel_plan(model) is not None:
-            torch_variants.append("torch TP x FSDP2")
-        hands = candidates(model, spec, args, kwargs, options=options)
-        plans.update({k: p for k, p in hands.items() if k in PEERS})
+    torch_variants, plans = _variants(model, spec, args, kwargs, options, moe)
     kept = auto.solver.get("kept_hand_plan")
     if kept not in plans:   # a hand plan kept as the auto plan is timed once, as that hand plan
         plans["auto"] = auto
     state_bytes = STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
-    plain = spec.size > 1   # one variant a launch: the plain loop is left out (its peers would not share rounds)
+    plain = spec.size > 1 and not moe   # left out for one variant a launch (its peers would not share rounds)
     together = _fit_together(len(torch_variants) + len(plans) + 3 * plain, state_bytes, spec.size)
     if plain and together:   # the plans users get by default: outputs whole on every rank
         defaults = replace(options, gather_outputs=True)
@@ -158,6 +160,24 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
             "step_s": step, "rounds_s": rounds_s,
             "ratios": {k: {"target": kind, "ratio": r, "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
                        for k, (kind, r) in ratios.items()}}
+
+
+def _variants(model: nn.Module, spec: autopar.MeshSpec, args: tuple, kwargs: dict, options: autopar.PlanOptions,
+              moe: bool) -> tuple[list[str], dict[str, autopar.Plan]]:
+    """torch's variants and autopar's hand plans to time (autopar's auto plan comes beside them).
+    A mixture-of-experts model gets torch DDP and EP x DP against autopar's 'ddp' and expert-parallel
+    plans only: with FSDP and the plain loop too, a launch of 4 ranks outlasts its limit here."""
+    if spec.size == 1:
+        return ["torch eager"], {}
+    torch_variants = ["torch DDP", "torch EP x DP"] if moe else ["torch DDP", "torch FSDP2"]
+    if spec.ndim == 2 and not moe and peers.tensor_parallel_plan(model) is not None:
+        torch_variants.append("torch TP x FSDP2")
+    hands = candidates(model, spec, args, kwargs, options=options)
+    plans = {k: p for k, p in hands.items() if k in PEERS and (k == "ddp" or not moe)}
+    if moe:
+        plans[EP] = autopar.plan(model, spec, args, kwargs,
+                                 options=replace(options, expert_parallel={"axis": spec.axis_names[-1]}))
+    return torch_variants, plans
 
 
 def _time_in_rounds(name: str, mesh: tuple[int, ...], axis_names: tuple[str, ...], torch_variants: list[str],
@@ -184,7 +204,8 @@ def _ratios(rounds_s: dict[str, list[float]], torch_variants: list[str], auto_la
     ratios = {}
     for hand, peer in PEERS.items():
         if f"autopar {hand}" in rounds_s and peer in rounds_s:
-            ratios[f"{hand} / {peer}"] = ("hand / torch", ratio_in_rounds(rounds_s[f"autopar {hand}"], rounds_s[peer]))
+            ratios[f"{hand} / {peer}"] = ("EP / torch EP" if hand == EP else "hand / torch",
+                                          ratio_in_rounds(rounds_s[f"autopar {hand}"], rounds_s[peer]))
     for label in ("ddp" + PLAIN, "auto" + PLAIN):
         if f"autopar {label}" in rounds_s:
             ratios[f"{label} / torch DDP{PLAIN}"] = ("plain loop / torch DDP", ratio_in_rounds(

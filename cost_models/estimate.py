@@ -538,7 +538,9 @@ class CostModel:
         total = _bytes(val) * shard_fraction(s.out, mesh) if saved.output else 0.0
         for k in saved.inputs & self._counted.get(nc.node, frozenset()):
             total += _bytes(tensor_val(_storage_root(nc.inputs[k]))) * shard_fraction(s.ins[k], mesh)
-        internal = saved.extra_bytes * max((shard_fraction(p, mesh) for p in s.ins), default=1.0)
+        # internal tensors are per row of the split input (a MoE layer's dispatched rows follow its
+        # tokens, not its experts kept whole; attention's row statistics follow the queries)
+        internal = saved.extra_bytes * min((shard_fraction(p, mesh) for p in s.ins), default=1.0)
         return total + internal, internal
 
     def _first_keepers(self) -> dict[fx.Node, frozenset[int]]:

@@ -76,7 +76,7 @@ class _Folds(nn.Module):
         n = x.shape[0]
         positions = torch.arange(n, dtype=x.dtype)                  # folded: read by the forward
         written = torch.zeros(n)
-        written.add_(1.0)                                           # written in place: not folded
+        written[1:].add_(1.0)                                       # written in place (a view): not folded
         noise = torch.rand(n)                                       # random: not folded
         big = torch.ones(2048, 4096) * 2                            # 32 MiB kept: not folded
         small = torch.ones(1024, 1024).mean()                       # 4 MiB made, 4 bytes kept: folded

@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
-from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
+from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS, private_write
 from autopar.core.expert_parallel import experts_as_one_op
 from autopar.core.precision import ComputeIn, Precision, check_precision
 
@@ -242,6 +242,20 @@ def _inline_grad_regions(program: ExportedProgram) -> None:
     gm.recompile()
 
 
+def _out_of_place_private_writes(program: ExportedProgram) -> None:
+    """Run out of place the in-place writes no other value sees (``execution.private_write``),
+    so that they split like any other op, instead of keeping what they write replicated."""
+    gm = program.graph_module
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in gm.graph.nodes:   # in order: a write to a rewritten write's output is private in turn
+        functional = private_write(node, position)
+        if functional is not None:
+            node.target, changed = functional, True
+    if changed:
+        gm.recompile()
+
+
 #: What to do about each higher-order op that has no generated form (others: write the model without it).
 _HIGHER_ORDER_ADVICE = {
     "cond": "torch.cond: compute both branches and pick one with torch.where",
@@ -443,6 +457,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     if traced is not model:
         _unwrap(program, model)
     _inline_grad_regions(program)
+    _out_of_place_private_writes(program)
     _refuse_higher_order_ops(program, type(model).__name__)
     _refuse_value_dependent_sizes(program, type(model).__name__)
     _free_generated_names(program)

@@ -52,6 +52,36 @@ def writes_in_place(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
+def private_write(node: fx.Node, position: dict[fx.Node, int]) -> torch._ops.OpOverload | None:
+    """The out-of-place form (``aten.div.Tensor``) of an in-place write that no other value sees
+    (HF's router renormalising its top-k weights: ``top /= top.sum(-1, keepdim=True)``), else
+    None. ``node`` writes an op's fresh output (not an input, parameter, buffer or view), which
+    is read before the write only (``position``: graph order), by ops that neither view nor
+    write it: run out of place, nothing changes; run in place, it and its aliases would have to
+    stay replicated (``written_aliases``), gathering what every rank could keep split."""
+    if not writes_in_place(node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    schema = node.target._schema
+    name, overload = schema.name.split("::")[-1], node.target._overloadname
+    packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
+    functional = getattr(packet, overload, None) if packet is not None else None
+    if functional is None or functional._schema.is_mutable or len(functional._schema.arguments) != len(schema.arguments):
+        return None
+    written = node.args[0]
+    readers_before = all(u is node or (position[u] < position[node] and u.target not in VIEW_OPS
+                                       and not writes_in_place(u)) for u in written.users)
+    return functional if readers_before and _fresh(written) else None
+
+
+def _fresh(node: fx.Node) -> bool:
+    """Is ``node`` storage of its own: an op's output that aliases none of its inputs?"""
+    op, index = (node.args[0], node.args[1]) if node.target is operator.getitem else (node, 0)
+    if op.op != "call_function" or not isinstance(op.target, torch._ops.OpOverload) or op.target in VIEW_OPS:
+        return False
+    returns = op.target._schema.returns
+    return isinstance(index, int) and index < len(returns) and returns[index].alias_info is None
+
+
 def written_aliases(graph: fx.Graph) -> set[fx.Node]:
     """Every value an in-place op writes, with all the values that alias it (its base, the
     base's views, the in-place ops' own outputs). A write reaches the other aliases only where

@@ -1,17 +1,22 @@
 """What users run instead of autopar, built the way PyTorch's documentation builds it, to measure
 autopar against on the same mesh and batch: DDP, FSDP2 (``fully_shard`` per block, then the root)
-and tensor parallelism (``parallelize_module``, with FSDP2 on the data-parallel axis).
+tensor parallelism (``parallelize_module``, with FSDP2 on the data-parallel axis), and for
+mixture-of-experts models torchtitan-style expert parallelism written by hand (``expert_parallel``:
+experts split by expert, tokens sent to them and back by all-to-all, the rest under DDP).
 
 Torch's wrappers take each rank's part of the global batch (``rank_batch``); autopar takes the
 global batch, as its API asks.
 """
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 Batch = tuple[tuple, dict]
@@ -79,8 +84,98 @@ def tensor_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[n
     return fully_shard(model, mesh=dp), rank_batch(batch, mesh.size(0), mesh.get_local_rank(0))
 
 
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers 5's experts modules of ``model`` (fused ``gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I] parameters), by name."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3
+            and isinstance(getattr(m, "down_proj", None), nn.Parameter) and m.down_proj.dim() == 3]
+
+
+def _dispatched_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """The experts' forward over an expert-parallel ``group`` (this rank holds local experts
+    ``[r*L, (r+1)*L)`` of ``n*L``): each (token, choice) pair goes to its expert's rank by an
+    all-to-all (counts first, so that every rank knows the uneven splits), each local expert
+    runs on its rows, the results come back by the reverse all-to-all and are summed weighted by
+    the router. Differentiable: the functional all-to-all's backward sends gradients back."""
+    import torch.distributed._functional_collectives as funcol
+
+    def all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group))
+
+    n, local, k = group.size(), experts.gate_up_proj.size(0), top_k_index.size(1)
+    pair_expert = top_k_index.reshape(-1)
+    by_expert = torch.argsort(pair_expert, stable=True)          # by expert, hence by destination rank
+    to_expert = torch.bincount(pair_expert, minlength=n * local)
+    from_rank = torch.empty_like(to_expert)                       # [source rank x local expert]
+    dist.all_to_all_single(from_rank, to_expert, group=group)
+    splits = torch.cat([to_expert.view(n, local).sum(1), from_rank.view(n, local).sum(1),
+                        from_rank.view(n, local).sum(0)]).tolist()
+    send, recv, rows = splits[:n], splits[n:2 * n], splits[2 * n:]
+    x = hidden[by_expert // k].to(experts.gate_up_proj.dtype)
+    x = all_to_all(x, recv, send)
+    # a source's rows arrive grouped by local expert: group all sources' rows by local expert
+    local_of_row = torch.arange(local, device=x.device).repeat(n).repeat_interleave(from_rank)
+    regroup = torch.argsort(local_of_row, stable=True)
+    outs = []
+    for e, part in enumerate(x[regroup].split(rows)):
+        gate, up = F.linear(part, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(F.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
+    y = torch.cat(outs)
+    y = y.new_zeros(y.shape).index_copy(0, regroup, y)            # back to arrival order
+    y = all_to_all(y, send, recv)
+    pairs = y.new_zeros(y.shape).index_copy(0, by_expert, y).view(*top_k_index.shape, -1)
+    return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+
+
+def _keep_local_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> None:
+    """Replace the experts' parameters by this rank's slices (experts ``[r*L, (r+1)*L)``)."""
+    if experts.gate_up_proj.size(0) % ep_size or getattr(experts, "has_bias", False) or \
+            getattr(experts, "is_transposed", False):
+        raise ValueError(f"torch EP needs experts without biases in transformers' [E, 2I, H] layout, E divisible by "
+                         f"{ep_size}; got {type(experts).__name__} with {experts.gate_up_proj.size(0)} experts")
+    local = experts.gate_up_proj.size(0) // ep_size
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(full.detach()[ep_rank * local:(ep_rank + 1) * local].clone()))
+
+
+def expert_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[nn.Module, Batch]:
+    """torchtitan-style expert parallelism with data parallelism ("torch EP x DP"): each
+    mixture-of-experts layer's experts split by expert over the mesh's last axis (each rank its
+    slices of the expert weights, tokens dispatched by all-to-all: ``_dispatched_experts``),
+    every rank its part of ``batch``; the other parameters' gradients averaged over all ranks by
+    DDP, the experts' summed over the first axis (the ranks holding the same experts; none on a
+    1-D mesh) and divided by the number of ranks, as DDP's average would."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    layers = experts_modules(model)
+    if not layers or mesh.ndim > 2:
+        raise ValueError(f"torch EP needs a mixture-of-experts model (transformers' fused experts) and a 1-D or 2-D "
+                         f"mesh; got {type(model).__name__} with {len(layers)} experts layers on a {mesh.ndim}-D mesh")
+    ep, world = mesh.get_group(mesh.ndim - 1), dist.get_world_size()
+    dp = mesh.get_group(0) if mesh.ndim == 2 else None
+    for _, experts in layers:
+        _keep_local_experts(experts, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1))
+        # the forward swapped on this instance, as torchtitan's hooks do: the model's class is untouched
+        experts.forward = types.MethodType(functools.partial(_dispatched_experts, group=ep), experts)
+    ignored = [f"{name}.{p}" for name, _ in layers for p in ("gate_up_proj", "down_proj")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    for _, experts in layers:
+        for p in (experts.gate_up_proj, experts.down_proj):
+            p.register_post_accumulate_grad_hook(functools.partial(_average_expert_grad, dp=dp, world=world))
+    return DistributedDataParallel(model), rank_batch(batch, world, dist.get_rank())
+
+
+def _average_expert_grad(p: torch.Tensor, dp: dist.ProcessGroup | None, world: int) -> None:
+    if dp is not None:
+        dist.all_reduce(p.grad, group=dp)
+    p.grad.div_(world)
+
+
 #: torch's wrappers by the name results give them.
-NAMES = ("torch DDP", "torch FSDP2", "torch TP x FSDP2", "torch eager")
+NAMES = ("torch DDP", "torch FSDP2", "torch TP x FSDP2", "torch EP x DP", "torch eager")
 
 
 def wrap(name: str, model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[nn.Module, Batch]:
@@ -92,6 +187,8 @@ def wrap(name: str, model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[n
         return fsdp2(model, batch)
     if name == "torch TP x FSDP2":
         return tensor_parallel(model, batch, mesh)
+    if name == "torch EP x DP":
+        return expert_parallel(model, batch, mesh)
     if name == "torch eager":
         return model, batch
     raise ValueError(f"unknown torch wrapper {name!r}; expected one of {', '.join(NAMES)}")

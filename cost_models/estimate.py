@@ -336,8 +336,11 @@ class CostModel:
         if nc.node.target in VIEW_OPS:   # aliases: no data moved, nothing kept
             return compute
         kept, internal = self._kept(nc, s, val)
-        # Working memory: the output (its gradient, in the backward) and the op's internal tensors
-        # (their gradients); input gradients are tracked by the schedule.
+        # Working memory: the output (its gradient, in the backward), the op's internal tensors
+        # (their gradients) and its own temporaries; input gradients are tracked by the schedule.
+        entry = entry_for(nc.node)
+        if entry is not None and entry.working is not None:
+            internal = internal + entry.working(nc.node, s, self.mesh.shape)
         if recomputed:
             inputs = sum(b for k, b in enumerate(self.input_bytes(nc, s)) if k in self._block_inputs.get(nc.node, ()))
             return compute + Cost(saved_bytes=inputs, recomputed_bytes=kept, transient_bytes=out_bytes + internal)

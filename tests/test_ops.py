@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.core.errors import AutoparError
 from autopar.core.ops import entry_for, rule_for
 from autopar.core.ops.base import REGISTRY, rule
-from autopar.core.ops.cross_entropy import CROSS_ENTROPY
+from autopar.core.ops.cross_entropy import CROSS_ENTROPY, LEAN
 from autopar.core.placements import (
     gathered_in_group,
     largest_shard_shape,
@@ -96,7 +96,7 @@ def test_an_error_while_generating_code_names_the_node_and_its_source_line(monke
     def broken(em, site):
         raise AutoparError("the loss cannot be emitted")
 
-    monkeypatch.setattr(REGISTRY[CROSS_ENTROPY], "emit", broken)
+    monkeypatch.setattr(REGISTRY[LEAN], "emit", broken)   # (capture made the loss lean)
     with pytest.raises(AutoparError) as info:
         generate(capture(model, inputs), plan)
     message = str(info.value)

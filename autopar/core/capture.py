@@ -241,6 +241,15 @@ def _inline_grad_regions(program: ExportedProgram) -> None:
     gm.recompile()
 
 
+def _lean_losses(program: ExportedProgram) -> None:
+    """Each cross-entropy the lean loss computes made one (``autopar.core.ops.cross_entropy``:
+    the logits' fp32 copy, log-probabilities and their gradients never held whole)."""
+    from autopar.core.ops.cross_entropy import lean_losses  # (the op's module imports this one)
+
+    if lean_losses(program.graph_module.graph):
+        program.graph_module.recompile()
+
+
 #: What to do about each higher-order op that has no generated form (others: write the model without it).
 _HIGHER_ORDER_ADVICE = {
     "cond": "torch.cond: compute both branches and pick one with torch.where",
@@ -426,6 +435,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         _unwrap(program, model)
     _inline_grad_regions(program)
     _refuse_higher_order_ops(program, type(model).__name__)
+    _lean_losses(program)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
     notes = _notes(model, added, len(checkpoints))

@@ -61,6 +61,10 @@ def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int,
             else:
                 j += 1
                 b *= dst[j]
+        while gi < i and src[gi] == 1:   # size-1 dims hold nothing: the group's outer dim is its first
+            gi += 1                       # other ([1, S, V] -> [S, V] keeps a split of S)
+        while gj < j and dst[gj] == 1:
+            gj += 1
         groups.append((gi, gj, True))
         i, j = i + 1, j + 1
     return groups

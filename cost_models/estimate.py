@@ -348,11 +348,14 @@ class CostModel:
 
     def node_signature(self, nc: NodeChoices) -> tuple:
         """Everything ``node`` reads of a node besides the strategy: nodes with equal signatures
-        (the same op in identical layers) cost the same under each of their shared strategies."""
+        (the same op in identical layers) cost the same under each of their shared strategies.
+        Whether it is recomputed, and which block inputs it keeps, set apart identical layers
+        of which only the first are recomputed (``Planner._lighter``)."""
         node = nc.node
         saved = self.saved(node) if self.saved is not None and nc.kind == "op" else NOTHING
         counted = self._counted.get(node, frozenset()) & saved.inputs
         return (id(nc.strategies), nc.kind, nc.trains, node.target, _signature(tensor_val(node)),
+                node in self.block_of, self._block_inputs.get(node, frozenset()),
                 tuple(_signature(tensor_val(i)) for i in nc.inputs),
                 tuple(repr(a.meta.get("val")) for a in node.all_input_nodes if tensor_val(a) is None),
                 self.saved.grad.get(node, False) if self.saved is not None else None, saved, counted,

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.core.ops.cross_entropy import LEAN  # capture makes each cross-entropy over class indices lean
+from autopar.core.lean_loss import LEAN  # capture makes each cross-entropy over class indices lean
 
 aten = torch.ops.aten
 importlib.import_module("transformers.integrations.moe")   # registers torch.ops.transformers.grouped_mm_fallback

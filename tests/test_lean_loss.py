@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
-import autopar.core.ops.cross_entropy as ce
+import autopar.core.lean_loss as ce
 from autopar.core.capture import capture, tensor_val
+from autopar.core.lean_loss import CROSS_ENTROPY, LEAN
 from autopar.core.mesh import MeshSpec
-from autopar.core.ops.cross_entropy import CROSS_ENTROPY, LEAN
 from autopar.core.strategies import build_space
 from autopar.planning.baselines import candidates
 from cost_models.estimate import CostModel
@@ -64,6 +64,7 @@ def _loss_memory(captured) -> tuple[torch.fx.Node, float, float]:
     return nc.node, cost.saved_bytes, cost.transient_bytes
 
 
+@slow
 def test_capture_makes_the_bf16_loss_lean_and_its_priced_memory_drops(monkeypatch):
     """transformers' Llama in bf16: the loss reads the bf16 logits (no fp32 copy in the graph) and
     keeps them with one float a row; as aten's loss after the upcast it kept the fp32

@@ -8,9 +8,10 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.core.errors import AutoparError
+from autopar.core.lean_loss import LEAN
 from autopar.core.ops import entry_for, rule_for
 from autopar.core.ops.base import REGISTRY, rule
-from autopar.core.ops.cross_entropy import CROSS_ENTROPY, LEAN
+from autopar.core.ops.cross_entropy import CROSS_ENTROPY
 from autopar.core.placements import (
     gathered_in_group,
     largest_shard_shape,

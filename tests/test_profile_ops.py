@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 
 from autopar import MeshSpec
 from autopar.core.capture import capture
-from autopar.core.ops.cross_entropy import LEAN
+from autopar.core.lean_loss import LEAN
 from autopar.core.strategies import StrategySpace, build_space
 from autopar.models import GPT, GPTConfig
 from autopar.models.zoo import get_model

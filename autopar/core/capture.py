@@ -26,6 +26,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind
 from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch is pinned (setup.py)
 from torch.utils import _pytree as pytree
 
+from autopar.core import lean_loss
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS
 from autopar.core.expert_parallel import experts_as_one_op
@@ -242,11 +243,9 @@ def _inline_grad_regions(program: ExportedProgram) -> None:
 
 
 def _lean_losses(program: ExportedProgram) -> None:
-    """Each cross-entropy the lean loss computes made one (``autopar.core.ops.cross_entropy``:
-    the logits' fp32 copy, log-probabilities and their gradients never held whole)."""
-    from autopar.core.ops.cross_entropy import lean_losses  # (the op's module imports this one)
-
-    if lean_losses(program.graph_module.graph):
+    """Each cross-entropy the lean loss computes made one (``autopar.core.lean_loss``: the
+    logits' fp32 copy, log-probabilities and their gradients never held whole)."""
+    if lean_loss.lean_losses(program.graph_module.graph):
         program.graph_module.recompile()
 
 

@@ -16,6 +16,8 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
         --out benchmarks/results/cost_accuracy_selective.json   # with selective recomputation (attention in ops)
     python benchmarks/cost_accuracy.py --knobs pipeline --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2x2 \
         --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B, GPipe)
+    python benchmarks/cost_accuracy.py --knobs context_parallel --meshes 2,2x2 --launches 1 \
+        --out benchmarks/results/cost_accuracy_context.json   # attention split by sequence: ring, Ulysses
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -54,7 +56,8 @@ from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import hardware_for_device
 from autopar.core.units import fmt
-from autopar.models.zoo import get_model
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.zoo import ZooEntry, get_model
 from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
 from autopar.profiling.launch import run_on_gloo_mesh
@@ -76,6 +79,17 @@ KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2),
          (("hand_plan", "zero2"), ("microbatches", 2)), (("hand_plan", "zero1"), ("microbatches", 2)),
          (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),), (("pipeline", "ScheduleGPipe"),))
 KNOB_SIZES = SIZES[1:]
+# ``--knobs context_parallel``: attention forced to split by sequence on the mesh's first axis
+# (``PlanOptions.context_parallel``: that axis, this kind), the planner free on the others; on
+# long sequences, where attention is most of the work, of models whose positions reach that far.
+CONTEXT_KNOBS = ((("context_parallel", "ring"),), (("context_parallel", "ulysses"),))
+CONTEXT_SIZES = ((1, 2048), (2, 1024))
+CONTEXT_MODELS = ("gpt-tiny-long", "llama-tiny")
+#: Models of this benchmark beyond the zoo: gpt-tiny with positions for 2048 tokens (Llama's
+#: rotary positions reach any length as built).
+LONG_MODELS = {"gpt-tiny-long": dataclasses.replace(
+    get_model("gpt-tiny"), name="gpt-tiny-long", description="gpt-tiny with 2048 positions",
+    build=lambda: GPT(GPTConfig(block_size=2048)), num_params=GPTConfig(block_size=2048).num_params())}
 SEED = 1234
 LR = 1e-3
 
@@ -108,6 +122,11 @@ def mesh_str(mesh: Sequence[int]) -> str:
     return "x".join(str(s) for s in mesh)
 
 
+def model_entry(name: str) -> ZooEntry:
+    """Zoo model ``name``, or one of ``LONG_MODELS``."""
+    return LONG_MODELS.get(name) or get_model(name)
+
+
 def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[int, ...]] | None = None,
                    quick: bool = False, max_devices: int | None = None, knobs: bool = False, knob: str | None = None
                    ) -> tuple[list[Config], list[str]]:
@@ -115,17 +134,21 @@ def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[i
 
     ``quick`` keeps the smallest size of each model; ``max_devices`` (the GPU count on CUDA) skips
     meshes that need more devices than exist; ``knobs`` runs each config under each of ``KNOBS``
-    (at ``KNOB_SIZES``) instead of plain; ``knob``: only those setting that option.
+    (at ``KNOB_SIZES``) instead of plain; ``knob``: only those setting that option, and
+    "context_parallel": ``CONTEXT_KNOBS`` at ``CONTEXT_SIZES`` (on ``CONTEXT_MODELS`` by default,
+    meshes of more than one device).
     """
-    models = list(models or MODELS)
+    context = knobs and knob == "context_parallel"
+    models = list(models or (CONTEXT_MODELS if context else MODELS))
     for m in models:
-        get_model(m)  # an unknown name fails here, before any run
-    meshes = list(meshes or MESHES)
+        model_entry(m)  # an unknown name fails here, before any run
+    meshes = [m for m in meshes or MESHES if not context or math.prod(m) > 1]
     skipped = [f"mesh {mesh_str(m)} skipped: needs {math.prod(m)} devices, {max_devices} here"
                for m in meshes if max_devices is not None and math.prod(m) > max_devices]
     meshes = [m for m in meshes if max_devices is None or math.prod(m) <= max_devices]
-    sizes = (KNOB_SIZES if knobs else SIZES)[:1 if quick else None]
-    variants = [k for k in KNOBS if knob is None or any(name == knob for name, _ in k)] if knobs else [()]
+    sizes = (CONTEXT_SIZES if context else KNOB_SIZES if knobs else SIZES)[:1 if quick else None]
+    variants = list(CONTEXT_KNOBS) if context else \
+        [k for k in KNOBS if knob is None or any(name == knob for name, _ in k)] if knobs else [()]
     cores = {m: has_attention_cores(m) for m in models} if knobs else {}
     return [Config(model, mesh, b, s, k) for model in models for mesh in meshes for b, s in sizes for k in variants
             if (cores.get(model, True) or ("recompute", "selective") not in k)
@@ -135,7 +158,7 @@ def select_configs(models: Sequence[str] | None = None, meshes: Sequence[tuple[i
 def has_attention_cores(model: str) -> bool:
     """Does selective recomputation apply to zoo ``model`` (attention computed in ops, not SDPA)?
     Without cores it plans as no recomputation: not a config of its own."""
-    entry = get_model(model)
+    entry = model_entry(model)
     with torch.device("meta"):
         graph = capture(entry.build(), *entry.example(1, 8, device="meta")).graph
     return bool(recompute_modes(graph, "selective"))
@@ -225,7 +248,7 @@ def _rank_worker(mesh: DeviceMesh, model_name: str, batch: int, seq: int, plan_j
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
         else torch.device("cpu")
-    entry = get_model(model_name)
+    entry = model_entry(model_name)
     torch.manual_seed(SEED)
     with device:
         model = entry.build()
@@ -286,7 +309,7 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
                 ) -> dict[str, Any]:
     """Profile this host for ``cfg`` (``profile``) and plan it here: the record saved in the JSON,
     measurements to come (``measure_config``)."""
-    entry = get_model(cfg.model)
+    entry = model_entry(cfg.model)
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
     # Built on the ranks' device type: the plan's fingerprint must match their captures exactly.
@@ -297,6 +320,8 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     # Each rank times ``train_step``, which returns only the loss and never gathers the other
     # outputs: planned likewise (the default plan prices a gather of the logits every step)
     options = {"gather_outputs": False, **plan_kwargs, **dict(cfg.knobs)}
+    if isinstance(options.get("context_parallel"), str) and options["context_parallel"] != "auto":   # a kind
+        options["context_parallel"] = {"axis": spec.axis_names[0], "kind": options["context_parallel"]}
     hand = options.pop("hand_plan", None)
     profile_s = 0.0
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
@@ -437,13 +462,15 @@ def machine_info(device: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated zoo models (default {','.join(MODELS)})")
+    ap.add_argument("--models", default="", help=f"comma-separated zoo models (default {','.join(MODELS)}; with "
+                    f"--knobs context_parallel {','.join(CONTEXT_MODELS)})")
     ap.add_argument("--meshes", default=",".join(mesh_str(m) for m in MESHES),
                     help="comma-separated mesh shapes (default 1,2,4,2x2)")
     ap.add_argument("--quick", action="store_true", help=f"only the smallest size ({SIZES[0][0]}x{SIZES[0][1]})")
     ap.add_argument("--knobs", nargs="?", const="all", default=None, metavar="NAME",
                     help="plan each config under each knob (KNOBS: microbatches, recomputation, ZeRO, pipeline) "
-                         "instead of plain; NAME keeps the knobs of that option only, e.g. --knobs pipeline")
+                         "instead of plain; NAME keeps the knobs of that option only, e.g. --knobs pipeline; "
+                         "--knobs context_parallel: ring and Ulysses attention on long sequences (CONTEXT_KNOBS)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo processes; cuda: one nccl process per GPU (default cpu)")
     ap.add_argument("--hardware", default=None, help="hardware preset or JSON file to plan for (default: this device's)")

@@ -8,6 +8,7 @@ the forward of ``ShardedModule`` and kept as ``pmodel.code``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -25,7 +26,7 @@ from torch.export.graph_signature import OutputKind
 from autopar.core.blocks import RecomputeMode, recomputed_regions
 from autopar.core.capture import CapturedGraph, flat_tensor_inputs, needs_grad, readable_name, tensor_val, value_bytes
 from autopar.core.execution import IDENTITY_OPS, axis_collective, moves, writes_in_place, written_aliases
-from autopar.core.fold import attention_masks, foldable
+from autopar.core.fold import attention_masks, foldable, unbuilt_masks
 from autopar.core.gradients import Passes, given_grad, partial_passes
 from autopar.core.loss_weights import loss_weighting, loss_with_gradients
 from autopar.core.ops import entry_for
@@ -42,6 +43,7 @@ from autopar.core.placements import (
 )
 from autopar.core.plan import NodePlan, Plan
 from autopar.core.precision import reduce_dtype
+from autopar.core.units import fmt
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.recompute import checkpointed, statement_names
 from codegen.runtime import rank_value
@@ -691,6 +693,8 @@ class _Analysis:
     folded: set[str]
     order: list[fx.Node]
     last_use: dict[fx.Node, fx.Node]
+    answers: dict[str, str | None]   # masks never built: what SDPA is told instead (``fold.unbuilt_masks``)
+    unbuilt: set[str]                # the folded nodes computed for them alone
 
 
 def _analyse(captured: CapturedGraph, plan: Plan) -> _Analysis:
@@ -704,12 +708,21 @@ def _analyse(captured: CapturedGraph, plan: Plan) -> _Analysis:
                    "# returns this rank's part of what later stages read, which the schedule sends on.\n")
     nodes = list(captured.graph.nodes)
     folded = foldable(captured, {n.name for n in plan.nodes}, {n.name for n in written_aliases(captured.graph)})
-    order = [n for n in nodes if n.name in folded] + [n for n in nodes if n.name not in folded]
+    answers, unbuilt = unbuilt_masks(captured.graph, folded, functools.partial(_splits_rows, {n.name: n for n in plan.nodes}))
+    order = [n for n in nodes if n.name in folded and (n.name in answers or n.name not in unbuilt)]
+    order += [n for n in nodes if n.name not in folded]
     last_use: dict[fx.Node, fx.Node] = {}
     for node in order:
         for inp in node.all_input_nodes:
             last_use[inp] = node
-    return _Analysis(plan, header, starts, folded, order, last_use)
+    return _Analysis(plan, header, starts, folded - (unbuilt - set(answers)), order, last_use, answers, unbuilt)
+
+
+def _splits_rows(plan: Mapping[str, NodePlan], sdpa: fx.Node, mask: fx.Node) -> bool:
+    """Does ``sdpa`` read ``mask`` split along its query or key dims (the last two)?"""
+    ndim = len(tensor_val(mask).shape)
+    want = plan[sdpa.name].ins[flat_tensor_inputs(sdpa).index(mask)]
+    return any(isinstance(p, Shard) and p.dim % ndim >= ndim - 2 for p in want)
 
 
 @dataclass(frozen=True)
@@ -727,7 +740,11 @@ class _Lines:
 def _emit(captured: CapturedGraph, a: _Analysis, em: _Emitter) -> _Lines:
     """Every line: the values computed once, their moves and their masks, then the forward."""
     for node in a.order[:len(a.folded)]:
-        _emit_op(em, a, node)
+        if node.name in a.answers:
+            em.emit(f"{node.name} = {a.answers[node.name]!r}", _UNBUILT.format(
+                kind="causal" if a.answers[node.name] else "all-pass", bytes=fmt(value_bytes(captured.graph, node.name), 'B')))
+        else:
+            _emit_op(em, a, node)
     for node in a.order[len(a.folded):]:
         if node.op == "call_function" and node.name in em.plan:
             with _generating(node):
@@ -752,6 +769,10 @@ def _emit(captured: CapturedGraph, a: _Analysis, em: _Emitter) -> _Lines:
                 em.output(node)
     signature, *body = em.lines
     return _Lines(once, defined_once, signature, body, lines_of)
+
+
+_UNBUILT = ("an attention mask found {kind} where planned (at a grid of query and key positions: "
+            "autopar.core.ops.attention.planned_mask_kind), never built ({bytes}): SDPA is told so")
 
 
 def _emit_op(em: _Emitter, a: _Analysis, node: fx.Node) -> None:

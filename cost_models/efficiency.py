@@ -27,6 +27,7 @@ import torch
 from autopar.core.errors import HardwareError
 from autopar.core.hardware import Hardware
 from autopar.core.ops.attention import SDPA
+from autopar.core.ops.moe import MOE, grouped_gemms
 from cost_models.compute import maximum, minimum
 
 __all__ = ["ATTENTION_OPS", "Efficiency", "GEMM_OPS", "GemmShape", "TABLES", "attention_seconds", "efficiency_of",
@@ -167,24 +168,26 @@ def matmul_shapes(a: Sequence[int], b: Sequence[int]) -> GemmShape | None:
 
 
 aten = torch.ops.aten
-# Each GEMM op's product, from its tensor inputs' local shapes in argument order.
-GEMM_OPS: dict[Any, Callable[..., GemmShape]] = {
+# Each GEMM op's products, from its tensor inputs' local shapes in argument order.
+GEMM_OPS: dict[Any, Callable[..., GemmShape | tuple[GemmShape, ...]]] = {
     aten.linear.default: lambda x, w, *bias: GemmShape(math.prod(x[:-1]), w[0], x[-1]),
     aten.mm.default: matmul_shapes,
     aten.bmm.default: matmul_shapes,
     aten.matmul.default: matmul_shapes,
     aten.addmm.default: lambda bias, a, b: matmul_shapes(a, b),
     aten.baddbmm.default: lambda c, a, b: matmul_shapes(a, b),
+    MOE: lambda *shapes: tuple(GemmShape(*g) for g in grouped_gemms(*shapes)),   # each local expert's rows
 }
 ATTENTION_OPS = frozenset({SDPA})   # priced by their fused kernels (``autopar.core.ops.attention``)
 
 
-def _gemm(node: torch.fx.Node, shapes: Sequence[Sequence[int]]) -> GemmShape | None:
-    """The GEMM an op runs, where it is one of ``GEMM_OPS`` with the inputs that op takes."""
+def _gemms(node: torch.fx.Node, shapes: Sequence[Sequence[int]]) -> tuple[GemmShape, ...]:
+    """The GEMMs an op runs, where it is one of ``GEMM_OPS`` with the inputs that op takes."""
     try:
-        return GEMM_OPS[node.target](*shapes) if node.target in GEMM_OPS else None
+        found = GEMM_OPS[node.target](*shapes) if node.target in GEMM_OPS else ()
     except (TypeError, IndexError):   # another overload's arguments: priced as any other op
-        return None
+        return ()
+    return (found,) if isinstance(found, GemmShape) else found
 
 
 def op_seconds(node: torch.fx.Node, shapes: Sequence[Sequence[int]], flops: float, nbytes: float,
@@ -195,10 +198,10 @@ def op_seconds(node: torch.fx.Node, shapes: Sequence[Sequence[int]], flops: floa
     each pass at the sustained share of those rates, plus the per-kernel overhead. ``shapes``: the
     op's tensor inputs' local shapes."""
     memory = memory_seconds(nbytes, eff, hw)
-    gemm = _gemm(node, shapes)
-    if gemm is not None:
-        fwd = gemm_seconds(gemm, eff, hw, dtype)
-        bwd = sum(gemm_seconds(g, eff, hw, dtype, pass_="backward") for g in gemm.backward())
+    gemms = _gemms(node, shapes)
+    if gemms:
+        fwd = sum(gemm_seconds(gemm, eff, hw, dtype) for gemm in gemms)
+        bwd = sum(gemm_seconds(g, eff, hw, dtype, pass_="backward") for gemm in gemms for g in gemm.backward())
     elif node.target in ATTENTION_OPS and len(shapes[0]) == 4:
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         causal = bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))

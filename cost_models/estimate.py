@@ -115,6 +115,13 @@ class Cost:
         summed = {name: getattr(self, name) + getattr(o, name) for name in _SUMMED}
         return Cost(**summed, comm_bytes=tuple(x + y for x, y in zip(a, b, strict=True)), measured=self.measured | o.measured)
 
+    def busier(self, factor: float) -> "Cost":
+        """This cost on a rank doing ``factor`` times the mean work (``CostModel.expert_skew``):
+        its seconds, bytes moved and working memory scaled."""
+        return replace(self, compute_s=self.compute_s * factor, backward_s=self.backward_s * factor,
+                       comm_s=self.comm_s * factor, overlap_s=self.overlap_s * factor,
+                       transient_bytes=self.transient_bytes * factor, comm_bytes=tuple(b * factor for b in self.comm_bytes))
+
     @property
     def time_s(self) -> float:
         """Seconds if nothing overlapped (the solver and ``schedule`` hide ``overlap_s``)."""
@@ -170,6 +177,7 @@ class CostModel:
     recompute: str | Mapping[str, RecomputeMode] = "none"   # "full": every repeated block recomputed in the backward; "selective": their attention cores; or per block
     reduce_precision: Precision = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
+    expert_skew: float = 1.0         # the busiest expert-parallel rank's routed rows over the mean (``PlanOptions``)
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -324,7 +332,9 @@ class CostModel:
             return Cost(state_bytes=_bytes(val) * shard_fraction(s.out, self.mesh.shape))
         if nc.kind in ("output", "alias") or val is None or nc.node.name in self.space.folded:
             return Cost()   # a folded op runs once, at the first step: nothing a step (its result is small)
-        compute = self._compute(nc, s, val) + self._inside(nc, s)
+        load = self._load(nc, s)
+        compute = self._compute(nc, s, val)
+        compute = (compute + self._inside(nc, s, compute.compute_s)).busier(load)
         recomputed = nc.node in self.block_of
         if recomputed:   # its forward runs again in the backward
             again = compute.compute_s / self.microbatches - compute.backward_s
@@ -336,6 +346,7 @@ class CostModel:
         if nc.node.target in VIEW_OPS:   # aliases: no data moved, nothing kept
             return compute
         kept, internal = self._kept(nc, s, val)
+        kept, internal = kept + internal * (load - 1.0), internal * load
         # Working memory: the output (its gradient, in the backward), the op's internal tensors
         # (their gradients) and its own temporaries; input gradients are tracked by the schedule.
         entry = entry_for(nc.node)
@@ -436,14 +447,36 @@ class CostModel:
             bwd = 0.0
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
-    def _inside(self, nc: NodeChoices, s: Strategy) -> Cost:
+    def _inside(self, nc: NodeChoices, s: Strategy, compute_s: float) -> Cost:
         """The collectives an op runs inside itself (``autopar.core.ops``: a loss over a split batch
-        made whole sums its local losses, a training batch norm split by batch its statistics)."""
+        made whole sums its local losses, a training batch norm split by batch its statistics, ring
+        attention its key/value blocks). Those in flight while the op computes (``hidden_by``, a
+        share of its ``compute_s``) are hidden by that compute as far as this host overlaps an
+        asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
+        exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
+        block a step, such a collective holds the block sent and the one received, not the
+        whole tensor."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
         inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
-        return sum((self.redistribute(c.shape, c.dtype, c.src, c.dst) for c in inside), Cost())
+        blocking, hideable, share = Cost(), Cost(), 0.0
+        for c in inside:
+            moved = self.redistribute(c.shape, c.dtype, c.src, c.dst)
+            if c.hidden_by:
+                block = min(shard_fraction(c.src, self.mesh.shape), shard_fraction(c.dst, self.mesh.shape))
+                held = 2 * _numel(c.shape) * _itemsize(c.dtype) * block   # as _collective_buffers, of one block
+                hideable, share = hideable + replace(moved, transient_bytes=held), max(share, c.hidden_by)
+            else:
+                blocking = blocking + moved
+        hidden = self.overlap_efficiency * minimum(hideable.comm_s, share * compute_s)
+        return blocking + replace(hideable, comm_s=hideable.comm_s - hidden)
+
+    def _load(self, nc: NodeChoices, s: Strategy) -> float:
+        """The share of the mean work this op's busiest rank does (``OpEntry.imbalance``): 1 but
+        for experts split by expert under a skewed router."""
+        entry = entry_for(nc.node)
+        return 1.0 if entry is None or entry.imbalance is None else entry.imbalance(s, self.expert_skew)
 
     def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
         """Local bytes an op's forward reads and writes: its inputs and its output."""

@@ -222,15 +222,16 @@ class HFAttentionHeads(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-class OneSequence(nn.Module):
-    """A batch of one sequence flattened: [1, S, V] -> [S, V] (a causal LM's logits before its loss)."""
+class BatchOfOneView(nn.Module):
+    """A batch of one flattened with its sequence (as a loss's ``logits.view(-1, vocab)``): the
+    split sequence stays split."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pre = Pre(1, 6, 8)
+        self.pre = Pre(1, 6)
 
     def forward(self, x):
-        return self.pre(x).view(-1, 8)
+        return self.pre(x).view(6)
 
 
 class Views(nn.Module):
@@ -634,8 +635,8 @@ CASES: list[Case] = [
     Case("views", Views, lambda: (torch.randn(3, 5, 12),),
          (aten.view.default, aten.reshape.default, aten.alias.default, aten.unsqueeze.default),
          {aten.view.default: {"follow", "partial"}, aten.unsqueeze.default: {"follow"}}),
-    Case("view-one-sequence", OneSequence, lambda: (torch.randn(1, 6, 8),), (aten.view.default,),
-         {aten.view.default: {"follow"}}, all_2d=True),
+    Case("view-batch-of-one", BatchOfOneView, lambda: (torch.randn(1, 6),), (aten.view.default,),
+         {aten.view.default: {"follow"}}, meshes=((2,),)),
     Case("split-getitem", SplitGetitem, lambda: (torch.randn(3, 5, 12),),
          (aten.split.Tensor, operator.getitem),
          {aten.split.Tensor: {"follow"}, operator.getitem: {"follow"}}),

@@ -15,10 +15,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar.cli import _plan_options, build_parser
+from autopar.core import from_shapes
 from autopar.core.capture import capture
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
-from autopar.core.ops.attention import SDPA, context_moves
+from autopar.core.ops.attention import SDPA, context_moves, fused_kernel
 from autopar.core.plan import Plan
 from autopar.core.strategies import build_space
 from autopar.planning.baselines import candidates, context_role_sets, plan_name
@@ -28,6 +29,7 @@ from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.generate import generate
 from cost_models.activations import gradients
+from cost_models.estimate import CostModel
 from cost_models.profile_ops import op_call
 from tests.equivalence import (
     ATOL,
@@ -137,11 +139,73 @@ def test_the_cost_model_is_told_what_moves():
     shape = (2, HEADS, SEQ, DIM // HEADS)
     ring = context_moves(nc.node, by["context-ring"], (2,), True, None)
     gather, scatter = ((Shard(2),), (Replicate(),)), ((Partial(),), (Shard(2),))
-    assert [(m.shape, m.src, m.dst) for m in ring] == [(shape, *gather), (shape, *scatter)] * 2
+    # keys, then values: sent round in the forward and again in the backward (recomputed), their
+    # gradients brought back in fp32; each under the other block's attention
+    assert [(m.shape, m.src, m.dst, m.dtype) for m in ring] == [
+        (shape, *gather, torch.float32), (shape, *gather, torch.float32), (shape, *scatter, torch.float32)] * 2
+    assert all(m.hidden_by == 0.5 for m in ring)
     assert len(context_moves(nc.node, by["context-ring"], (2,), False, None)) == 2   # no backward
     ulysses = context_moves(nc.node, by["context-ulysses"], (2,), True, None)
     assert len(ulysses) == 8 and all({m.src, m.dst} == {(Shard(2),), (Shard(1),)} for m in ulysses)
     assert context_moves(nc.node, by["heads"], (2,), True, None) == []
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+def test_the_rings_transfers_are_hidden_by_the_blocks_computed_meanwhile_as_far_as_the_host_overlaps(overlap):
+    """Priced blocking where this host hides no asynchronous collective under compute (as this
+    CPU measured), and beyond the other block's attention only where it does (a GPU)."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    ring = next(s for s in nc.strategies if s.names == ("context-ring",))
+    model = CostModel(MeshSpec((2,)), space)
+    model.overlap_efficiency = overlap
+    moved = sum(model.redistribute(m.shape, m.dtype, m.src, m.dst).comm_s
+                for m in context_moves(nc.node, ring, (2,), True, None))
+    compute = model._compute(nc, ring, nc.node.meta["val"]).compute_s
+    assert moved > 0 and model.node(nc, ring).comm_s == pytest.approx(max(0.0, moved - overlap * compute / 2))
+    block = 2 * HEADS * (SEQ // 2) * (DIM // HEADS) * 4   # one rank's keys (or values) in fp32
+    assert model._inside(nc, ring, compute).transient_bytes == 6 * 2 * block   # each step's sent and received block
+
+
+def test_ulysses_where_tensor_parallelism_left_too_few_heads_is_priced_as_the_ring_it_runs():
+    """Llama's 2 key/value heads split by heads on one axis leave one a rank: Ulysses over the
+    other axis cannot split it, runs the ring, and is priced so (not as attention on no heads)."""
+    q, kv = torch.randn(2, 4, 8, 4), torch.randn(2, 2, 8, 4)
+    model = lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True,  # noqa: E731
+                                                           enable_gqa=True)
+    space = build_space(capture(_Fn(model), (q, kv, kv)), MeshSpec((2, 2)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    by = {s.names: s for s in nc.strategies}
+    for names, like in ((("context-ulysses", "heads"), ("context-ring", "heads")),
+                        (("context-ulysses", "batch"), None)):
+        moves = [(m.src, m.dst) for m in context_moves(nc.node, by[names], (2, 2), True, None)]
+        call = op_call(nc, by[names], (2, 2), gradients(space))
+        if like is None:   # 4 and 2 heads split over 2: Ulysses
+            assert len(moves) == 8 and min(t.shape[1] for t in call.args[:3]) == 1
+        else:
+            assert moves == [(m.src, m.dst) for m in context_moves(nc.node, by[like], (2, 2), True, None)]
+            assert call.key == op_call(nc, by[like], (2, 2), gradients(space)).key
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def test_attention_under_a_mask_found_causal_keeps_what_the_fused_kernel_keeps():
+    """A mask from sizes found causal runs as is_causal: the backward keeps q, k, v, the output
+    and a log-sum-exp per row, not the masked math path's seq x seq matrices fake tensors show."""
+    qkv = tuple(torch.randn(2, HEADS, 64, 4) for _ in range(3))
+    for window, extra in ((64, 2 * HEADS * 64 * 4), (3, None)):   # causal; a sliding window (not causal)
+        space = build_space(capture(MaskedAttention(window), qkv), MeshSpec((2,)))
+        nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+        kept = fused_kernel(nc.node, (True, True, True))
+        assert (kept and kept.extra_bytes) == extra, window
 
 
 def test_profiling_times_the_slowest_ranks_attention():
@@ -173,19 +237,29 @@ def test_ring_attention_forced_trains_as_one_device_across_processes():
     check_training(CausalLM, 0, 0, (2,), gloo_runner, {"plan": plan}, batches=batches)
 
 
-@pytest.mark.parametrize("kind", ["context-ring", "context-ulysses"])
+@pytest.mark.parametrize("kind, long", [("context-ring", False), ("context-ulysses", False), ("context-ring", True)])
 @slow
-def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind):
+def test_llama_with_attention_split_by_sequence_trains_as_one_device(kind, long, monkeypatch):
     """Llama's folded causal mask is found causal when planned (the rules are offered) and when
-    run; rotary embeddings reach attention split as their positions are: 3 AdamW steps on 2
-    simulated ranks equal one device's."""
+    run; rotary embeddings reach attention split as their positions are; a batch of one, its
+    logits flattened for the loss with the sequence still split: 3 AdamW steps on 2 simulated
+    ranks equal one device's. ``long``: the mask is past ``from_shapes.LIMIT`` (as a long
+    sequence's), known causal from a grid of positions when planned: the generated code never
+    builds it and tells SDPA it is causal."""
+    if long:
+        monkeypatch.setattr(from_shapes, "LIMIT", 64)   # the 1 x 1 x 16 x 16 mask is over it
     name, mesh = "llama-tiny", MeshSpec((2,))
-    captured = capture(build(name), *make_batches(name, 2, 16, steps=1)[0])
+    captured = capture(build(name), *make_batches(name, 1, 16, steps=1)[0])
     space = build_space(captured, mesh)
     forced = {nc.node.name: next(s for s in nc.strategies if s.names == (kind,))
               for nc in space.nodes if nc.node.target is SDPA}
     assert len(forced) == 2
-    check_training(name, 2, 16, (2,), local_runner, {"plan": plan_captured(captured, mesh, forced=forced)})
+    plan = plan_captured(captured, mesh, forced=forced)
+    assert any(n.op == "aten.view.default" and n.ins == ((Shard(1),),) and n.out == (Shard(0),) for n in plan.nodes)
+    source = generate(captured, plan).source
+    unbuilt = [line for line in source.splitlines() if "never built" in line]
+    assert len(unbuilt) == long and all(" = 'causal'" in line for line in unbuilt), unbuilt
+    check_training(name, 1, 16, (2,), local_runner, {"plan": plan})
 
 
 # ---------------------------------------------------------------- the planning option
@@ -384,3 +458,22 @@ def test_a_sequence_the_axis_cannot_split_evenly_is_refused_saying_how_to_pad_it
                                                "tokens .* labels -100"):
             autopar.plan(build("llama-tiny"), MeshSpec((2,), ("cp",)), args, kwargs,
                          context_parallel={"axis": "cp", "kind": kind}, profile=None, progress=False)
+
+
+@slow
+def test_ulysses_beside_tensor_parallelism_trains_as_one_device_on_simulated_2x2():
+    """HF GPT-2 as built, every attention split by sequence as Ulysses on the first axis and by
+    heads (tensor parallelism) on the second, on 4 simulated ranks (the all-to-alls are
+    collectives, so LocalTensorMode runs them as gloo would): 3 AdamW steps equal one device's.
+    Each rank's 2 heads are regrouped over the Ulysses axis, one a rank."""
+    name = "gpt2-tiny"
+    batches = make_batches(name, 2, CP_SEQ)
+    captured = capture(build(name), *batches[0])
+    mesh = MeshSpec((2, 2))
+    space = build_space(captured, mesh)
+    forced = {nc.node.name: next(s for s in nc.strategies if s.names == ("context-ulysses", "heads"))
+              for nc in space.nodes if nc.node.target is SDPA}
+    assert forced
+    plan = plan_captured(captured, mesh, PlanOptions(profile=None, progress=False), forced=forced)
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"
+    check_training(name, 2, CP_SEQ, (2, 2), local_runner, {"plan": plan}, batches=batches)

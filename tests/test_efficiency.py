@@ -96,6 +96,27 @@ def test_op_seconds_prices_a_linear_by_its_gemms_and_other_ops_by_bandwidth():
     assert fwd == pytest.approx(nbytes / (hw.memory_bandwidth * eff.memory * eff.sustained) + hw.op_overhead_s)
 
 
+def test_experts_are_priced_as_their_grouped_gemms_fewer_rows_each_at_a_lower_rate():
+    """The MoE op runs one GEMM pair per local expert over its share of the rows routed (uniform):
+    the same FLOPs spread over more experts (fewer tokens each, each expert's rows cut into tiles
+    on their own) take longer, and never less than the large-GEMM rate allows."""
+    from autopar.core.ops.moe import MOE
+
+    hw = get_hardware("h100-80gb")
+    eff = efficiency_of(hw)
+    node = SimpleNamespace(target=MOE, args=(), kwargs={})
+    hidden, inner, k, tokens = 4096, 1408, 6, 4096
+
+    def seconds(experts: int) -> float:
+        shapes = [(tokens, hidden), (tokens, k), (tokens, k), (experts, 2 * inner, hidden), (experts, hidden, inner)]
+        flops = 2 * tokens * k * 3 * inner * hidden
+        return op_seconds(node, shapes, flops, 0.0, eff, hw, torch.bfloat16)[0]
+
+    few, many = seconds(2), seconds(60)   # 12288 rows an expert against 410
+    floor = 2 * tokens * k * 3 * inner * hidden / (hw.flops_for(torch.bfloat16) * eff.gemm_fraction(torch.bfloat16, False))
+    assert floor / eff.sustained <= few < many, (few, many)
+
+
 def test_a_gpu_plan_is_priced_below_what_real_kernels_reach():
     """Model FLOPs over the predicted step stay below the table's large-GEMM rate sustained: no
     plan is predicted faster than any real GPU could run it (without the table, at the peak, it was)."""

@@ -117,6 +117,31 @@ def test_control_flow_advice_is_torch_where_never_torch_cond(model):
     assert not re.search(r"(with|use|to) torch\.cond", message), message
 
 
+class LoopedExperts(nn.Module):
+    """A mixture of experts as often written by hand: each expert's tokens picked by ``torch.where``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            out = out.index_add(0, rows, expert(x[rows]) * weight[rows, slot, None])
+        return out.sum()
+
+
+def test_sizes_that_depend_on_values_are_refused_by_op_and_module():
+    """Export traces ``torch.where(cond)`` with a size it cannot know; planning must say so, by op
+    and module, never fail later on the symbol."""
+    with pytest.raises(CaptureError, match=r"LoopedExperts: aten\.where\.default in its own forward makes a tensor whose size depends on "
+                                           r"tensor values.*fused gate_up_proj"):
+        autopar.plan(LoopedExperts(), MeshSpec((2,)), (torch.randn(6, 4),))
+
+
 # ------------------------------------------------------------------ Hugging Face decoders as they are
 def llama() -> nn.Module:
     """HF Llama as ``from_config`` builds it: forward's ``use_cache`` defaults to the config's (True)."""

@@ -16,7 +16,6 @@ from autopar.core.strategies import build_space
 from autopar.planning.baselines import candidates
 from cost_models.estimate import CostModel
 from tests.equivalence import build, check_training, local_runner, make_batches
-from tests.strategy_cases import OneSequence
 from tests.tiers import slow
 
 aten = torch.ops.aten
@@ -110,11 +109,3 @@ def test_llama_trains_with_the_lean_loss_in_chunks_like_one_device(monkeypatch):
     loss = next(n for n in plan.nodes if n.op == "autopar.cross_entropy.default")
     assert loss.ins[0] == (Shard(0),)
 
-
-def test_one_sequence_split_by_tokens_flattens_split_by_rows():
-    """[1, S, V] logits split by sequence view as [S, V] split by rows, as the loss reads them (no
-    gather of the whole logits: the size-1 batch dim holds nothing)."""
-    captured = capture(OneSequence(), (torch.randn(1, 6, 8),))
-    space = build_space(captured, MeshSpec((2,)))
-    view = next(nc for nc in space.nodes if nc.node.target is aten.view.default)
-    assert any(s.ins[0] == (Shard(1),) and s.out == (Shard(0),) for s in view.strategies)

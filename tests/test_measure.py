@@ -166,6 +166,9 @@ def test_select_configs():
     piped, _ = select_configs(["gpt-tiny"], [(2,), (2, 2)], knobs=True, knob="pipeline")   # stages need two axes
     assert [c.label for c in piped] == [f"gpt-tiny 2x2 {size} pipeline=Schedule{s}" for size in ("16x64", "32x64")
                                         for s in ("1F1B", "GPipe")]
+    context, _ = select_configs(None, [(1,), (2,)], knobs=True, knob="context_parallel", quick=True)
+    assert [c.label for c in context] == [f"{m} 2 1x2048 context_parallel={k}" for m in ("gpt-tiny-long", "llama-tiny")
+                                          for k in ("ring", "ulysses")]   # no context on one device
     fits, skipped = select_configs(["gpt-tiny"], [(1,), (2,), (2, 2)], quick=True, max_devices=2)
     assert [c.mesh for c in fits] == [(1,), (2,)]
     assert skipped == ["mesh 2x2 skipped: needs 4 devices, 2 here"]

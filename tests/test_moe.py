@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import autopar
 import autopar.core.expert_parallel as ep
@@ -19,6 +20,8 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
 from autopar.core.plan import Plan
+from autopar.planning.baselines import candidates
+from autopar.planning.options import PlanOptions
 from autopar.profiling.launch import per_rank
 from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
 
@@ -53,33 +56,63 @@ def _recording_dispatch(monkeypatch) -> list[list[list[int]]]:
     return seen
 
 
-def _plan(mesh_shape: tuple[int, ...], axis: str) -> Plan:
+def _plan(mesh_shape: tuple[int, ...], axis: str, hand: str | None = None) -> Plan:
+    """The auto plan with the experts forced over ``axis``, or the hand plan ``hand`` made so."""
     args, kwargs = BATCHES[0]
     # solved to optimality (no time limit a loaded host could cut short), the search kept small
-    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, expert_parallel={"axis": axis},
-                        hand_plans=False, time_limit=None, profile=None, pipeline=False, microbatches=1,
-                        recompute="none")
+    options = PlanOptions(expert_parallel={"axis": axis}, hand_plans=hand is not None, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute="none")
+    if hand is not None:
+        return candidates(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)[hand]
+    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)
 
 
-@pytest.mark.parametrize("mesh_shape, runner", [((2,), gloo_runner), ((2, 2), local_runner)])
-def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runner, monkeypatch):
-    """On 2 gloo processes (real all-to-alls) and on a simulated 2x2 mesh (beside a data or
-    tensor split on the other axis), where the dispatches are recorded: some rank sends some
+@pytest.mark.parametrize("mesh_shape, runner, axis, hand", [
+    ((2,), gloo_runner, "x", None), ((4,), gloo_runner, "x", None), ((2, 2), local_runner, "tp", None),
+    ((2, 2), local_runner, "dp", "dp(dp) x tp(tp)"),   # Megatron's EP over the data axis, attention split by tp
+])
+def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runner, axis, hand, monkeypatch):
+    """On 2 and 4 gloo processes (real all-to-alls) and on a simulated 2x2 mesh (beside data or
+    tensor parallelism on the other axis), where the dispatches are recorded: some rank sends some
     expert no token. (A simulated mesh of 2 runs the strategy in tests/strategy_cases.py.)"""
     seen = _recording_dispatch(monkeypatch)
-    axis = MeshSpec(mesh_shape).axis_names[-1]
-    plan = _plan(mesh_shape, axis)
-    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": 2, "layers": 2, "of": 2}
+    plan = _plan(mesh_shape, axis, hand)
+    spec = MeshSpec(mesh_shape)
+    ways = spec.shape[spec.axis_names.index(axis)]
+    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": 4 // ways, "layers": 2, "of": 2}
+    per_rank = "2 experts" if ways == 2 else "1 expert"
+    if hand is not None:   # attention's projections split over the other axis, as Megatron's tensor parallelism
+        q = next(n for n in plan.nodes if n.fqn == "model.layers.0.self_attn.q_proj.weight")
+        assert q.out[-1] == Shard(0), q.out
     check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
     if runner is local_runner:
         assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen
-    assert f"split by expert over {axis}: 2 experts per rank" in plan.report()
+    assert f"split by expert over {axis}: {per_rank} per rank" in plan.report()
     saved = json.loads(plan.to_json())
     assert Plan.from_json(json.dumps(saved)).expert_parallel == plan.expert_parallel
     del saved["expert_parallel"]   # a plan written before the field
     older = Plan.from_json(json.dumps(saved))
     assert older.expert_parallel is None
-    assert f"expert parallelism: over {axis}, 2 experts per rank -> none" in plan_diff(plan, older)
+    assert f"expert parallelism: over {axis}, {per_rank} per rank -> none" in plan_diff(plan, older)
+
+
+def test_a_skewed_router_is_priced_on_the_busiest_rank_and_recorded():
+    """``expert_skew``: the experts split by expert cost that many times more on the busiest rank
+    (GEMMs and all-to-alls), the plan records and reports it; below 1 is refused."""
+    args, kwargs = BATCHES[0]
+    options = dict(expert_parallel={"axis": "x"}, hand_plans=False, time_limit=None, profile=None, pipeline=False,
+                   microbatches=1, recompute="none")
+    even, skewed = (autopar.plan(build(NAME), MeshSpec((2,)), args, kwargs, expert_skew=skew, **options)
+                    for skew in (1.0, 1.5))
+    experts = [(a, b) for a, b in zip(even.nodes, skewed.nodes, strict=True) if a.op == str(MOE)]
+    assert len(experts) == 2
+    for a, b in experts:
+        assert b.compute_s == pytest.approx(1.5 * a.compute_s) and b.comm_s > a.comm_s   # its all-to-alls; moves into it alike
+    assert "skew" not in even.expert_parallel and skewed.expert_parallel["skew"] == 1.5
+    assert "busiest rank receiving 1.5x the mean" in skewed.report()
+    assert Plan.from_json(skewed.to_json()).expert_parallel == skewed.expert_parallel
+    with pytest.raises(AutoparError, match="expert_skew is the busiest rank's routed rows over the mean"):
+        PlanOptions(expert_skew=0.5)
 
 
 def _meta_moe(config: str, implementation: str) -> tuple:

@@ -24,6 +24,7 @@ from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_ten
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind
 from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch is pinned (setup.py)
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from autopar.core import lean_loss
@@ -410,6 +411,23 @@ def _lean_tracing() -> Iterator[None]:
             config.do_not_emit_stack_traces = emit
 
 
+def _refuse_value_dependent_sizes(program: ExportedProgram, model_name: str) -> None:
+    """A size that depends on tensor values (export's unbacked symbols: ``torch.where(cond)``,
+    ``nonzero``, boolean-mask indexing) cannot be planned: every cost and placement rests on
+    sizes known before the run. Name the first op that makes one, and its module."""
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or not free_unbacked_symbols(val):
+            continue
+        module = readable_name(node) or "its own forward"
+        raise CaptureError(
+            f"{model_name}: {node.target} in {module} makes a tensor whose size depends on "
+            "tensor values (as torch.where(condition), nonzero or boolean-mask indexing do, e.g. a mixture of "
+            "experts that picks each expert's tokens in a loop); autopar plans sizes known before the run. "
+            "Keep shapes fixed: weight by a mask instead of selecting rows, or, for a mixture of experts, build "
+            "its experts as transformers does (fused gate_up_proj / down_proj), which autopar splits by expert.")
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             dynamic_shapes: Any = None, precision: Precision = "fp32") -> CapturedGraph:
     """Export ``model`` on its example inputs; ``dynamic_shapes`` (as ``torch.export`` takes it)
@@ -435,6 +453,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _inline_grad_regions(program)
     _refuse_higher_order_ops(program, type(model).__name__)
     _lean_losses(program)
+    _refuse_value_dependent_sizes(program, type(model).__name__)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
     notes = _notes(model, added, len(checkpoints))

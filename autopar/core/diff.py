@@ -29,7 +29,7 @@ def _placement(n: NodePlan) -> str:
 
 def _experts(plan: Plan) -> str:
     ep = plan.expert_parallel
-    return "none" if ep is None else f"over {ep['axis']}, {ep['experts_per_rank']} experts per rank"
+    return "none" if ep is None else f"over {ep['axis']}, {ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank"
 
 
 def _headline_lines(a: Plan, b: Plan) -> list[str]:

@@ -10,6 +10,8 @@ prices them (and the moves of their results) at nothing a step (``StrategySpace.
 A mask computed this way that every rank finds exactly causal (or letting everything through)
 is handed to SDPA as ``is_causal=True`` (or no mask), as eager Hugging Face calls it: the mask's
 memory and the masked kernel are saved (``autopar.core.ops.attention``'s kernels ``attention_mask`` and ``attention``).
+A mask too large to compute when planned, found causal (or all-pass) there at a grid of
+positions, is never built: SDPA is told that answer (``unbuilt_masks``).
 
 Not folded: random ops, values written in place or aliasing one, values the model returns, and
 values over ``FOLD_BYTES`` that the forward would keep alive between calls (masks excepted: one
@@ -17,13 +19,14 @@ that is not causal is the tensor the forward would build each call anyway).
 """
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 import torch.fx as fx
 
+from autopar.core import from_shapes
 from autopar.core.capture import CapturedGraph, is_random, is_size, value_bytes
-from autopar.core.ops.attention import SDPA
+from autopar.core.ops.attention import CAUSAL, SDPA, planned_mask_kind
 
 aten = torch.ops.aten
 FOLD_BYTES = 16 * 2**20
@@ -66,6 +69,35 @@ def attention_masks(graph: fx.Graph, folded: set[str]) -> list[str]:
                              and node not in u.args[:3] for u in users):
                 masks.append(node.name)
     return masks
+
+
+def unbuilt_masks(graph: fx.Graph, folded: set[str], splits_rows: Callable[[fx.Node, fx.Node], bool]
+                  ) -> tuple[dict[str, str | None], set[str]]:
+    """Folded attention masks too large to compute when planned (over ``from_shapes.LIMIT``
+    elements: a long sequence's) that planning found causal or all-pass at its grid of positions
+    (``planned_mask_kind``), where no SDPA reading one splits its query or key dims
+    (``splits_rows(sdpa, mask)``): generated code hands SDPA that answer (``CAUSAL`` or None) and
+    never builds the mask (at 262144 tokens, 64 GiB of booleans). Returns each such mask's answer
+    and every folded node computed for them alone."""
+    answers: dict[str, str | None] = {}
+    for name in attention_masks(graph, folded):
+        mask = next(n for n in graph.nodes if n.name == name)
+        if tensor_numel(mask) <= from_shapes.LIMIT or any(splits_rows(u, mask) for u in mask.users if u.name not in folded):
+            continue
+        kind = planned_mask_kind(mask)
+        if kind in ("causal", "none"):
+            answers[name] = CAUSAL if kind == "causal" else None
+    unbuilt = set(answers)
+    for node in reversed(graph.nodes):   # users before what they read
+        users = [u for u in node.users if "assert" not in str(u.target)]
+        if node.name in folded and users and all(u.name in unbuilt for u in users):
+            unbuilt.add(node.name)
+    return answers, unbuilt
+
+
+def tensor_numel(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
 def _descendants(graph: fx.Graph, names: Iterable[str]) -> set[str]:

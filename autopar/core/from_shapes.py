@@ -48,14 +48,15 @@ def _computable(node: fx.Node, limit: int) -> bool:
     return all(all(isinstance(s, int) for s in v.shape) and v.numel() <= limit for v in vals)
 
 
-def value_from_shapes(node: fx.Node, limit: int = LIMIT) -> Any:
+def value_from_shapes(node: fx.Node, limit: int | None = None) -> Any:
     """The value of ``node`` where it depends on sizes alone (no input, parameter or buffer),
     computed on the CPU; None where it does not, a size is symbolic, a value is over ``limit``
     elements, or an op fails."""
     return _evaluate(node, limit, None)
 
 
-def sampled_from_shapes(node: fx.Node, rows: torch.Tensor, cols: torch.Tensor, limit: int = LIMIT) -> torch.Tensor | None:
+def sampled_from_shapes(node: fx.Node, rows: torch.Tensor, cols: torch.Tensor,
+                        limit: int | None = None) -> torch.Tensor | None:
     """``value_from_shapes`` of a ``node`` too large to compute whole (an attention mask of a
     long sequence), at the ``rows`` x ``cols`` grid of its last two dims: exact there, computed
     without the whole, where every op whose value is over ``limit`` elements is elementwise over
@@ -73,9 +74,10 @@ _ELEMENTWISE_LIKE = {_aten.to.dtype_layout, _aten.to.dtype, _aten._to_copy.defau
 _EXPAND = _aten.expand.default
 
 
-def _evaluate(node: fx.Node, limit: int, grid: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+def _evaluate(node: fx.Node, limit: int | None, grid: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
     """``value_from_shapes``' walk; ``grid``: (rows, cols) at which values over ``limit`` are taken
-    (``sampled_from_shapes``), else None."""
+    (``sampled_from_shapes``), else None; ``limit`` None: ``LIMIT`` as it is now."""
+    limit = LIMIT if limit is None else limit
     nodes = _ancestors(node)
     if nodes is None:
         return None

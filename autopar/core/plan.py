@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from typing_extensions import NotRequired
+
 from autopar.core.blocks import RecomputeMode
 from autopar.core.errors import PlanFileError
 from autopar.core.mesh import MeshSpec
@@ -253,6 +255,7 @@ class ExpertParallelPlan(TypedDict):
     experts_per_rank: int     # E/n
     layers: int               # MoE layers split so
     of: int                   # MoE layers in all
+    skew: NotRequired[float]  # the busiest rank's routed rows over the mean, priced (``PlanOptions.expert_skew``); absent: 1
 
 
 @dataclass

@@ -179,8 +179,11 @@ def _recompute_line(recompute: dict[str, RecomputeMode]) -> str:
 
 def _experts_line(ep: ExpertParallelPlan) -> str:
     """Expert parallelism: the axis splitting the mixture-of-experts layers by expert."""
-    return (f"split by expert over {ep['axis']}: {ep['experts_per_rank']} experts per rank, tokens sent to their "
-            f"experts' ranks and back by all-to-all ({ep['layers']} of {ep['of']} MoE layers)")
+    per_rank = f"{ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank"
+    skew = (f"; priced with the busiest rank receiving {ep['skew']:g}x the mean of the rows routed (expert_skew)"
+            if "skew" in ep else "")
+    return (f"split by expert over {ep['axis']}: {per_rank}, tokens sent to their experts' ranks and back by "
+            f"all-to-all ({ep['layers']} of {ep['of']} MoE layers){skew}")
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:

@@ -231,6 +231,11 @@ class PlanOptions:
         "what was chosen).",
         Flag(to_option=_expert_parallel_from_text, metavar="auto|none|AXIS",
              note="Here: auto, none, or the name of the mesh axis to split the experts over."))
+    expert_skew: float = _option(
+        1.0, "The router's token imbalance, priced where experts are split by expert: the busiest rank of the "
+        "expert axis receives this many times the mean of the rows routed (1.0: uniform routing). Its "
+        "experts' GEMMs, all-to-alls and dispatched rows are priced that much larger: give a measured value "
+        "(the most rows any rank of the axis received over the mean, from a training run) to plan for it.")
     progress: bool = _option(
         True, "While planning, a status line on stderr says what runs, for how long and what is left of "
         "``time_limit`` (rank 0, where stderr is a terminal, unless the environment sets "
@@ -255,6 +260,9 @@ class PlanOptions:
         pipeline_choice(self.pipeline)
         context_choice(self.context_parallel)
         check_expert_parallel(self.expert_parallel)
+        if not self.expert_skew >= 1.0:
+            raise AutoparError(f"expert_skew is the busiest rank's routed rows over the mean (>= 1.0), got "
+                               f"{self.expert_skew!r}")
 
     def device_budget(self, hardware: str) -> float:
         """Bytes per device a plan may hold: ``memory_budget``, else the memory of ``hardware``'s preset."""

@@ -143,7 +143,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
                           microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision,
-                          offload=offload)
+                          offload=offload, expert_skew=options.expert_skew)
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of,
                             accumulating=microbatches > 1)
         budget = options.device_budget(mesh.hardware)
@@ -397,7 +397,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                 warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
                 precision=captured.precision, reduce_precision=model.reduce_precision,
                 batch_size=captured_rows(captured) * planning.microbatches, microbatches=planning.microbatches,
-                recompute=dict(planning.recompute), expert_parallel=moe.expert_parallel_of(space, chosen),
+                recompute=dict(planning.recompute), expert_parallel=moe.expert_parallel_of(space, chosen, model.expert_skew),
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim

@@ -545,7 +545,7 @@ def _planned_space(plan: Plan, cap: _DynamicCapture, optimizer: str) -> tuple[St
         nc.strategies = [s]
     cost_model = CostModel(plan.mesh, space, optimizer=get_optimizer(optimizer), gather_outputs=plan.gather_outputs,
                            recompute=plan.recompute, reduce_precision=plan.reduce_precision,
-                           offload=bool(plan.offloaded))
+                           offload=bool(plan.offloaded), expert_skew=plan.expert_parallel.get("skew", 1.0) if plan.expert_parallel else 1.0)
     timeline = Timeline(space, block_of=cost_model.block_of)
     timeline.names = names
     return space, chosen, cost_model, timeline, warnings

@@ -102,9 +102,12 @@ def fused_kernel(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """On ``meta`` (planning for a cluster that is not here) SDPA takes its math path, which keeps
     the batch x heads x seq x seq attention matrix; the fused kernels training really runs (flash /
     memory-efficient on CUDA, flash on CPU) keep q, k, v, the output and one fp32 log-sum-exp per
-    query row instead. Elsewhere what the op keeps on fake tensors (None)."""
+    query row instead. So does a call whose mask is found causal or open when planned: it runs
+    as ``is_causal`` or unmasked (``attention``, ``context_attention``), where fake tensors would
+    take the masked math path. Elsewhere what the op keeps on fake tensors (None)."""
     out = tensor_val(node)
-    if out.device.type != "meta":
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if out.device.type != "meta" and not (isinstance(mask, fx.Node) and causal_or_open(mask)):
         return None
     rows = 1
     for size in out.shape[:-1]:
@@ -127,11 +130,14 @@ CAUSAL = "causal"
 
 
 @kernel
-def attention_mask(mask: torch.Tensor) -> torch.Tensor | str | None:
+def attention_mask(mask: torch.Tensor | str | None) -> torch.Tensor | str | None:
     """A folded attention mask as SDPA needs it on this rank: None where it lets every query see
     every key, ``CAUSAL`` where it is exactly the causal mask of square attention, else the mask.
     Eager Hugging Face makes the same call on the batch (no padding: SDPA's is_causal); an
-    exported graph builds the mask instead."""
+    exported graph builds the mask instead. A mask never built (``fold.unbuilt_masks``) comes as
+    its answer already."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
     values = list(mask._local_tensors.values()) if isinstance(mask, LocalTensor) else [mask]
     with maybe_disable_local_tensor_mode():
         kinds = {_mask_kind(v) for v in values}
@@ -264,6 +270,21 @@ def context_refusal(q: Sequence[Any], k: Sequence[Any], mask: Any, dropout: Any,
     return None
 
 
+def _heads_divide(q_heads: int, k_heads: int, n: int) -> bool:
+    """Can Ulysses over ``n`` ranks split these local query and key/value heads? Where another
+    axis left fewer, ``context_attention`` runs the ring instead, and is priced so."""
+    return q_heads % n == 0 and k_heads % n == 0
+
+
+def _local_heads(t: torch.Tensor, p: Placements, mesh_shape: Sequence[int]) -> int:
+    """The heads (dim 1) of ``t`` on one rank, split as placements ``p`` split them."""
+    heads = t.shape[1]
+    for a, q in enumerate(p):
+        if q == Shard(1):
+            heads //= mesh_shape[a]
+    return heads
+
+
 def context_of(placed: Placed) -> tuple[int, ContextKind] | None:
     """(mesh axis, kind) where ``placed`` splits the query by sequence, else None. The kind is
     the rule's name on that axis (a ``Strategy``'s ``names``, a ``NodePlan``'s label)."""
@@ -298,7 +319,8 @@ def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seq
     """Split by sequence, the attention the slowest rank computes. Ring: its queries against
     every key, unmasked (a causal contiguous ring's last rank sees every block; the diagonal
     one counted whole, as FLOP counts count causal attention). Ulysses: the whole sequence for
-    1/n of the heads, masked as the op is."""
+    1/n of the heads, masked as the op is; the ring's where other axes left it heads Ulysses
+    cannot split (``context_attention`` runs the ring there)."""
     context = context_of(placed)
     if context is None:
         return call
@@ -311,7 +333,7 @@ def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seq
         shape = (t.shape[0], t.shape[1] // n if heads else t.shape[1], t.shape[2] * n, t.shape[3])
         return torch.empty(shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
 
-    if kind == "ring":
+    if kind == "ring" or not _heads_divide(q.shape[1], k.shape[1], n):
         return LocalCall(SDPA, (q, grown(k, False), grown(v, False)), kwargs)
     return LocalCall(SDPA, (grown(q, True), grown(k, True), grown(v, True), None, 0.0, _causal(node)), kwargs)
 
@@ -319,21 +341,27 @@ def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seq
 @collectives(SDPA)
 def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: bool,
                   loss_with_gradients: str | None) -> list[Collective]:
-    """Split by sequence, what moves over its axis. Ring: keys and values go round the ring,
-    (n-1)/n of each reaching every rank, as an all-gather; in the backward their gradients come
-    back the same way, as a reduce-scatter. Ulysses: q, k, v and the output each change from a
-    sequence to a heads split (an all-to-all), and their gradients back."""
+    """Split by sequence, what moves over its axis. Ring (``ring_attention``): keys and values go
+    round the ring, (n-1)/n of each reaching every rank, as an all-gather; the backward sends them
+    round again (recomputed, not kept) and brings their gradients back in fp32 accumulators, as
+    a reduce-scatter. Each step's transfer is launched before the block at hand is computed, so
+    it runs under the n-1 blocks computed meanwhile (``hidden_by``). Ulysses: q, k, v and the
+    output each change from a sequence to a heads split (an all-to-all), and their gradients back;
+    where other axes left it heads it cannot split, the ring's."""
     context = context_of(placed)
     if context is None:
         return []
     axis, kind = context
     vals = [tensor_val(a) for a in node.args[:3]]
     moves = []
-    if kind == "ring":
+    q_heads, k_heads = (_local_heads(t, p, mesh_shape) for t, p in zip(vals[:2], placed.ins[:2], strict=True))
+    if kind == "ring" or not _heads_divide(q_heads, k_heads, mesh_shape[axis]):
+        under = (mesh_shape[axis] - 1) / mesh_shape[axis]
         for t, p in zip(vals[1:], placed.ins[1:3], strict=True):
-            moves.append(Collective(tuple(t.shape), t.dtype, p, _with(p, axis, Replicate())))
+            gather = Collective(tuple(t.shape), t.dtype, p, _with(p, axis, Replicate()), under)
+            moves.append(gather)
             if grad:
-                moves.append(Collective(tuple(t.shape), t.dtype, _with(p, axis, Partial()), p))
+                moves += [gather, Collective(tuple(t.shape), torch.float32, _with(p, axis, Partial()), p, under)]
         return moves
     tensors = [*vals, tensor_val(node)]
     for i, (t, p) in enumerate(zip(tensors, (*placed.ins[:3], placed.out), strict=True)):
@@ -364,7 +392,7 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         attn_mask, is_causal = None, True
     group = mesh.get_group(axis)
     n = group.size()
-    if attn_mask is None and kind == "ulysses" and query.size(1) % n == 0 and key.size(1) % n == 0:
+    if attn_mask is None and kind == "ulysses" and _heads_divide(query.size(1), key.size(1), n):
         return ulysses_attention(query, key, value, is_causal=is_causal, group=group, scale=scale)
     if attn_mask is None and local_tensor_mode() is None:
         return ring_attention(query, key, value, is_causal=is_causal, group=group, layout="contiguous", scale=scale)

@@ -15,6 +15,8 @@ optional:
 * ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead;
 * ``@working(op)``: bytes of the temporaries it holds while it runs, beyond its output, what it
   keeps and its inputs' gradients (a chunked kernel's chunks);
+* ``@imbalance(op)``: how many times the mean work (compute, collectives, kept tensors) its
+  busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
   runtime: the module that says how the op splits also says how a split op runs.
 
@@ -58,12 +60,15 @@ class LocalCall(NamedTuple):
 
 class Collective(NamedTuple):
     """A collective an op runs inside itself: a tensor of ``shape`` and ``dtype`` moved from
-    placements ``src`` to ``dst`` (priced as ``CostModel.redistribute`` prices a move)."""
+    placements ``src`` to ``dst`` (priced as ``CostModel.redistribute`` prices a move).
+    ``hidden_by``: the share of the op's compute that runs while it is in flight (0: it blocks),
+    which hides it as far as this host overlaps communication with compute."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     src: Placements
     dst: Placements
+    hidden_by: float = 0.0
 
 
 class Kept(NamedTuple):
@@ -119,6 +124,7 @@ CollectivesFn = Callable[[fx.Node, Placed, Sequence[int], bool, "str | None"], l
 SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
 WorkingFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 RuleKeyFn = Callable[[fx.Node], Hashable]
+ImbalanceFn = Callable[[Placed, float], float]
 
 
 @dataclass
@@ -133,6 +139,7 @@ class OpEntry:
     collectives: CollectivesFn | None = None
     saved: SavedFn | None = None
     working: WorkingFn | None = None
+    imbalance: ImbalanceFn | None = None
 
 
 #: op -> its entry, filled in as the modules of ``autopar.core.ops`` are imported.
@@ -166,6 +173,7 @@ timed = _registrar("timed")
 collectives = _registrar("collectives")
 saved = _registrar("saved")
 working = _registrar("working")
+imbalance = _registrar("imbalance")
 
 
 #: name -> a function generated code calls as ``kernels.<name>``, filled in by ``@kernel`` as the

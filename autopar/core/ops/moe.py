@@ -19,7 +19,19 @@ from torch.utils.flop_counter import register_flop_formula
 from autopar.core.capture import tensor_val
 from autopar.core.errors import AutoparError
 from autopar.core.expert_parallel import routed_experts
-from autopar.core.ops.base import Collective, Emitter, Kept, Placed, Site, collectives, emitter, kernel, rule, saved
+from autopar.core.ops.base import (
+    Collective,
+    Emitter,
+    Kept,
+    Placed,
+    Site,
+    collectives,
+    emitter,
+    imbalance,
+    kernel,
+    rule,
+    saved,
+)
 from autopar.core.placements import Placements
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
@@ -106,6 +118,14 @@ def all_to_alls(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: 
     return [counts, move, move] + ([move, move] if grad else [])
 
 
+@imbalance(MOE)
+def busiest_rank(placed: Placed, skew: float) -> float:
+    """Split by expert, the router decides how many rows each rank receives: the busiest gets
+    ``skew`` times the mean (``PlanOptions.expert_skew``), and its experts, its all-to-alls and
+    its dispatched rows take that much longer and more memory. Split by token, each rank runs its
+    own rows: no imbalance."""
+    return skew if expert_axis(placed) is not None else 1.0
+
 @saved(MOE)
 def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
@@ -124,6 +144,17 @@ def _flops(hidden_shape, ids_shape, weights_shape, gate_up_shape, down_shape, *a
     rows = hidden_shape[0] * ids_shape[1]
     return 2 * rows * gate_up_shape[1] * gate_up_shape[2] + 2 * rows * down_shape[1] * down_shape[2]
 
+
+
+def grouped_gemms(hidden: Sequence[int], ids: Sequence[int], weights: Sequence[int], gate_up: Sequence[int],
+                  down: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """The products (m, n, k, batch) the experts run on one rank, from its inputs' local shapes:
+    each of its E_l experts multiplies its share of the rows routed to this rank (T*k rows,
+    uniform routing: T*k / E_l each) by [H, 2I], then by [I, H]; priced per shape
+    (``cost_models.efficiency``), so few tokens an expert reach less of the GEMM rate."""
+    experts = gate_up[0]
+    rows = -(-hidden[0] * ids[1] // experts)
+    return [(rows, gate_up[1], gate_up[2], experts), (rows, down[1], down[2], experts)]
 
 
 # ----------------------------------------------------------------------------
@@ -175,14 +206,19 @@ def narrowed(space: StrategySpace, choice: str | bool | dict[str, str]) -> Strat
     return replace(space, nodes=nodes)
 
 
-def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy]) -> ExpertParallelPlan | None:
+def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy], skew: float = 1.0
+                       ) -> ExpertParallelPlan | None:
     """``Plan.expert_parallel``: the mesh axis most MoE layers split their experts over, the
-    experts each rank holds, and how many layers of how many do; None where none does."""
+    experts each rank holds, how many layers of how many do, and the router's skew priced where
+    not uniform; None where none does."""
     axes = [(expert_axis(s), num_experts(nc.node)) for nc, s in zip(space.nodes, chosen, strict=True)
             if nc.node.target is MOE]
     split = [(a, e) for a, e in axes if a is not None]
     if not split:
         return None
     a, e = max(set(split), key=split.count)
-    return {"axis": space.mesh.axis_names[a], "experts_per_rank": e // space.mesh.shape[a],
-            "layers": split.count((a, e)), "of": len(axes)}
+    found: ExpertParallelPlan = {"axis": space.mesh.axis_names[a], "experts_per_rank": e // space.mesh.shape[a],
+                                 "layers": split.count((a, e)), "of": len(axes)}
+    if skew != 1.0:
+        found["skew"] = skew
+    return found

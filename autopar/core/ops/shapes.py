@@ -45,9 +45,14 @@ def view(v: OpView, n: int) -> list[AxisRule]:
 
 
 def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, bool]]:
-    """(input dim, output dim, needs even split) for the outer dim of each reshape group."""
+    """(input dim, output dim, needs even split) for the outer dim of each reshape group. Dims of
+    size 1 where the other side has none are passed over: a batch of one flattened with its
+    sequence keeps the sequence's split."""
     groups, i, j = [], 0, 0
     while i < len(src) and j < len(dst):
+        if src[i] != dst[j] and 1 in (src[i], dst[j]):
+            i, j = (i + 1, j) if src[i] == 1 else (i, j + 1)
+            continue
         if src[i] == dst[j]:
             if src[i] != 1:
                 groups.append((i, j, False))
@@ -61,10 +66,6 @@ def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int,
             else:
                 j += 1
                 b *= dst[j]
-        while gi < i and src[gi] == 1:   # size-1 dims hold nothing: the group's outer dim is its first
-            gi += 1                       # other ([1, S, V] -> [S, V] keeps a split of S)
-        while gj < j and dst[gj] == 1:
-            gj += 1
         groups.append((gi, gj, True))
         i, j = i + 1, j + 1
     return groups

@@ -54,16 +54,32 @@ def run(seq: int, shape: tuple[int, ...], names: tuple[str, ...], hardware: str,
         plan = autopar.plan(model, mesh, args, kwargs, precision="bf16", time_limit=time_limit, gather_outputs=False)
     except (InfeasibleError, PlanningTimeout) as e:
         return {**record, "plan_s": time.perf_counter() - start, "fits": False, "error": str(e)}
+    plan_s = time.perf_counter() - start
     cp = plan.context_parallel
     hand = {name: h for name, h in plan.solver.get("hand_plans", {}).items() if "fsdp+cp" in name}
-    return {**record, "plan_s": time.perf_counter() - start, "fits": plan.feasible, "plan": plan.name,
+    if any("step_time_s" not in h for h in hand.values()):   # unfit where the plan recomputes fewer blocks
+        hand.update(fully_recomputed(model, mesh, args, kwargs, [n for n, h in hand.items() if "step_time_s" not in h]))
+    return {**record, "plan_s": plan_s, "fits": plan.feasible, "plan": plan.name,
             "predicted_step_s": plan.predicted.step_time_s, "tokens_per_s_per_device": seq / plan.predicted.step_time_s / mesh.size,
             "predicted_peak_bytes": plan.predicted.peak_memory_bytes, "mfu": plan.predicted.mfu,
             "context_parallel": None if cp is None else {"axis": cp.axis, "kind": cp.kind, "load_balance": cp.load_balance,
                                                          "nodes": len(cp.nodes)},
-            "recompute": plan.recompute_mode, "microbatches": plan.microbatches, "torchtitan_hand_plans": dict(hand),
+            "recompute": plan.recompute_mode, "recomputed_blocks": len(plan.recompute), "microbatches": plan.microbatches, "torchtitan_hand_plans": dict(hand),
             "hand_plans_costed": sorted(plan.solver.get("hand_plans", {})),
             "cut_short": plan.solver.get("time_limit", {}).get("cut_short", [])}
+
+
+def fully_recomputed(model: torch.nn.Module, mesh: autopar.MeshSpec, args: tuple, kwargs: dict,
+                     names: list[str]) -> dict:
+    """torchtitan's hand plans ``names`` as it runs long contexts, every block recomputed (full
+    activation checkpointing), priced by the same model: where the auto plan recomputes fewer
+    blocks, its problem's hand plans may not fit."""
+    from autopar.planning.baselines import candidates
+
+    plans = candidates(model, mesh, args, kwargs, precision="bf16", recompute="full", gather_outputs=False)
+    return {name: {"step_time_s": p.predicted.step_time_s, "peak_memory_bytes": p.predicted.peak_memory_bytes,
+                   "feasible": p.feasible, "recompute": "every block"}
+            for name, p in plans.items() if name in names}
 
 
 def show(r: dict) -> None:
@@ -75,11 +91,13 @@ def show(r: dict) -> None:
     how = "no context parallelism" if cp is None else f"{cp['kind']} over {cp['axis']} ({cp['nodes']} attention calls)"
     print(f"{head}; plan {r['plan']!r}{'' if r['fits'] else ' (DOES NOT FIT)'}: step {fmt(r['predicted_step_s'], 's')} "
           f"({r['tokens_per_s_per_device']:.0f} tokens/s/device, MFU {r['mfu']:.1%}), peak "
-          f"{fmt(r['predicted_peak_bytes'], 'B')}; {how}; recompute {r['recompute']}, {r['microbatches']} microbatch(es)")
+          f"{fmt(r['predicted_peak_bytes'], 'B')}; {how}; recompute {r['recompute']} ({r['recomputed_blocks']} blocks), "
+          f"{r['microbatches']} microbatch(es)")
     for name, h in r["torchtitan_hand_plans"].items():
         if "step_time_s" in h:
             print(f"    hand plan {name}: step {fmt(h['step_time_s'], 's')}, peak {fmt(h['peak_memory_bytes'], 'B')}"
-                  + ("" if h.get("feasible") else " (does not fit)"))
+                  + ("" if h.get("feasible") else " (does not fit)")
+                  + (f", {h['recompute']} recomputed" if "recompute" in h else ""))
         else:
             print(f"    hand plan {name}: no plan fits (needs {fmt(h.get('least_memory_bytes') or 0, 'B')})")
 

@@ -347,8 +347,11 @@ class CostModel:
             return compute
         kept, internal = self._kept(nc, s, val)
         kept, internal = kept + internal * (load - 1.0), internal * load
-        # Working memory: the output (its gradient, in the backward) and the op's internal tensors
-        # (their gradients); input gradients are tracked by the schedule.
+        # Working memory: the output (its gradient, in the backward), the op's internal tensors
+        # (their gradients) and its own temporaries; input gradients are tracked by the schedule.
+        entry = entry_for(nc.node)
+        if entry is not None and entry.working is not None:
+            internal = internal + entry.working(nc.node, s, self.mesh.shape)
         if recomputed:
             inputs = sum(b for k, b in enumerate(self.input_bytes(nc, s)) if k in self._block_inputs.get(nc.node, ()))
             return compute + Cost(saved_bytes=inputs, recomputed_bytes=kept, transient_bytes=out_bytes + internal)
@@ -356,11 +359,14 @@ class CostModel:
 
     def node_signature(self, nc: NodeChoices) -> tuple:
         """Everything ``node`` reads of a node besides the strategy: nodes with equal signatures
-        (the same op in identical layers) cost the same under each of their shared strategies."""
+        (the same op in identical layers) cost the same under each of their shared strategies.
+        Whether it is recomputed, and which block inputs it keeps, set apart identical layers
+        of which only the first are recomputed (``Planner._lighter``)."""
         node = nc.node
         saved = self.saved(node) if self.saved is not None and nc.kind == "op" else NOTHING
         counted = self._counted.get(node, frozenset()) & saved.inputs
         return (id(nc.strategies), nc.kind, nc.trains, node.target, _signature(tensor_val(node)),
+                node in self.block_of, self._block_inputs.get(node, frozenset()),
                 tuple(_signature(tensor_val(i)) for i in nc.inputs),
                 tuple(repr(a.meta.get("val")) for a in node.all_input_nodes if tensor_val(a) is None),
                 self.saved.grad.get(node, False) if self.saved is not None else None, saved, counted,

@@ -556,7 +556,7 @@ def test_the_loss_summed_with_the_gradients_runs_no_collective_of_its_own():
     def loss_comm(model: nn.Module) -> tuple[float, str | None]:
         args = (torch.randint(0, 16, (8, 4)), torch.randint(0, 16, (8, 4)))
         space = build_space(capture(model, args), MeshSpec((2,), hardware="cpu"))
-        ce = next(nc for nc in space.nodes if nc.node.target is torch.ops.aten.cross_entropy_loss.default)
+        ce = next(nc for nc in space.nodes if nc.node.target is torch.ops.autopar.cross_entropy.default)
         split = next(s for s in ce.strategies if s.ins[0] == (S0,) and s.out == (R,))
         return sum(CostModel(space.mesh, space).node(ce, split).comm_bytes), space.loss_with_gradients
 

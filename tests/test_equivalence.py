@@ -241,7 +241,7 @@ def test_targets_flattened_then_split_meet_an_uneven_batch_in_whole_rows():
     whole = {n.name: replace(n, ins=tuple((Replicate(),) for _ in n.ins), out=(Replicate(),))
              for n in ddp.nodes if n.name in ("targets", flattened)}
     plan = replace(ddp, nodes=[whole.get(n.name, n) for n in ddp.nodes])
-    loss = next(n for n in plan.nodes if n.op == "aten.cross_entropy_loss.default")
+    loss = next(n for n in plan.nodes if n.op == "autopar.cross_entropy.default")
     assert loss.ins[1] == (Shard(0),) and whole[flattened].out == (Replicate(),)   # sliced flat for the loss
     check_training("gpt-tiny", 6, 16, (2,), local_runner, {"plan": plan}, batches)
 

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.core.errors import AutoparError
+from autopar.core.lean_loss import LEAN
 from autopar.core.ops import entry_for, rule_for
 from autopar.core.ops.base import REGISTRY, rule
 from autopar.core.ops.cross_entropy import CROSS_ENTROPY
@@ -96,7 +97,7 @@ def test_an_error_while_generating_code_names_the_node_and_its_source_line(monke
     def broken(em, site):
         raise AutoparError("the loss cannot be emitted")
 
-    monkeypatch.setattr(REGISTRY[CROSS_ENTROPY], "emit", broken)
+    monkeypatch.setattr(REGISTRY[LEAN], "emit", broken)   # (capture made the loss lean)
     with pytest.raises(AutoparError) as info:
         generate(capture(model, inputs), plan)
     message = str(info.value)

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 
 from autopar import MeshSpec
 from autopar.core.capture import capture
+from autopar.core.lean_loss import LEAN
 from autopar.core.strategies import StrategySpace, build_space
 from autopar.models import GPT, GPTConfig
 from autopar.models.zoo import get_model
@@ -88,7 +89,7 @@ def test_linear_column_parallel_runs_on_the_largest_weight_shard():
 
 def test_batch_split_cross_entropy_times_what_the_runtime_helper_runs():
     space = zoo_space("gpt-tiny")
-    nc = op_node(space, aten.cross_entropy_loss.default)
+    nc = op_node(space, LEAN)
     split = next(s for s in nc.strategies if any(isinstance(p, Shard) for p in s.ins[0]))
     whole = next(s for s in nc.strategies if not any(isinstance(p, Shard) for p in s.ins[0]))
     logits, target, weight, reduction, ignore_index = call(space, nc, split).args
@@ -102,7 +103,7 @@ def test_cross_entropy_keeps_the_models_ignore_index():
             return nn.functional.cross_entropy(logits, target, ignore_index=5)
 
     space = build_space(capture(Loss(), (torch.randn(8, 10), torch.zeros(8, dtype=torch.long))), MeshSpec((2,)))
-    nc = op_node(space, aten.cross_entropy_loss.default)
+    nc = op_node(space, LEAN)
     split = next(s for s in nc.strategies if s.ins[0] == (Shard(0),))
     logits, _, _, reduction, ignore_index = call(space, nc, split, (2,)).args
     assert (logits.shape, reduction, ignore_index) == ((4, 10), 2, 5)

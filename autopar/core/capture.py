@@ -27,6 +27,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module  # private; torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from autopar.core import lean_loss
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS, private_write
 from autopar.core.expert_parallel import experts_as_one_op
@@ -256,6 +257,13 @@ def _out_of_place_private_writes(program: ExportedProgram) -> None:
         gm.recompile()
 
 
+def _lean_losses(program: ExportedProgram) -> None:
+    """Each cross-entropy the lean loss computes made one (``autopar.core.lean_loss``: the
+    logits' fp32 copy, log-probabilities and their gradients never held whole)."""
+    if lean_loss.lean_losses(program.graph_module.graph):
+        program.graph_module.recompile()
+
+
 #: What to do about each higher-order op that has no generated form (others: write the model without it).
 _HIGHER_ORDER_ADVICE = {
     "cond": "torch.cond: compute both branches and pick one with torch.where",
@@ -459,6 +467,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _inline_grad_regions(program)
     _out_of_place_private_writes(program)
     _refuse_higher_order_ops(program, type(model).__name__)
+    _lean_losses(program)
     _refuse_value_dependent_sizes(program, type(model).__name__)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)

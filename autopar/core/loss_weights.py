@@ -32,9 +32,11 @@ from torch.export.graph_signature import OutputKind
 
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import LossWeightError
+from autopar.core.lean_loss import CROSS_ENTROPY, LEAN
 
 aten = torch.ops.aten
-_CROSS_ENTROPY = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
+# (the lean loss, ``autopar::cross_entropy``, takes aten's arguments in their places)
+_CROSS_ENTROPY = {CROSS_ENTROPY, LEAN, aten.nll_loss.default, aten.nll_loss_nd.default}
 _MEAN_OVER_ALL = {aten.mean.default}
 _SUM_OVER_ALL = {aten.sum.default}
 # Ops a loss passes through unchanged in what it averages (a dtype cast, an alias).

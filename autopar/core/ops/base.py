@@ -13,6 +13,8 @@ optional:
 * ``@timed(op)``: the call profiling times for it, which the cost model then looks up;
 * ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
 * ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead;
+* ``@working(op)``: bytes of the temporaries it holds while it runs, beyond its output, what it
+  keeps and its inputs' gradients (a chunked kernel's chunks);
 * ``@imbalance(op)``: how many times the mean work (compute, collectives, kept tensors) its
   busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
@@ -120,6 +122,7 @@ EmitFn = Callable[[Emitter, Site], bool]
 TimedFn = Callable[[LocalCall, fx.Node, Placed, Sequence[int], Mapping[fx.Node, bool]], LocalCall]
 CollectivesFn = Callable[[fx.Node, Placed, Sequence[int], bool, "str | None"], list[Collective]]
 SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
+WorkingFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 RuleKeyFn = Callable[[fx.Node], Hashable]
 ImbalanceFn = Callable[[Placed, float], float]
 
@@ -135,6 +138,7 @@ class OpEntry:
     timed: TimedFn | None = None
     collectives: CollectivesFn | None = None
     saved: SavedFn | None = None
+    working: WorkingFn | None = None
     imbalance: ImbalanceFn | None = None
 
 
@@ -168,6 +172,7 @@ emitter = _registrar("emit")
 timed = _registrar("timed")
 collectives = _registrar("collectives")
 saved = _registrar("saved")
+working = _registrar("working")
 imbalance = _registrar("imbalance")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -181,4 +182,5 @@ def lean_chunks(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> flo
     logits, dtype = tensor_val(node.args[0]), node.kwargs["dtype"]
     rows, vocab = largest_shard_shape(logits.shape, placed.ins[0], mesh_shape)
     chunk = chunk_rows(logits.shape[1], dtype)
-    return 2.0 * (rows if isinstance(rows, int) and rows < chunk else chunk) * vocab * dtype.itemsize
+    held = sympy.Min(rows, chunk) if isinstance(rows, sympy.Basic) else min(rows, chunk)   # symbolic sizes too
+    return 2.0 * held * vocab * dtype.itemsize

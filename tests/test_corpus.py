@@ -38,6 +38,10 @@ CORPUS = [
 #: its attention is split by samples only and 8 x 2048 needs 75.9 GiB per device: 4 x 2048.
 PLAN_BATCH = {"Falcon": 4}
 PLAN_SEQ = 2048
+# Seconds of charged planning work for the published size (``deterministic``): Mixtral's router
+# splits by token since capture runs its in-place renormalisation out of place, and the search
+# that finds its better plan (0.83 s a step predicted, against 1.99 s) needs about 12 s of solve.
+PLAN_LIMIT = {"Mixtral": 25.0}
 GLOO = {"gpt2-tiny", "opt-tiny", "bloom-tiny", "qwen2-tiny", "vit-tiny"}
 #: Ops that run replicated for want of a rule, per architecture (none elsewhere): none today.
 REPLICATED: dict[str, set[str]] = {}
@@ -69,6 +73,6 @@ def test_plans_at_published_size_on_8x8_h100(arch, published):
     # 2-core host); a deterministic search ends by its charged time, about half of it here, and
     # plans alike on any CI host: this test asks for a fitting plan at published size, not for the
     # best one (benchmarks/realistic_plans.py judges those)
-    plan = autopar.plan(model, spec, args, kwargs, time_limit=20.0, deterministic=True)
+    plan = autopar.plan(model, spec, args, kwargs, time_limit=PLAN_LIMIT.get(arch, 20.0), deterministic=True)
     assert plan.feasible and plan.predicted.peak_memory_bytes <= get_hardware(spec.hardware).memory_bytes
     assert _replicated(plan) == REPLICATED.get(arch, set())

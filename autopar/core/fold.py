@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core import from_shapes
-from autopar.core.capture import CapturedGraph, is_random, is_size, value_bytes
+from autopar.core.capture import CapturedGraph, is_random, is_size, tensor_val, value_bytes
 from autopar.core.ops.attention import CAUSAL, SDPA, planned_mask_kind
 
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ def unbuilt_masks(graph: fx.Graph, folded: set[str], splits_rows: Callable[[fx.N
     answers: dict[str, str | None] = {}
     for name in attention_masks(graph, folded):
         mask = next(n for n in graph.nodes if n.name == name)
-        if tensor_numel(mask) <= from_shapes.LIMIT or any(splits_rows(u, mask) for u in mask.users if u.name not in folded):
+        if tensor_val(mask).numel() <= from_shapes.LIMIT or any(splits_rows(u, mask) for u in mask.users if u.name not in folded):
             continue
         kind = planned_mask_kind(mask)
         if kind in ("causal", "none"):
@@ -93,11 +93,6 @@ def unbuilt_masks(graph: fx.Graph, folded: set[str], splits_rows: Callable[[fx.N
         if node.name in folded and users and all(u.name in unbuilt for u in users):
             unbuilt.add(node.name)
     return answers, unbuilt
-
-
-def tensor_numel(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
 def _descendants(graph: fx.Graph, names: Iterable[str]) -> set[str]:

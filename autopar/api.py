@@ -57,8 +57,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
     Without ``plan``, plans first with ``options``/``option_values`` (``autopar.PlanOptions``).
     ``bucket_bytes``: size of the buckets gradients are all-reduced in during the backward.
     The module returns outputs as the plan says (``gather_outputs``, a planning option): whole on
-    every rank by default, their collectives launched in the forward and waited for where first
-    read (``autopar.core.launched``), so a loop that reads only the loss does not wait for the logits.
+    every rank by default, the loss's sum launched in the forward and waited for where first read,
+    split outputs (the logits) gathered when first read, on every rank alike
+    (``autopar.core.launched``): a loop that reads only the loss pays nothing for the logits.
 
     The returned module reuses ``model``'s submodules: its parameters become DTensors holding only
     this rank's shard, under the original names (plain tensors, as under DDP, when the plan

@@ -16,11 +16,12 @@ from autopar.core import collectives
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError, InputMismatchError, LossWeightError
-from autopar.core.launched import handed_over, settle
+from autopar.core.launched import handed_over, prepare_reads, settle
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
 from autopar.core.ops import Kernels
 from autopar.core.plan import Plan
+from autopar.core.together import one_process
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
 from codegen.modes import as_named
@@ -70,6 +71,8 @@ class ShardedModule(nn.Module):
         self.code = self._forwards.first.code.source
         self._in_spec = captured.in_spec
         self._device = torch.device(mesh.device_type)
+        if plan.gather_outputs and not one_process():
+            prepare_reads(mesh)   # split outputs are gathered when read, on groups of their own
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
     def _adopt(self, model: nn.Module) -> None:

@@ -39,6 +39,7 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.ops import entry_for  # (its attention entry teaches FlopCounterMode CPU fused attention)
 from autopar.core.placements import (
     Placements,
+    evenly_split,
     gathered_in_group,
     grad_placement,
     grad_target,
@@ -135,6 +136,19 @@ class Cost:
 
 #: The fields of ``Cost`` that add up (the planner sums millions of costs on large meshes).
 _SUMMED = tuple(f.name for f in fields(Cost) if f.name not in ("comm_bytes", "measured"))
+
+
+def _rows_dropped(grid: Cost, blocking: Sequence[Term], dropped: np.ndarray, held: np.ndarray
+                  ) -> tuple[Cost, tuple[Term, ...]]:
+    """An output's gather ``grid`` and its ``blocking`` terms with the rows ``dropped`` ([rows, 1]:
+    gathered only where read) costing nothing, and ``held`` ([rows, 1]) bytes held at the end of
+    the forward added to every row."""
+    keep = (~dropped).astype(float)
+    fields_ = {name: getattr(grid, name) * keep for name in _SUMMED}
+    fields_["transient_bytes"] = fields_["transient_bytes"] + held
+    terms = tuple(Term(np.arange(len(keep)), t.cols, np.asarray(t.core)[np.asarray(t.rows)] * keep) for t in blocking)
+    moved = tuple(b * keep for b in grid.comm_bytes)
+    return Cost(**fields_, comm_bytes=moved, measured=grid.measured), terms  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
 
 
 @dataclass
@@ -667,7 +681,7 @@ class CostModel:
         beside its loss): gathered whole on every rank (``gather_outputs``), or this rank's part.
         ``train_step`` keeps only the loss from there on: the rest is working memory of the
         forward's end, not held through the backward."""
-        if not self.gather_outputs:
+        if not self.gather_outputs or evenly_split(out, val.shape, self.mesh.shape):   # gathered only where read
             return Cost(transient_bytes=_bytes(val) * shard_fraction(out, self.mesh.shape))
         replicated = (Replicate(),) * self.mesh.ndim
         return self.redistribute(val.shape, val.dtype, out, replicated) + Cost(transient_bytes=_bytes(val))
@@ -714,11 +728,13 @@ class CostModel:
     def _returned_grid(self, val: torch.Tensor, outs: list[Placements], columns: int) -> tuple[Cost, tuple[Term, ...]]:
         """``_returned`` of each of ``outs`` (rows) as a grid of ``columns`` equal columns, with its
         blocking terms."""
-        if not self.gather_outputs:
+        if not self.gather_outputs or all(evenly_split(out, val.shape, self.mesh.shape) for out in outs):
             held = [self._returned(val, out).transient_bytes for out in outs]
             return Cost(transient_bytes=np.repeat(np.array(held)[:, None], columns, 1)), ()  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
         grid, blocking = self.redistribute_grid(val.shape, val.dtype, outs, [(Replicate(),) * self.mesh.ndim] * columns)
-        return replace(grid, transient_bytes=grid.transient_bytes + _bytes(val)), tuple(blocking)
+        lazy = np.array([evenly_split(out, val.shape, self.mesh.shape) for out in outs])[:, None]
+        local = np.array([self._returned(val, out).transient_bytes for out in outs])[:, None]
+        return _rows_dropped(grid, blocking, lazy, np.where(lazy, local, _bytes(val)))
 
     def _gradient_grid(self, src: NodeChoices, val: torch.Tensor, src_reps: list, dst_reps: list
                        ) -> tuple[Cost, list[Term]]:

@@ -5,9 +5,12 @@ Outputs' collectives are launched in the forward and waited for where they are r
 nobody reads, must all give one device's values and leave no collective behind."""
 from __future__ import annotations
 
+import datetime
+
 import torch
 
 import autopar
+import autopar.core.launched as launched
 from autopar.core.launched import Pending, _Cell, _Launched
 from autopar.models.zoo import get_model
 from autopar.planning.baselines import candidates
@@ -100,3 +103,42 @@ def test_plain_loop_equals_one_device_on_2x2():
                     assert abs(loss - want_loss) <= 1e-5 + 1e-4 * abs(want_loss), (label, step, loss, want_loss)
                 if logits is not None:
                     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+
+
+def _reads_that_differ(mesh, text: str, batches) -> dict[str, object]:
+    """Each rank reading another step's split logits, then logits read on rank 0 only: each rank
+    says what it was told; the step's own collectives go on unharmed."""
+    launched.READ_TIMEOUT = datetime.timedelta(seconds=3)
+    rank = torch.distributed.get_rank()
+    pmodel = autopar.compile(get_model(NAME).build(), mesh, *batches[0], plan=autopar.Plan.from_json(text))
+    told: dict[str, object] = {}
+    outs = [pmodel(*args, **kwargs) for args, kwargs in batches[:2]]
+    try:
+        outs[rank].logits.sum().item()   # rank 0 the first forward's, rank 1 the second's
+    except autopar.AutoparError as e:
+        told["another"] = str(e)
+    out = pmodel(*batches[2][0], **batches[2][1])
+    if rank == 0:
+        try:
+            out.logits.sum().item()
+        except autopar.AutoparError as e:
+            told["alone"] = str(e)
+    out.loss.backward()   # the step's own collectives still pair up
+    told["loss"] = out.loss.item()
+    return told
+
+
+@slow
+def test_split_outputs_read_unlike_are_told():
+    """Logits are gathered when read (nothing is gathered for a loop that never reads them): a
+    rank reading them alone is told its peers did not, within ``READ_TIMEOUT``; ranks reading
+    different steps' logits are told so, never handed each other's."""
+    spec = autopar.MeshSpec((2,), ("dp",), hardware="cpu")
+    batches = make_batches(NAME, 4, 16)
+    torch.manual_seed(0)
+    text = candidates(get_model(NAME).build(), spec, *batches[0], options=autopar.PlanOptions(profile=None))["ddp"].to_json()
+    ranks = run_on_gloo_mesh(_reads_that_differ, (2,), text, batches, axis_names=("dp",), start_method="forkserver")
+    assert "did not read it within 3 s" in ranks[0]["alone"] and "alone" not in ranks[1]
+    for told in ranks:
+        assert "read different outputs" in told["another"]
+    assert ranks[0]["loss"] == ranks[1]["loss"]

@@ -1,20 +1,28 @@
-"""Outputs whose collective is launched in the forward and waited for when first read.
+"""Outputs whose collective is launched in the forward, or run when first read.
 
 The loop users write (``loss = model(**batch).loss; loss.backward(); opt.step()``) reads the loss
 now and then (``loss.item()`` on rank 0 every few steps) and the logits rarely. The module still
 promises one device's outputs on every rank, so the sum of the loss's summands and the gather of
-a split output are collectives; they are launched in the forward, on every rank (whatever each
-rank later reads, every rank has joined the collective: no rank can wait for another that
-never reads), and waited for only where the value is first read. A step that reads nothing waits
-for nothing, as DDP's; the backward's seed (``ones_like``) reads only the loss's shape.
+a split output are collectives:
+
+* the loss's sum (two numbers) is launched in the forward on every rank and waited for where
+  first read: a loss read on one rank only (rank 0's log line) never waits for a rank that does
+  not read it;
+* an evenly split output (a language model's logits, batch x sequence x vocabulary) is gathered
+  only when first read, on every rank, in the same order (as DTensor's ``full_tensor()``): a loop
+  that never reads it pays nothing for it, as DDP's. The gather runs on process groups of its
+  own (``prepare_reads``), so a rank waiting for others to read blocks none of the step's
+  collectives; a rank whose peers do not read within ``READ_TIMEOUT`` raises an
+  ``AutoparError`` that says so, and peers reading different outputs are told so, never handed
+  each other's.
 
 ``Pending`` is the tensor handed out: a wrapper subclass with the output's shape and dtype whose
-every op waits for the value first (as ``AsyncCollectiveTensor`` does). Its collectives are
-c10d's asynchronous ops, not functional ones: an output nobody reads drops its work with it,
-where a functional collective never waited for stays registered, holding its buffers, and warns
-at exit ("unwaited collective calls").
+every op waits for the value first (as ``AsyncCollectiveTensor`` does); the backward's seed
+(``ones_like``) reads only its shape. Its collectives are c10d's, not functional ones: an output
+nobody reads drops its work with it, where a functional collective never waited for stays
+registered, holding its buffers, and warns at exit ("unwaited collective calls").
 
-No collective stays in flight past its step: every one launched into an output is waited for
+No collective launched in a forward stays in flight past its step: every one is waited for
 (``settle``) when the backward through the loss ends, when the next step starts, at once where
 grad is disabled (an evaluation: no backward follows), and at exit. A process group destroyed
 under a collective still running aborts the process (gloo: "terminate called without an active
@@ -26,19 +34,20 @@ import atexit
 import functools
 import gc
 import itertools
-import math
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
-from autopar.core.placements import shard_range
+from autopar.core.errors import AutoparError
+from autopar.core.placements import evenly_split, shard_range
 from autopar.core.together import one_process
 
 #: ops that read only a tensor's metadata: the backward's seed and its like
@@ -182,33 +191,94 @@ def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def gatherable(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> bool:
-    """Can ``gathered`` launch ``x``'s gather: split on one axis or every axis of a mesh spanning
-    the job, evenly, never partial?"""
+    """Can ``gathered`` gather ``x``: ``evenly_split`` on a mesh spanning the job where every axis
+    splits it?"""
     split = [a for a, p in enumerate(have) if isinstance(p, Shard)]
-    if not split or not all(isinstance(p, (Shard, Replicate)) for p in have):
-        return False
     if len(split) > 1 and not (len(split) == mesh.ndim and mesh.size() == dist.get_world_size()):
         return False
-    for d, size in enumerate(shape):
-        ways = math.prod(mesh.shape[a] for a in split if have[a].dim == d)
-        if size % ways:
-            return False
-    return True
+    return evenly_split(have, shape, mesh.shape)
+
+
+#: How long a rank that reads a split output waits for its peers to read it too.
+READ_TIMEOUT = timedelta(seconds=300)
+
+#: The process groups outputs are gathered on, per mesh (``prepare_reads``).
+_READ_GROUPS: dict[tuple, dict[tuple[int, ...] | None, dist.ProcessGroup]] = {}
+
+#: Split outputs made so far, counted alike on every rank: the tag that checks a gather's peers
+#: read the same output.
+_MADE = itertools.count()
+
+
+def prepare_reads(mesh: DeviceMesh) -> None:
+    """Make, on every rank at once (``compile``), the process groups split outputs are gathered on
+    when read: one per axis of ``mesh`` and one for the job, apart from the step's, so that a rank
+    waiting for its peers to read holds up none of the step's collectives. gloo and NCCL connect a
+    group's ranks only at its first collective: a loop that reads no split output pays nothing."""
+    key = _mesh_key(mesh)
+    groups = _READ_GROUPS.get(key)
+    if groups is not None and all(g in dist.distributed_c10d._world.pg_map for g in groups.values()):
+        return
+    groups = {}
+    for a in range(mesh.ndim):
+        layout = mesh.mesh.movedim(a, -1).reshape(-1, mesh.shape[a]).tolist()
+        groups[(a,)], _ = dist.new_subgroups_by_enumeration(layout, timeout=READ_TIMEOUT,
+                                                            group_desc=f"autopar_reads_{a}")
+    groups[None] = dist.new_group(timeout=READ_TIMEOUT, group_desc="autopar_reads")
+    _READ_GROUPS[key] = groups
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    return mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), id(dist.group.WORLD)
 
 
 def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int],
              backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The whole tensor of ``shape`` whose part placed ``have`` this rank holds in ``x``: every
-    rank's part gathered by one collective launched now (``gatherable`` must hold), assembled
-    when first read. ``backward`` maps the whole tensor's gradient to this rank's part."""
+    """The whole tensor of ``shape`` whose part placed ``have`` this rank holds in ``x``, gathered
+    when first read (``gatherable`` must hold; launched now where ``prepare_reads`` made no
+    groups for ``mesh``: a pipeline's stages, which read every output at once). ``backward`` maps
+    the whole tensor's gradient to this rank's part."""
     split = [a for a, p in enumerate(have) if isinstance(p, Shard)]
-    group = mesh.get_group(split[0]) if len(split) == 1 else dist.group.WORLD
     local = x.detach().contiguous()
-    ranks = dist.get_world_size(group)
-    flat = torch.empty(ranks * local.numel(), dtype=local.dtype, device=local.device)
-    cell = _launch(dist.all_gather_single(flat, local.view(-1), group=group, async_op=True),
-                   lambda: _assembled(flat.view(ranks, *local.shape), mesh, have, split, shape))
+    groups = _READ_GROUPS.get(_mesh_key(mesh))
+    if groups is None:
+        group = mesh.get_group(split[0]) if len(split) == 1 else dist.group.WORLD
+        flat = torch.empty(dist.get_world_size(group) * local.numel(), dtype=local.dtype, device=local.device)
+        cell = _launch(dist.all_gather_single(flat, local.view(-1), group=group, async_op=True),
+                       lambda: _assembled(flat.view(-1, *local.shape), mesh, have, split, shape))
+    else:
+        group = groups[tuple(split)] if len(split) == 1 else groups[None]
+        tag = next(_MADE)
+        cell = _Cell(None, lambda: _assembled(_read(local, group, tag), mesh, have, split, shape))
     return _Launched.apply(x, cell, tuple(shape), backward)
+
+
+def _read(local: torch.Tensor, group: dist.ProcessGroup, tag: int) -> torch.Tensor:
+    """Every rank of ``group``'s ``local`` part of the output tagged ``tag``, stacked: first the
+    tags (each peer must be reading the same output), then the parts."""
+    ranks = dist.get_world_size(group)
+    tags = torch.empty(ranks, dtype=torch.int64, device=local.device)
+    _waited(dist.all_gather_single(tags, torch.tensor([tag], device=local.device), group=group, async_op=True))
+    if (tags != tag).any():
+        raise AutoparError(f"the ranks read different outputs of the forward (output numbers {tags.tolist()}): "
+                           "a split output is gathered when first read, and every rank must read the same "
+                           "outputs in the same order. Read them alike on every rank, or plan with "
+                           "gather_outputs=False and read each rank's part (DTensor.to_local())")
+    flat = torch.empty(ranks * local.numel(), dtype=local.dtype, device=local.device)
+    _waited(dist.all_gather_single(flat, local.view(-1), group=group, async_op=True))
+    return flat.view(ranks, *local.shape)
+
+
+def _waited(work: Any) -> None:
+    """Wait for a gather of an output being read; its peers' not reading it is said so."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise AutoparError(
+            f"rank {dist.get_rank()} read a split output of the forward (the logits, say) and its peers did not "
+            f"read it within {READ_TIMEOUT.total_seconds():.0f} s: it is gathered when first read, and every rank "
+            "must read it, in the same order (as DTensor's full_tensor()). Read it on every rank, or plan with "
+            f"gather_outputs=False and read this rank's part (DTensor.to_local()). ({e})") from None
 
 
 def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], split: Sequence[int],

@@ -172,3 +172,14 @@ def shard_range(size: int, coords: Sequence[int], axes: Sequence[int], mesh_shap
         begin = min(coords[a] * chunk, length)
         start, length = start + begin, max(0, min(chunk, length - begin))
     return start, start + length
+
+
+def evenly_split(have: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Is a tensor of ``shape`` placed ``have`` split evenly on some axis, never partial: an output
+    gathered only where read (the planner prices it so: nothing in the step)? A symbolic size
+    (``autopar.planning.symbolic``) counts as divisible: the sizes it stands for mostly are."""
+    split = [a for a, p in enumerate(have) if isinstance(p, Shard)]
+    if not split or not all(isinstance(p, (Shard, Replicate)) for p in have):
+        return False
+    return all(not isinstance(size, int) or size % math.prod(mesh_shape[a] for a in split if have[a].dim == d) == 0
+               for d, size in enumerate(shape))

@@ -161,11 +161,10 @@ class PlanOptions:
         MIN_GAIN, "The solver's plan is returned only if predicted at least this fraction faster than the best "
         "fitting hand plan (else that hand plan, saying so).")
     gather_outputs: bool = _option(
-        True, "The compiled module returns every output whole on every rank, as the single-device model does "
-        "(priced: a gather per split output, launched in the forward, waited for where read: "
-        "``autopar.core.launched``); False returns them as DTensors placed as the plan leaves them "
-        "(``.full_tensor()`` gathers one): no gather of batch x sequence x vocabulary logits, and no plan bent "
-        "to make that gather small (a training loop that reads only the loss).",
+        True, "The compiled module returns every output whole on every rank, as the single-device model does: "
+        "an evenly split output (the logits) is gathered when first read, by every rank alike, and not priced "
+        "in the step; an uneven or partial one is gathered in the forward, priced (``autopar.core.launched``). "
+        "False returns them as DTensors placed as the plan leaves them (``.full_tensor()`` gathers one).",
         Flag(name="--sharded-outputs"))
     measure_missing_ops: bool = _option(
         True, "When ``compile`` plans on a live mesh with a profile of this host, first time the model's op "

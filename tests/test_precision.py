@@ -135,7 +135,8 @@ def test_bf16_costs_halve_activations_and_keep_fp32_state():
     state = [sum(n.memory_bytes for n in plan.nodes if n.op == "parameter") for plan in plans]
     fp32, bf16 = (plan.predicted for plan in plans)
     assert state[1] == pytest.approx(state[0])   # parameter, gradient and AdamW states per device
-    assert bf16.memory_breakdown["activations"] < 0.7 * fp32.memory_breakdown["activations"]
+    saved = [sum(n.saved_bytes for n in plan.nodes) for plan in plans]   # at any moment, not the peak's
+    assert saved[1] < 0.7 * saved[0]
     assert bf16.comm_bytes["tp"] < 0.7 * fp32.comm_bytes["tp"]   # activations in bf16, gradients of replicated weights in fp32
     assert bf16.compute_s < 0.5 * fp32.compute_s
 

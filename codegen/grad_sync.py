@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
 from autopar.core.execution import BUCKET_BYTES
+from autopar.core.launched import launch_deferred
 from autopar.core.placements import Placements
 from autopar.core.precision import reduce_dtype
 from codegen.runtime import Launched, gradient_leaf, shard_of, sum_in_place
@@ -154,6 +155,7 @@ class GradSync:
 
     def _queue(self) -> None:
         if not self._queued:   # once per backward: finish every bucket when the backward ends
+            launch_deferred()   # a loss's sum not launched yet goes first, on every rank
             Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
 

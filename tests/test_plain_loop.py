@@ -59,8 +59,9 @@ def _reference(batches) -> list[tuple[float, torch.Tensor]]:
 
 
 def _plain_loop(mesh, plans: dict[str, str], batches) -> dict[str, list]:
-    """Each plan's plain loop: the loss read on rank 0 only, the logits read at the last step on
-    every rank; then an evaluation forward nobody reads. Returns what was read and how many
+    """Each plan's plain loop: the loss read on rank 0 only (once before its backward: its sum is
+    launched there, and as the backward begins on the others), the logits read at the last step
+    on every rank; then an evaluation forward nobody reads. Returns what was read and how many
     collectives were left registered, never waited for."""
     rank = torch.distributed.get_rank()
     results = {}
@@ -71,9 +72,11 @@ def _plain_loop(mesh, plans: dict[str, str], batches) -> dict[str, list]:
         read = []
         for step, (args, kwargs) in enumerate(batches):
             out = pmodel(*args, **kwargs)
+            early = out.loss.item() if rank == 0 and step == 1 else None   # before the backward, one rank
             out.loss.backward()
             opt.step()
             opt.zero_grad()
+            assert early is None or early == out.loss.item()
             read.append((out.loss.item() if rank == 0 else None,
                          out.logits.detach().clone() if step == len(batches) - 1 else None))
         pmodel.eval()

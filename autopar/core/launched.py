@@ -5,9 +5,12 @@ now and then (``loss.item()`` on rank 0 every few steps) and the logits rarely. 
 promises one device's outputs on every rank, so the sum of the loss's summands and the gather of
 a split output are collectives:
 
-* the loss's sum (two numbers) is launched in the forward on every rank and waited for where
-  first read: a loss read on one rank only (rank 0's log line) never waits for a rank that does
-  not read it;
+* the loss's sum (a number or two) is launched where first read or as the backward begins,
+  whichever comes first, and before any other collective that follows it (a gradient bucket, the
+  next step): every rank launches it in one place among its collectives, so a loss read on one
+  rank only (rank 0's log line), before the backward or after, waits only for its peers to
+  reach their backward. Launched at the forward's end instead, the all-reduce cost a small
+  model's step on a shared host several percent more (``benchmarks/RESULTS.md``);
 * an evenly split output (a language model's logits, batch x sequence x vocabulary) is gathered
   only when first read, on every rank, in the same order (as DTensor's ``full_tensor()``): a loop
   that never reads it pays nothing for it, as DDP's. The gather runs on process groups of its
@@ -59,8 +62,21 @@ _METADATA_ONLY = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.de
 _IN_FLIGHT: list[Callable[[], Any]] = []
 
 
+#: Sums over ranks made but not launched yet, in the order they were made (``_Deferred``)
+_DEFERRED: list[_Deferred] = []
+
+
+def launch_deferred() -> None:
+    """Launch every deferred sum, in the order made: before any collective that follows them
+    (a gradient bucket, the next step), so that every rank launches them in one order."""
+    while _DEFERRED:
+        _DEFERRED[0].launch()   # takes itself off the list
+
+
 def settle() -> None:
-    """Wait for every collective launched into an output so far (long done, at a step's end)."""
+    """Launch what is deferred, then wait for every collective launched into an output so far
+    (long done, at a step's end)."""
+    launch_deferred()
     while _IN_FLIGHT:
         _IN_FLIGHT.pop()()
 
@@ -122,6 +138,31 @@ class _Cell:
         return self._value
 
 
+class _Deferred(_Cell):
+    """The sum over ``group`` of ``buffer`` (this rank's summand), launched at the first of: a
+    read of its value, the backward through it (before any bucket of gradients), the next step,
+    grad being disabled, exit. A rank reading it before its backward waits for its peers to reach
+    theirs; every rank launches it, in the same place among its collectives (``launch_deferred``)."""
+
+    def __init__(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
+        super().__init__(None, lambda: buffer)
+        self._buffer, self._group = buffer, group
+        _DEFERRED.append(self)
+
+    def launch(self) -> None:
+        """Launch the sum (and every deferred sum made before it, first) unless launched."""
+        if self in _DEFERRED:
+            while _DEFERRED[0] is not self:
+                _DEFERRED[0].launch()
+            _DEFERRED.pop(0)
+            self._work = dist.all_reduce(self._buffer, group=self._group, async_op=True)
+            _IN_FLIGHT.append(self.wait)
+
+    def value(self) -> torch.Tensor:
+        self.launch()
+        return super().value()
+
+
 class Pending(torch.Tensor):
     """An output on its way: shape, dtype and device now, the value when an op first reads it."""
 
@@ -177,16 +218,16 @@ class _Launched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        launch_deferred()   # a deferred loss sum: the first collective of the backward
         torch.autograd.Variable._execution_engine.queue_callback(settle)   # when this backward ends
         return ctx.backward_fn(grad), None, None, None
 
 
 def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum over ``group``'s ranks of every rank's ``x``, launched now, waited for when read.
-    Backward: each summand's gradient is the sum's (Megatron's reduce from the model-parallel
-    region)."""
-    buffer = x.detach().clone()
-    cell = _launch(dist.all_reduce(buffer, group=group, async_op=True), lambda: buffer)
+    """The sum over ``group``'s ranks of every rank's ``x``, deferred (``_Deferred``: launched
+    where first read, or as the backward begins), waited for when read. Backward: each summand's
+    gradient is the sum's (Megatron's reduce from the model-parallel region)."""
+    cell = _Deferred(x.detach().clone(), group)
     return _Launched.apply(x, cell, tuple(x.shape), lambda grad: grad)
 
 

@@ -284,7 +284,9 @@ class CostModel:
     def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, queued: bool = False,
                    batched: bool = False) -> tuple[float, float, bool]:
         """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
-        one group of that axis: (seconds, bytes each rank sends, over a profiled link). A
+        one group of that axis: (seconds, bytes each rank sends, over a profiled link). An
+        all-to-all's ``N`` is one rank's buffer (``cost_models.comm``), as the profile fits it:
+        1/n of ``nbytes``. A
         ``batched`` one pays the share of the latency its bytes take of a bucket; a ``queued``
         one (gradient sync) too, at the in-step factor. A bucket holds at most the model's
         parameters (``bucket_bytes``): a small model's ZeRO gathers are one collective, each
@@ -297,14 +299,15 @@ class CostModel:
             local = isinstance(s, Replicate) and isinstance(d, Partial) and n > 1 and not (queued or batched)
             return (self._local_copies(None, s, d, nbytes, n) if local else 0.0), 0.0, False
         link = self._link(kind, a)
-        time = collective_time(kind, nbytes, n, link)
+        each = nbytes / n if kind == "all_to_all" else nbytes   # N, as collective_time reads it
+        time = collective_time(kind, each, n, link)
         if queued or batched:   # its share of the bucket's latency (sizes may be symbolic)
-            latency = time - collective_time(kind, nbytes, n, Link(link.bandwidth, 0.0))
+            latency = time - collective_time(kind, each, n, Link(link.bandwidth, 0.0))
             share = latency * (self.sync_scale if queued else 1.0) * minimum(1.0, nbytes / self.bucket_bytes)
             time = time - latency + share
         else:
             time = time + self._local_copies(kind, s, d, nbytes, n)
-        return (time, nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
+        return (time, each * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
 
     def _local_copies(self, kind: str | None, s: Placement, d: Placement, nbytes: float, n: int) -> float:
         """Seconds of the memory work a blocking move does on its rank beside the collective the

@@ -108,6 +108,23 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
     assert cost.comm_s / two.comm_s == pytest.approx((2 * (n - 1) / n) / 1.0, rel=0.01)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_all_to_all_is_priced_on_one_ranks_buffer_as_the_profile_fits_it(n):
+    """Shard(0) -> Shard(1) of the (n, cols) tensor ``autopar profile`` times costs what its fitted
+    link says of one rank's buffer (an all-to-all's N: 1/n of the tensor), on a profile as on the
+    roofline. (All-to-alls were priced on the whole tensor: n times over.)"""
+    space = _space(mesh=(n,), hardware="cpu")
+    shape, each = (n, 2**18), 2**20   # fp32: 1 MiB a rank
+    dtensor = Link(bandwidth=1e8, latency=1e-3)
+    profile = Profile({"device": "cpu"}, collectives={collective_key("all_to_all", n): dtensor})
+    measured = CostModel(space.mesh, space, profile=profile).redistribute(shape, torch.float32, (S0,), (S1,))
+    assert measured.comm_s == pytest.approx(collective_time("all_to_all", each, n, dtensor))
+    assert measured.comm_bytes == pytest.approx((each * (n - 1) / n,))
+    roofline = CostModel(space.mesh, space)
+    assert roofline.redistribute(shape, torch.float32, (S0,), (S1,)).comm_s == pytest.approx(
+        collective_time("all_to_all", each, n, roofline.links[0]))
+
+
 def test_bucketed_collectives_pay_their_share_of_one_latency():
     """Gradient sync (queued) and ZeRO-3 gathers (batched) share one collective per bucket, as the
     runtime runs them: a small tensor pays the bucket's latency in proportion to its bytes, a

@@ -359,10 +359,11 @@ class CostModel:
         compute = self._compute(nc, s, val)
         compute = (compute + self._inside(nc, s, compute.compute_s)).busier(load)
         recomputed = nc.node in self.block_of
-        if recomputed:   # its forward runs again in the backward
+        if recomputed:   # its forward runs again in the backward, with the collectives it runs inside itself
             again = compute.compute_s / self.microbatches - compute.backward_s
+            rerun = self._inside(nc, s, again * self.microbatches, grad=False).busier(load)
             compute = replace(compute, compute_s=compute.compute_s + again * self.microbatches,
-                              backward_s=compute.backward_s + again)
+                              backward_s=compute.backward_s + again) + replace(rerun, transient_bytes=0.0)
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         if self._grad(nc.node):
             compute = compute + Cost(output_grad_bytes=out_bytes)
@@ -470,7 +471,7 @@ class CostModel:
             bwd = 0.0
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
-    def _inside(self, nc: NodeChoices, s: Strategy, compute_s: float) -> Cost:
+    def _inside(self, nc: NodeChoices, s: Strategy, compute_s: float, grad: bool | None = None) -> Cost:
         """The collectives an op runs inside itself (``autopar.core.ops``: a loss over a split batch
         made whole sums its local losses, a training batch norm split by batch its statistics, ring
         attention its key/value blocks). Those in flight while the op computes (``hidden_by``, a
@@ -478,11 +479,12 @@ class CostModel:
         asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
         exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
         block a step, such a collective holds the block sent and the one received, not the
-        whole tensor."""
+        whole tensor. ``grad=False``: the forward's alone (what a recomputed forward runs again)."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
-        inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
+        grad = self._grad(nc.node) if grad is None else grad
+        inside = entry.collectives(nc.node, s, self.mesh.shape, grad, self.space.loss_with_gradients)
         blocking, hideable, share = Cost(), Cost(), 0.0
         for c in inside:
             moved = self.redistribute(c.shape, c.dtype, c.src, c.dst, kind=c.kind)

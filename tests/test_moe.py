@@ -202,7 +202,8 @@ def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
 def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_makes(n):
     """Split by expert, the counts and the rows (there and back, again in the backward) are the
     kernel's ``all_to_all_single``: priced on the profile's link of that kind, each rank's buffer
-    1/n of the rows; a profile measured before that kind prices them on DTensor's all-to-all's."""
+    1/n of the rows; a profile measured before that kind prices them on DTensor's all-to-all's.
+    Where its layer is recomputed, the forward's run again."""
     from autopar.core.capture import tensor_val
     from autopar.core.ops.moe import DOWN, HIDDEN, IDS, all_to_alls, expert_axis
     from autopar.core.strategies import build_space
@@ -230,6 +231,11 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
 
     assert inside({"all_to_all": dtensor, "all_to_all_single": single}) == pytest.approx(priced(single))
     assert inside({"all_to_all": dtensor}) == pytest.approx(priced(dtensor))
+    # recomputed (its layer checkpointed), its forward runs the counts and the rows' two again
+    profile = Profile({"device": "cpu"}, collectives={collective_key("all_to_all_single", n): single})
+    plain, full = (CostModel(space.mesh, space, profile=profile, recompute=r).node(nc, split) for r in ("none", "full"))
+    again = collective_time("all_to_all", n * 4 * 8 / n, n, single) + 2 * collective_time("all_to_all", rows / n, n, single)
+    assert full.comm_s - plain.comm_s == pytest.approx(again)
 
 
 def _torch_ep_worker(mesh, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -5,19 +5,26 @@ All times are in seconds, sizes in bytes, bandwidths in bytes/s per device.
 Meaning of ``nbytes`` per collective (``N`` below), and the model used
 (ring algorithms, ``a`` = ``link.latency``, ``B`` = ``link.bandwidth``):
 
-==============  ==========================================================  ======================================
-kind            N is                                                        time
-==============  ==========================================================  ======================================
-all_reduce      the tensor each rank holds (input size == output size)      2(n-1)*a + 2(n-1)/n * N/B
-all_gather      the FULL gathered output; each rank contributes N/n         (n-1)*a + (n-1)/n * N/B
-reduce_scatter  the FULL input each rank holds; each rank keeps N/n         (n-1)*a + (n-1)/n * N/B
-all_to_all      each rank's whole send buffer (== its receive buffer);      (n-1)*a + (n-1)/n * N/B
-                it sends N/n to each of the n-1 peers and keeps N/n
-broadcast       the FULL tensor, sent from the root to every rank;          (n-1)*a + N/B
-                pipelined (chunked) ring as NCCL does: every link
-                carries the whole tensor once, n-1 hops of start-up
-send_recv       the message sent from one rank to another                   a + N/B
-==============  ==========================================================  ======================================
+=================  ==========================================================  ======================================
+kind               N is                                                        time
+=================  ==========================================================  ======================================
+all_reduce         the tensor each rank holds (input size == output size)      2(n-1)*a + 2(n-1)/n * N/B
+all_gather         the FULL gathered output; each rank contributes N/n         (n-1)*a + (n-1)/n * N/B
+reduce_scatter     the FULL input each rank holds; each rank keeps N/n         (n-1)*a + (n-1)/n * N/B
+all_to_all         each rank's whole send buffer (== its receive buffer);      (n-1)*a + (n-1)/n * N/B
+                   it sends N/n to each of the n-1 peers and keeps N/n
+all_to_all_single  as all_to_all                                               as all_to_all
+broadcast          the FULL tensor, sent from the root to every rank;          (n-1)*a + N/B
+                   pipelined (chunked) ring as NCCL does: every link
+                   carries the whole tensor once, n-1 hops of start-up
+send_recv          the message sent from one rank to another                   a + N/B
+=================  ==========================================================  ======================================
+
+``all_to_all`` is DTensor's ``Shard(i) -> Shard(j)`` redistribution, ``all_to_all_single`` the
+``torch.distributed`` call an op's kernel runs itself (expert dispatch, Ulysses attention): the
+same exchange, a kind of its own because a backend may run them differently (gloo has no
+all-to-all for DTensor, which all-gathers and chunks instead: 1.7-2.7x the real one's time), and
+a profile fits a link to each.
 
 ``n == 1`` costs 0 for every kind (no communication happens), as does ``N == 0``.
 ``N`` may be a sympy expression (symbolic costs, ``autopar.planning.symbolic``); the time then is one too.
@@ -34,16 +41,20 @@ from .compute import is_amount
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.core.hardware import Hardware
 
-__all__ = ["Link", "COLLECTIVE_KINDS", "collective_time", "crosses_nodes", "link_for_axis"]
+__all__ = ["ALL_TO_ALLS", "Link", "COLLECTIVE_KINDS", "collective_time", "crosses_nodes", "link_for_axis"]
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
     "all_reduce",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
+    "all_to_all_single",
     "send_recv",
     "broadcast",
 )
+
+#: The kinds whose ``nbytes`` is one rank's buffer, not the whole tensor.
+ALL_TO_ALLS: tuple[str, ...] = ("all_to_all", "all_to_all_single")
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     a, bw = link.latency, link.bandwidth
     if kind == "all_reduce":
         return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / bw
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+    if kind in ("all_gather", "reduce_scatter", *ALL_TO_ALLS):
         return (n - 1) * a + (n - 1) / n * nbytes / bw
     if kind == "broadcast":
         return (n - 1) * a + nbytes / bw

@@ -37,6 +37,7 @@ from autopar.core.gradients import computed_from_parameters
 from autopar.core.hardware import Hardware, get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops import entry_for  # (its attention entry teaches FlopCounterMode CPU fused attention)
+from autopar.core.ops.base import CollectiveKind
 from autopar.core.placements import (
     Placements,
     evenly_split,
@@ -50,7 +51,7 @@ from autopar.core.placements import (
 from autopar.core.precision import Precision, reduce_dtype
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
-from cost_models.comm import Link, collective_time, link_for_axis
+from cost_models.comm import ALL_TO_ALLS, Link, collective_time, link_for_axis
 from cost_models.compute import as_amount, compute_time, minimum
 from cost_models.efficiency import efficiency_of, op_seconds
 from cost_models.profile import (
@@ -222,23 +223,26 @@ class CostModel:
 
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
-                     queued: bool = False, batched: bool = False, once: bool = False) -> Cost:
+                     queued: bool = False, batched: bool = False, once: bool = False,
+                     kind: CollectiveKind | None = None) -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
         blocking (``comm_s``, at its in-step factor), or a gradient synchronisation queued during
         the backward (``queued``: ``overlap_s``, no staging buffers of its own) on the axes where
         it is a reduction (``_reduced``). Queued and ``batched`` ones (a ZeRO-3 gather) share one
         collective with others, a bucket: each pays its share of the collective's latency (a
         queued one at its in-step factor). A blocking one runs once per microbatch, or ``once`` a
-        step (a ZeRO-2 gather)."""
+        step (a ZeRO-2 gather). ``kind``: the collective an op's kernel runs for the move instead
+        of DTensor's (``Collective.kind``)."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
-        key = (shape, dtype, src, dst, queued, batched, once)
+        key = (shape, dtype, src, dst, queued, batched, once, kind)
         if key not in self._moves:
             full = _numel(shape) * _itemsize(dtype)
             times = 1 if once else self.microbatches
             blocking, waiting, sent, measured = 0.0, 0.0, [], False
             for a, (s, d) in enumerate(zip(src, dst, strict=True)):
                 reduced = _reduced(queued, s)
-                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), reduced, batched)
+                t, b, m = self._axis_move(a, s, d, full * _others_fraction(src, a, self.mesh.shape), reduced, batched,
+                                          kind)
                 blocking, waiting = (blocking, waiting + t) if reduced else (blocking + t, waiting)
                 sent.append(b if reduced else b * times)
                 measured = measured or m
@@ -282,9 +286,11 @@ class CostModel:
                     transient_bytes=buffers, measured=measured), terms  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
 
     def _axis_move(self, a: int, s: Placement, d: Placement, nbytes: float, queued: bool = False,
-                   batched: bool = False) -> tuple[float, float, bool]:
+                   batched: bool = False, own: CollectiveKind | None = None) -> tuple[float, float, bool]:
         """One mesh axis of a redistribution, ``nbytes`` being the tensor's bytes on the ranks of
-        one group of that axis: (seconds, bytes each rank sends, over a profiled link). A
+        one group of that axis: (seconds, bytes each rank sends, over a profiled link), run as
+        DTensor runs it, or as collective ``own`` (an op's kernel's). An all-to-all's ``N`` is
+        one rank's buffer (``cost_models.comm``), as the profile fits it: 1/n of ``nbytes``. A
         ``batched`` one pays the share of the latency its bytes take of a bucket; a ``queued``
         one (gradient sync) too, at the in-step factor. A bucket holds at most the model's
         parameters (``bucket_bytes``): a small model's ZeRO gathers are one collective, each
@@ -296,15 +302,17 @@ class CostModel:
         if n == 1 or kind is None:
             local = isinstance(s, Replicate) and isinstance(d, Partial) and n > 1 and not (queued or batched)
             return (self._local_copies(None, s, d, nbytes, n) if local else 0.0), 0.0, False
+        kind = own or kind
         link = self._link(kind, a)
-        time = collective_time(kind, nbytes, n, link)
+        each = nbytes / n if kind in ALL_TO_ALLS else nbytes   # N, as collective_time reads it
+        time = collective_time(kind, each, n, link)
         if queued or batched:   # its share of the bucket's latency (sizes may be symbolic)
-            latency = time - collective_time(kind, nbytes, n, Link(link.bandwidth, 0.0))
+            latency = time - collective_time(kind, each, n, Link(link.bandwidth, 0.0))
             share = latency * (self.sync_scale if queued else 1.0) * minimum(1.0, nbytes / self.bucket_bytes)
             time = time - latency + share
         else:
             time = time + self._local_copies(kind, s, d, nbytes, n)
-        return (time, nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
+        return (time, each * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
 
     def _local_copies(self, kind: str | None, s: Placement, d: Placement, nbytes: float, n: int) -> float:
         """Seconds of the memory work a blocking move does on its rank beside the collective the
@@ -320,7 +328,8 @@ class CostModel:
         relayout_s, fresh_s = (self.profile.overheads.get(k, 0.0) / 2**20 for k in PER_MIB_OVERHEADS)
         if kind is None:   # a replica made a partial sum: each rank's share, the value divided by n
             return nbytes * relayout_s + _above_reuse(nbytes) * fresh_s
-        result = nbytes / n if kind == "reduce_scatter" else nbytes
+        # DTensor's all-to-all on gloo gathers the whole tensor before it chunks it
+        result = nbytes / n if kind in ("reduce_scatter", "all_to_all_single") else nbytes
         seconds = _above_reuse(result) * fresh_s
         split = s if kind == "all_gather" else d if kind == "reduce_scatter" else None
         if isinstance(split, Shard) and split.dim != 0:   # the relayout: the whole tensor copied anew
@@ -350,10 +359,11 @@ class CostModel:
         compute = self._compute(nc, s, val)
         compute = (compute + self._inside(nc, s, compute.compute_s)).busier(load)
         recomputed = nc.node in self.block_of
-        if recomputed:   # its forward runs again in the backward
+        if recomputed:   # its forward runs again in the backward, with the collectives it runs inside itself
             again = compute.compute_s / self.microbatches - compute.backward_s
+            rerun = self._inside(nc, s, again * self.microbatches, grad=False).busier(load)
             compute = replace(compute, compute_s=compute.compute_s + again * self.microbatches,
-                              backward_s=compute.backward_s + again)
+                              backward_s=compute.backward_s + again) + replace(rerun, transient_bytes=0.0)
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         if self._grad(nc.node):
             compute = compute + Cost(output_grad_bytes=out_bytes)
@@ -461,7 +471,7 @@ class CostModel:
             bwd = 0.0
         return Cost(compute_s=(fwd + bwd) * self.microbatches, backward_s=bwd)
 
-    def _inside(self, nc: NodeChoices, s: Strategy, compute_s: float) -> Cost:
+    def _inside(self, nc: NodeChoices, s: Strategy, compute_s: float, grad: bool | None = None) -> Cost:
         """The collectives an op runs inside itself (``autopar.core.ops``: a loss over a split batch
         made whole sums its local losses, a training batch norm split by batch its statistics, ring
         attention its key/value blocks). Those in flight while the op computes (``hidden_by``, a
@@ -469,14 +479,15 @@ class CostModel:
         asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
         exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
         block a step, such a collective holds the block sent and the one received, not the
-        whole tensor."""
+        whole tensor. ``grad=False``: the forward's alone (what a recomputed forward runs again)."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
-        inside = entry.collectives(nc.node, s, self.mesh.shape, self._grad(nc.node), self.space.loss_with_gradients)
+        grad = self._grad(nc.node) if grad is None else grad
+        inside = entry.collectives(nc.node, s, self.mesh.shape, grad, self.space.loss_with_gradients)
         blocking, hideable, share = Cost(), Cost(), 0.0
         for c in inside:
-            moved = self.redistribute(c.shape, c.dtype, c.src, c.dst)
+            moved = self.redistribute(c.shape, c.dtype, c.src, c.dst, kind=c.kind)
             if c.hidden_by:
                 block = min(shard_fraction(c.src, self.mesh.shape), shard_fraction(c.dst, self.mesh.shape))
                 held = 2 * _numel(c.shape) * _itemsize(c.dtype) * block   # as _collective_buffers, of one block

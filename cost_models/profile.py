@@ -3,7 +3,8 @@
 A ``Profile`` holds
 * ``ops``: forward and backward seconds of one op at one set of local shapes (``op_key``);
 * ``collectives``: a fitted ``Link`` (latency + bandwidth) per collective kind and group size,
-  measured through the runtime's own ``redistribute`` (so its Python overhead is in the latency);
+  measured through the runtime's own ``redistribute`` (so its Python overhead is in the latency),
+  or the ``torch.distributed`` call a kernel makes (``all_to_all_single``);
 * ``overheads``: seconds the generated code's runtime adds per call site (see ``OVERHEADS``).
 
 It is keyed by a hardware fingerprint: a profile taken on another device, torch version, thread
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import torch
 
 from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
-from cost_models.comm import Link
+from cost_models.comm import COLLECTIVE_KINDS, Link
 
 PROFILE_VERSION = 18   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
@@ -46,6 +48,15 @@ PROFILE_VERSION = 18   # 2: op times include making results contiguous; 3: calib
                       # (``cache_bytes`` in the fingerprint); 17: the collective factors fitted on a heavier
                       # workload too, whose stretches of compute between collectives are real models';
                       # 18: a move's local copies (``relayout_per_mib``, ``fresh_per_mib``)
+
+#: A collective kind profiles of an earlier autopar lack -> the measured kind that prices it there:
+#: the same exchange, run as DTensor runs it (on gloo an all-gather and a chunk: an upper bound),
+#: nearer this host than the roofline. ``autopar profile`` measures the kind where it is missing.
+STAND_INS = {"all_to_all_single": "all_to_all"}
+
+#: The collective kinds a profile measures (``autopar.profiling.profile_comm.time_collectives``):
+#: all but broadcast, which no plan runs.
+MEASURED_KINDS: tuple[str, ...] = tuple(k for k in COLLECTIVE_KINDS if k != "broadcast")
 
 THREADS_PER_RANK = 1   # autopar.profiling.launch gives each local rank one thread
 log = logging.getLogger(__name__)
@@ -144,7 +155,12 @@ class Profile:
         return not cache or working_bytes <= cache
 
     def link(self, kind: str, n: int) -> Link | None:
-        return self.collectives.get(collective_key(kind, n))
+        """The fitted link of ``kind`` on groups of ``n``; where the profile lacks it (measured by
+        an autopar that did not time that kind), its ``STAND_INS`` kind's; else None."""
+        found = self.collectives.get(collective_key(kind, n))
+        if found is None and kind in STAND_INS:
+            return self.collectives.get(collective_key(STAND_INS[kind], n))
+        return found
 
     def merge(self, other: "Profile") -> None:
         """Add ``other``'s measurements (same fingerprint) to this profile; newer numbers win."""
@@ -200,6 +216,14 @@ class Profile:
 
 def collective_key(kind: str, n: int) -> str:
     return f"{kind}@{n}"
+
+
+def missing_kinds(profile: Profile | None, sizes: Iterable[int]) -> tuple[str, ...]:
+    """The ``MEASURED_KINDS`` that ``profile`` lacks on a group of one of ``sizes`` (all without a
+    profile): what measuring this host for a mesh of those axis sizes adds. Only those: the
+    links held stay the ones calibration fitted its factors against."""
+    held = profile.collectives if profile is not None else {}
+    return tuple(k for k in MEASURED_KINDS if any(collective_key(k, n) not in held for n in sizes if n > 1))
 
 
 def calibration_key(factor: str, shape: tuple[int, ...]) -> str:

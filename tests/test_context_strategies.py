@@ -147,6 +147,8 @@ def test_the_cost_model_is_told_what_moves():
     assert len(context_moves(nc.node, by["context-ring"], (2,), False, None)) == 2   # no backward
     ulysses = context_moves(nc.node, by["context-ulysses"], (2,), True, None)
     assert len(ulysses) == 8 and all({m.src, m.dst} == {(Shard(2),), (Shard(1),)} for m in ulysses)
+    # the all_to_all_single its kernel calls, not DTensor's all-to-all (gloo: an all-gather); the ring's DTensor's kinds
+    assert {m.kind for m in ulysses} == {"all_to_all_single"} and {m.kind for m in ring} == {None}
     assert context_moves(nc.node, by["heads"], (2,), True, None) == []
 
 

@@ -108,6 +108,31 @@ def test_all_reduce_of_gradients_grows_with_axis_size(n):
     assert cost.comm_s / two.comm_s == pytest.approx((2 * (n - 1) / n) / 1.0, rel=0.01)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_all_to_all_is_priced_on_one_ranks_buffer_as_the_profile_fits_it(n):
+    """Shard(0) -> Shard(1) of the (n, cols) tensor ``autopar profile`` times costs what its fitted
+    link says of one rank's buffer (an all-to-all's N: 1/n of the tensor), on a profile as on the
+    roofline; a kernel's own ``all_to_all_single`` on that kind's link, or where a profile lacks
+    it, on DTensor's all-to-all's. (All-to-alls were priced on the whole tensor: n times over.)"""
+    space = _space(mesh=(n,), hardware="cpu")
+    shape, each = (n, 2**18), 2**20   # fp32: 1 MiB a rank
+    dtensor, single = Link(bandwidth=1e8, latency=1e-3), Link(bandwidth=1e9, latency=1e-4)
+
+    def move(links: dict[str, Link] | None, kind=None) -> Cost:
+        profile = None if links is None else Profile(
+            {"device": "cpu"}, collectives={collective_key(k, n): v for k, v in links.items()})
+        return CostModel(space.mesh, space, profile=profile).redistribute(shape, torch.float32, (S0,), (S1,), kind=kind)
+
+    both = {"all_to_all": dtensor, "all_to_all_single": single}
+    assert move(both).comm_s == pytest.approx(collective_time("all_to_all", each, n, dtensor))
+    assert move(both).comm_bytes == move(both, "all_to_all_single").comm_bytes == pytest.approx((each * (n - 1) / n,))
+    assert move(both, "all_to_all_single").comm_s == pytest.approx(collective_time("all_to_all", each, n, single))
+    assert move({"all_to_all": dtensor}, "all_to_all_single").comm_s == move(both).comm_s
+    roofline = CostModel(space.mesh, space).links[0]
+    assert move(None).comm_s == pytest.approx(collective_time("all_to_all", each, n, roofline))
+    assert move(None, "all_to_all_single").comm_s == move(None).comm_s   # NCCL's is a real all-to-all too
+
+
 def test_bucketed_collectives_pay_their_share_of_one_latency():
     """Gradient sync (queued) and ZeRO-3 gathers (batched) share one collective per bucket, as the
     runtime runs them: a small tensor pays the bucket's latency in proportion to its bytes, a

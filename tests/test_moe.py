@@ -198,6 +198,46 @@ def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
                              for s in split), fqn
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_makes(n):
+    """Split by expert, the counts and the rows (there and back, again in the backward) are the
+    kernel's ``all_to_all_single``: priced on the profile's link of that kind, each rank's buffer
+    1/n of the rows; a profile measured before that kind prices them on DTensor's all-to-all's.
+    Where its layer is recomputed, the forward's run again."""
+    from autopar.core.capture import tensor_val
+    from autopar.core.ops.moe import DOWN, HIDDEN, IDS, all_to_alls, expert_axis
+    from autopar.core.strategies import build_space
+    from cost_models.comm import Link, collective_time
+    from cost_models.estimate import CostModel
+    from cost_models.profile import Profile, collective_key
+
+    model, args, kwargs = meta_model(NAME, 2, 4)
+    space = build_space(capture(model, args, kwargs), MeshSpec((n,), hardware="cpu"))
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    split = next(s for s in nc.strategies if expert_axis(s) == 0)
+    moves = all_to_alls(nc.node, split, (n,), True, None)
+    assert len(moves) == 5 and {m.kind for m in moves} == {"all_to_all_single"}
+    tokens, hidden = tensor_val(nc.node.args[HIDDEN]).shape
+    rows = tokens * tensor_val(nc.node.args[IDS]).shape[1] * hidden * 4   # fp32, T*k rows of H
+    assert tensor_val(nc.node.args[DOWN]).shape[0] == 4   # 4 experts: [n, 4] int64 counts
+    dtensor, single = Link(bandwidth=1e7, latency=1e-3), Link(bandwidth=1e9, latency=1e-4)
+
+    def inside(links: dict[str, Link]) -> float:
+        profile = Profile({"device": "cpu"}, collectives={collective_key(k, n): v for k, v in links.items()})
+        return CostModel(space.mesh, space, profile=profile)._inside(nc, split, 0.0).comm_s
+
+    def priced(link: Link) -> float:
+        return collective_time("all_to_all", n * 4 * 8 / n, n, link) + 4 * collective_time("all_to_all", rows / n, n, link)
+
+    assert inside({"all_to_all": dtensor, "all_to_all_single": single}) == pytest.approx(priced(single))
+    assert inside({"all_to_all": dtensor}) == pytest.approx(priced(dtensor))
+    # recomputed (its layer checkpointed), its forward runs the counts and the rows' two again
+    profile = Profile({"device": "cpu"}, collectives={collective_key("all_to_all_single", n): single})
+    plain, full = (CostModel(space.mesh, space, profile=profile, recompute=r).node(nc, split) for r in ("none", "full"))
+    again = collective_time("all_to_all", n * 4 * 8 / n, n, single) + 2 * collective_time("all_to_all", rows / n, n, single)
+    assert full.comm_s - plain.comm_s == pytest.approx(again)
+
+
 def _torch_ep_worker(mesh, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """torch EP x DP (``peers.expert_parallel``) trained on this rank's part of each batch: the
     mean of the ranks' losses each step, this rank's parameters (its experts' slices) at the end

@@ -13,6 +13,7 @@ from autopar.models.zoo import get_model
 from autopar.profiling.profiler import profile_model
 from cost_models.comm import Link
 from cost_models.profile import (
+    MEASURED_KINDS,
     OVERHEADS,
     PROFILE_VERSION,
     OpTime,
@@ -21,6 +22,7 @@ from cost_models.profile import (
     default_profile_path,
     find_profile,
     local_fingerprint,
+    missing_kinds,
     resolve_profile,
 )
 from tests.tiers import slow
@@ -122,9 +124,21 @@ def test_a_second_mesh_shape_keeps_the_overheads_its_calibration_was_fitted_on(m
     entry = get_model("gpt-tiny")
     args, kwargs = entry.example(2, 8)
     profile, _ = profile_model(entry.build(), square, args, kwargs, path=path, progress=None, calibrate=False)
-    assert asked == [((2, 2), True, False)]
+    assert asked == [((2, 2), MEASURED_KINDS, False)]   # every kind: the profile has none on 2 ranks
     assert profile.overheads == {k: 1e-4 for k in OVERHEADS} and profile.calibration == fitted
     assert profile.link("all_reduce", 2).bandwidth == 2e9 and profile.link("all_reduce", 4).bandwidth == 1e9
+
+
+def test_a_profile_measured_before_a_collective_kind_existed_gets_that_kind_alone():
+    """Measuring again for a profile that lacks a kind times only what it lacks (the links held
+    are those its calibration was fitted against); meanwhile it prices the kind on its stand-in."""
+    fingerprint = local_fingerprint(MeshSpec((2, 2), hardware="cpu"))
+    link = Link(bandwidth=1e9, latency=1e-4)
+    older = Profile(fingerprint, collectives={f"{k}@2": link for k in MEASURED_KINDS if k != "all_to_all_single"})
+    assert missing_kinds(older, (2, 2)) == ("all_to_all_single",) and missing_kinds(older, (1, 1)) == ()
+    assert missing_kinds(None, (4,)) == MEASURED_KINDS
+    assert older.link("all_to_all_single", 2) == older.link("all_to_all", 2) == link
+    assert older.link("all_to_all_single", 4) is None
 
 
 def test_a_measuring_launch_has_time_for_every_op_call_it_times(monkeypatch, tmp_path):

@@ -40,15 +40,15 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.progress import note, say, working
 from autopar.core.strategies import build_space
 from autopar.core.together import one_process, together
-from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.profile import (
+    MEASURED_KINDS,
     OpTime,
     Profile,
     ProfileError,
     StaleProfileError,
-    collective_key,
     default_profile_path,
     local_fingerprint,
+    missing_kinds,
 )
 from cost_models.profile_ops import OpCall, op_calls, time_op_calls
 
@@ -130,11 +130,13 @@ def measure_host(mesh: DeviceMesh, spec: MeshSpec, profile: Profile | None,
         return profile
     say = progress if _rank() == 0 else None
     path = default_profile_path(fingerprint)
+    kinds = [k for k in need if k in MEASURED_KINDS]
+    what = " and ".join(([f"collectives ({', '.join(kinds)})"] if kinds else []) + [k for k in need if k not in kinds])
     if say is not None:
-        say(f"{'no profile of this host' if profile is None else 'the profile of this host lacks ' + ', '.join(need)} "
+        say(f"{'no profile of this host' if profile is None else 'the profile of this host lacks ' + what} "
             f"for {spec.size} processes yet: measuring on all {spec.size} ranks at once, once "
             f"(cached in {path}; `autopar profile` adds in-step calibration)...")
-    with working(f"measuring this host's {' and '.join(need)}"):
+    with working(f"measuring this host's {what}"):
         measured = together("measuring this host's collectives and overheads",
                             lambda: Profile(fingerprint, **_measure_host_parts(mesh, need, say)))
     if _rank() == 0:
@@ -160,28 +162,27 @@ def first_profile_allowed() -> bool:
 
 
 def _host_needs(profile: Profile | None, spec: MeshSpec, fingerprint: dict[str, Any]) -> list[str]:
-    """What of the host's own measurements ``profile`` lacks for ``spec``: "collectives" (a kind
-    at an axis size of the mesh), "overheads" (the runtime's, with the overlap)."""
+    """What of the host's own measurements ``profile`` lacks for ``spec``: the collective kinds it
+    lacks at an axis size of the mesh (``missing_kinds``), "overheads" (the runtime's, with the
+    overlap)."""
     if profile is not None and profile.fingerprint != fingerprint:
         return []   # resolve_profile refused it already, or it is for other hardware: not ours to fill
-    held = profile.collectives if profile is not None else {}
-    sizes = {n for n in spec.shape if n > 1}
-    need = ["collectives"] if any(collective_key(kind, n) not in held for kind in COLLECTIVE_KINDS
-                                  if kind != "broadcast" for n in sizes) else []
+    need = list(missing_kinds(profile, spec.shape))
     if profile is None or not profile.overheads:
         need.append("overheads")
     return need
 
 
 def _measure_host_parts(mesh: DeviceMesh, need: Sequence[str], say: Progress | None) -> dict[str, Any]:
-    """``Profile`` fields of ``need`` ("collectives", "overheads"), measured with ``autopar
+    """``Profile`` fields of ``need`` (collective kinds, "overheads"), measured with ``autopar
     profile``'s own functions (``profile_comm``) on every rank; one progress line per part."""
     from autopar.profiling.profile_comm import time_collectives, time_overheads, time_overlap
 
     parts: dict[str, Any] = {}
-    if "collectives" in need:
+    kinds = [k for k in need if k in MEASURED_KINDS]
+    if kinds:
         t0 = time.perf_counter()
-        parts["collectives"] = time_collectives(mesh)
+        parts["collectives"] = time_collectives(mesh, kinds=kinds)
         if say is not None:
             sizes = sorted({n for n in mesh.shape if n > 1})
             say(f"collectives: {len(parts['collectives'])} fitted (each kind on axes of {sizes} ranks) in "

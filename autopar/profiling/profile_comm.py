@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -31,7 +32,7 @@ from autopar.core.placements import largest_shard_shape
 from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
-from cost_models.profile import FRESH_BUFFER_BYTES, OVERHEADS, collective_key
+from cost_models.profile import FRESH_BUFFER_BYTES, MEASURED_KINDS, OVERHEADS, collective_key
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "measure_mesh", "print_progress", "profile_mesh", "time_collectives",
            "time_overheads", "time_overlap"]
@@ -128,12 +129,14 @@ def _lstsq2(col_a: Sequence[float], col_b: Sequence[float], target: Sequence[flo
 
 
 def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_SIZES,
-                     repeats: int = DEFAULT_REPEATS, progress: Progress | None = None) -> dict[str, Link]:
-    """Fit a ``Link`` per collective kind and group size of ``device_mesh``; every rank calls this
-    in lockstep and gets the same result.
+                     repeats: int = DEFAULT_REPEATS, progress: Progress | None = None,
+                     kinds: Sequence[str] = MEASURED_KINDS) -> dict[str, Link]:
+    """Fit a ``Link`` per collective kind (of ``kinds``) and group size of ``device_mesh``; every
+    rank calls this in lockstep and gets the same result.
 
     The four redistributions of ``REDISTRIBUTIONS`` go through ``codegen.runtime.redistribute`` on
     an fp32 DTensor sized so that ``nbytes`` means what ``collective_time`` says for the kind;
+    ``all_to_all_single`` is the functional call kernels make (``_all_to_all_single``);
     ``send_recv`` is a ``torch.distributed`` ping-pong between the first two ranks of the axis
     group (half a round trip: no clocks to compare). Every timing follows a barrier; the step
     waits for the slowest rank, so each size keeps the largest per-rank median over ``repeats``.
@@ -143,7 +146,7 @@ def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_
     """
     links: dict[str, Link] = {}
     for axis, n in _axes_by_size(device_mesh):
-        for kind in (*REDISTRIBUTIONS, "send_recv"):
+        for kind in kinds:
             start = time.perf_counter()
             samples = _sweep(device_mesh, axis, kind, sizes, repeats)
             link = links[collective_key(kind, n)] = fit_link(kind, n, samples)
@@ -169,6 +172,8 @@ def _sweep(mesh: DeviceMesh, axis: int, kind: str, sizes: Sequence[int],
     for size in sizes:
         if kind == "send_recv":
             actual, run, calls = _ping_pong(mesh, axis, size)
+        elif kind == "all_to_all_single":
+            actual, run, calls = _all_to_all_single(mesh, axis, size)
         else:
             actual, run, calls = _redistribution(mesh, axis, kind, size)
         nbytes.append(actual)
@@ -191,6 +196,17 @@ def _redistribution(mesh: DeviceMesh, axis: int, kind: str,
     x = DTensor.from_local(local, mesh, before, run_check=False, shape=shape, stride=(cols, 1))
     x.requires_grad_()  # as activations do: the autograd bookkeeping is part of the cost
     return n * cols * _ELEMENT_BYTES // per_buffer, lambda: redistribute(x, after), 1
+
+
+def _all_to_all_single(mesh: DeviceMesh, axis: int, nbytes: int) -> tuple[int, Callable[[], Any], int]:
+    """(exact nbytes: one rank's buffer, an all-to-all of it over the axis group as the expert and
+    Ulysses kernels run it, 1): ``funcol.all_to_all_single`` with split sizes, waited on, of a
+    tensor that requires grad (gloo runs it as its own all-to-all, not DTensor's gather)."""
+    group, n = mesh.get_group(axis), mesh.shape[axis]
+    rows = n * max(1, round(nbytes / (_ELEMENT_BYTES * n)))
+    x = torch.randn(rows, 1, dtype=_ELEMENT, requires_grad=True)
+    splits = [rows // n] * n
+    return rows * _ELEMENT_BYTES, lambda: funcol.wait_tensor(funcol.all_to_all_single(x, splits, splits, group)), 1
 
 
 def _ping_pong(mesh: DeviceMesh, axis: int, nbytes: int) -> tuple[int, Callable[[], Any], int]:
@@ -552,11 +568,13 @@ def _timed_after_barrier(fn: Callable[[], Any]) -> float:
 
 
 def measure_mesh(mesh: DeviceMesh, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-                 progress: Progress | None = None, overheads: bool = True) -> tuple[dict[str, Link], dict[str, float]]:
-    """(collectives, overheads), run by every rank of a live mesh in lockstep; ``progress`` is
-    called on rank 0 only. ``overheads=False`` times the collectives alone (overheads ``{}``)."""
+                 progress: Progress | None = None, overheads: bool = True,
+                 kinds: Sequence[str] = MEASURED_KINDS) -> tuple[dict[str, Link], dict[str, float]]:
+    """(collectives of ``kinds``, overheads), run by every rank of a live mesh in lockstep;
+    ``progress`` is called on rank 0 only. ``overheads=False`` times the collectives alone
+    (overheads ``{}``)."""
     say = progress if dist.get_rank() == 0 else None
-    links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say)
+    links = time_collectives(mesh, sizes=sizes, repeats=repeats, progress=say, kinds=kinds)
     if not overheads:
         return links, {}
     start = time.perf_counter()

@@ -39,7 +39,6 @@ from autopar.profiling.measure import slowest_rank_steps, time_in_turns
 from autopar.profiling.missing_ops import quiet, time_on_every_rank
 from autopar.profiling.profile_comm import measure_mesh, print_progress, time_overlap
 from codegen.module import ShardedModule
-from cost_models.comm import COLLECTIVE_KINDS
 from cost_models.estimate import CostModel
 from cost_models.profile import (
     OpTime,
@@ -47,9 +46,9 @@ from cost_models.profile import (
     ProfileError,
     StaleProfileError,
     calibration_key,
-    collective_key,
     default_profile_path,
     local_fingerprint,
+    missing_kinds,
 )
 from cost_models.profile_ops import OpCall, op_calls
 from cost_models.schedule import Timeline, parameter_saving, step_costs
@@ -115,22 +114,21 @@ def _measure(spec: MeshSpec, path: Path, spaces: Sequence[StrategySpace], progre
         raise ProfileError(f"{path} holds a profile of other hardware; pass another path")
     calls = list({c.key: c for space in spaces for c in op_calls(space, space.mesh.shape)
                   if c.key not in profile.ops}.values())
-    sizes = {n for n in spec.shape if n > 1}
-    # The runtime overheads and the overlap are measured once per profile: calibration fits its
-    # factors against those numbers, and on shared cores a second measurement can differ by half.
+    # The runtime overheads and the overlap are measured once per profile, and the collectives
+    # once per kind and group size: calibration fits its factors against those numbers, and on
+    # shared cores a second measurement can differ by half.
     need_overheads = comm and not profile.overheads
-    need_comm = comm and (need_overheads or any(collective_key(kind, n) not in profile.collectives
-                                                for kind in COLLECTIVE_KINDS if kind != "broadcast" for n in sizes))
+    kinds = missing_kinds(profile, spec.shape) if comm else ()
     say(f"{len(calls)} op calls to time ({len(profile.ops)} cached), "
-        f"{'collectives and overheads' if need_overheads else 'collectives' if need_comm else 'collectives cached'}"
-        f"; captured in {captured_s:.1f} s")
+        f"{'collectives (' + ', '.join(kinds) + ')' if kinds else 'collectives cached'}"
+        f"{' and overheads' if need_overheads else ''}; captured in {captured_s:.1f} s")
     if fingerprint["device"] == "cuda":   # gloo on CPU tensors says nothing of NCCL: keep the presets' links
-        need_comm = False
-    if not calls and not need_comm:
+        kinds, need_overheads = (), False
+    if not calls and not kinds and not need_overheads:
         return profile
     t1 = time.perf_counter()
     portable = [(_op_name(c.target), c.args, c.kwargs) for c in calls]   # op overloads do not pickle
-    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, need_comm, need_overheads,
+    ops, links, overheads, overlap = run_on_gloo_mesh(_worker, spec.shape, portable, kinds, need_overheads,
                                                       fingerprint, progress, axis_names=spec.axis_names,
                                                       start_method="forkserver",
                                                       timeout_s=MEASURE_TIMEOUT_S + OP_CALL_TIMEOUT_S * len(calls))[0]
@@ -372,14 +370,14 @@ def _op(name: str) -> Any:
     return op
 
 
-def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], need_comm: bool, need_overheads: bool,
+def _worker(mesh: DeviceMesh, portable: list[tuple[str, tuple, dict]], kinds: tuple[str, ...], need_overheads: bool,
             fingerprint: dict[str, Any], progress: Progress | None) -> tuple[dict[str, OpTime], dict, dict, dict]:
     say = progress if dist.get_rank() == 0 else None
     calls = [OpCall(_op(name), args, kwargs) for name, args, kwargs in portable]
     slowest = time_on_every_rank(calls, fingerprint, say)
-    if not need_comm:
+    if not kinds and not need_overheads:
         return slowest, {}, {}, {}
-    links, overheads = measure_mesh(mesh, progress=progress, overheads=need_overheads)
+    links, overheads = measure_mesh(mesh, progress=progress, overheads=need_overheads, kinds=kinds)
     overlap = {"overlap": time_overlap(mesh)} if need_overheads and any(n > 1 for n in mesh.shape) else {}
     if say is not None and overlap:
         say(f"overlap: {100 * overlap['overlap']:.0f}% of an asynchronous all-reduce runs under compute")

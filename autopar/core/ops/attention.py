@@ -346,8 +346,8 @@ def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad
     round again (recomputed, not kept) and brings their gradients back in fp32 accumulators, as
     a reduce-scatter. Each step's transfer is launched before the block at hand is computed, so
     it runs under the n-1 blocks computed meanwhile (``hidden_by``). Ulysses: q, k, v and the
-    output each change from a sequence to a heads split (an all-to-all), and their gradients back;
-    where other axes left it heads it cannot split, the ring's."""
+    output each change from a sequence to a heads split (the ``all_to_all_single`` its kernel
+    calls), and their gradients back; where other axes left it heads it cannot split, the ring's."""
     context = context_of(placed)
     if context is None:
         return []
@@ -367,9 +367,9 @@ def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad
     for i, (t, p) in enumerate(zip(tensors, (*placed.ins[:3], placed.out), strict=True)):
         by_seq, by_heads = p, _with(p, axis, Shard(1))
         forward = (by_seq, by_heads) if i < 3 else (by_heads, by_seq)   # q, k, v in; the output back
-        moves.append(Collective(tuple(t.shape), t.dtype, *forward))
+        moves.append(Collective(tuple(t.shape), t.dtype, *forward, kind="all_to_all_single"))
         if grad:
-            moves.append(Collective(tuple(t.shape), t.dtype, forward[1], forward[0]))
+            moves.append(Collective(tuple(t.shape), t.dtype, forward[1], forward[0], kind="all_to_all_single"))
     return moves
 
 

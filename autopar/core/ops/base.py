@@ -58,17 +58,26 @@ class LocalCall(NamedTuple):
     kwargs: dict[str, Any]
 
 
+#: The collective a kernel runs itself, where not DTensor's (``Collective.kind``).
+CollectiveKind = Literal["all_to_all_single"]
+
+
 class Collective(NamedTuple):
     """A collective an op runs inside itself: a tensor of ``shape`` and ``dtype`` moved from
     placements ``src`` to ``dst`` (priced as ``CostModel.redistribute`` prices a move).
     ``hidden_by``: the share of the op's compute that runs while it is in flight (0: it blocks),
-    which hides it as far as this host overlaps communication with compute."""
+    which hides it as far as this host overlaps communication with compute. ``kind``: the
+    collective the kernel runs (a ``cost_models.comm.COLLECTIVE_KINDS`` name) where it is not
+    the one DTensor's redistribution from ``src`` to ``dst`` runs (None: that one): a kernel
+    calling ``all_to_all_single`` itself is priced on that collective's link, not on DTensor's
+    all-to-all (on gloo, an all-gather and a chunk)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     src: Placements
     dst: Placements
     hidden_by: float = 0.0
+    kind: CollectiveKind | None = None
 
 
 class Kept(NamedTuple):

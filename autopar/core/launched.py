@@ -254,8 +254,8 @@ _MADE = itertools.count()
 def prepare_reads(mesh: DeviceMesh) -> None:
     """Make, on every rank at once (``compile``), the process groups split outputs are gathered on
     when read: one per axis of ``mesh`` and one for the job, apart from the step's, so that a rank
-    waiting for its peers to read holds up none of the step's collectives. gloo and NCCL connect a
-    group's ranks only at its first collective: a loop that reads no split output pays nothing."""
+    waiting for its peers to read holds up none of the step's collectives. NCCL connects a group's
+    ranks at its first collective, gloo's as it is made (once per mesh and process)."""
     key = _mesh_key(mesh)
     groups = _READ_GROUPS.get(key)
     if groups is not None and all(g in dist.distributed_c10d._world.pg_map for g in groups.values()):

@@ -169,11 +169,9 @@ def collective_comment(src: Placements, dst: Placements, axes: Sequence[str]) ->
 
 
 def _attr_path(fqn: str) -> str:
-    """``transformer.h.0.attn`` -> ``self.transformer.h[0].attn``."""
-    out = "self"
-    for part in fqn.split("."):
-        out += f"[{part}]" if part.isdigit() else (f".{part}" if part.isidentifier() else f"[{part!r}]")
-    return out
+    """``transformer.h.0.attn.weight`` -> ``held(self, 'transformer.h.0.attn.weight')``: the
+    parameter or buffer as registered now, looked up in a dict (``codegen.runtime.held``)."""
+    return f"held(self, {fqn!r})"
 
 
 class LocalSizes:

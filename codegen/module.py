@@ -26,7 +26,7 @@ from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
 from codegen.modes import as_named
 from codegen.recompute import recompute
-from codegen.shapes import Forward, ForwardPerShape
+from codegen.shapes import Forward, ForwardPerShape, flat_tensors, tensor_layout
 from codegen.zero3 import GatheredParams, gather_params, stored_as
 
 _counter = [0]
@@ -38,7 +38,7 @@ _counter = [0]
 GENERATED_GLOBALS = {
     "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
     "redistribute": runtime.redistribute, "move": runtime.move, "param_shard": runtime.param_shard,
-    "shard_of": runtime.shard_of, "on_device": runtime.on_device, "expect": runtime.expect,
+    "shard_of": runtime.shard_of, "held": runtime.held, "on_device": runtime.on_device, "expect": runtime.expect,
     "uneven_reshape": runtime.uneven_reshape, "full": collectives.full, "kept_sharded": runtime.kept_sharded,
     "gather_params": gather_params, "recompute": recompute, "once": runtime.once, "kernels": Kernels(),
 }
@@ -69,7 +69,7 @@ class ShardedModule(nn.Module):
         # before the parameters are sharded: the forwards of other input shapes capture a copy
         self._forwards = ForwardPerShape(model, captured, self._make_forward, self._outputs)
         self.code = self._forwards.first.code.source
-        self._in_spec = captured.in_spec
+        self._expect_inputs(captured.in_spec)
         self._device = torch.device(mesh.device_type)
         if plan.gather_outputs and not one_process():
             prepare_reads(mesh)   # split outputs are gathered when read, on groups of their own
@@ -240,11 +240,18 @@ class ShardedModule(nn.Module):
         flat = self._flat(args, kwargs)
         return self._forwards.get(flat, args, kwargs, outputs, self.training), flat
 
+    def _expect_inputs(self, spec: pytree.TreeSpec) -> None:
+        """Inputs are to be structured as ``spec`` says (the example inputs')."""
+        self._in_spec, self._in_layout = spec, tensor_layout(spec)
+
     def _flat(self, args: tuple, kwargs: dict) -> list[Any]:
         """The inputs flattened, refused if structured unlike the example inputs (or, where grad
         is enabled, if parameters were frozen or unfrozen since the plan: ``_refuse_refrozen``)."""
         if torch.is_grad_enabled():
             self._refuse_refrozen()
+        flat = flat_tensors(args, kwargs, self._in_layout)
+        if flat is not None:
+            return flat
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise InputMismatchError(

@@ -109,7 +109,7 @@ class PipelinedModule(ShardedModule):
         self._code = train
         self._constants: list[tuple[int, Any]] = []   # the model's non-tensor inputs, by position
         self._loss_counts: list[float | torch.Tensor] = []   # the target count of each microbatch's loss, in turn
-        self._in_spec = captured.in_spec
+        self._expect_inputs(captured.in_spec)
         self._out_spec = captured.out_spec
         self._stages = [self._stage(s, train.stages[s], within) for s in self._held]
         self._schedule = self._make_schedule()

@@ -121,6 +121,34 @@ def replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return distribute(t, mesh, [Replicate()] * mesh.ndim).to_local()
 
 
+#: counts every submodule registered on any module (``held``'s tables are rebuilt after one)
+_MODULES_SET = [0]
+
+
+def _module_set(*_: Any) -> None:
+    _MODULES_SET[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_module_set)
+
+
+def held(module: torch.nn.Module, fqn: str) -> Any:
+    """``module``'s parameter or buffer ``fqn`` as registered now: read from its owner's own table,
+    so one replaced since (``setattr``, ``load_state_dict(assign=True)``) is the one read. The
+    owner is found once (a path such as ``transformer.h.0.attn`` costs 4 us through
+    ``nn.Module.__getattr__`` and ``ModuleList``, a dict lookup here), again after any module
+    registers a submodule."""
+    table = module.__dict__.get("_autopar_held")
+    if table is None or table[0] != _MODULES_SET[0]:
+        table = module.__dict__["_autopar_held"] = (_MODULES_SET[0], {})
+    where = table[1].get(fqn)
+    if where is None:
+        path, _, leaf = fqn.rpartition(".")
+        owner = module.get_submodule(path)
+        where = table[1][fqn] = (owner._parameters if leaf in owner._parameters else owner._buffers, leaf)
+    return where[0][where[1]]
+
+
 # id of a plain parameter whose gradient is synchronised -> (a weak reference to it, the leaf its
 # gradient accumulates in first, ``gradient_leaf``). Ids, not the tensors, as keys: a lookup costs
 # a dict's, once per parameter and step; the entry goes with the parameter.

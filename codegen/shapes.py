@@ -45,6 +45,26 @@ class Forward:
     whole_batch: list[str]            # why its step must not run in parts of the batch (``autopar.core.buffers``)
 
 
+def tensor_layout(spec: pytree.TreeSpec) -> tuple[int, tuple[str, ...]] | None:
+    """Where ``spec`` (of ``(args, kwargs)``) holds only tensors, positional and by keyword, as a
+    language model's batch does: (how many positional, the keywords in order); else None."""
+    args, kwargs = spec.children()
+    if args.type is not tuple or kwargs.type is not dict or not all(c.is_leaf() for c in spec.children()[0].children()
+                                                                      + kwargs.children()):
+        return None
+    return args.num_children, tuple(kwargs.context)
+
+
+def flat_tensors(args: tuple, kwargs: dict, layout: tuple[int, tuple[str, ...]] | None) -> list[Any] | None:
+    """``(args, kwargs)`` flattened as ``pytree.tree_flatten`` would, where they are tensors laid out
+    as ``layout`` says (``tensor_layout``); else None. A step's inputs, flattened without pytree's
+    generic walk (some 60 us a step, its code cold after the backward)."""
+    if layout is None or len(args) != layout[0] or tuple(kwargs) != layout[1]:
+        return None
+    flat = [*args, *kwargs.values()]
+    return flat if all(isinstance(v, torch.Tensor) for v in flat) else None
+
+
 def signature(values: Sequence[Any]) -> tuple:
     """What a generated forward is specialised on: each input's shape and dtype (a non-tensor's value)."""
     return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", repr(v)) for v in values)

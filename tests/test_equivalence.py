@@ -405,3 +405,22 @@ def test_a_data_parallel_plan_keeps_parameters_plain():
 
     assert run_on_local_tensor_mesh(body, (2,)) == {"ddp": {False}, "fsdp": {True}}
     check_training(name, 4, 16, (2,), local_runner, {"plan": plans["ddp"]})
+
+
+def test_generated_code_reads_the_parameters_and_buffers_registered_now():
+    """Generated code looks parameters and buffers up by name in their owners' tables
+    (``codegen.runtime.held``): one replaced since the last read (``setattr``,
+    ``load_state_dict(assign=True)``), or under a submodule replaced since, is the one read."""
+    from codegen.runtime import held
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)]))
+    assert held(model, "0.0.weight") is model[0][0].weight
+    assert held(model, "0.1.running_mean") is model[0][1].running_mean
+    model[0][0].weight = torch.nn.Parameter(torch.zeros(2, 2))
+    model[0][1].running_mean = torch.ones(2)
+    assert held(model, "0.0.weight") is model[0][0].weight
+    assert held(model, "0.1.running_mean") is model[0][1].running_mean
+    model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()}, assign=True)
+    assert torch.equal(held(model, "0.0.weight"), torch.ones(2, 2))
+    model[0][0] = torch.nn.Linear(2, 2)   # a submodule replaced: its parameters are read
+    assert held(model, "0.0.bias") is model[0][0].bias

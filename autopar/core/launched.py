@@ -180,9 +180,8 @@ class Pending(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA_ONLY:   # no wait: a plain tensor shaped alike
-            args, kwargs = pytree.tree_map_only(Pending, _blank, (args, kwargs))
-            return func(*args, **kwargs)
+        if func in _METADATA_ONLY:   # no wait: a plain tensor shaped alike (the backward's seed)
+            return func(_blank(args[0]), *args[1:], **kwargs)
         if func is torch.ops.aten.detach.default:   # the same value on its way, outside autograd
             return Pending(args[0]._cell, args[0], args[0].shape)
         args, kwargs = pytree.tree_map_only(Pending, lambda p: p._cell.value(), (args, kwargs))

@@ -41,6 +41,9 @@ _MEAN_OVER_ALL = {aten.mean.default}
 _SUM_OVER_ALL = {aten.sum.default}
 # Ops a loss passes through unchanged in what it averages (a dtype cast, an alias).
 _PASS = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.detach.default}
+#: ops that keep each of a tensor's values once, only laid out anew
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+             aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default}
 _MEAN, _SUM = 1, 2   # torch's reduction enum (``torch.nn._reduction``)
 
 
@@ -141,12 +144,25 @@ def _is_scalar_loss(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype.is_floating_point
 
 
+def _reshaped_input(node: fx.Node, user_inputs: Sequence[str]) -> int | None:
+    """The position among the user inputs of the input ``node`` only reshapes (its values, each
+    once), or None."""
+    while node.op == "call_function" and node.target in _RESHAPES:
+        node = node.args[0]
+    return user_inputs.index(node.name) if node.op == "placeholder" and node.name in user_inputs else None
+
+
 def _target_counter(target: fx.Node, user_inputs: Sequence[str], constants: dict[str, torch.Tensor],
                     ignore: int) -> Callable[[Sequence[Any], int], torch.Tensor] | str:
     """Counts the targets other than ``ignore``: the ops that compute ``target`` from the user
     inputs, copied into a graph of their own and run on a microbatch's inputs. The count stays a
     tensor on the inputs' device (the loss divides by it there): read on the host, it cost every
     step a wait for the device and ``torch.compile`` a graph break."""
+    direct = _reshaped_input(target, user_inputs)
+    if direct is not None:   # the targets as passed, reshaped: counted on the input itself
+        def count_input(flat: Sequence[Any], _rows: int) -> torch.Tensor:
+            return (flat[direct] != ignore).sum()
+        return count_input
     seen: set[fx.Node] = set()
     todo = [target]
     while todo:

@@ -14,7 +14,7 @@ optional:
 * ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
 * ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead;
 * ``@working(op)``: bytes of the temporaries it holds while it runs, beyond its output, what it
-  keeps and its inputs' gradients (a chunked kernel's chunks);
+  keeps and its inputs' gradients (a chunked kernel's chunks; all of them where ``Kept.by_parts``);
 * ``@imbalance(op)``: how many times the mean work (compute, collectives, kept tensors) its
   busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
@@ -81,11 +81,16 @@ class Collective(NamedTuple):
 
 
 class Kept(NamedTuple):
-    """What an op's backward keeps: inputs by position, its output, and other bytes (whole op)."""
+    """What an op's backward keeps: inputs by position, its output, and other bytes (whole op).
+    ``by_parts``: its kernel is differentiated by autograd op by op (no backward formula of its
+    own), so each of the other tensors is freed once its own part of the backward has run: the
+    op never holds their gradients all at once, and its ``@working`` hook counts every temporary
+    it holds, the buffers of its collectives among them."""
 
     inputs: frozenset[int]
     output: bool
     extra_bytes: Any
+    by_parts: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,8 +32,9 @@ from autopar.core.ops.base import (
     kernel,
     rule,
     saved,
+    working,
 )
-from autopar.core.placements import Placements
+from autopar.core.placements import Placements, largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
 if TYPE_CHECKING:   # strategies imports this package
@@ -131,12 +133,30 @@ def busiest_rank(placed: Placed, skew: float) -> float:
 def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
     (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
-    activation, up projection and product (4I), in the experts' dtype."""
+    activation, up projection and product (4I), in the experts' dtype. The kernel is autograd's
+    ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``."""
     hidden, ids, gate_up = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP))
     rows = hidden.shape[0] * ids.shape[1]
     inner = gate_up.shape[1] // 2
     extra = rows * (2 * hidden.shape[1] + 4 * inner) * gate_up.element_size()
-    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra)
+    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True)
+
+
+@working(MOE)
+def row_buffers(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> float:
+    """The kernel's temporaries beside what it keeps, on this rank's T*k rows (uniform routing), in
+    the experts' dtype, the larger of its two passes. Forward: three buffers of rows [T*k, H] at
+    once (sent, received and grouped by expert, the experts' outputs on their way back; the
+    all-to-all's buffers are these). Backward: one local expert's gate and up gradients ([r, I]
+    each, r = T*k / local experts), while its kept product is freed; the rows' own gradients
+    (about two [T*k, H]) take the place of the kept rows freed before them."""
+    tokens, hidden = largest_shard_shape(tensor_val(node.args[HIDDEN]).shape, placed.ins[HIDDEN], mesh_shape)
+    gate_up = tensor_val(node.args[GATE_UP])
+    experts = largest_shard_shape(gate_up.shape, placed.ins[GATE_UP], mesh_shape)[0]
+    rows = tokens * tensor_val(node.args[IDS]).shape[1]
+    forward, backward = 3 * rows * hidden, 2 * rows * (gate_up.shape[1] // 2) / experts
+    most = sympy.Max(forward, backward) if isinstance(rows, sympy.Basic) else max(forward, backward)
+    return most * gate_up.element_size()
 
 
 @register_flop_formula(torch.ops.autopar.moe_experts)

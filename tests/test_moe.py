@@ -161,9 +161,8 @@ def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
 
 
 def test_the_op_differentiates_as_its_kernel():
-    """``autopar::moe_experts`` (what profiling times and an exported program runs) gives the
-    outputs and gradients of ``routed_experts`` under autograd, zero ids (as profiling passes
-    them) included."""
+    """``autopar::moe_experts`` (what an exported program runs) gives the outputs and gradients
+    of ``routed_experts`` under autograd, zero ids included."""
     gen = torch.Generator().manual_seed(3)
     ids = torch.tensor([[0, 2], [2, 1], [0, 0], [1, 2], [2, 0]])
     for routing in (ids, torch.zeros_like(ids)):
@@ -241,6 +240,27 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
     plain, full = (CostModel(space.mesh, space, profile=profile, recompute=r).node(nc, split) for r in ("none", "full"))
     again = collective_time("all_to_all", n * 4 * 8 / n, n, single) + 2 * collective_time("all_to_all", rows / n, n, single)
     assert full.comm_s - plain.comm_s == pytest.approx(again)
+
+
+def test_the_experts_are_timed_as_generated_code_runs_them():
+    """Profiling times the kernel under autograd (``moe.AS_RUN``, rows routed evenly over the
+    local experts), not the op, whose backward runs the kernel's forward again; its ranks find
+    it by the name its profile key shows."""
+    from autopar.core.ops.moe import AS_RUN, expert_axis
+    from autopar.core.strategies import build_space
+    from autopar.profiling.profiler import _op, _op_name
+    from cost_models.activations import gradients
+    from cost_models.profile_ops import op_call, time_op_calls
+
+    space = build_space(_captured(), MeshSpec((2,), hardware="cpu"))
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    split = next(s for s in nc.strategies if expert_axis(s) == 0)
+    call = op_call(nc, split, (2,), gradients(space))
+    assert call.target is AS_RUN and call.key.startswith("autopar.moe_experts.kernel(float32[512, 64](grad), int64[512, 2]")
+    assert "float32[2, 256, 64](grad)" in call.key   # this rank's two experts
+    assert _op(_op_name(AS_RUN)) is AS_RUN
+    timed = time_op_calls([call], min_time_s=0.002, repeats=1)[call.key]
+    assert timed.fwd_s > 0 and timed.bwd_s > 0
 
 
 def _kernel_peaks(tokens: int, experts: int, k: int, hidden: int, inner: int) -> tuple[int, int]:

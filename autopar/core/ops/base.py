@@ -195,6 +195,26 @@ imbalance = _registrar("imbalance")
 KERNELS: dict[str, Callable] = {}
 
 
+#: name -> a ``TimedKernel``, filled in as the modules of ``autopar.core.ops`` are imported.
+TIMED_KERNELS: dict[str, TimedKernel] = {}
+
+
+class TimedKernel:
+    """What profiling times for an op whose generated code runs a kernel the op's own call would
+    misprice (an ``@timed`` hook's target): ``fn``, named ``name`` in profile keys and looked up by
+    that name on the profiler's ranks (``TIMED_KERNELS``), as an op is in ``torch.ops``."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name, self.fn = name, fn
+        TIMED_KERNELS[name] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 class Kernels:
     """``kernels`` in generated code: ``kernels.<name>`` is ``KERNELS[name]``, looked up at the call.
     One namespace, so that no graph value's name can shadow a kernel's."""

@@ -6,7 +6,7 @@ parallelism: each rank holds E/n experts and routes its tokens to their ranks by
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -24,14 +24,17 @@ from autopar.core.ops.base import (
     Collective,
     Emitter,
     Kept,
+    LocalCall,
     Placed,
     Site,
+    TimedKernel,
     collectives,
     emitter,
     imbalance,
     kernel,
     rule,
     saved,
+    timed,
     working,
 )
 from autopar.core.placements import Placements, largest_shard_shape
@@ -95,6 +98,26 @@ def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
     """The experts on this rank's tokens: ``routed_experts`` over mesh ``axis``'s group (this
     rank's experts being its slice of them), or with every expert here (``axis`` None)."""
     return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis))
+
+
+def _evenly_routed(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """The kernel on this rank's tokens, their rows routed evenly over the local experts
+    (profiling's integer inputs are zeros: every row to one expert)."""
+    even = torch.arange(top_idx.numel(), device=top_idx.device).remainder(gate_up.size(0)).view(top_idx.shape)
+    return routed_experts(hidden, even, top_w, gate_up, down)
+
+
+AS_RUN = TimedKernel("autopar.moe_experts.kernel", _evenly_routed)
+
+
+@timed(MOE)
+def as_run(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
+           grad: Mapping[fx.Node, bool]) -> LocalCall:
+    """Timed as generated code runs it: the kernel under autograd (``AS_RUN``), not the op, whose
+    backward runs the kernel's forward again (1.6-2.8x the kernel's time on this host); its
+    all-to-alls are priced apart (``all_to_alls``)."""
+    return LocalCall(AS_RUN, call.args, call.kwargs)
 
 
 def _with(p: Placements, axis: int, placement: Shard | Replicate) -> Placements:

@@ -27,6 +27,7 @@ class Saved:
     inputs: frozenset[int]   # positions in flat_tensor_inputs(node) the backward keeps
     output: bool             # the (first) output is kept
     extra_bytes: float       # bytes of other kept tensors, for the global (unsharded) op
+    by_parts: bool = False   # freed part by part in the backward (``autopar.core.ops.base.Kept``)
 
     @property
     def anything(self) -> bool:
@@ -79,7 +80,7 @@ def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
     entry = entry_for(node)
     kept = entry.saved(node, flags) if entry is not None and entry.saved is not None else None
     if kept is not None:   # the op's own account (``autopar.core.ops``): SDPA's fused kernels on meta
-        return Saved(kept.inputs, kept.output, as_amount(kept.extra_bytes))
+        return Saved(kept.inputs, kept.output, as_amount(kept.extra_bytes), kept.by_parts)
     inputs = iter(flags)
 
     def fake(n: fx.Node) -> object:

@@ -357,7 +357,11 @@ class CostModel:
             return Cost()   # a folded op runs once, at the first step: nothing a step (its result is small)
         load = self._load(nc, s)
         compute = self._compute(nc, s, val)
-        compute = (compute + self._inside(nc, s, compute.compute_s)).busier(load)
+        inside = self._inside(nc, s, compute.compute_s)
+        by_parts = self.saved is not None and self.saved(nc.node).by_parts
+        if by_parts:   # its collectives' buffers are among the temporaries its ``working`` hook counts
+            inside = replace(inside, transient_bytes=0.0)
+        compute = (compute + inside).busier(load)
         recomputed = nc.node in self.block_of
         if recomputed:   # its forward runs again in the backward, with the collectives it runs inside itself
             again = compute.compute_s / self.microbatches - compute.backward_s
@@ -372,10 +376,12 @@ class CostModel:
         kept, internal = self._kept(nc, s, val)
         kept, internal = kept + internal * (load - 1.0), internal * load
         # Working memory: the output (its gradient, in the backward), the op's internal tensors
-        # (their gradients) and its own temporaries; input gradients are tracked by the schedule.
+        # (their gradients: none held at once where the backward frees them part by part) and
+        # its own temporaries; input gradients are tracked by the schedule.
         entry = entry_for(nc.node)
+        internal = 0.0 if by_parts else internal
         if entry is not None and entry.working is not None:
-            internal = internal + entry.working(nc.node, s, self.mesh.shape)
+            internal = internal + entry.working(nc.node, s, self.mesh.shape) * load
         if recomputed:
             inputs = sum(b for k, b in enumerate(self.input_bytes(nc, s)) if k in self._block_inputs.get(nc.node, ()))
             return compute + Cost(saved_bytes=inputs, recomputed_bytes=kept, transient_bytes=out_bytes + internal)

@@ -161,9 +161,8 @@ def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
 
 
 def test_the_op_differentiates_as_its_kernel():
-    """``autopar::moe_experts`` (what profiling times and an exported program runs) gives the
-    outputs and gradients of ``routed_experts`` under autograd, zero ids (as profiling passes
-    them) included."""
+    """``autopar::moe_experts`` (what an exported program runs) gives the outputs and gradients
+    of ``routed_experts`` under autograd, zero ids included."""
     gen = torch.Generator().manual_seed(3)
     ids = torch.tensor([[0, 2], [2, 1], [0, 0], [1, 2], [2, 0]])
     for routing in (ids, torch.zeros_like(ids)):
@@ -198,6 +197,12 @@ def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
                              for s in split), fqn
 
 
+@functools.cache
+def _captured():
+    """The zoo's Mixtral captured on meta for 16 x 64 tokens (the tests that price its experts)."""
+    return capture(*meta_model(NAME, 16, 64))
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_makes(n):
     """Split by expert, the counts and the rows (there and back, again in the backward) are the
@@ -211,8 +216,7 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
     from cost_models.estimate import CostModel
     from cost_models.profile import Profile, collective_key
 
-    model, args, kwargs = meta_model(NAME, 2, 4)
-    space = build_space(capture(model, args, kwargs), MeshSpec((n,), hardware="cpu"))
+    space = build_space(_captured(), MeshSpec((n,), hardware="cpu"))
     nc = next(nc for nc in space.nodes if nc.node.target is MOE)
     split = next(s for s in nc.strategies if expert_axis(s) == 0)
     moves = all_to_alls(nc.node, split, (n,), True, None)
@@ -236,6 +240,73 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
     plain, full = (CostModel(space.mesh, space, profile=profile, recompute=r).node(nc, split) for r in ("none", "full"))
     again = collective_time("all_to_all", n * 4 * 8 / n, n, single) + 2 * collective_time("all_to_all", rows / n, n, single)
     assert full.comm_s - plain.comm_s == pytest.approx(again)
+
+
+def test_the_experts_are_timed_as_generated_code_runs_them():
+    """Profiling times the kernel under autograd (``moe.AS_RUN``, rows routed evenly over the
+    local experts), not the op, whose backward runs the kernel's forward again; its ranks find
+    it by the name its profile key shows."""
+    from autopar.core.ops.moe import AS_RUN, expert_axis
+    from autopar.core.strategies import build_space
+    from autopar.profiling.profiler import _op, _op_name
+    from cost_models.activations import gradients
+    from cost_models.profile_ops import op_call, time_op_calls
+
+    space = build_space(_captured(), MeshSpec((2,), hardware="cpu"))
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    split = next(s for s in nc.strategies if expert_axis(s) == 0)
+    call = op_call(nc, split, (2,), gradients(space))
+    assert call.target is AS_RUN and call.key.startswith("autopar.moe_experts.kernel(float32[512, 64](grad), int64[512, 2]")
+    assert "float32[2, 256, 64](grad)" in call.key   # this rank's two experts
+    assert _op(_op_name(AS_RUN)) is AS_RUN
+    timed = time_op_calls([call], min_time_s=0.002, repeats=1)[call.key]
+    assert timed.fwd_s > 0 and timed.bwd_s > 0
+
+
+def _kernel_peaks(tokens: int, experts: int, k: int, hidden: int, inner: int) -> tuple[int, int]:
+    """The peak bytes ``routed_experts`` holds on one rank (no group: the same tensors but the
+    all-to-alls'), its rows routed evenly to ``experts`` local experts: (forward alone, with its
+    output kept; forward and backward, the inputs' and experts' gradients included)."""
+    from autopar.profiling.measure import cpu_peak_growth
+
+    gen = torch.Generator().manual_seed(0)
+    ids = (torch.arange(tokens * k) % experts).view(tokens, k)
+    leaves = [torch.randn(tokens, hidden, generator=gen), torch.rand(tokens, k, generator=gen),
+              torch.randn(experts, 2 * inner, hidden, generator=gen), torch.randn(experts, hidden, inner, generator=gen)]
+    x, w, gate_up, down = (t.requires_grad_() for t in leaves)
+    kept: list[torch.Tensor] = []
+    forward = cpu_peak_growth(lambda: kept.append(ep.routed_experts(x, ids, w, gate_up, down)))
+    kept.clear()
+    both = cpu_peak_growth(lambda: ep.routed_experts(x, ids, w, gate_up, down).backward(torch.ones(tokens, hidden)))
+    return forward, both
+
+
+@pytest.mark.parametrize("by_expert", [True, False])
+def test_the_experts_memory_is_what_the_kernel_holds(by_expert):
+    """The experts' kept rows, output and working memory (``Kept.by_parts``, ``row_buffers``) add
+    up to the kernel's forward peak on a rank, and bound its backward's. Their backward frees
+    the kept rows as it goes, so their gradients are not working memory, nor are the all-to-alls'
+    buffers beside the rows (the accounting before gave 5x the kernel's temporaries)."""
+    from autopar.core.capture import tensor_val
+    from autopar.core.ops.moe import GATE_UP, IDS, expert_axis
+    from autopar.core.strategies import build_space
+    from cost_models.estimate import CostModel
+
+    space = build_space(_captured(), MeshSpec((2,), hardware="cpu"))   # 512 tokens a rank, 1024 rows (top-2)
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    s = next(s for s in nc.strategies if (expert_axis(s) is not None) == by_expert and s.out[0] == Shard(0))
+    costs = CostModel(space.mesh, space)
+    cost = costs.node(nc, s)
+    tokens, hidden = tensor_val(nc.node.args[0]).shape
+    gate_up = tensor_val(nc.node.args[GATE_UP])
+    experts, k = gate_up.shape[0] // (2 if by_expert else 1), tensor_val(nc.node.args[IDS]).shape[1]
+    out = tokens // 2 * hidden * 4
+    internal = costs._kept(nc, s, tensor_val(nc.node))[1]
+    forward, both = _kernel_peaks(tokens // 2, experts, k, hidden, gate_up.shape[1] // 2)
+    assert internal + cost.transient_bytes == pytest.approx(forward, rel=0.05)
+    grads = (tokens // 2 * (hidden + k) + experts * 3 * gate_up.shape[1] // 2 * hidden) * 4
+    assert both <= internal + cost.transient_bytes + grads
+    assert cost.transient_bytes < 2 * out + internal / 2
 
 
 def _torch_ep_worker(mesh, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:

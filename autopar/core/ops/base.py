@@ -14,7 +14,7 @@ optional:
 * ``@collectives(op)``: collectives it runs inside itself, which the cost model prices;
 * ``@saved(op)``: what its backward keeps, where running it on fake tensors would mislead;
 * ``@working(op)``: bytes of the temporaries it holds while it runs, beyond its output, what it
-  keeps and its inputs' gradients (a chunked kernel's chunks);
+  keeps and its inputs' gradients (a chunked kernel's chunks; all of them where ``Kept.by_parts``);
 * ``@imbalance(op)``: how many times the mean work (compute, collectives, kept tensors) its
   busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
@@ -81,11 +81,16 @@ class Collective(NamedTuple):
 
 
 class Kept(NamedTuple):
-    """What an op's backward keeps: inputs by position, its output, and other bytes (whole op)."""
+    """What an op's backward keeps: inputs by position, its output, and other bytes (whole op).
+    ``by_parts``: its kernel is differentiated by autograd op by op (no backward formula of its
+    own), so each of the other tensors is freed once its own part of the backward has run: the
+    op never holds their gradients all at once, and its ``@working`` hook counts every temporary
+    it holds, the buffers of its collectives among them."""
 
     inputs: frozenset[int]
     output: bool
     extra_bytes: Any
+    by_parts: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,26 @@ imbalance = _registrar("imbalance")
 #: name -> a function generated code calls as ``kernels.<name>``, filled in by ``@kernel`` as the
 #: modules of ``autopar.core.ops`` are imported.
 KERNELS: dict[str, Callable] = {}
+
+
+#: name -> a ``TimedKernel``, filled in as the modules of ``autopar.core.ops`` are imported.
+TIMED_KERNELS: dict[str, TimedKernel] = {}
+
+
+class TimedKernel:
+    """What profiling times for an op whose generated code runs a kernel the op's own call would
+    misprice (an ``@timed`` hook's target): ``fn``, named ``name`` in profile keys and looked up by
+    that name on the profiler's ranks (``TIMED_KERNELS``), as an op is in ``torch.ops``."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name, self.fn = name, fn
+        TIMED_KERNELS[name] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 class Kernels:

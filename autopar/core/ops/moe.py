@@ -6,10 +6,11 @@ parallelism: each rank holds E/n experts and routes its tokens to their ranks by
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,16 +24,20 @@ from autopar.core.ops.base import (
     Collective,
     Emitter,
     Kept,
+    LocalCall,
     Placed,
     Site,
+    TimedKernel,
     collectives,
     emitter,
     imbalance,
     kernel,
     rule,
     saved,
+    timed,
+    working,
 )
-from autopar.core.placements import Placements
+from autopar.core.placements import Placements, largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
 if TYPE_CHECKING:   # strategies imports this package
@@ -95,6 +100,26 @@ def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
     return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis))
 
 
+def _evenly_routed(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """The kernel on this rank's tokens, their rows routed evenly over the local experts
+    (profiling's integer inputs are zeros: every row to one expert)."""
+    even = torch.arange(top_idx.numel(), device=top_idx.device).remainder(gate_up.size(0)).view(top_idx.shape)
+    return routed_experts(hidden, even, top_w, gate_up, down)
+
+
+AS_RUN = TimedKernel("autopar.moe_experts.kernel", _evenly_routed)
+
+
+@timed(MOE)
+def as_run(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
+           grad: Mapping[fx.Node, bool]) -> LocalCall:
+    """Timed as generated code runs it: the kernel under autograd (``AS_RUN``), not the op, whose
+    backward runs the kernel's forward again (1.6-2.8x the kernel's time on this host); its
+    all-to-alls are priced apart (``all_to_alls``)."""
+    return LocalCall(AS_RUN, call.args, call.kwargs)
+
+
 def _with(p: Placements, axis: int, placement: Shard | Replicate) -> Placements:
     return tuple(placement if a == axis else q for a, q in enumerate(p))
 
@@ -131,12 +156,30 @@ def busiest_rank(placed: Placed, skew: float) -> float:
 def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
     (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
-    activation, up projection and product (4I), in the experts' dtype."""
+    activation, up projection and product (4I), in the experts' dtype. The kernel is autograd's
+    ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``."""
     hidden, ids, gate_up = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP))
     rows = hidden.shape[0] * ids.shape[1]
     inner = gate_up.shape[1] // 2
     extra = rows * (2 * hidden.shape[1] + 4 * inner) * gate_up.element_size()
-    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra)
+    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True)
+
+
+@working(MOE)
+def row_buffers(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> float:
+    """The kernel's temporaries beside what it keeps, on this rank's T*k rows (uniform routing), in
+    the experts' dtype, the larger of its two passes. Forward: three buffers of rows [T*k, H] at
+    once (sent, received and grouped by expert, the experts' outputs on their way back; the
+    all-to-all's buffers are these). Backward: one local expert's gate and up gradients ([r, I]
+    each, r = T*k / local experts), while its kept product is freed; the rows' own gradients
+    (about two [T*k, H]) take the place of the kept rows freed before them."""
+    tokens, hidden = largest_shard_shape(tensor_val(node.args[HIDDEN]).shape, placed.ins[HIDDEN], mesh_shape)
+    gate_up = tensor_val(node.args[GATE_UP])
+    experts = largest_shard_shape(gate_up.shape, placed.ins[GATE_UP], mesh_shape)[0]
+    rows = tokens * tensor_val(node.args[IDS]).shape[1]
+    forward, backward = 3 * rows * hidden, 2 * rows * (gate_up.shape[1] // 2) / experts
+    most = sympy.Max(forward, backward) if isinstance(rows, sympy.Basic) else max(forward, backward)
+    return most * gate_up.element_size()
 
 
 @register_flop_formula(torch.ops.autopar.moe_experts)

@@ -478,8 +478,9 @@ class CostModel:
         share of its ``compute_s``) are hidden by that compute as far as this host overlaps an
         asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
         exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
-        block a step, such a collective holds the block sent and the one received, not the
-        whole tensor. ``grad=False``: the forward's alone (what a recomputed forward runs again)."""
+        block a step, such a collective holds no whole tensor: the blocks it holds are the op's
+        working memory (``@working``). ``grad=False``: the forward's alone (what a recomputed
+        forward runs again)."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
@@ -489,9 +490,7 @@ class CostModel:
         for c in inside:
             moved = self.redistribute(c.shape, c.dtype, c.src, c.dst, kind=c.kind)
             if c.hidden_by:
-                block = min(shard_fraction(c.src, self.mesh.shape), shard_fraction(c.dst, self.mesh.shape))
-                held = 2 * _numel(c.shape) * _itemsize(c.dtype) * block   # as _collective_buffers, of one block
-                hideable, share = hideable + replace(moved, transient_bytes=held), max(share, c.hidden_by)
+                hideable, share = hideable + replace(moved, transient_bytes=0.0), max(share, c.hidden_by)
             else:
                 blocking = blocking + moved
         hidden = self.overlap_efficiency * minimum(hideable.comm_s, share * compute_s)

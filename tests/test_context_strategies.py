@@ -184,6 +184,18 @@ def test_the_rings_working_memory_is_its_backwards_accumulators_blocks_and_kerne
     assert CostModel(MeshSpec((2,)), space).node(nc, ring).transient_bytes == out + lse + 3472
 
 
+def test_ulysses_all_to_alls_run_one_after_another_so_it_holds_one_at_a_time():
+    """Its eight all-to-alls (q, k, v, the output; their gradients) each hold the result and a
+    staging copy of one rank's part (2 x 256 bytes here), one at a time: the largest's, not the
+    sum of all eight (4096 bytes, as priced before)."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    ulysses = next(s for s in nc.strategies if s.names == ("context-ulysses",))
+    local = 2 * HEADS * (SEQ // 2) * (DIM // HEADS) * 4
+    assert CostModel(MeshSpec((2,)), space)._inside(nc, ulysses, 0.0).transient_bytes == 2 * local
+
+
 def test_ulysses_where_tensor_parallelism_left_too_few_heads_is_priced_as_the_ring_it_runs():
     """Llama's 2 key/value heads split by heads on one axis leave one a rank: Ulysses over the
     other axis cannot split it, runs the ring, and is priced so (not as attention on no heads)."""

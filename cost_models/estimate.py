@@ -52,7 +52,7 @@ from autopar.core.precision import Precision, reduce_dtype
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import ALL_TO_ALLS, Link, collective_time, link_for_axis
-from cost_models.compute import as_amount, compute_time, minimum
+from cost_models.compute import as_amount, compute_time, maximum, minimum
 from cost_models.efficiency import efficiency_of, op_seconds
 from cost_models.profile import (
     FRESH_BUFFER_BYTES,
@@ -484,24 +484,24 @@ class CostModel:
         share of its ``compute_s``) are hidden by that compute as far as this host overlaps an
         asynchronous collective with compute (``overlap_efficiency``, measured): a ring step's
         exposed time is what its transfer takes beyond the block computed meanwhile. Moving a
-        block a step, such a collective holds the block sent and the one received, not the
-        whole tensor. ``grad=False``: the forward's alone (what a recomputed forward runs again)."""
+        block a step, such a collective holds no whole tensor: the blocks it holds are the op's
+        working memory (``@working``). The others run one after another (Ulysses' eight
+        all-to-alls, the experts' dispatch and combine): the op holds one's buffers at a time, the
+        largest's. ``grad=False``: the forward's alone (what a recomputed forward runs again)."""
         entry = entry_for(nc.node)
         if entry is None or entry.collectives is None:
             return Cost()
         grad = self._grad(nc.node) if grad is None else grad
         inside = entry.collectives(nc.node, s, self.mesh.shape, grad, self.space.loss_with_gradients)
-        blocking, hideable, share = Cost(), Cost(), 0.0
+        blocking, hideable, share, buffers = Cost(), Cost(), 0.0, 0.0
         for c in inside:
             moved = self.redistribute(c.shape, c.dtype, c.src, c.dst, kind=c.kind)
             if c.hidden_by:
-                block = min(shard_fraction(c.src, self.mesh.shape), shard_fraction(c.dst, self.mesh.shape))
-                held = 2 * _numel(c.shape) * _itemsize(c.dtype) * block   # as _collective_buffers, of one block
-                hideable, share = hideable + replace(moved, transient_bytes=held), max(share, c.hidden_by)
+                hideable, share = hideable + replace(moved, transient_bytes=0.0), max(share, c.hidden_by)
             else:
-                blocking = blocking + moved
+                blocking, buffers = blocking + replace(moved, transient_bytes=0.0), maximum(buffers, moved.transient_bytes)
         hidden = self.overlap_efficiency * minimum(hideable.comm_s, share * compute_s)
-        return blocking + replace(hideable, comm_s=hideable.comm_s - hidden)
+        return replace(blocking, transient_bytes=buffers) + replace(hideable, comm_s=hideable.comm_s - hidden)
 
     def _load(self, nc: NodeChoices, s: Strategy) -> float:
         """The share of the mean work this op's busiest rank does (``OpEntry.imbalance``): 1 but

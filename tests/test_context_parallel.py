@@ -9,11 +9,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar.core.context_parallel as cp
 from autopar.core.errors import AutoparError
+from autopar.core.ops.attention import flash_cpu_scratch
 from autopar.profiling.launch import run_on_gloo_mesh
+from autopar.profiling.measure import cpu_peak_growth
 from tests.tiers import slow, slow_except
 
 BATCH, HEADS, DIM = 2, 4, 8
@@ -128,6 +132,45 @@ def test_a_ring_of_one_rank_is_attention_with_its_gradients(dtype):
     for got, ref in zip((out, *grads), (want, *torch.autograd.grad(want, (q, k, v), d_out)), strict=True):
         assert got.dtype == dtype
         torch.testing.assert_close(got, ref, **(BF16 if dtype == torch.bfloat16 else FP32))
+
+
+def _ring_peaks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """The most ring attention's forward, then its backward, allocate at once (the profiler's
+    allocations), in the default process group."""
+    box = {}
+
+    def forward() -> None:
+        box["out"] = cp.ring_attention(q, k, v, is_causal=True, group=dist.group.WORLD, layout="contiguous")
+
+    peak = cpu_peak_growth(forward)
+    d_out = torch.ones_like(box["out"])
+    return peak, cpu_peak_growth(lambda: box["out"].backward(d_out))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_what_the_ring_is_priced_to_hold_is_what_its_kernel_allocates(n):
+    """The last rank of a causal ring of ``n`` (it computes every block), in a fake process group
+    (sends complete at once; received blocks are allocated as on gloo), on one thread as autopar's
+    CPU ranks: the most its forward and its backward allocate at once is ``ring_held_bytes`` and
+    the flash kernel's scratch (``flash_cpu_scratch``) of one block, to the byte in fp32, within
+    10% in bf16 (whose peak falls elsewhere); with grouped-query heads."""
+    threads = torch.get_num_threads()
+    dist.init_process_group("fake", store=FakeStore(), rank=n - 1, world_size=n)
+    try:
+        torch.set_num_threads(1)
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(1, h, 256, 16, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+            measured = _ring_peaks(q, k, v)
+            held = cp.ring_held_bytes(q.numel(), 2 * k.numel(), 4 * 256, dtype.itemsize, n)
+            scratch = flash_cpu_scratch(256, 256, 16, q.numel(), dtype.itemsize)
+            priced = (held[0] + scratch[0], held[1] + scratch[1])
+            if dtype == torch.float32:
+                assert measured == priced
+            else:
+                assert measured == (pytest.approx(priced[0], rel=0.1), pytest.approx(priced[1], rel=0.1))
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
 
 
 def test_shapes_attention_cannot_split_are_refused():

@@ -166,8 +166,34 @@ def test_the_rings_transfers_are_hidden_by_the_blocks_computed_meanwhile_as_far_
                 for m in context_moves(nc.node, ring, (2,), True, None))
     compute = model._compute(nc, ring, nc.node.meta["val"]).compute_s
     assert moved > 0 and model.node(nc, ring).comm_s == pytest.approx(max(0.0, moved - overlap * compute / 2))
-    block = 2 * HEADS * (SEQ // 2) * (DIM // HEADS) * 4   # one rank's keys (or values) in fp32
-    assert model._inside(nc, ring, compute).transient_bytes == 6 * 2 * block   # each step's sent and received block
+    assert model._inside(nc, ring, compute).transient_bytes == 0   # its blocks are the op's working memory
+
+
+def test_the_rings_working_memory_is_its_backwards_accumulators_blocks_and_kernel_scratch():
+    """Ring attention on 2 ranks (CausalLM: [2, 2, 8, 4] split into blocks of 4 positions, fp32,
+    on the CPU) holds at its heaviest, in the backward, beside its output and log-sum-exp: dq's
+    accumulator (256 bytes), one key/value block in flight (512), three sets of fp32 dk/dv
+    accumulators (1536) and two of each block's gradients (1536), less the input gradients the
+    schedule holds (768), and the flash kernel's scratch of one block (400): 3472 bytes. Priced
+    as six blocks of the collectives before (3072), missing the accumulators."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    ring = next(s for s in nc.strategies if s.names == ("context-ring",))
+    out, lse = 2 * HEADS * (SEQ // 2) * (DIM // HEADS) * 4, 2 * HEADS * (SEQ // 2) * 4
+    assert CostModel(MeshSpec((2,)), space).node(nc, ring).transient_bytes == out + lse + 3472
+
+
+def test_ulysses_all_to_alls_run_one_after_another_so_it_holds_one_at_a_time():
+    """Its eight all-to-alls (q, k, v, the output; their gradients) each hold the result and a
+    staging copy of one rank's part (2 x 256 bytes here), one at a time: the largest's, not the
+    sum of all eight (4096 bytes, as priced before)."""
+    captured = capture(CausalLM(), _batches(1)[0][0])
+    space = build_space(captured, MeshSpec((2,)))
+    nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
+    ulysses = next(s for s in nc.strategies if s.names == ("context-ulysses",))
+    local = 2 * HEADS * (SEQ // 2) * (DIM // HEADS) * 4
+    assert CostModel(MeshSpec((2,)), space)._inside(nc, ulysses, 0.0).transient_bytes == 2 * local
 
 
 def test_ulysses_where_tensor_parallelism_left_too_few_heads_is_priced_as_the_ring_it_runs():

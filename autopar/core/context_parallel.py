@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import sympy
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -311,6 +312,37 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         dq, dk, dv = _ring_backward(ctx.ring, d_out, ctx.saved_tensors)
         return dq, dk, dv, None
+
+
+def ring_held_bytes(q_numel: Any, kv_numel: Any, rows: Any, itemsize: int, n: int) -> tuple[Any, Any]:
+    """The most ``ring_attention`` allocates at once in its forward (its output and log-sum-exp
+    included) and in its backward (the gradients it returns included), (forward, backward) in
+    bytes, on a rank that computes every block (a contiguous causal ring's last rank), the block
+    kernel's own scratch aside (``ops.attention.flash_cpu_scratch``). ``q_numel``:
+    elements of this rank's queries; ``kv_numel``: of its keys and values together; ``rows``: of
+    the log-sum-exp; ``itemsize``: of the inputs' dtype; ``n``: ranks in the ring. Sizes may be
+    sympy expressions.
+
+    Forward (``_ring_forward``): the fp32 output being merged into, a block's fp32 result and the
+    merge's product of it (three fp32 buffers of the queries' size), the log-sum-exp with two
+    row-sized temporaries, and the key/value blocks in flight: the one at hand and the one
+    arriving (on two ranks one at a time, as the last step receives nothing). Backward
+    (``_ring_backward``): dq's fp32 accumulator, the blocks in flight likewise, fp32 dk/dv
+    accumulators (this step's, the last step's being sent and the one arriving, and the one that
+    arrived before: four sets) and each block's gradients in the inputs' dtype (the previous
+    block's still held while the next's are made: two sets). On two ranks a block is computed
+    beside three accumulator sets, and the last send holds four beside one set of gradients."""
+    q4, kv4, kv_e, grads = 4 * q_numel, 4 * kv_numel, itemsize * kv_numel, itemsize * (q_numel + kv_numel)
+    in_flight = kv_e if n <= 2 else 2 * kv_e
+    forward = 3 * q4 + 3 * 4 * rows + in_flight
+    if n > 2:
+        return forward, q4 + in_flight + 4 * kv4 + 2 * grads
+    return forward, q4 + in_flight + larger(3 * kv4 + 2 * grads, 4 * kv4 + grads)
+
+
+def larger(a: Any, b: Any) -> Any:
+    """max of two sizes, either of which may be a sympy expression."""
+    return sympy.Max(a, b) if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic) else max(a, b)
 
 
 def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> None:

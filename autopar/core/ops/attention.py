@@ -7,9 +7,11 @@ kernels keep.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.distributed._local_tensor import (
@@ -24,7 +26,14 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
 
 from autopar.core.capture import tensor_val
-from autopar.core.context_parallel import allgather_attention, positions, ring_attention, ulysses_attention
+from autopar.core.context_parallel import (
+    allgather_attention,
+    larger,
+    positions,
+    ring_attention,
+    ring_held_bytes,
+    ulysses_attention,
+)
 from autopar.core.from_shapes import sampled_from_shapes, value_from_shapes
 from autopar.core.ops.base import (
     Collective,
@@ -40,8 +49,9 @@ from autopar.core.ops.base import (
     rule_key,
     saved,
     timed,
+    working,
 )
-from autopar.core.placements import Placements
+from autopar.core.placements import Placements, largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 
 aten = torch.ops.aten
@@ -371,6 +381,48 @@ def context_moves(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad
         if grad:
             moves.append(Collective(tuple(t.shape), t.dtype, forward[1], forward[0], kind="all_to_all_single"))
     return moves
+
+
+def flash_cpu_scratch(q_rows: Any, kv_rows: Any, dim: Any, q_numel: Any, itemsize: int) -> tuple[Any, Any]:
+    """Bytes the CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which CPU SDPA
+    and the ring's blocks run) allocates for one call, (forward, backward), on one thread (as
+    autopar's CPU ranks run): its tiles are 256, 64 or 32 query rows (from 768 or 192 rows on) by
+    up to 512 keys. Forward: the scores tile, its row maximum and sum, an output tile, in fp32
+    (its accumulating dtype), and the scores again in a 16-bit dtype; backward: the
+    probabilities and their gradient, a row, in fp32 (and in a 16-bit dtype), and one fp32
+    buffer of the queries' size. Sizes may be sympy expressions."""
+    if isinstance(q_rows, sympy.Basic):
+        rows: Any = sympy.Piecewise((sympy.Min(q_rows, 32), q_rows < 192), (64, q_rows < 768), (256, True))
+    else:
+        rows = min(q_rows, 256 if q_rows >= 768 else 64 if q_rows >= 192 else 32)
+    keys = sympy.Min(kv_rows, 512) if isinstance(kv_rows, sympy.Basic) else min(kv_rows, 512)
+    tile = rows * keys
+    half = itemsize * tile if itemsize < 4 else 0
+    return 4 * (tile + 2 * rows + rows * dim) + half, 4 * (2 * tile + rows + q_numel) + 2 * half
+
+
+@working(SDPA)
+def attention_working(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> Any:
+    """Bytes SDPA holds while it runs beyond its output, what it keeps and its inputs' gradients.
+    Split by sequence as the ring: its accumulators and key/value blocks in flight
+    (``ring_held_bytes``), less what the schedule holds there already (its output and
+    log-sum-exp in the forward, its inputs' gradients in the backward). On the CPU, beside that,
+    the flash kernel's scratch of one call (``flash_cpu_scratch``): of one block for the ring,
+    of the whole sequence on 1/n of the heads for Ulysses."""
+    vals = [tensor_val(a) for a in node.args[:3]]
+    q, k, v = (largest_shard_shape(t.shape, p, mesh_shape) for t, p in zip(vals, placed.ins[:3], strict=True))
+    itemsize, cpu = vals[0].dtype.itemsize, tensor_val(node).device.type == "cpu"
+    q_numel, kv_numel, rows = math.prod(q), math.prod(k) + math.prod(v), q[0] * q[1] * q[2]
+    context = context_of(placed)
+    if context is None or (context[1] == "ulysses" and _heads_divide(q[1], k[1], mesh_shape[context[0]])):
+        seq = k[2] * (mesh_shape[context[0]] if context is not None else 1)   # Ulysses: the whole sequence
+        return larger(*flash_cpu_scratch(seq if context else q[2], seq, q[3], q_numel, itemsize)) if cpu else 0
+    forward, backward = ring_held_bytes(q_numel, kv_numel, rows, itemsize, mesh_shape[context[0]])
+    forward, backward = forward - itemsize * q_numel - 4 * rows, backward - itemsize * (q_numel + kv_numel)
+    if cpu:
+        scratch = flash_cpu_scratch(q[2], k[2], q[3], q_numel, itemsize)
+        forward, backward = forward + scratch[0], backward + scratch[1]
+    return larger(forward, backward)
 
 
 def _axis_coordinate(mesh: DeviceMesh, axis: int, rank: int) -> int:

@@ -382,4 +382,4 @@ def test_a_tied_weight_stored_by_vocabulary_is_read_as_stored_where_the_lookup_s
     lookup = next(line for line in code.splitlines() if "sharded_embedding(" in line)
     weight = next(n for n in captured.graph.nodes if n.target is torch.ops.aten.embedding.default).args[0]
     fqn = captured.param_of[weight.name]
-    assert f"{lookup.split('(')[1].split(',')[0]} = param_shard(self.{fqn}, (S(0),), grad=(S(0),))" in code, code
+    assert f"{lookup.split('(')[1].split(',')[0]} = param_shard(held(self, {fqn!r}), (S(0),), grad=(S(0),))" in code, code

@@ -49,8 +49,8 @@ def tensor_layout(spec: pytree.TreeSpec) -> tuple[int, tuple[str, ...]] | None:
     """Where ``spec`` (of ``(args, kwargs)``) holds only tensors, positional and by keyword, as a
     language model's batch does: (how many positional, the keywords in order); else None."""
     args, kwargs = spec.children()
-    if args.type is not tuple or kwargs.type is not dict or not all(c.is_leaf() for c in spec.children()[0].children()
-                                                                      + kwargs.children()):
+    if args.type is not tuple or kwargs.type is not dict or not all(
+            c.is_leaf() for c in args.children() + kwargs.children()):
         return None
     return args.num_children, tuple(kwargs.context)
 

@@ -8,8 +8,9 @@ import sympy
 import torch
 
 from autopar.core.hardware import Hardware
+from autopar.core.sizes import maximum
 
-__all__ = ["as_amount", "compute_time", "is_amount", "maximum", "minimum"]
+__all__ = ["as_amount", "compute_time", "is_amount"]
 
 
 def as_amount(x):
@@ -28,20 +29,6 @@ def is_amount(value) -> bool:
     if isinstance(value, sympy.Expr):
         return value.is_negative is not True and value.is_finite is not False
     return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-
-
-def maximum(a, b):
-    """``max`` of two numbers; ``sympy.Max`` when either is a sympy expression."""
-    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
-        return sympy.Max(a, b)
-    return max(a, b)
-
-
-def minimum(a, b):
-    """``min`` of two numbers; ``sympy.Min`` when either is a sympy expression."""
-    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
-        return sympy.Min(a, b)
-    return min(a, b)
 
 
 def compute_time(

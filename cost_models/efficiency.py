@@ -28,7 +28,7 @@ from autopar.core.errors import HardwareError
 from autopar.core.hardware import Hardware
 from autopar.core.ops.attention import SDPA
 from autopar.core.ops.moe import MOE, grouped_gemms
-from cost_models.compute import maximum, minimum
+from autopar.core.sizes import maximum, minimum
 
 __all__ = ["ATTENTION_OPS", "Efficiency", "GEMM_OPS", "GemmShape", "TABLES", "attention_seconds", "efficiency_of",
            "gemm_seconds", "load_table", "memory_seconds", "op_seconds"]

@@ -49,10 +49,11 @@ from autopar.core.placements import (
     shard_fraction,
 )
 from autopar.core.precision import Precision, reduce_dtype
+from autopar.core.sizes import maximum, minimum
 from autopar.core.strategies import NodeChoices, Strategy, StrategySpace
 from cost_models.activations import NOTHING, Saved, SavedTensors, gradients
 from cost_models.comm import ALL_TO_ALLS, Link, collective_time, link_for_axis
-from cost_models.compute import as_amount, compute_time, maximum, minimum
+from cost_models.compute import as_amount, compute_time
 from cost_models.efficiency import efficiency_of, op_seconds
 from cost_models.profile import (
     FRESH_BUFFER_BYTES,

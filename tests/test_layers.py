@@ -145,6 +145,7 @@ def test_importing_a_low_layer_loads_nothing_above():
         print(*sorted(m for m in sys.modules if m.startswith(("ortools", "autopar", "cost_models", "codegen", "solver"))))
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    # comm's own module, its neighbour compute, and what they use of the core: hardware and errors
+    # comm's own module, its neighbour compute, and what they use of the core: hardware, errors, sizes
     assert out.stdout.split() == ["autopar", "autopar.core", "autopar.core.errors", "autopar.core.hardware",
-                                  "cost_models", "cost_models.comm", "cost_models.compute"], out.stderr
+                                  "autopar.core.sizes", "cost_models", "cost_models.comm",
+                                  "cost_models.compute"], out.stderr

@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import sympy
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from autopar.core.errors import AutoparError
+from autopar.core.sizes import maximum
 
 Layout = Literal["contiguous", "balanced"]
 Kernel = Literal["flash_cpu", "math"]
@@ -337,12 +337,7 @@ def ring_held_bytes(q_numel: Any, kv_numel: Any, rows: Any, itemsize: int, n: in
     forward = 3 * q4 + 3 * 4 * rows + in_flight
     if n > 2:
         return forward, q4 + in_flight + 4 * kv4 + 2 * grads
-    return forward, q4 + in_flight + larger(3 * kv4 + 2 * grads, 4 * kv4 + grads)
-
-
-def larger(a: Any, b: Any) -> Any:
-    """max of two sizes, either of which may be a sympy expression."""
-    return sympy.Max(a, b) if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic) else max(a, b)
+    return forward, q4 + in_flight + maximum(3 * kv4 + 2 * grads, 4 * kv4 + grads)
 
 
 def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> None:

@@ -28,7 +28,6 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_
 from autopar.core.capture import tensor_val
 from autopar.core.context_parallel import (
     allgather_attention,
-    larger,
     positions,
     ring_attention,
     ring_held_bytes,
@@ -53,6 +52,7 @@ from autopar.core.ops.base import (
 )
 from autopar.core.placements import Placements, largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
+from autopar.core.sizes import maximum, minimum
 
 aten = torch.ops.aten
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -395,7 +395,7 @@ def flash_cpu_scratch(q_rows: Any, kv_rows: Any, dim: Any, q_numel: Any, itemsiz
         rows: Any = sympy.Piecewise((sympy.Min(q_rows, 32), q_rows < 192), (64, q_rows < 768), (256, True))
     else:
         rows = min(q_rows, 256 if q_rows >= 768 else 64 if q_rows >= 192 else 32)
-    keys = sympy.Min(kv_rows, 512) if isinstance(kv_rows, sympy.Basic) else min(kv_rows, 512)
+    keys = minimum(kv_rows, 512)
     tile = rows * keys
     half = itemsize * tile if itemsize < 4 else 0
     return 4 * (tile + 2 * rows + rows * dim) + half, 4 * (2 * tile + rows + q_numel) + 2 * half
@@ -416,13 +416,13 @@ def attention_working(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) 
     context = context_of(placed)
     if context is None or (context[1] == "ulysses" and _heads_divide(q[1], k[1], mesh_shape[context[0]])):
         seq = k[2] * (mesh_shape[context[0]] if context is not None else 1)   # Ulysses: the whole sequence
-        return larger(*flash_cpu_scratch(seq if context else q[2], seq, q[3], q_numel, itemsize)) if cpu else 0
+        return maximum(*flash_cpu_scratch(seq if context else q[2], seq, q[3], q_numel, itemsize)) if cpu else 0
     forward, backward = ring_held_bytes(q_numel, kv_numel, rows, itemsize, mesh_shape[context[0]])
     forward, backward = forward - itemsize * q_numel - 4 * rows, backward - itemsize * (q_numel + kv_numel)
     if cpu:
         scratch = flash_cpu_scratch(q[2], k[2], q[3], q_numel, itemsize)
         forward, backward = forward + scratch[0], backward + scratch[1]
-    return larger(forward, backward)
+    return maximum(forward, backward)
 
 
 def _axis_coordinate(mesh: DeviceMesh, axis: int, rank: int) -> int:

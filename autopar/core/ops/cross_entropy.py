@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +42,7 @@ from autopar.core.ops.base import (
 )
 from autopar.core.placements import largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
+from autopar.core.sizes import minimum
 
 aten = torch.ops.aten
 #: Both losses, registered alike: the lean one takes aten's arguments in their places.
@@ -182,5 +182,5 @@ def lean_chunks(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> flo
     logits, dtype = tensor_val(node.args[0]), node.kwargs["dtype"]
     rows, vocab = largest_shard_shape(logits.shape, placed.ins[0], mesh_shape)
     chunk = chunk_rows(logits.shape[1], dtype)
-    held = sympy.Min(rows, chunk) if isinstance(rows, sympy.Basic) else min(rows, chunk)   # symbolic sizes too
+    held = minimum(rows, chunk)   # symbolic sizes too
     return 2.0 * held * vocab * dtype.itemsize

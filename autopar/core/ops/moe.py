@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,6 +38,7 @@ from autopar.core.ops.base import (
 )
 from autopar.core.placements import Placements, largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
+from autopar.core.sizes import maximum
 
 if TYPE_CHECKING:   # strategies imports this package
     from autopar.core.mesh import MeshSpec
@@ -178,8 +178,7 @@ def row_buffers(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> flo
     experts = largest_shard_shape(gate_up.shape, placed.ins[GATE_UP], mesh_shape)[0]
     rows = tokens * tensor_val(node.args[IDS]).shape[1]
     forward, backward = 3 * rows * hidden, 2 * rows * (gate_up.shape[1] // 2) / experts
-    most = sympy.Max(forward, backward) if isinstance(rows, sympy.Basic) else max(forward, backward)
-    return most * gate_up.element_size()
+    return maximum(forward, backward) * gate_up.element_size()
 
 
 @register_flop_formula(torch.ops.autopar.moe_experts)

@@ -25,9 +25,11 @@ reduce-scatter here (``later``); it is waited for and handed over at the same mo
 read otherwise (a ZeRO-3 parameter gathered alone, reads that disagree) keep a per-parameter hook
 (``runtime.sync_grad_to``).
 
-``train_step``'s loss rides along (``carry``): each rank's summand of it joins the first bucket
-reduced over the same axes, so that summing the loss over ranks costs no collective of its own
-(the loss alone would be one more all-reduce a step, as long to launch as the gradients' own).
+``train_step``'s loss rides along (``carry``), and so does the plain loop's (a forward's deferred
+sum, ``autopar.core.launched.carry_deferred``, taken as the backward begins): each rank's summand
+of it joins the first bucket reduced over the same axes, so that summing the loss over ranks
+costs no collective of its own (the loss alone would be one more all-reduce a step, as long to
+launch as the gradients' own).
 
 Gradient accumulation (``ShardedModule.train_step`` over microbatches) turns ``sync`` off for
 all backwards but the last: the partial gradients then stay summed in the local shards' ``grad``
@@ -39,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -48,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
 from autopar.core.execution import BUCKET_BYTES
-from autopar.core.launched import launch_deferred
+from autopar.core.launched import carry_deferred
 from autopar.core.placements import Placements
 from autopar.core.precision import reduce_dtype
 from codegen.runtime import Launched, gradient_leaf, shard_of, sum_in_place
@@ -137,6 +140,15 @@ class GradSync:
             carried.reduced = self._sum_alone(carried)
         return carried
 
+    def _take(self, deferred: Any) -> Carried | None:
+        """Carry a forward's deferred sum (``autopar.core.launched``, the plain loop's loss) where a
+        bucket of this mesh sums over its axes in its dtype; None where none does."""
+        summand = deferred.summand
+        if deferred.mesh is not self.mesh or not any(b.axes == deferred.axes and b.wire == summand.dtype
+                                                      for b in self.buckets):
+            return None
+        return self.carry(summand, deferred.axes)
+
     def _sum_alone(self, c: Carried) -> Launched:
         """Launch the sum of a summand no bucket takes (a copy: the summand shares the loss's storage)."""
         return sum_in_place(c.summand.reshape(-1).clone(), self.mesh, c.axes)
@@ -155,7 +167,7 @@ class GradSync:
 
     def _queue(self) -> None:
         if not self._queued:   # once per backward: finish every bucket when the backward ends
-            launch_deferred()   # a loss's sum not launched yet goes first, on every rank
+            carry_deferred(self._take)   # a loss's sum not launched yet: carried, or launched first
             Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
 

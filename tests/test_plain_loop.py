@@ -1,8 +1,9 @@
 """The loop users write: ``loss = pmodel(**batch).loss; loss.backward(); opt.step()``.
 
-Outputs' collectives are launched in the forward and waited for where they are read
-(``autopar.core.launched``): a loss read on one rank only, logits read or not, an evaluation forward
-nobody reads, must all give one device's values and leave no collective behind."""
+Outputs' collectives are deferred to where they are read (``autopar.core.launched``; the loss's
+sum rides in the gradients' all-reduce): a loss read on every rank or after the backward, logits
+read or not, an evaluation forward nobody reads, must all give one device's values and leave no
+collective behind; a rank reading alone what only every rank together can sum is told so."""
 from __future__ import annotations
 
 import datetime
@@ -59,10 +60,10 @@ def _reference(batches) -> list[tuple[float, torch.Tensor]]:
 
 
 def _plain_loop(mesh, plans: dict[str, str], batches) -> dict[str, list]:
-    """Each plan's plain loop: the loss read on rank 0 only (once before its backward: its sum is
-    launched there, and as the backward begins on the others), the logits read at the last step
-    on every rank; then an evaluation forward nobody reads. Returns what was read and how many
-    collectives were left registered, never waited for."""
+    """Each plan's plain loop: the loss read on rank 0 only after its backward (carried in the
+    gradients' all-reduce) and once on every rank before it (summed there at once), the logits
+    read at the last step on every rank; then an evaluation forward nobody reads. Returns what
+    was read and how many collectives were left registered, never waited for."""
     rank = torch.distributed.get_rank()
     results = {}
     for label, text in plans.items():
@@ -72,7 +73,7 @@ def _plain_loop(mesh, plans: dict[str, str], batches) -> dict[str, list]:
         read = []
         for step, (args, kwargs) in enumerate(batches):
             out = pmodel(*args, **kwargs)
-            early = out.loss.item() if rank == 0 and step == 1 else None   # before the backward, one rank
+            early = out.loss.item() if step == 1 else None   # before the backward, every rank
             out.loss.backward()
             opt.step()
             opt.zero_grad()
@@ -109,12 +110,18 @@ def test_plain_loop_equals_one_device_on_2x2():
 
 
 def _reads_that_differ(mesh, text: str, batches) -> dict[str, object]:
-    """Each rank reading another step's split logits, then logits read on rank 0 only: each rank
-    says what it was told; the step's own collectives go on unharmed."""
+    """An evaluation forward (grad enabled) whose loss rank 0 alone reads (its peers sum it at
+    their next forward); then each rank reading another step's split logits, logits read on rank
+    0 only, a loss read on rank 0 only before its backward: each rank says what it was told (a
+    timeout leaves the read groups closed: those cases come last); the step's own collectives go
+    on unharmed."""
     launched.READ_TIMEOUT = datetime.timedelta(seconds=3)
     rank = torch.distributed.get_rank()
     pmodel = autopar.compile(get_model(NAME).build(), mesh, *batches[0], plan=autopar.Plan.from_json(text))
     told: dict[str, object] = {}
+    evaluated = pmodel(*batches[0][0], **batches[0][1])
+    told["evaluated"] = evaluated.loss.item() if rank == 0 else None
+    told["again"] = pmodel(*batches[0][0], **batches[0][1]).loss.item()   # the same batch, every rank reading
     outs = [pmodel(*args, **kwargs) for args, kwargs in batches[:2]]
     try:
         outs[rank].logits.sum().item()   # rank 0 the first forward's, rank 1 the second's
@@ -126,6 +133,10 @@ def _reads_that_differ(mesh, text: str, batches) -> dict[str, object]:
             out.logits.sum().item()
         except autopar.AutoparError as e:
             told["alone"] = str(e)
+        try:
+            out.loss.item()
+        except autopar.AutoparError as e:
+            told["loss alone"] = str(e)
     out.loss.backward()   # the step's own collectives still pair up
     told["loss"] = out.loss.item()
     return told
@@ -134,14 +145,18 @@ def _reads_that_differ(mesh, text: str, batches) -> dict[str, object]:
 @slow
 def test_split_outputs_read_unlike_are_told():
     """Logits are gathered when read (nothing is gathered for a loop that never reads them): a
-    rank reading them alone is told its peers did not, within ``READ_TIMEOUT``; ranks reading
-    different steps' logits are told so, never handed each other's."""
+    rank reading them alone is told its peers did not, within ``READ_TIMEOUT``, and so is a rank
+    reading the loss alone before its backward; ranks reading different steps' logits are told
+    so, never handed each other's. An evaluation forward's loss read on one rank only is summed
+    with its peers at their next forward."""
     spec = autopar.MeshSpec((2,), ("dp",), hardware="cpu")
     batches = make_batches(NAME, 4, 16)
     torch.manual_seed(0)
     text = candidates(get_model(NAME).build(), spec, *batches[0], options=autopar.PlanOptions(profile=None))["ddp"].to_json()
     ranks = run_on_gloo_mesh(_reads_that_differ, (2,), text, batches, axis_names=("dp",), start_method="forkserver")
     assert "did not read it within 3 s" in ranks[0]["alone"] and "alone" not in ranks[1]
+    assert "read the loss before its backward" in ranks[0]["loss alone"] and "loss alone" not in ranks[1]
     for told in ranks:
         assert "read different outputs" in told["another"]
     assert ranks[0]["loss"] == ranks[1]["loss"]
+    assert ranks[0]["evaluated"] == ranks[0]["again"] == ranks[1]["again"]

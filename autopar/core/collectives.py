@@ -99,7 +99,7 @@ def sum_over_ranks(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> to
     for nothing). Backward: each summand's gradient is the sum's (Megatron's reduce from the
     model-parallel region)."""
     if not torch.compiler.is_compiling() and not one_process() and (len(axes) == 1 or spans_job(mesh, axes)):
-        return launched.summed(x, axes_group(mesh, axes))
+        return launched.summed(x, axes_group(mesh, axes), mesh, axes)
     return _SumOverRanks.apply(x, mesh, tuple(axes))
 
 

@@ -1,16 +1,16 @@
-"""Outputs whose collective is launched in the forward, or run when first read.
+"""Outputs whose collective is deferred: carried with the gradients, or run when first read.
 
 The loop users write (``loss = model(**batch).loss; loss.backward(); opt.step()``) reads the loss
 now and then (``loss.item()`` on rank 0 every few steps) and the logits rarely. The module still
 promises one device's outputs on every rank, so the sum of the loss's summands and the gather of
 a split output are collectives:
 
-* the loss's sum (a number or two) is launched where first read or as the backward begins,
-  whichever comes first, and before any other collective that follows it (a gradient bucket, the
-  next step): every rank launches it in one place among its collectives, so a loss read on one
-  rank only (rank 0's log line), before the backward or after, waits only for its peers to
-  reach their backward. Launched at the forward's end instead, the all-reduce cost a small
-  model's step on a shared host several percent more (``benchmarks/RESULTS.md``);
+* the loss's sum (a number or two) rides in the gradients' all-reduce of the backward through it
+  (``carry_deferred``: a bucket carries it, as ``train_step``'s), so a loop that reads it after
+  its backward or never pays no collective of its own for it: that one all-reduce cost a small
+  model's plain loop on a shared CPU host about 5% of its step (``benchmarks/RESULTS.md``). Read
+  before its backward, it is summed at once on the read groups, and every rank must read it then
+  (a rank reading alone is told so after ``READ_TIMEOUT``: its peers sum it in their backward);
 * an evenly split output (a language model's logits, batch x sequence x vocabulary) is gathered
   only when first read, on every rank, in the same order (as DTensor's ``full_tensor()``): a loop
   that never reads it pays nothing for it, as DDP's. The gather runs on process groups of its
@@ -71,6 +71,13 @@ def launch_deferred() -> None:
     (a gradient bucket, the next step), so that every rank launches them in one order."""
     while _DEFERRED:
         _DEFERRED[0].launch()   # takes itself off the list
+
+
+def _launch_uncarriable() -> None:
+    """Launch the deferred sums no gradient bucket may carry (in order; the others wait for the
+    gradient sync's ``carry_deferred`` or ``settle``)."""
+    for deferred in [d for d in _DEFERRED if not d.carriable]:
+        deferred.launch()
 
 
 def settle() -> None:
@@ -139,28 +146,95 @@ class _Cell:
 
 
 class _Deferred(_Cell):
-    """The sum over ``group`` of ``buffer`` (this rank's summand), launched at the first of: a
-    read of its value, the backward through it (before any bucket of gradients), the next step,
-    grad being disabled, exit. A rank reading it before its backward waits for its peers to reach
-    theirs; every rank launches it, in the same place among its collectives (``launch_deferred``)."""
+    """The sum over ``group`` of ``buffer`` (this rank's summand), made by a forward.
 
-    def __init__(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
+    Where ``read_group`` is given (a module's mesh with ``prepare_reads``' groups), the sum rides
+    in the gradients' all-reduce of the backward through it (``carry_deferred``: a gradient bucket
+    takes it, as ``train_step``'s loss), so that a loop that reads it after its backward, or never,
+    pays no collective for it. A read before that backward sums it on ``read_group`` at once
+    (every rank reading it there, as a split output's gather; a rank reading it alone waits
+    ``READ_TIMEOUT`` and is told so); one no backward takes (an evaluation forward) is summed there
+    at the next step, when grad is disabled, or at exit. Elsewhere (pipeline stages) it is
+    launched on ``group`` at the first of those moments or as the backward begins. Every rank
+    makes the same choices in the same order (``launch_deferred``)."""
+
+    def __init__(self, buffer: torch.Tensor, group: dist.ProcessGroup, read_group: dist.ProcessGroup | None,
+                 mesh: DeviceMesh, axes: tuple[int, ...]) -> None:
         super().__init__(None, lambda: buffer)
-        self._buffer, self._group = buffer, group
+        self._buffer, self._group, self._read_group = buffer, group, read_group
+        self.mesh, self.axes = mesh, axes
+        self._carried: Any = None   # the gradient bucket's ``Carried`` that sums it
+        self._read: torch.Tensor | None = None   # the sum, read before the backward (on ``read_group``)
         _DEFERRED.append(self)
 
+    @property
+    def summand(self) -> torch.Tensor:
+        return self._buffer
+
+    @property
+    def carriable(self) -> bool:
+        return self._read_group is not None
+
     def launch(self) -> None:
-        """Launch the sum (and every deferred sum made before it, first) unless launched."""
+        """Launch the sum (and every deferred sum made before it, first) unless launched or
+        carried: on the read group where it has one (unless summed there already)."""
         if self in _DEFERRED:
             while _DEFERRED[0] is not self:
                 _DEFERRED[0].launch()
             _DEFERRED.pop(0)
-            self._work = dist.all_reduce(self._buffer, group=self._group, async_op=True)
-            _IN_FLIGHT.append(self.wait)
+            if self._read is None:
+                self._work = dist.all_reduce(self._buffer, group=self._read_group or self._group, async_op=True)
+                _IN_FLIGHT.append(self.wait)
+
+    def carried_by(self, carried: Any) -> None:
+        """A gradient bucket sums it (``carried``: its ``Carried``); read from there."""
+        _DEFERRED.remove(self)
+        self._carried = carried
 
     def value(self) -> torch.Tensor:
+        if self._read is not None:
+            return self._read
+        if self._carried is not None:
+            return self._carried_value()
+        if self in _DEFERRED and self.carriable:   # read before its backward: the summand stays to be carried
+            total = self._buffer.clone()
+            _waited_sum(dist.all_reduce(total, group=self._read_group, async_op=True))
+            self._read = total
+            return total
         self.launch()
         return super().value()
+
+    def _carried_value(self) -> torch.Tensor:
+        if self._carried.reduced is None:
+            raise AutoparError("the loss was read during the backward through it (a hook?): its sum over ranks "
+                               "rides in the gradients' all-reduce and is known when the backward ends. "
+                               "Read it after backward()")
+        return self._carried.value()
+
+
+def carry_deferred(take: Callable[[_Deferred], Any]) -> None:
+    """As a backward begins: offer every deferred sum made so far, in order, to ``take`` (a
+    gradient sync's), which returns the ``Carried`` that sums it in a gradient bucket, or None;
+    those it does not take are launched."""
+    for deferred in list(_DEFERRED):
+        carried = take(deferred) if deferred.carriable else None
+        if carried is not None:
+            deferred.carried_by(carried)
+        else:
+            deferred.launch()
+
+
+def _waited_sum(work: Any) -> None:
+    """Wait for a loss's sum read before its backward; its peers' not reading it is said so."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise AutoparError(
+            f"rank {dist.get_rank()} read the loss before its backward and its peers did not read it within "
+            f"{READ_TIMEOUT.total_seconds():.0f} s: its sum over ranks rides in the gradients' all-reduce, so a "
+            "read before backward() sums it at once, and every rank must then read it. Read it after "
+            "loss.backward() (rank 0's log line), or on every rank. "
+            f"({e})") from None
 
 
 class Pending(torch.Tensor):
@@ -217,16 +291,19 @@ class _Launched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        launch_deferred()   # a deferred loss sum: the first collective of the backward
+        _launch_uncarriable()   # a loss sum no gradient bucket may carry: the backward's first collective
         torch.autograd.Variable._execution_engine.queue_callback(settle)   # when this backward ends
         return ctx.backward_fn(grad), None, None, None
 
 
-def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum over ``group``'s ranks of every rank's ``x``, deferred (``_Deferred``: launched
-    where first read, or as the backward begins), waited for when read. Backward: each summand's
-    gradient is the sum's (Megatron's reduce from the model-parallel region)."""
-    cell = _Deferred(x.detach().clone(), group)
+def summed(x: torch.Tensor, group: dist.ProcessGroup, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
+    """The sum over ``group``'s ranks (mesh ``axes``) of every rank's ``x``, deferred
+    (``_Deferred``: carried in the gradients' all-reduce, or summed where read first), waited for
+    when read. Backward: each summand's gradient is the sum's (Megatron's reduce from the
+    model-parallel region)."""
+    reads = _READ_GROUPS.get(_mesh_key(mesh))
+    read_group = None if reads is None else reads[tuple(axes)] if len(axes) == 1 else reads[None]
+    cell = _Deferred(x.detach().clone(), group, read_group, mesh, tuple(axes))
     return _Launched.apply(x, cell, tuple(x.shape), lambda grad: grad)
 
 

@@ -198,7 +198,7 @@ class _Deferred(_Cell):
             return self._carried_value()
         if self in _DEFERRED and self.carriable:   # read before its backward: the summand stays to be carried
             total = self._buffer.clone()
-            _waited_sum(dist.all_reduce(total, group=self._read_group, async_op=True))
+            _waited(dist.all_reduce(total, group=self._read_group, async_op=True), *_LOSS_READ)
             self._read = total
             return total
         self.launch()
@@ -222,19 +222,6 @@ def carry_deferred(take: Callable[[_Deferred], Any]) -> None:
             deferred.carried_by(carried)
         else:
             deferred.launch()
-
-
-def _waited_sum(work: Any) -> None:
-    """Wait for a loss's sum read before its backward; its peers' not reading it is said so."""
-    try:
-        work.wait()
-    except RuntimeError as e:
-        raise AutoparError(
-            f"rank {dist.get_rank()} read the loss before its backward and its peers did not read it within "
-            f"{READ_TIMEOUT.total_seconds():.0f} s: its sum over ranks rides in the gradients' all-reduce, so a "
-            "read before backward() sums it at once, and every rank must then read it. Read it after "
-            "loss.backward() (rank 0's log line), or on every rank. "
-            f"({e})") from None
 
 
 class Pending(torch.Tensor):
@@ -396,16 +383,24 @@ def _read(local: torch.Tensor, group: dist.ProcessGroup, tag: int) -> torch.Tens
     return flat.view(ranks, *local.shape)
 
 
-def _waited(work: Any) -> None:
-    """Wait for a gather of an output being read; its peers' not reading it is said so."""
+#: What a rank reading alone is told: what it read, and why and how every rank must read it.
+_OUTPUT_READ = ("a split output of the forward (the logits, say)",
+                "it is gathered when first read, and every rank must read it, in the same order (as DTensor's "
+                "full_tensor()). Read it on every rank, or plan with gather_outputs=False and read this rank's part "
+                "(DTensor.to_local())")
+_LOSS_READ = ("the loss before its backward",
+              "its sum over ranks rides in the gradients' all-reduce, so a read before backward() sums it at once, "
+              "and every rank must then read it. Read it after loss.backward() (rank 0's log line), or on every rank")
+
+
+def _waited(work: Any, read: str = _OUTPUT_READ[0], advice: str = _OUTPUT_READ[1]) -> None:
+    """Wait for a collective a read launched on the read groups; its peers' not reading alike is
+    said so (``read``: what this rank read; ``advice``: why every rank must, and what to do)."""
     try:
         work.wait()
     except RuntimeError as e:
-        raise AutoparError(
-            f"rank {dist.get_rank()} read a split output of the forward (the logits, say) and its peers did not "
-            f"read it within {READ_TIMEOUT.total_seconds():.0f} s: it is gathered when first read, and every rank "
-            "must read it, in the same order (as DTensor's full_tensor()). Read it on every rank, or plan with "
-            f"gather_outputs=False and read this rank's part (DTensor.to_local()). ({e})") from None
+        raise AutoparError(f"rank {dist.get_rank()} read {read} and its peers did not read it within "
+                           f"{READ_TIMEOUT.total_seconds():.0f} s: {advice}. ({e})") from None
 
 
 def _assembled(pieces: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], split: Sequence[int],

@@ -9,6 +9,8 @@ and within on another, each rank runs its slice of its experts.
 """
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -39,7 +41,7 @@ from autopar.core.ops.base import (
     timed,
     working,
 )
-from autopar.core.placements import Placements, ShardBlocks, largest_shard_shape
+from autopar.core.placements import Placements, ShardBlocks, largest_shard_shape, shard_fraction, split_axes
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 from autopar.core.sizes import maximum
 
@@ -184,12 +186,23 @@ def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
     (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
     activation, up projection and product (4I), in the experts' dtype. The kernel is autograd's
-    ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``."""
+    ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``. A
+    rank keeps its share of the rows, and of the 4I where each expert is split within
+    (``kept_share``)."""
     hidden, ids, gate_up = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP))
     rows = hidden.shape[0] * ids.shape[1]
     inner = gate_up.shape[1] // 2
     extra = rows * (2 * hidden.shape[1] + 4 * inner) * gate_up.element_size()
-    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True)
+    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True,
+                share=functools.partial(kept_share, 2 * hidden.shape[1], 4 * inner))
+
+
+def kept_share(token_part: int, inner_part: int, ins: Sequence[Placements], mesh_shape: Sequence[int]) -> float:
+    """The share of the kept rows one rank holds: its tokens' share of the rows, each row's
+    ``token_part`` values whole and its ``inner_part`` values split as each expert is (within)."""
+    rows = shard_fraction(ins[HIDDEN], mesh_shape)
+    within = math.prod(mesh_shape[a] for a in split_axes(ins[DOWN], 2))
+    return rows * (token_part + inner_part / within) / (token_part + inner_part)
 
 
 @working(MOE)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 import autopar.core.expert_parallel as ep
@@ -20,6 +20,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.execution import written_aliases
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
+from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
 from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
@@ -98,6 +99,72 @@ def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     assert f"expert parallelism: over {axis}, {per_rank} per rank -> none" in plan_diff(plan, older)
 
 
+def _forced(mesh_shape: tuple[int, ...], choice: dict[str, str]) -> Plan:
+    """The auto plan with the experts' layout forced to ``choice`` (``PlanOptions.expert_parallel``)."""
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel=choice, hand_plans=False, time_limit=None, profile=None, pipeline=False,
+                          microbatches=1, recompute="none")
+    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)
+
+
+@pytest.mark.parametrize("mesh_shape, runner, choice", [
+    ((2,), gloo_runner, {"within": "x"}),
+    ((2, 2), local_runner, {"axis": "dp", "within": "tp"}),   # Megatron's EP x expert-TP
+])
+def test_mixtral_trains_exactly_with_each_expert_split_within(mesh_shape, runner, choice, monkeypatch):
+    """Each expert's intermediate dimension split over an axis (its gate and up rows alike, its
+    down columns; the output a partial sum), alone on 2 gloo processes and beside the experts
+    split by expert on the other axis of a simulated 2x2 mesh (uneven routing: recorded)."""
+    seen = _recording_dispatch(monkeypatch)
+    plan = _forced(mesh_shape, choice)
+    within = MeshSpec(mesh_shape).axis_names.index(choice["within"])
+    record = {"within": choice["within"], "layers": 2, "of": 2}
+    if "axis" in choice:
+        record |= {"axis": choice["axis"], "experts_per_rank": 2}
+    assert plan.expert_parallel == record
+    gate_up = next(n for n in plan.nodes if n.fqn == "model.layers.0.mlp.experts.gate_up_proj")
+    assert gate_up.storage[within] == gate_up.out[within] == ShardBlocks(1, 2)   # 1/n of its weights a rank
+    check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
+    if "axis" in choice:
+        assert any(0 in per_expert for counts in seen for per_expert in counts), seen
+    assert f"each expert split within over {choice['within']}" in plan.report()
+    again = Plan.from_json(plan.to_json())
+    assert again.expert_parallel == plan.expert_parallel and again.nodes == plan.nodes   # S(1:2) read back
+
+
+def test_experts_split_within_are_candidates_priced_as_their_slice():
+    """The planner sees the split within like any strategy: on each axis the op may run it
+    (output partial: its sum priced as the all-reduce it is), the experts' weights may be stored
+    so (half a rank's memory on 2), the GEMMs cost half of every expert whole, no all-to-all,
+    and a rank keeps its share of the intermediate rows (the token rows whole)."""
+    from autopar.core.capture import tensor_val
+    from autopar.core.ops.moe import DOWN, GATE_UP, WITHIN, within_axis
+    from autopar.core.strategies import build_space
+    from cost_models.comm import collective_time
+    from cost_models.estimate import CostModel
+
+    space = build_space(_captured(), MeshSpec((2, 2), hardware="cpu"))
+    costs = CostModel(space.mesh, space)
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    for axis in (0, 1):
+        s = next(s for s in nc.strategies if within_axis(s) == axis and s.names[1 - axis] == "replicate")
+        whole = next(s for s in nc.strategies if s.names == ("replicate", "replicate"))
+        assert s.names[axis] == WITHIN and s.out[axis] == Partial() and s.ins[DOWN][axis] == Shard(2)
+        split, full = costs.node(nc, s), costs.node(nc, whole)
+        assert split.compute_s == pytest.approx(full.compute_s / 2, rel=0.01) and split.comm_s == 0   # + launches
+        hidden, inner = tensor_val(nc.node.args[0]).shape[1], tensor_val(nc.node.args[DOWN]).shape[2]
+        kept, kept_whole = (costs._kept(nc, x, tensor_val(nc.node))[1] for x in (s, whole))
+        assert kept == pytest.approx(kept_whole * (2 * hidden + 4 * inner / 2) / (2 * hidden + 4 * inner))
+    param = next(p for p in space.nodes if p.node is nc.inputs[GATE_UP])
+    stored = next(s for s in param.strategies if s.storage == (ShardBlocks(1, 2), Replicate()))
+    whole_param = next(s for s in param.strategies if s.storage == (Replicate(), Replicate()))
+    assert costs.node(param, stored).state_bytes == costs.node(param, whole_param).state_bytes / 2
+    out = tensor_val(nc.node)
+    link = costs.links[0]   # no profile: the preset's
+    assert costs.redistribute(out.shape, out.dtype, (Partial(), Replicate()), (Replicate(), Replicate())).comm_s == \
+        pytest.approx(collective_time("all_reduce", out.numel() * 4, 2, link))
+
+
 def test_a_skewed_router_is_priced_on_the_busiest_rank_and_recorded():
     """``expert_skew``: the experts split by expert cost that many times more on the busiest rank
     (GEMMs and all-to-alls), the plan records and reports it; below 1 is refused."""
@@ -153,6 +220,9 @@ def test_transformers_experts_are_captured_as_one_op_and_the_registry_restored(c
     ({"axis": "ep"}, "names mesh axis 'ep', which the mesh ('dp', 'tp') lacks"),
     ({"axis": "tp"}, "has 4 experts, which cannot split evenly over mesh axis 'tp' of 3 ranks"),
     ({"mesh": "tp"}, "expert_parallel is 'auto', False, or {'axis': name}"),
+    ({"within": "tp"}, "experts have an intermediate size of 128, which cannot split evenly over mesh axis 'tp' of 3"),
+    ({"axis": "tp", "within": "tp"}, "or both (two different axes); got {'axis': 'tp', 'within': 'tp'}"),
+    ({"within": "pp"}, "names mesh axis 'pp', which the mesh ('dp', 'tp') lacks"),
 ])
 def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
     model, args, kwargs = meta_model(NAME, 3, 4)
@@ -281,30 +351,34 @@ def _kernel_peaks(tokens: int, experts: int, k: int, hidden: int, inner: int) ->
     return forward, both
 
 
-@pytest.mark.parametrize("by_expert", [True, False])
-def test_the_experts_memory_is_what_the_kernel_holds(by_expert):
+@pytest.mark.parametrize("layout", ["by expert", "by token", "within"])
+def test_the_experts_memory_is_what_the_kernel_holds(layout):
     """The experts' kept rows, output and working memory (``Kept.by_parts``, ``row_buffers``) add
     up to the kernel's forward peak on a rank, and bound its backward's. Their backward frees
     the kept rows as it goes, so their gradients are not working memory, nor are the all-to-alls'
-    buffers beside the rows (the accounting before gave 5x the kernel's temporaries)."""
+    buffers beside the rows (the accounting before gave 5x the kernel's temporaries). Split
+    within, a rank runs every token on its half of each expert's intermediate dimension."""
     from autopar.core.capture import tensor_val
-    from autopar.core.ops.moe import GATE_UP, IDS, expert_axis
+    from autopar.core.ops.moe import GATE_UP, IDS, expert_axis, within_axis
     from autopar.core.strategies import build_space
     from cost_models.estimate import CostModel
 
     space = build_space(_captured(), MeshSpec((2,), hardware="cpu"))   # 512 tokens a rank, 1024 rows (top-2)
     nc = next(nc for nc in space.nodes if nc.node.target is MOE)
-    s = next(s for s in nc.strategies if (expert_axis(s) is not None) == by_expert and s.out[0] == Shard(0))
+    s = next(s for s in nc.strategies if (expert_axis(s) is not None) == (layout == "by expert")
+             and (within_axis(s) is not None) == (layout == "within") and s.out[0] != Replicate())
     costs = CostModel(space.mesh, space)
     cost = costs.node(nc, s)
     tokens, hidden = tensor_val(nc.node.args[0]).shape
+    tokens //= 1 if layout == "within" else 2
     gate_up = tensor_val(nc.node.args[GATE_UP])
-    experts, k = gate_up.shape[0] // (2 if by_expert else 1), tensor_val(nc.node.args[IDS]).shape[1]
-    out = tokens // 2 * hidden * 4
+    experts, k = gate_up.shape[0] // (2 if layout == "by expert" else 1), tensor_val(nc.node.args[IDS]).shape[1]
+    inner = gate_up.shape[1] // (4 if layout == "within" else 2)
+    out = tokens * hidden * 4
     internal = costs._kept(nc, s, tensor_val(nc.node))[1]
-    forward, both = _kernel_peaks(tokens // 2, experts, k, hidden, gate_up.shape[1] // 2)
+    forward, both = _kernel_peaks(tokens, experts, k, hidden, inner)
     assert internal + cost.transient_bytes == pytest.approx(forward, rel=0.05)
-    grads = (tokens // 2 * (hidden + k) + experts * 3 * gate_up.shape[1] // 2 * hidden) * 4
+    grads = (tokens * (hidden + k) + experts * 3 * inner * hidden) * 4
     assert both <= internal + cost.transient_bytes + grads
     assert cost.transient_bytes < 2 * out + internal / 2
 

@@ -224,8 +224,8 @@ def _parameter_lines(plan: Plan, params: list[NodePlan], axes: str) -> list[str]
         f"on one device of pipeline rank {holding.rank}, the rank of the peak ('-': held by other ranks only; "
         f"each stage's share is in the pipeline table)")
     lines = [f"Parameters ({len(params)}{grouped})",
-             f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d; "
-             f"memory = parameter + gradient + optimizer state {where}",
+             f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d "
+             f"(S(d:b): in b blocks, each split); memory = parameter + gradient + optimizer state {where}",
              f"  strategy counts: {_counts(params)}"]
     headers = ["parameter", "n", "strategy", "storage", "memory"] + (["stages"] if holding.rank is not None else [])
     table = [[r.name, f"x{r.count}" if r.count > 1 else "", r.strategy, r.storage,

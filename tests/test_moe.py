@@ -132,6 +132,22 @@ def test_mixtral_trains_exactly_with_each_expert_split_within(mesh_shape, runner
     assert again.expert_parallel == plan.expert_parallel and again.nodes == plan.nodes   # S(1:2) read back
 
 
+@slow
+def test_experts_split_within_train_exactly_with_their_weights_zero_sharded_over_the_other_axis():
+    """A memory budget that replicating cannot meet: the experts split within over tp are stored
+    ZeRO-3-sharded over dp as well (S(0) x S(1:2)), gathered over dp on use."""
+    from tests.equivalence import tight_budget
+
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel={"within": "tp"}, hand_plans=False, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute="none",
+                          memory_budget=0.7 * tight_budget(NAME, 0, 0, (2, 2), batches=BATCHES))
+    plan = autopar.plan(build(NAME), MeshSpec((2, 2)), args, kwargs, options=options)
+    gate_up = next(n for n in plan.nodes if n.fqn == "model.layers.0.mlp.experts.gate_up_proj")
+    assert gate_up.storage == (Shard(0), ShardBlocks(1, 2)) and gate_up.out == (Replicate(), ShardBlocks(1, 2))
+    check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=BATCHES)
+
+
 def test_experts_split_within_are_candidates_priced_as_their_slice():
     """The planner sees the split within like any strategy: on each axis the op may run it
     (output partial: its sum priced as the all-reduce it is), the experts' weights may be stored

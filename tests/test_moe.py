@@ -148,6 +148,46 @@ def test_experts_split_within_train_exactly_with_their_weights_zero_sharded_over
     check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=BATCHES)
 
 
+def _step(pmodel, opt, batch) -> None:
+    pmodel.train_step(*batch[0], **batch[1])
+    opt.step()
+    opt.zero_grad()
+
+
+def _checkpoint_worker(mesh, plans: dict[str, str], root) -> dict[str, float]:
+    """Trained a step under plan "within", saved, trained on: the largest difference from it of
+    the whole state after loading into each plan and training the same step."""
+    args, kwargs = BATCHES[0]
+    pmodel = autopar.compile(build(NAME), mesh, args, kwargs, plan=Plan.from_json(plans["within"]))
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=equivalence.LR, eps=equivalence.EPS)
+    _step(pmodel, opt, BATCHES[0])
+    autopar.save(pmodel, opt, root)
+    _step(pmodel, opt, BATCHES[1])
+    want = autopar.full_state_dict(pmodel)
+    out = {}
+    for name, text in plans.items():
+        other = autopar.compile(build(NAME), mesh, args, kwargs, plan=Plan.from_json(text))
+        other_opt = torch.optim.AdamW(other.parameters(), lr=equivalence.LR, eps=equivalence.EPS)
+        autopar.load(other, other_opt, root)
+        _step(other, other_opt, BATCHES[1])
+        got = autopar.full_state_dict(other)
+        out[name] = max(float((got[k] - want[k]).abs().max()) for k in want)
+    return out
+
+
+@slow
+def test_a_checkpoint_of_experts_split_within_loads_into_that_plan_and_another(tmp_path):
+    """DCP records a rank's shard as one chunk, which a split in blocks is not: saved as a plain
+    split and put back, the experts' weights and AdamW states load into the same plan and into
+    one that splits no expert within (2 gloo processes), training on as if never stopped."""
+    from autopar.profiling.launch import run_on_gloo_mesh
+
+    plans = {"within": _forced((2,), {"within": "x"}).to_json(), "plain": _forced((2,), {"axis": "x"}).to_json()}
+    for per_plan in run_on_gloo_mesh(_checkpoint_worker, (2,), plans, tmp_path / "checkpoint",
+                                     start_method="forkserver"):
+        assert per_plan["within"] == 0 and per_plan["plain"] < 1e-6, per_plan
+
+
 def test_experts_split_within_are_candidates_priced_as_their_slice():
     """The planner sees the split within like any strategy: on each axis the op may run it
     (output partial: its sum priced as the all-reduce it is), the experts' weights may be stored

@@ -323,6 +323,23 @@ def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
                              for s in split), fqn
 
 
+def test_hand_plans_split_experts_by_expert_or_within_on_a_tensor_axis_never_within_on_a_data_axis():
+    """Megatron's layouts: on a tensor-parallel axis the experts' weights are used split, by
+    expert or within each expert (EP x TP with the data axis: expert tensor parallelism); on a
+    data axis whole or by expert, never within."""
+    from autopar.core.ops.moe import EXPERTS, WITHIN
+    from autopar.core.strategies import build_space
+    from autopar.planning.baselines import _obeys, _traits
+
+    model, args, kwargs = meta_model(NAME, 2, 4)
+    space = build_space(capture(model, args, kwargs), MeshSpec((2, 2)))
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    traits = _traits(space, nc, True)
+    obeyed = {s.names for s in nc.strategies if _obeys(space.mesh, "op", traits, s, ("dp", "tp"))}
+    assert ("batch", WITHIN) in obeyed and (EXPERTS, WITHIN) in obeyed and ("batch", EXPERTS) in obeyed
+    assert not any(names[0] == WITHIN or names[1] in ("batch", "replicate") for names in obeyed), obeyed
+
+
 @functools.cache
 def _captured():
     """The zoo's Mixtral captured on meta for 16 x 64 tokens (the tests that price its experts)."""

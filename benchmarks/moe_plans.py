@@ -49,8 +49,9 @@ def plan_row(name: str, expert_parallel: str | bool | dict[str, str], mesh: tupl
     pp = plan.pipeline
     pipeline = f"pipeline over {pp.axis} ({pp.num_stages} stages)" if pp is not None else "no pipeline"
     ep = plan.expert_parallel or {}
-    experts = ", ".join([f"EP over {ep['axis']} ({ep['experts_per_rank']} a rank)"] * ("axis" in ep)
-                        + [f"experts split within over {ep['within']}"] * ("within" in ep)) or "no EP"
+    by_expert = [f"EP over {ep['axis']} ({ep['experts_per_rank']} a rank)"] if "axis" in ep else []
+    within = [f"experts split within over {ep['within']}"] if "within" in ep else []
+    experts = ", ".join(by_expert + within) or "no EP"
     return (f"| {name} | {expert_parallel} | {plan.predicted.step_time_s:.2f} s | {'yes' if plan.feasible else 'no'} | "
             f"{100 * plan.predicted.mfu:.0f}% | {pipeline}, {plan.microbatches} mb, {experts} | {wall:.1f} s |")
 

@@ -108,7 +108,7 @@ def _forced(mesh_shape: tuple[int, ...], choice: dict[str, str]) -> Plan:
 
 
 @pytest.mark.parametrize("mesh_shape, runner, choice", [
-    ((2,), gloo_runner, {"within": "x"}),
+    pytest.param((2,), gloo_runner, {"within": "x"}, marks=slow),   # (2 simulated ranks: tests/strategy_cases.py)
     ((2, 2), local_runner, {"axis": "dp", "within": "tp"}),   # Megatron's EP x expert-TP
 ])
 def test_mixtral_trains_exactly_with_each_expert_split_within(mesh_shape, runner, choice, monkeypatch):

@@ -30,6 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._pytree import tree_map_only
 
 from autopar.core.errors import CheckpointError
 
@@ -50,7 +53,7 @@ def save(pmodel: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
             raise CheckpointError("the optimizer has taken no step: it has no state to save yet (a fresh one "
                                   "needs none); save with optimizer=None")
         state[OPTIMIZER] = get_optimizer_state_dict(pmodel, optimizer)
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(_in_chunks(state)[0], checkpoint_id=path)
 
 
 def load(pmodel: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
@@ -70,11 +73,34 @@ def load(pmodel: nn.Module, optimizer: torch.optim.Optimizer | None, path: str |
                                   "autopar.save(pmodel, None, path); load it with optimizer=None")
         state[OPTIMIZER] = get_optimizer_state_dict(pmodel, optimizer)   # creates the states to load into
         _check_optimizer_entries(_flat({OPTIMIZER: state[OPTIMIZER]}), saved, pmodel, where)
-    dcp.load(state, checkpoint_id=path)
+    chunked, back = _in_chunks(state)
+    dcp.load(chunked, checkpoint_id=path)
+    state = tree_map_only(DTensor, lambda t: t.redistribute(t.device_mesh, back[id(t)]) if id(t) in back else t,
+                          chunked)
     set_model_state_dict(pmodel, state[MODEL])
     if optimizer is not None:
         set_optimizer_state_dict(pmodel, optimizer, state[OPTIMIZER])
     _set_rng_state(state[RNG])
+
+
+def _in_chunks(state: dict[str, Any]) -> tuple[dict[str, Any], dict[int, list[Placement]]]:
+    """``state`` with each DTensor split in blocks (``autopar.core.placements.ShardBlocks``: an
+    expert's gate and up rows split within it, a rank's pieces of the blocks not one chunk, which
+    DCP cannot record) redistributed to a plain split of that dim; and, by the id of each value
+    so made, the placements to put it back in (after a load)."""
+    back: dict[int, list[Placement]] = {}
+
+    def chunked(t: DTensor) -> DTensor:
+        plain = [Shard(p.dim) if isinstance(p, _StridedShard) and not any(
+            isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in t.placements[a + 1:]) else p
+            for a, p in enumerate(t.placements)]
+        if plain == list(t.placements):
+            return t
+        out = t.redistribute(t.device_mesh, plain)
+        back[id(out)] = list(t.placements)
+        return out
+
+    return tree_map_only(DTensor, chunked, state), back
 
 
 def _check_steps_only(pmodel: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -20,6 +20,7 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
         --out benchmarks/results/cost_accuracy_context.json   # attention split by sequence: ring, Ulysses
     python benchmarks/cost_accuracy.py --knobs expert_parallel --models mixtral-tiny --meshes 2,4,2x2 \
         --launches 1 --out benchmarks/results/cost_accuracy_experts.json   # experts split by expert (all-to-all)
+                                                                           # or within each expert
 
 On the CPU each device is one gloo process with one thread (``autopar.profiling.launch.run_on_gloo_mesh``),
 so a mesh bigger than the core count time-shares the cores; other work on the machine slows the
@@ -78,13 +79,16 @@ SIZES = ((8, 32), (16, 64), (32, 64))
 #: ``expert_parallel``'s knob value: the experts split by expert over the mesh's last axis
 #: (``{"axis": name}``); only for models with mixture-of-experts layers.
 LAST_AXIS = "last axis"
+#: ``expert_parallel``'s knob value: each expert split within over the mesh's last axis (``{"within": name}``).
+WITHIN_LAST_AXIS = "within last axis"
 # ``--knobs``: each config planned under each of these knobs (``autopar.PlanOptions``, a pipeline of
 # two stages over the first axis on meshes of two axes; and
 # ``hand_plan``: that standard plan, here ZeRO-2 or ZeRO-1), on the sizes with activations worth saving.
 KNOBS = ((("microbatches", 2),), (("recompute", "full"),), (("microbatches", 2), ("recompute", "full")),
          (("hand_plan", "zero2"), ("microbatches", 2)), (("hand_plan", "zero1"), ("microbatches", 2)),
          (("recompute", "selective"),), (("pipeline", "Schedule1F1B"),), (("pipeline", "ScheduleGPipe"),),
-         (("expert_parallel", LAST_AXIS),), (("expert_parallel", LAST_AXIS), ("recompute", "full")))
+         (("expert_parallel", LAST_AXIS),), (("expert_parallel", LAST_AXIS), ("recompute", "full")),
+         (("expert_parallel", WITHIN_LAST_AXIS),))
 KNOB_SIZES = SIZES[1:]
 # ``--knobs context_parallel``: attention forced to split by sequence on the mesh's first axis
 # (``PlanOptions.context_parallel``: that axis, this kind), the planner free on the others; on
@@ -341,8 +345,9 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     if isinstance(options.get("context_parallel"), str) and options["context_parallel"] != "auto":   # a kind
         options["context_parallel"] = {"axis": spec.axis_names[0], "kind": options["context_parallel"]}
     hand = options.pop("hand_plan", None)
-    if options.get("expert_parallel") == LAST_AXIS:
-        options["expert_parallel"] = {"axis": spec.axis_names[-1]}
+    if options.get("expert_parallel") in (LAST_AXIS, WITHIN_LAST_AXIS):
+        options["expert_parallel"] = {("axis" if options["expert_parallel"] == LAST_AXIS else "within"):
+                                      spec.axis_names[-1]}
     profile_s = 0.0
     if profile:   # measure this host (cached: ops already profiled, and the collectives, are reused)
         planned = PlanOptions.of(None, **options)

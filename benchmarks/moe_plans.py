@@ -5,6 +5,7 @@ planned as a training loop runs (``gather_outputs=False``) under the default 60 
 
     python benchmarks/moe_plans.py                  # both models (about 4 minutes)
     python benchmarks/moe_plans.py --only mixtral   # one
+    python benchmarks/moe_plans.py --only mixtral --mesh 2x4 --batch 1 --expert-parallel auto tp
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import transformers
 import autopar
 from autopar.core.mesh import MeshSpec
 from autopar.models.zoo import get_model
+from autopar.planning.options import _expert_parallel_from_text
 
 BATCH, SEQ = 256, 4096
 
@@ -35,18 +37,21 @@ def deepseek_v2_lite() -> torch.nn.Module:
 MODELS = {"mixtral": lambda: get_model("mixtral-8x7b").build(), "deepseek-v2-lite": deepseek_v2_lite}
 
 
-def plan_row(name: str, expert_parallel: str | bool) -> str:
+def plan_row(name: str, expert_parallel: str | bool | dict[str, str], mesh: tuple[int, ...] = (8, 8),
+             batch: int = BATCH) -> str:
     with torch.device("meta"):
         model = MODELS[name]()
-    ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    ids = torch.empty(batch, SEQ, dtype=torch.long, device="meta")
     start = time.perf_counter()
-    plan = autopar.plan(model, MeshSpec((8, 8), hardware="h100-80gb"), (ids,), {"labels": ids.clone(), "use_cache": False},
+    plan = autopar.plan(model, MeshSpec(mesh, hardware="h100-80gb"), (ids,), {"labels": ids.clone(), "use_cache": False},
                         precision="bf16", gather_outputs=False, expert_parallel=expert_parallel, progress=False)
     wall = time.perf_counter() - start
     pp = plan.pipeline
     pipeline = f"pipeline over {pp.axis} ({pp.num_stages} stages)" if pp is not None else "no pipeline"
-    ep = plan.expert_parallel
-    experts = f"EP over {ep['axis']} ({ep['experts_per_rank']} a rank)" if ep else "no EP"
+    ep = plan.expert_parallel or {}
+    by_expert = [f"EP over {ep['axis']} ({ep['experts_per_rank']} a rank)"] if "axis" in ep else []
+    within = [f"experts split within over {ep['within']}"] if "within" in ep else []
+    experts = ", ".join(by_expert + within) or "no EP"
     return (f"| {name} | {expert_parallel} | {plan.predicted.step_time_s:.2f} s | {'yes' if plan.feasible else 'no'} | "
             f"{100 * plan.predicted.mfu:.0f}% | {pipeline}, {plan.microbatches} mb, {experts} | {wall:.1f} s |")
 
@@ -54,13 +59,18 @@ def plan_row(name: str, expert_parallel: str | bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(MODELS))
-    only = parser.parse_args().only
-    names = [only] if only else list(MODELS)
+    parser.add_argument("--mesh", default="8x8", help="H100-80GB mesh shape (default 8x8)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"sequences of {SEQ} tokens a step (default {BATCH})")
+    parser.add_argument("--expert-parallel", nargs="+", default=["auto", "none"], metavar="CHOICE",
+                        help="expert_parallel values planned in turn, as the CLI writes them (default: auto none)")
+    opts = parser.parse_args()
+    names = [opts.only] if opts.only else list(MODELS)
+    mesh = tuple(int(n) for n in opts.mesh.split("x"))
     print("| model | expert_parallel | step (predicted) | fits | MFU | plan | planning |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
-        for choice in ("auto", False):
-            print(plan_row(name, choice), flush=True)
+        for choice in opts.expert_parallel:
+            print(plan_row(name, _expert_parallel_from_text(choice), mesh, opts.batch), flush=True)
 
 
 if __name__ == "__main__":

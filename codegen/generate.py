@@ -34,6 +34,7 @@ from autopar.core.ops.base import OutputMode, Site
 from autopar.core.ops.shapes import AS_RESHAPE, RESHAPES
 from autopar.core.placements import (
     Placements,
+    ShardBlocks,
     gathered_in_group,
     grad_target,
     placements_str,
@@ -661,6 +662,8 @@ def _op_name(target: Any) -> str:
 
 
 def _tag(p: Placement) -> str:
+    if isinstance(p, ShardBlocks):
+        return f"b{p.dim}"
     return "r" if isinstance(p, Replicate) else f"s{p.dim}" if isinstance(p, Shard) else "p"
 
 

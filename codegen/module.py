@@ -20,6 +20,7 @@ from autopar.core.launched import handed_over, prepare_reads, settle
 from autopar.core.loss_weights import loss_weighting
 from autopar.core.microbatch import batch_size, split
 from autopar.core.ops import Kernels
+from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
 from autopar.core.together import one_process
 from codegen.generate import GeneratedCode, OutputMode, generate
@@ -36,7 +37,7 @@ _counter = [0]
 #: the ops' kernels (``autopar.core.ops.KERNELS``, each declared beside its op's rule). Capture
 #: keeps graph values from shadowing these (``autopar.core.execution.GENERATED_NAMES``).
 GENERATED_GLOBALS = {
-    "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "P": Partial(), "Partial": Partial,
+    "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "SB": ShardBlocks, "P": Partial(), "Partial": Partial,
     "redistribute": runtime.redistribute, "move": runtime.move, "param_shard": runtime.param_shard,
     "shard_of": runtime.shard_of, "held": runtime.held, "on_device": runtime.on_device, "expect": runtime.expect,
     "uneven_reshape": runtime.uneven_reshape, "full": collectives.full, "kept_sharded": runtime.kept_sharded,

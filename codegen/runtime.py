@@ -38,6 +38,7 @@ from autopar.core.collectives import (
     spans_job,
 )
 from autopar.core.errors import AutoparError
+from autopar.core.placements import for_dtensor
 from autopar.core.precision import reduce_dtype
 from autopar.core.together import rank_map
 
@@ -61,7 +62,7 @@ def distribute(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement
     ``distribute_tensor`` on real processes."""
     if local_tensor_mode() is not None and not isinstance(t, LocalTensor):
         t = rank_map(lambda _rank: t.clone())
-    return distribute_tensor(t, mesh, list(placements))
+    return distribute_tensor(t, mesh, for_dtensor(placements))
 
 
 def rank_inputs(values: Sequence[Any]) -> list[Any]:
@@ -215,6 +216,7 @@ def redistribute(t: DTensor, placements: Sequence[Placement], reduce_in: str = "
     """Change placement: all-gather, all-reduce, reduce-scatter or all-to-all (its backward is the
     dual). ``reduce_in``: a parameter's gradient is summed back in this precision ("bf16": in
     bf16, returned in the parameter's dtype; ``PlanOptions.reduce_precision``)."""
+    placements = for_dtensor(placements)
     if _same(t.placements, placements):
         return t
     if (wire := reduce_dtype(reduce_in, t.dtype)) != t.dtype:
@@ -292,7 +294,7 @@ class _LocalShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: DTensor, grad_placements: tuple[Placement, ...]) -> torch.Tensor:
-        ctx.mesh, ctx.grad_placements, ctx.shape = t.device_mesh, grad_placements, t.shape
+        ctx.mesh, ctx.grad_placements, ctx.shape = t.device_mesh, for_dtensor(grad_placements), t.shape
         return t._local_tensor.view_as(t._local_tensor)
 
     @staticmethod

@@ -8,6 +8,7 @@ cost model then prices each kept tensor at the placement the chosen strategy giv
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.capture import flat_tensor_inputs, needs_grad, tensor_val
 from autopar.core.execution import VIEW_OPS
 from autopar.core.ops import entry_for
+from autopar.core.placements import Placements
 from autopar.core.strategies import StrategySpace
 from cost_models.compute import as_amount
 
@@ -28,6 +30,7 @@ class Saved:
     output: bool             # the (first) output is kept
     extra_bytes: float       # bytes of other kept tensors, for the global (unsharded) op
     by_parts: bool = False   # freed part by part in the backward (``autopar.core.ops.base.Kept``)
+    share: Callable[[Sequence[Placements], Sequence[int]], float] | None = None   # ``Kept.share``
 
     @property
     def anything(self) -> bool:
@@ -80,7 +83,7 @@ def _analyse(node: fx.Node, flags: tuple[bool, ...]) -> Saved:
     entry = entry_for(node)
     kept = entry.saved(node, flags) if entry is not None and entry.saved is not None else None
     if kept is not None:   # the op's own account (``autopar.core.ops``): SDPA's fused kernels on meta
-        return Saved(kept.inputs, kept.output, as_amount(kept.extra_bytes), kept.by_parts)
+        return Saved(kept.inputs, kept.output, as_amount(kept.extra_bytes), kept.by_parts, kept.share)
     inputs = iter(flags)
 
     def fake(n: fx.Node) -> object:

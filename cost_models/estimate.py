@@ -576,9 +576,12 @@ class CostModel:
         total = _bytes(val) * shard_fraction(s.out, mesh) if saved.output else 0.0
         for k in saved.inputs & self._counted.get(nc.node, frozenset()):
             total += _bytes(tensor_val(_storage_root(nc.inputs[k]))) * shard_fraction(s.ins[k], mesh)
-        # internal tensors are per row of the split input (a MoE layer's dispatched rows follow its
-        # tokens, not its experts kept whole; attention's row statistics follow the queries)
-        internal = saved.extra_bytes * min((shard_fraction(p, mesh) for p in s.ins), default=1.0)
+        # internal tensors are per row of the split input (attention's row statistics follow the
+        # queries), unless the op says otherwise (a MoE layer's dispatched rows follow its tokens
+        # and, split within its experts, their intermediate values the experts: ``Kept.share``)
+        share = (saved.share(s.ins, mesh) if saved.share is not None
+                 else min((shard_fraction(p, mesh) for p in s.ins), default=1.0))
+        internal = saved.extra_bytes * share
         return total + internal, internal
 
     def _first_keepers(self) -> dict[fx.Node, frozenset[int]]:

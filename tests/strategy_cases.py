@@ -521,13 +521,14 @@ class Experts(nn.Module):
 class MoEExperts(nn.Module):
     """A mixture-of-experts layer's experts as capture records them (``autopar::moe_experts``):
     8 tokens routed top-2 to 4 SwiGLU experts, expert 3 chosen by none, so that split by expert
-    one rank's experts see few tokens and one none; the router weights observed through ``Pre``."""
+    one rank's experts see few tokens and one none; the router weights observed through ``Pre``.
+    An intermediate size of 6 splits within each expert on an axis of 2 (gate and up rows alike)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pre, self.weights = Pre(8, 6), Pre(8, 2)
-        self.gate_up = nn.Parameter(0.3 * torch.randn(4, 10, 6))
-        self.down = nn.Parameter(0.3 * torch.randn(4, 6, 5))
+        self.gate_up = nn.Parameter(0.3 * torch.randn(4, 12, 6))
+        self.down = nn.Parameter(0.3 * torch.randn(4, 6, 6))
 
     def forward(self, x, ids, weights):
         return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down)
@@ -705,7 +706,7 @@ CASES: list[Case] = [
     Case("experts", Experts, lambda: (torch.randn(7, 6),), (GROUPED_MM,),
          {GROUPED_MM: {"column", "row", "partial"}}),
     Case("moe-experts", MoEExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
-         {MOE: {"batch", "experts"}}, meshes=((2,), (2, 2))),
+         {MOE: {"batch", "experts", "experts-within"}}, meshes=((2,), (2, 2))),
     Case("scatter", Scatter, lambda: (torch.randn(5, 3, 6), torch.randint(0, 6, (5, 3, 2)), torch.randn(5, 3, 2)),
          (aten.scatter.src, aten.scatter.value, aten.scatter_add.default),
          {aten.scatter.src: {"follow", "partial"}, aten.scatter.value: {"follow"},

@@ -170,8 +170,9 @@ def test_select_configs():
     assert [c.label for c in context] == [f"{m} 2 1x2048 context_parallel={k}" for m in ("gpt-tiny-long", "llama-tiny")
                                           for k in ("ring", "ulysses")]   # no context on one device
     experts, _ = select_configs(["gpt-tiny", "mixtral-tiny"], [(2,)], knobs=True, knob="expert_parallel")
-    assert [c.label for c in experts] == [f"mixtral-tiny 2 {size} expert_parallel=last axis{full}"   # MoE models only
-                                          for size in ("16x64", "32x64") for full in ("", " recompute=full")]
+    assert [c.label for c in experts] == [f"mixtral-tiny 2 {size} expert_parallel={knob}"   # MoE models only
+                                          for size in ("16x64", "32x64")
+                                          for knob in ("last axis", "last axis recompute=full", "within last axis")]
     fits, skipped = select_configs(["gpt-tiny"], [(1,), (2,), (2, 2)], quick=True, max_devices=2)
     assert [c.mesh for c in fits] == [(1,), (2,)]
     assert skipped == ["mesh 2x2 skipped: needs 4 devices, 2 here"]

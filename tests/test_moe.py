@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 import autopar.core.expert_parallel as ep
@@ -20,6 +20,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.execution import written_aliases
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
+from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
 from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
@@ -98,6 +99,128 @@ def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     assert f"expert parallelism: over {axis}, {per_rank} per rank -> none" in plan_diff(plan, older)
 
 
+def _forced(mesh_shape: tuple[int, ...], choice: dict[str, str]) -> Plan:
+    """The auto plan with the experts' layout forced to ``choice`` (``PlanOptions.expert_parallel``)."""
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel=choice, hand_plans=False, time_limit=None, profile=None, pipeline=False,
+                          microbatches=1, recompute="none")
+    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)
+
+
+@pytest.mark.parametrize("mesh_shape, runner, choice", [
+    pytest.param((2,), gloo_runner, {"within": "x"}, marks=slow),   # (2 simulated ranks: tests/strategy_cases.py)
+    ((2, 2), local_runner, {"axis": "dp", "within": "tp"}),   # Megatron's EP x expert-TP
+])
+def test_mixtral_trains_exactly_with_each_expert_split_within(mesh_shape, runner, choice, monkeypatch):
+    """Each expert's intermediate dimension split over an axis (its gate and up rows alike, its
+    down columns; the output a partial sum), alone on 2 gloo processes and beside the experts
+    split by expert on the other axis of a simulated 2x2 mesh (uneven routing: recorded)."""
+    seen = _recording_dispatch(monkeypatch)
+    plan = _forced(mesh_shape, choice)
+    within = MeshSpec(mesh_shape).axis_names.index(choice["within"])
+    record = {"within": choice["within"], "layers": 2, "of": 2}
+    if "axis" in choice:
+        record |= {"axis": choice["axis"], "experts_per_rank": 2}
+    assert plan.expert_parallel == record
+    gate_up = next(n for n in plan.nodes if n.fqn == "model.layers.0.mlp.experts.gate_up_proj")
+    assert gate_up.storage[within] == gate_up.out[within] == ShardBlocks(1, 2)   # 1/n of its weights a rank
+    check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
+    if "axis" in choice:
+        assert any(0 in per_expert for counts in seen for per_expert in counts), seen
+    assert f"each expert split within over {choice['within']}" in plan.report()
+    again = Plan.from_json(plan.to_json())
+    assert again.expert_parallel == plan.expert_parallel and again.nodes == plan.nodes   # S(1:2) read back
+
+
+@slow
+def test_experts_split_within_train_exactly_with_their_weights_zero_sharded_over_the_other_axis():
+    """A memory budget that replicating cannot meet: the experts split within over tp are stored
+    ZeRO-3-sharded over dp as well (S(0) x S(1:2)), gathered over dp on use."""
+    from tests.equivalence import tight_budget
+
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel={"within": "tp"}, hand_plans=False, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute="none",
+                          memory_budget=0.7 * tight_budget(NAME, 0, 0, (2, 2), batches=BATCHES))
+    plan = autopar.plan(build(NAME), MeshSpec((2, 2)), args, kwargs, options=options)
+    gate_up = next(n for n in plan.nodes if n.fqn == "model.layers.0.mlp.experts.gate_up_proj")
+    assert gate_up.storage == (Shard(0), ShardBlocks(1, 2)) and gate_up.out == (Replicate(), ShardBlocks(1, 2))
+    check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=BATCHES)
+
+
+def _step(pmodel, opt, batch) -> None:
+    pmodel.train_step(*batch[0], **batch[1])
+    opt.step()
+    opt.zero_grad()
+
+
+def _checkpoint_worker(mesh, plans: dict[str, str], root) -> dict[str, float]:
+    """Trained a step under plan "within", saved, trained on: the largest difference from it of
+    the whole state after loading into each plan and training the same step."""
+    args, kwargs = BATCHES[0]
+    pmodel = autopar.compile(build(NAME), mesh, args, kwargs, plan=Plan.from_json(plans["within"]))
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=equivalence.LR, eps=equivalence.EPS)
+    _step(pmodel, opt, BATCHES[0])
+    autopar.save(pmodel, opt, root)
+    _step(pmodel, opt, BATCHES[1])
+    want = autopar.full_state_dict(pmodel)
+    out = {}
+    for name, text in plans.items():
+        other = autopar.compile(build(NAME), mesh, args, kwargs, plan=Plan.from_json(text))
+        other_opt = torch.optim.AdamW(other.parameters(), lr=equivalence.LR, eps=equivalence.EPS)
+        autopar.load(other, other_opt, root)
+        _step(other, other_opt, BATCHES[1])
+        got = autopar.full_state_dict(other)
+        out[name] = max(float((got[k] - want[k]).abs().max()) for k in want)
+    return out
+
+
+@slow
+def test_a_checkpoint_of_experts_split_within_loads_into_that_plan_and_another(tmp_path):
+    """DCP records a rank's shard as one chunk, which a split in blocks is not: saved as a plain
+    split and put back, the experts' weights and AdamW states load into the same plan and into
+    one that splits no expert within (2 gloo processes), training on as if never stopped."""
+    from autopar.profiling.launch import run_on_gloo_mesh
+
+    plans = {"within": _forced((2,), {"within": "x"}).to_json(), "plain": _forced((2,), {"axis": "x"}).to_json()}
+    for per_plan in run_on_gloo_mesh(_checkpoint_worker, (2,), plans, tmp_path / "checkpoint",
+                                     start_method="forkserver"):
+        assert per_plan["within"] == 0 and per_plan["plain"] < 1e-6, per_plan
+
+
+def test_experts_split_within_are_candidates_priced_as_their_slice():
+    """The planner sees the split within like any strategy: on each axis the op may run it
+    (output partial: its sum priced as the all-reduce it is), the experts' weights may be stored
+    so (half a rank's memory on 2), the GEMMs cost half of every expert whole, no all-to-all,
+    and a rank keeps its share of the intermediate rows (the token rows whole)."""
+    from autopar.core.capture import tensor_val
+    from autopar.core.ops.moe import DOWN, GATE_UP, WITHIN, within_axis
+    from autopar.core.strategies import build_space
+    from cost_models.comm import collective_time
+    from cost_models.estimate import CostModel
+
+    space = build_space(_captured(), MeshSpec((2, 2), hardware="cpu"))
+    costs = CostModel(space.mesh, space)
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    for axis in (0, 1):
+        s = next(s for s in nc.strategies if within_axis(s) == axis and s.names[1 - axis] == "replicate")
+        whole = next(s for s in nc.strategies if s.names == ("replicate", "replicate"))
+        assert s.names[axis] == WITHIN and s.out[axis] == Partial() and s.ins[DOWN][axis] == Shard(2)
+        split, full = costs.node(nc, s), costs.node(nc, whole)
+        assert split.compute_s == pytest.approx(full.compute_s / 2, rel=0.01) and split.comm_s == 0   # + launches
+        hidden, inner = tensor_val(nc.node.args[0]).shape[1], tensor_val(nc.node.args[DOWN]).shape[2]
+        kept, kept_whole = (costs._kept(nc, x, tensor_val(nc.node))[1] for x in (s, whole))
+        assert kept == pytest.approx(kept_whole * (2 * hidden + 4 * inner / 2) / (2 * hidden + 4 * inner))
+    param = next(p for p in space.nodes if p.node is nc.inputs[GATE_UP])
+    stored = next(s for s in param.strategies if s.storage == (ShardBlocks(1, 2), Replicate()))
+    whole_param = next(s for s in param.strategies if s.storage == (Replicate(), Replicate()))
+    assert costs.node(param, stored).state_bytes == costs.node(param, whole_param).state_bytes / 2
+    out = tensor_val(nc.node)
+    link = costs.links[0]   # no profile: the preset's
+    assert costs.redistribute(out.shape, out.dtype, (Partial(), Replicate()), (Replicate(), Replicate())).comm_s == \
+        pytest.approx(collective_time("all_reduce", out.numel() * 4, 2, link))
+
+
 def test_a_skewed_router_is_priced_on_the_busiest_rank_and_recorded():
     """``expert_skew``: the experts split by expert cost that many times more on the busiest rank
     (GEMMs and all-to-alls), the plan records and reports it; below 1 is refused."""
@@ -153,6 +276,9 @@ def test_transformers_experts_are_captured_as_one_op_and_the_registry_restored(c
     ({"axis": "ep"}, "names mesh axis 'ep', which the mesh ('dp', 'tp') lacks"),
     ({"axis": "tp"}, "has 4 experts, which cannot split evenly over mesh axis 'tp' of 3 ranks"),
     ({"mesh": "tp"}, "expert_parallel is 'auto', False, or {'axis': name}"),
+    ({"within": "tp"}, "experts have an intermediate size of 128, which cannot split evenly over mesh axis 'tp' of 3"),
+    ({"axis": "tp", "within": "tp"}, "or both (two different axes); got {'axis': 'tp', 'within': 'tp'}"),
+    ({"within": "pp"}, "names mesh axis 'pp', which the mesh ('dp', 'tp') lacks"),
 ])
 def test_expert_parallel_the_mesh_cannot_give_is_refused(choice, error):
     model, args, kwargs = meta_model(NAME, 3, 4)
@@ -195,6 +321,23 @@ def test_hand_plans_may_split_the_experts_by_expert_over_a_data_axis():
         split = [s for s in nc.strategies if s.out == s.storage == by_expert]
         assert split and all(_obeys(space.mesh, "param", _traits(space, nc, False), s, ("dp", "tp")) == allowed
                              for s in split), fqn
+
+
+def test_hand_plans_split_experts_by_expert_or_within_on_a_tensor_axis_never_within_on_a_data_axis():
+    """Megatron's layouts: on a tensor-parallel axis the experts' weights are used split, by
+    expert or within each expert (EP x TP with the data axis: expert tensor parallelism); on a
+    data axis whole or by expert, never within."""
+    from autopar.core.ops.moe import EXPERTS, WITHIN
+    from autopar.core.strategies import build_space
+    from autopar.planning.baselines import _obeys, _traits
+
+    model, args, kwargs = meta_model(NAME, 2, 4)
+    space = build_space(capture(model, args, kwargs), MeshSpec((2, 2)))
+    nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+    traits = _traits(space, nc, True)
+    obeyed = {s.names for s in nc.strategies if _obeys(space.mesh, "op", traits, s, ("dp", "tp"))}
+    assert ("batch", WITHIN) in obeyed and (EXPERTS, WITHIN) in obeyed and ("batch", EXPERTS) in obeyed
+    assert not any(names[0] == WITHIN or names[1] in ("batch", "replicate") for names in obeyed), obeyed
 
 
 @functools.cache
@@ -281,30 +424,34 @@ def _kernel_peaks(tokens: int, experts: int, k: int, hidden: int, inner: int) ->
     return forward, both
 
 
-@pytest.mark.parametrize("by_expert", [True, False])
-def test_the_experts_memory_is_what_the_kernel_holds(by_expert):
+@pytest.mark.parametrize("layout", ["by expert", "by token", "within"])
+def test_the_experts_memory_is_what_the_kernel_holds(layout):
     """The experts' kept rows, output and working memory (``Kept.by_parts``, ``row_buffers``) add
     up to the kernel's forward peak on a rank, and bound its backward's. Their backward frees
     the kept rows as it goes, so their gradients are not working memory, nor are the all-to-alls'
-    buffers beside the rows (the accounting before gave 5x the kernel's temporaries)."""
+    buffers beside the rows (the accounting before gave 5x the kernel's temporaries). Split
+    within, a rank runs every token on its half of each expert's intermediate dimension."""
     from autopar.core.capture import tensor_val
-    from autopar.core.ops.moe import GATE_UP, IDS, expert_axis
+    from autopar.core.ops.moe import GATE_UP, IDS, expert_axis, within_axis
     from autopar.core.strategies import build_space
     from cost_models.estimate import CostModel
 
     space = build_space(_captured(), MeshSpec((2,), hardware="cpu"))   # 512 tokens a rank, 1024 rows (top-2)
     nc = next(nc for nc in space.nodes if nc.node.target is MOE)
-    s = next(s for s in nc.strategies if (expert_axis(s) is not None) == by_expert and s.out[0] == Shard(0))
+    s = next(s for s in nc.strategies if (expert_axis(s) is not None) == (layout == "by expert")
+             and (within_axis(s) is not None) == (layout == "within") and s.out[0] != Replicate())
     costs = CostModel(space.mesh, space)
     cost = costs.node(nc, s)
     tokens, hidden = tensor_val(nc.node.args[0]).shape
+    tokens //= 1 if layout == "within" else 2
     gate_up = tensor_val(nc.node.args[GATE_UP])
-    experts, k = gate_up.shape[0] // (2 if by_expert else 1), tensor_val(nc.node.args[IDS]).shape[1]
-    out = tokens // 2 * hidden * 4
+    experts, k = gate_up.shape[0] // (2 if layout == "by expert" else 1), tensor_val(nc.node.args[IDS]).shape[1]
+    inner = gate_up.shape[1] // (4 if layout == "within" else 2)
+    out = tokens * hidden * 4
     internal = costs._kept(nc, s, tensor_val(nc.node))[1]
-    forward, both = _kernel_peaks(tokens // 2, experts, k, hidden, gate_up.shape[1] // 2)
+    forward, both = _kernel_peaks(tokens, experts, k, hidden, inner)
     assert internal + cost.transient_bytes == pytest.approx(forward, rel=0.05)
-    grads = (tokens // 2 * (hidden + k) + experts * 3 * gate_up.shape[1] // 2 * hidden) * 4
+    grads = (tokens * (hidden + k) + experts * 3 * inner * hidden) * 4
     assert both <= internal + cost.transient_bytes + grads
     assert cost.transient_bytes < 2 * out + internal / 2
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core import launched
+from autopar.core.placements import for_dtensor
 from autopar.core.together import one_process
 
 
@@ -132,12 +133,12 @@ def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[in
 def _part_of(whole_value: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> torch.Tensor:
     """This rank's part, placed ``have`` (never partial), of a tensor every rank holds whole."""
     with planned():
-        return as_dtensor(whole_value, mesh, [Replicate()] * mesh.ndim, shape).redistribute(mesh, list(have)).to_local()
+        return as_dtensor(whole_value, mesh, [Replicate()] * mesh.ndim, shape).redistribute(mesh, for_dtensor(have)).to_local()
 
 
 def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
     """This rank's part as a DTensor of the global ``shape`` (an output kept sharded; a move's start)."""
     if not isinstance(x, torch.Tensor):
         return x
-    return DTensor.from_local(x.contiguous(), mesh, list(have), run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(x.contiguous(), mesh, for_dtensor(have), run_check=False, shape=torch.Size(shape),
                               stride=contiguous_stride(shape))

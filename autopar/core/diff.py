@@ -29,7 +29,11 @@ def _placement(n: NodePlan) -> str:
 
 def _experts(plan: Plan) -> str:
     ep = plan.expert_parallel
-    return "none" if ep is None else f"over {ep['axis']}, {ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank"
+    if ep is None:
+        return "none"
+    parts = ([f"over {ep['axis']}, {ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank"]
+             if "axis" in ep else []) + ([f"within over {ep['within']}"] if "within" in ep else [])
+    return "; ".join(parts)
 
 
 def _headline_lines(a: Plan, b: Plan) -> list[str]:

@@ -42,7 +42,7 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 #: shadow one (a model's ``torch.full`` is a node named ``full``). The ops' kernels are read as
 #: ``kernels.<name>``.
 GENERATED_NAMES = frozenset({
-    "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "P", "Partial",
+    "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "SB", "P", "Partial",
     "redistribute", "move", "param_shard", "shard_of", "held", "on_device", "expect", "uneven_reshape",
     "full", "kept_sharded", "gather_params", "recompute", "loss_count", "once", "constants", "kernels",
 })

@@ -11,15 +11,50 @@ import re
 from collections.abc import Iterable, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.core.errors import PlanFileError
 
 Placements = tuple[Placement, ...]
 
+
+class ShardBlocks(Shard):
+    """Dim ``dim`` cut into ``blocks`` equal blocks, each split over the axis's ranks: a rank holds
+    its piece of every block, in order. The fused [gate; up] projections of an expert split by
+    their intermediate dimension (``autopar.core.ops.moe``): each rank gets matching gate and up
+    rows, where a plain ``Shard`` would give one rank the gate and the other the up. A ``Shard``
+    to everything that reads only sizes (local shapes, fractions, the collectives a move runs);
+    DTensor holds it as ``_StridedShard(dim, split_factor=blocks)`` (``for_dtensor``)."""
+
+    def __init__(self, dim: int, blocks: int = 2) -> None:
+        super().__init__(dim)
+        self.blocks = blocks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShardBlocks) and (other.dim, other.blocks) == (self.dim, self.blocks)
+
+    def __hash__(self) -> int:
+        return hash(("blocks", self.dim, self.blocks))
+
+    def __repr__(self) -> str:
+        return f"ShardBlocks({self.dim}, {self.blocks})"
+
+    __str__ = __repr__
+
+    def __reduce__(self):   # Shard's own pickles as a plain Shard
+        return ShardBlocks, (self.dim, self.blocks)
+
+
+def for_dtensor(ps: Sequence[Placement]) -> list[Placement]:
+    """``ps`` as DTensor takes them: a ``ShardBlocks`` as the ``_StridedShard`` that cuts it so."""
+    return [_StridedShard(p.dim, split_factor=p.blocks) if isinstance(p, ShardBlocks) else p for p in ps]
+
 def placement_str(p: Placement, code: bool = False) -> str:
-    """``S(d)``, ``R`` or ``P`` (``P(op)`` for a partial other than a sum; ``code``: ``Partial('op')``,
-    as generated code, which binds ``S``, ``R``, ``P`` and ``Partial``, writes it)."""
+    """``S(d)``, ``S(d:b)`` (``ShardBlocks``), ``R`` or ``P`` (``P(op)`` for a partial other than a
+    sum; ``code``: ``Partial('op')``, ``SB(d, b)``, as generated code, which binds ``S``, ``SB``,
+    ``R``, ``P`` and ``Partial``, writes it)."""
+    if isinstance(p, ShardBlocks):
+        return f"SB({p.dim}, {p.blocks})" if code else f"S({p.dim}:{p.blocks})"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Replicate):
@@ -37,6 +72,7 @@ def placements_str(ps: Sequence[Placement], code: bool = False) -> str:
 
 
 _SHARD = re.compile(r"S\((-?\d+)\)")
+_BLOCKS = re.compile(r"S\((-?\d+):(\d+)\)")
 _PARTIAL = re.compile(r"P\((\w+)\)")
 
 
@@ -47,9 +83,11 @@ def parse_placement(text: str) -> Placement:
         return Partial()
     if m := _SHARD.fullmatch(text):
         return Shard(int(m.group(1)))
+    if m := _BLOCKS.fullmatch(text):
+        return ShardBlocks(int(m.group(1)), int(m.group(2)))
     if m := _PARTIAL.fullmatch(text):
         return Partial(m.group(1))
-    raise PlanFileError(f"cannot read placement {text!r}: expected R, P, P(op) or S(dim)")
+    raise PlanFileError(f"cannot read placement {text!r}: expected R, P, P(op), S(dim) or S(dim:blocks)")
 
 
 def is_split(p: Placement) -> bool:

@@ -249,10 +249,12 @@ class ContextParallel:
 
 
 class ExpertParallelPlan(TypedDict):
-    """How a plan splits mixture-of-experts layers by expert (``Plan.expert_parallel``)."""
+    """How a plan splits mixture-of-experts layers' experts (``Plan.expert_parallel``): by expert
+    (``axis``), within each expert (``within``), or both."""
 
-    axis: str                 # the mesh axis whose ranks each hold a slice of the experts
-    experts_per_rank: int     # E/n
+    axis: NotRequired[str]              # the mesh axis whose ranks each hold a slice of the experts
+    experts_per_rank: NotRequired[int]  # E/n
+    within: NotRequired[str]            # the mesh axis splitting each expert's intermediate dimension
     layers: int               # MoE layers split so
     of: int                   # MoE layers in all
     skew: NotRequired[float]  # the busiest rank's routed rows over the mean, priced (``PlanOptions.expert_skew``); absent: 1

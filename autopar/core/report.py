@@ -178,12 +178,18 @@ def _recompute_line(recompute: dict[str, RecomputeMode]) -> str:
 
 
 def _experts_line(ep: ExpertParallelPlan) -> str:
-    """Expert parallelism: the axis splitting the mixture-of-experts layers by expert."""
-    per_rank = f"{ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank"
+    """Expert parallelism: the axes splitting the mixture-of-experts layers by expert and within."""
+    parts = []
+    if "axis" in ep:
+        per_rank = f"{ep['experts_per_rank']} expert{'s' * (ep['experts_per_rank'] != 1)} per rank"
+        parts.append(f"split by expert over {ep['axis']}: {per_rank}, tokens sent to their experts' ranks and back "
+                     "by all-to-all")
+    if "within" in ep:
+        parts.append(f"each expert split within over {ep['within']} (its intermediate dimension: a partial sum "
+                     "of the output)")
     skew = (f"; priced with the busiest rank receiving {ep['skew']:g}x the mean of the rows routed (expert_skew)"
             if "skew" in ep else "")
-    return (f"split by expert over {ep['axis']}: {per_rank}, tokens sent to their experts' ranks and back by "
-            f"all-to-all ({ep['layers']} of {ep['of']} MoE layers){skew}")
+    return f"{'; '.join(parts)} ({ep['layers']} of {ep['of']} MoE layers){skew}"
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:
@@ -218,8 +224,8 @@ def _parameter_lines(plan: Plan, params: list[NodePlan], axes: str) -> list[str]
         f"on one device of pipeline rank {holding.rank}, the rank of the peak ('-': held by other ranks only; "
         f"each stage's share is in the pipeline table)")
     lines = [f"Parameters ({len(params)}{grouped})",
-             f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d; "
-             f"memory = parameter + gradient + optimizer state {where}",
+             f"  placements per mesh axis ({axes}): R replicated, S(d) split on tensor dim d "
+             f"(S(d:b): in b blocks, each split); memory = parameter + gradient + optimizer state {where}",
              f"  strategy counts: {_counts(params)}"]
     headers = ["parameter", "n", "strategy", "storage", "memory"] + (["stages"] if holding.rank is not None else [])
     table = [[r.name, f"x{r.count}" if r.count > 1 else "", r.strategy, r.storage,

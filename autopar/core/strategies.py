@@ -16,7 +16,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 import torch
@@ -30,7 +30,7 @@ from autopar.core.fold import foldable
 from autopar.core.loss_weights import loss_with_gradients
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops import axis_rules, rule_for, rule_key_of
-from autopar.core.placements import Placements, largest_shard_shape, placements_str
+from autopar.core.placements import Placements, ShardBlocks, largest_shard_shape, placements_str
 from autopar.core.rules import AxisRule
 
 log = logging.getLogger(__name__)
@@ -272,9 +272,38 @@ def build_space(captured: CapturedGraph, mesh: MeshSpec, with_strategies: bool =
         msg = f"no sharding rule for {op} ({count} node{'s' * (count > 1)}): it runs replicated"
         warnings.append(msg)
         log.warning("autopar: %s", msg)
+    if with_strategies:
+        _stored_in_blocks(nodes)
     with_gradients = loss_with_gradients(captured)
     folded = foldable(captured, {nc.node.name for nc in nodes}, {n.name for n in written})
     return StrategySpace(mesh, nodes, warnings=warnings, loss_with_gradients=with_gradients, folded=frozenset(folded))
+
+
+def _stored_in_blocks(nodes: list[NodeChoices]) -> None:
+    """Parameters an op reads split block by block (``ShardBlocks``: an expert's fused gate and up
+    projections split within it) may also be stored and used so: each strategy splitting that
+    dim on that axis as a plain ``Shard`` gets a twin splitting it in blocks (tensor parallel
+    weights and gradients, 1/n a rank, read where stored)."""
+    wanted: dict[int, set[tuple[int, ShardBlocks]]] = {}
+    position = {nc.node: i for i, nc in enumerate(nodes)}
+    for nc in nodes:
+        for k, inp in enumerate(nc.inputs if nc.kind == "op" else ()):
+            i = position.get(inp)
+            if i is not None and nodes[i].kind == "param":
+                wanted.setdefault(i, set()).update((a, p) for s in nc.strategies for a, p in enumerate(s.ins[k])
+                                                   if isinstance(p, ShardBlocks))
+    for i, blocks in wanted.items():
+        nc = nodes[i]
+        twins = [replace(s, out=_put(s.out, a, p), storage=_put(s.storage, a, p),
+                         names=_put(s.names, a, f"shard-dim{p.dim}:{p.blocks}"))
+                 for a, p in sorted(blocks, key=str) for s in nc.strategies
+                 if s.storage is not None and s.out[a] == s.storage[a] == Shard(p.dim)
+                 and sum(q == Shard(p.dim) for q in s.storage) == 1]   # the dim split on one axis alone
+        nc.strategies = nc.strategies + twins
+
+
+def _put(values: tuple, axis: int, value) -> tuple:
+    return tuple(value if a == axis else v for a, v in enumerate(values))
 
 
 def all_replicated(s: Strategy) -> bool:

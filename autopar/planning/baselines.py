@@ -291,6 +291,8 @@ def _traits(space, nc: NodeChoices, on_batch: bool) -> Traits:
         return False, _is_matmul_weight(nc), False, (), (), False, _is_expert_weight(nc)
     if nc.kind == "op":
         weights = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in MATMULS and _from_param(space, u))
+        if nc.node.target is moe.MOE:   # the experts' weights: used split on a tensor-parallel axis, as Megatron's
+            weights = (moe.GATE_UP, moe.DOWN)
         tables = tuple(k for k, u in enumerate(nc.inputs) if nc.node.target in EMBEDDINGS and _from_param(space, u))
         return on_batch, False, _is_residual_add(nc), weights, tables, nc.node.target is SDPA, False
     return False, False, False, (), (), False, False
@@ -348,8 +350,8 @@ def _obeys_role(kind: NodeKind, traits: Traits, s: Strategy, a: int, role: Role)
         replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
         if role in DATA_ROLES and on_batch == replicated:
             return False   # an op on the batch computed on every rank, or one without it split
-        if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights + tables):
-            return False   # data parallelism uses every weight whole (embedding tables too: DDP's do)
+        if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights + tables) and s.names[a] != moe.EXPERTS:
+            return False   # data parallelism uses every weight whole (embedding tables too: DDP's do), but experts by expert
         if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):
             return False   # Megatron splits the matmul itself: its weight is used sharded
         if role == "tp+sp" and residual_add and s.out[a] != Shard(1):

@@ -33,7 +33,8 @@ Offload = Literal["auto", "none", "optimizer"]
 OFFLOAD: tuple[Offload, ...] = get_args(Offload)
 #: ``PlanOptions.recompute``'s values: a mode of ``Plan.recompute``, or "auto".
 Recompute = Literal["auto", RecomputeMode]
-#: ``PlanOptions.expert_parallel``'s values: "auto", False, or ``{"axis": name}`` forcing it.
+#: ``PlanOptions.expert_parallel``'s values: "auto", False, or a dict forcing the experts' layout:
+#: ``{"axis": name}`` (by expert), ``{"within": name}`` (within each expert), or both.
 ExpertParallel = Literal["auto", False] | dict[str, str]
 #: ``PlanOptions.microbatches``' values: a count, or "auto".
 Microbatches = int | Literal["auto"]
@@ -96,17 +97,24 @@ def _microbatches_from_text(text: str) -> Microbatches:
 
 
 def _expert_parallel_from_text(text: str) -> ExpertParallel:
-    """``--expert-parallel``: auto, none, or the mesh axis to split the experts over."""
-    return {"auto": "auto", "none": False}.get(text, {"axis": text})  # type: ignore[return-value]
+    """``--expert-parallel``: auto, none, or the mesh axis to split the experts over by expert
+    (``AXIS``), within each expert (``within:AXIS``), or both (``AXIS,within:AXIS``)."""
+    if text in ("auto", "none"):
+        return "auto" if text == "auto" else False
+    parts = [t.strip() for t in text.split(",")]
+    return {("within" if t.startswith("within:") else "axis"): t.removeprefix("within:") for t in parts}
 
 
 def check_expert_parallel(value: Any) -> None:
-    """Refuse an ``expert_parallel`` that is not "auto", False or ``{"axis": name}``."""
+    """Refuse an ``expert_parallel`` that is not "auto", False or a dict naming the mesh axis to
+    split the experts over by expert (``axis``), within each expert (``within``), or both."""
     if value == "auto" or value is False:
         return
-    if not (isinstance(value, dict) and set(value) == {"axis"} and isinstance(value["axis"], str)):
+    if not (isinstance(value, dict) and value and set(value) <= {"axis", "within"}
+            and all(isinstance(v, str) for v in value.values()) and len(set(value.values())) == len(value)):
         raise AutoparError(f"expert_parallel is 'auto', False, or {{'axis': name}} naming the mesh axis to split "
-                           f"the experts over; got {value!r}")
+                           "the experts over by expert, {'within': name} the axis to split each expert within, or "
+                           f"both (two different axes); got {value!r}")
 
 
 def _pipeline_from_text(text: str) -> str | bool | dict:
@@ -226,10 +234,12 @@ class PlanOptions:
         "auto", "Expert parallelism for mixture-of-experts layers (``autopar.core.ops.moe``): each rank of a "
         "mesh axis holds E/n of a layer's experts and tokens go to their experts' ranks and back by all-to-all. "
         "\"auto\" lets the planner weigh it against the other strategies of each layer, False never uses it, "
-        "``{\"axis\": name}`` splits every such layer's experts over that axis (``Plan.expert_parallel`` says "
-        "what was chosen).",
-        Flag(to_option=_expert_parallel_from_text, metavar="auto|none|AXIS",
-             note="Here: auto, none, or the name of the mesh axis to split the experts over."))
+        "``{\"axis\": name}`` splits every such layer's experts over that axis, ``{\"within\": name}`` splits "
+        "each expert's intermediate dimension over that axis (expert tensor parallelism: a partial sum), both "
+        "keys do both, and a dict allows nothing else (``Plan.expert_parallel`` says what was chosen).",
+        Flag(to_option=_expert_parallel_from_text, metavar="auto|none|AXIS|within:AXIS|AXIS,within:AXIS",
+             note="Here: auto, none, the mesh axis to split the experts over, within:AXIS to split each "
+                  "expert within, or both."))
     expert_skew: float = _option(
         1.0, "The router's token imbalance, priced where experts are split by expert: the busiest rank of the "
         "expert axis receives this many times the mean of the rows routed (1.0: uniform routing). Its "

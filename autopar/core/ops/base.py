@@ -91,6 +91,9 @@ class Kept(NamedTuple):
     output: bool
     extra_bytes: Any
     by_parts: bool = False
+    #: the share of ``extra_bytes`` one rank keeps, given its inputs' placements and the mesh's
+    #: shape; None: the most split input's share (tensors kept per row of the split input)
+    share: Callable[[Sequence[Placements], Sequence[int]], float] | None = None
 
 
 @dataclass(frozen=True)

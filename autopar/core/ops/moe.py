@@ -1,11 +1,16 @@
 """A mixture-of-experts layer's experts (``autopar::moe_experts``, the one op capture records for
 transformers' experts: ``autopar.core.expert_parallel.experts_as_one_op``): replicated, split by
-token (each rank its tokens, every expert), or split by expert over one mesh axis (expert
+token (each rank its tokens, every expert), split by expert over one mesh axis (expert
 parallelism: each rank holds E/n experts and routes its tokens to their ranks by all-to-all,
-``autopar.core.expert_parallel``).
+``autopar.core.expert_parallel``), or split within each expert over one axis (Megatron's expert
+tensor parallelism: each rank holds 1/n of every expert's intermediate dimension, matching gate
+and up rows and the down projection's columns, and returns a partial sum); by expert on one axis
+and within on another, each rank runs its slice of its experts.
 """
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils.flop_counter import register_flop_formula
 
 from autopar.core.capture import tensor_val
@@ -36,7 +41,7 @@ from autopar.core.ops.base import (
     timed,
     working,
 )
-from autopar.core.placements import Placements, largest_shard_shape
+from autopar.core.placements import Placements, ShardBlocks, largest_shard_shape, shard_fraction, split_axes
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 from autopar.core.sizes import maximum
 
@@ -48,6 +53,10 @@ if TYPE_CHECKING:   # strategies imports this package
 MOE = torch.ops.autopar.moe_experts.default
 #: The rule name of the experts split by expert over an axis (expert parallelism).
 EXPERTS = "experts"
+#: The rule name of each expert split within, by its intermediate dimension (expert tensor parallelism).
+WITHIN = "experts-within"
+#: ``gate_up`` [E, 2I, H] split within: the gate's rows and the up's, each block split over the axis.
+GATE_UP_WITHIN = ShardBlocks(1, 2)
 HIDDEN, IDS, WEIGHTS, GATE_UP, DOWN = range(5)   # the op's inputs
 
 
@@ -56,9 +65,9 @@ def split_experts(v: OpView, n: int) -> list[AxisRule]:
     """Tokens [T, H] (with their top-k ids and weights [T, k]) split evenly on dim 0, the
     experts whole ("batch") or split by expert (``EXPERTS``: dim 0 of ``gate_up`` and ``down``),
     where the number of experts divides by ``n`` and no earlier axis split them (one axis runs
-    the all-to-alls)."""
+    the all-to-alls); or the tokens whole and each expert split within (``within``)."""
     tokens, gate_up = v.in_shapes[HIDDEN], v.in_shapes[GATE_UP]
-    rules = [replicate(v)]
+    rules = [replicate(v)] + within(v, n)
     if not fits(tokens[0], n, even=True):
         return rules
     split = (Shard(0),) * 3
@@ -66,6 +75,23 @@ def split_experts(v: OpView, n: int) -> list[AxisRule]:
     if gate_up[0] == num_experts(v.node) and gate_up[0] % n == 0:
         rules.append(AxisRule(Shard(0), split + (Shard(0), Shard(0)), EXPERTS))
     return rules
+
+
+def within(v: OpView, n: int) -> list[AxisRule]:
+    """Megatron's split of an MLP, per expert: ``gate_up`` by its intermediate rows (the gate's and
+    the up's alike: ``GATE_UP_WITHIN``), ``down`` by its intermediate columns, so that each rank
+    computes its share of every routed row's intermediate activations and a partial sum of the
+    output; tokens, ids and router weights whole on the axis. Where the intermediate size
+    divides by ``n`` and no earlier axis split it (one axis splits it, in two blocks)."""
+    inner = v.in_shapes[DOWN][2]
+    if inner % n or inner != tensor_val(v.node.args[DOWN]).shape[2]:
+        return []
+    return [AxisRule(Partial(), (Replicate(),) * 3 + (GATE_UP_WITHIN, Shard(2)), WITHIN)]
+
+
+def within_axis(placed: Placed) -> int | None:
+    """The mesh axis that splits each expert within under ``placed``, or None."""
+    return next((a for a, p in enumerate(placed.ins[GATE_UP]) if p == GATE_UP_WITHIN), None)
 
 
 def num_experts(node: fx.Node) -> int:
@@ -82,11 +108,14 @@ def expert_axis(placed: Placed) -> int | None:
 def emit(em: Emitter, site: Site) -> bool:
     """Always the kernel ``moe_experts``: over its axis's group where the experts are split by
     expert; else on this rank's tokens with every expert (the same code, differentiated by
-    autograd rather than the op's recomputing backward)."""
-    axis = expert_axis(site.plan)
+    autograd rather than the op's recomputing backward). Split within, it runs unchanged on this
+    rank's slice of each expert (its gate and up rows, its down columns): a partial sum."""
+    axis, inner = expert_axis(site.plan), within_axis(site.plan)
     text = em.call_text(site.node, site.reads)
     how = (f"; experts split by expert over {em.axes[axis]}: tokens sent to their experts' ranks and back by "
            "all-to-all" if axis is not None else "")
+    if inner is not None:
+        how += f"; each expert split within over {em.axes[inner]}: a partial sum of the output"
     em.emit(f"{site.node.name} = kernels.moe_experts({text[text.index('(') + 1:-1]}, mesh=mesh, axis={axis})",
             site.comment + how)
     return True
@@ -157,12 +186,23 @@ def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
     (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
     activation, up projection and product (4I), in the experts' dtype. The kernel is autograd's
-    ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``."""
+    ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``. A
+    rank keeps its share of the rows, and of the 4I where each expert is split within
+    (``kept_share``)."""
     hidden, ids, gate_up = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP))
     rows = hidden.shape[0] * ids.shape[1]
     inner = gate_up.shape[1] // 2
     extra = rows * (2 * hidden.shape[1] + 4 * inner) * gate_up.element_size()
-    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True)
+    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True,
+                share=functools.partial(kept_share, 2 * hidden.shape[1], 4 * inner))
+
+
+def kept_share(token_part: int, inner_part: int, ins: Sequence[Placements], mesh_shape: Sequence[int]) -> float:
+    """The share of the kept rows one rank holds: its tokens' share of the rows, each row's
+    ``token_part`` values whole and its ``inner_part`` values split as each expert is (within)."""
+    rows = shard_fraction(ins[HIDDEN], mesh_shape)
+    within = math.prod(mesh_shape[a] for a in split_axes(ins[DOWN], 2))
+    return rows * (token_part + inner_part / within) / (token_part + inner_part)
 
 
 @working(MOE)
@@ -172,12 +212,13 @@ def row_buffers(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> flo
     once (sent, received and grouped by expert, the experts' outputs on their way back; the
     all-to-all's buffers are these). Backward: one local expert's gate and up gradients ([r, I]
     each, r = T*k / local experts), while its kept product is freed; the rows' own gradients
-    (about two [T*k, H]) take the place of the kept rows freed before them."""
+    (about two [T*k, H]) take the place of the kept rows freed before them. Split within, I is
+    this rank's share."""
     tokens, hidden = largest_shard_shape(tensor_val(node.args[HIDDEN]).shape, placed.ins[HIDDEN], mesh_shape)
     gate_up = tensor_val(node.args[GATE_UP])
-    experts = largest_shard_shape(gate_up.shape, placed.ins[GATE_UP], mesh_shape)[0]
+    experts, fused, _ = largest_shard_shape(gate_up.shape, placed.ins[GATE_UP], mesh_shape)
     rows = tokens * tensor_val(node.args[IDS]).shape[1]
-    forward, backward = 3 * rows * hidden, 2 * rows * (gate_up.shape[1] // 2) / experts
+    forward, backward = 3 * rows * hidden, 2 * rows * (fused // 2) / experts
     return maximum(forward, backward) * gate_up.element_size()
 
 
@@ -205,10 +246,10 @@ def grouped_gemms(hidden: Sequence[int], ids: Sequence[int], weights: Sequence[i
 # ----------------------------------------------------------------------------
 
 
-def _refuse_forced(space: StrategySpace, layers: list[NodeChoices], axis: str) -> int:
-    """The index of mesh axis ``axis``, where every MoE layer of ``layers`` can split its experts
-    over it; else a clear ``AutoparError``."""
-    names, shape = space.mesh.axis_names, space.mesh.shape
+def _forced_axis(space: StrategySpace, layers: list[NodeChoices], axis: str) -> int:
+    """The index of mesh axis ``axis``, which ``expert_parallel`` names to split the experts
+    over (by expert or within); else a clear ``AutoparError``."""
+    names = space.mesh.axis_names
     if axis not in names:   # the mesh was checked (``check_axis``): a pipeline stage's, without the pipeline axis
         raise AutoparError(f"expert_parallel names mesh axis {axis!r}, which carries the pipeline's stages (its "
                            "ranks hold other layers): name another axis to split the experts over, or another "
@@ -217,51 +258,89 @@ def _refuse_forced(space: StrategySpace, layers: list[NodeChoices], axis: str) -
         raise AutoparError("expert_parallel names an axis, but the model has no mixture-of-experts layer autopar "
                            "recognises (transformers' experts classes with fused gate_up_proj / down_proj weights "
                            "and SiLU); pass expert_parallel='auto' or False")
-    a = names.index(axis)
+    return names.index(axis)
+
+
+def _refuse_by_expert(space: StrategySpace, layers: list[NodeChoices], a: int) -> None:
+    """Refuse splitting by expert over mesh axis ``a`` where some layer of ``layers`` cannot."""
+    name, ranks = space.mesh.axis_names[a], space.mesh.shape[a]
     for nc in layers:
         e, tokens = num_experts(nc.node), tensor_val(nc.node.args[HIDDEN]).shape[0]
-        if e % shape[a]:
-            raise AutoparError(f"{nc.node.name} has {e} experts, which cannot split evenly over mesh axis {axis!r} "
-                               f"of {shape[a]} ranks: name an axis whose size divides {e}")
+        if e % ranks:
+            raise AutoparError(f"{nc.node.name} has {e} experts, which cannot split evenly over mesh axis {name!r} "
+                               f"of {ranks} ranks: name an axis whose size divides {e}")
         if not any(expert_axis(s) == a for s in nc.strategies):
-            raise AutoparError(f"{nc.node.name}'s {tokens} tokens cannot split evenly over mesh axis {axis!r} of "
-                               f"{shape[a]} ranks (each rank routes its own tokens): change the batch or the axis")
-    return a
+            raise AutoparError(f"{nc.node.name}'s {tokens} tokens cannot split evenly over mesh axis {name!r} of "
+                               f"{ranks} ranks (each rank routes its own tokens): change the batch or the axis")
+
+
+def _refuse_within(space: StrategySpace, layers: list[NodeChoices], a: int) -> None:
+    """Refuse splitting each expert within over mesh axis ``a`` where some layer cannot."""
+    name, ranks = space.mesh.axis_names[a], space.mesh.shape[a]
+    for nc in layers:
+        inner = tensor_val(nc.node.args[DOWN]).shape[2]
+        if inner % ranks:
+            raise AutoparError(f"{nc.node.name}'s experts have an intermediate size of {inner}, which cannot split "
+                               f"evenly over mesh axis {name!r} of {ranks} ranks: name an axis whose size divides "
+                               f"{inner}")
+
+
+def _forced(space: StrategySpace, choice: dict[str, str]) -> tuple[int | None, int | None]:
+    """(axis splitting by expert, axis splitting within) that a forcing ``choice`` names, checked."""
+    layers = [nc for nc in space.nodes if nc.node.target is MOE]
+    by, inner = (_forced_axis(space, layers, choice[k]) if k in choice else None for k in ("axis", "within"))
+    if by is not None:
+        _refuse_by_expert(space, layers, by)
+    if inner is not None:
+        _refuse_within(space, layers, inner)
+    return by, inner
 
 
 def check_axis(choice: str | bool | dict[str, str], mesh: MeshSpec) -> None:
     """Refuse an ``expert_parallel`` axis the mesh lacks (a typo), before any planning."""
-    if isinstance(choice, dict) and choice["axis"] not in mesh.axis_names:
-        raise AutoparError(f"expert_parallel names mesh axis {choice['axis']!r}, which the mesh "
-                           f"{tuple(mesh.axis_names)} lacks: name one of its axes")
+    for axis in choice.values() if isinstance(choice, dict) else ():
+        if axis not in mesh.axis_names:
+            raise AutoparError(f"expert_parallel names mesh axis {axis!r}, which the mesh "
+                               f"{tuple(mesh.axis_names)} lacks: name one of its axes")
 
 
 def narrowed(space: StrategySpace, choice: str | bool | dict[str, str]) -> StrategySpace:
     """``space`` with the MoE layers' strategies ``PlanOptions.expert_parallel`` allows: all
-    ("auto"), none split by expert (False), or only those splitting the experts over the axis
-    ``{"axis": name}`` names. A new space: the one given (which problems share) is kept."""
+    ("auto"), none split by expert (False), or exactly the layout a dict names (split by expert
+    over ``axis``, within each expert over ``within``, neither where its key is absent). A new
+    space: the one given (which problems share) is kept."""
     if choice == "auto":
         return space
-    layers = [nc for nc in space.nodes if nc.node.target is MOE]
-    axis = None if choice is False else _refuse_forced(space, layers, choice["axis"])  # type: ignore[index]
-    nodes = [replace(nc, strategies=[s for s in nc.strategies if expert_axis(s) == axis])
-             if nc.node.target is MOE else nc for nc in space.nodes]
+    forced = None if choice is False else _forced(space, choice)  # type: ignore[arg-type]
+
+    def allowed(s: Strategy) -> bool:
+        if forced is None:
+            return expert_axis(s) is None
+        return (expert_axis(s), within_axis(s)) == forced
+
+    nodes = [replace(nc, strategies=[s for s in nc.strategies if allowed(s)]) if nc.node.target is MOE else nc
+             for nc in space.nodes]
     return replace(space, nodes=nodes)
 
 
 def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy], skew: float = 1.0
                        ) -> ExpertParallelPlan | None:
-    """``Plan.expert_parallel``: the mesh axis most MoE layers split their experts over, the
-    experts each rank holds, how many layers of how many do, and the router's skew priced where
-    not uniform; None where none does."""
-    axes = [(expert_axis(s), num_experts(nc.node)) for nc, s in zip(space.nodes, chosen, strict=True)
-            if nc.node.target is MOE]
-    split = [(a, e) for a, e in axes if a is not None]
+    """``Plan.expert_parallel``: the layout most MoE layers split their experts in (the mesh axis
+    splitting them by expert and the experts each rank holds; the axis splitting each within),
+    how many layers of how many do, and the router's skew priced where not uniform and some
+    layer splits by expert; None where none splits its experts."""
+    layouts = [(expert_axis(s), within_axis(s), num_experts(nc.node))
+               for nc, s in zip(space.nodes, chosen, strict=True) if nc.node.target is MOE]
+    split = [(a, w, e) for a, w, e in layouts if (a, w) != (None, None)]
     if not split:
         return None
-    a, e = max(set(split), key=split.count)
-    found: ExpertParallelPlan = {"axis": space.mesh.axis_names[a], "experts_per_rank": e // space.mesh.shape[a],
-                                 "layers": split.count((a, e)), "of": len(axes)}
-    if skew != 1.0:
+    a, w, e = max(set(split), key=lambda layout: (split.count(layout), str(layout)))
+    names = space.mesh.axis_names
+    found: ExpertParallelPlan = {"layers": split.count((a, w, e)), "of": len(layouts)}
+    if a is not None:
+        found = {"axis": names[a], "experts_per_rank": e // space.mesh.shape[a], **found}
+    if w is not None:
+        found = {**found, "within": names[w]}
+    if skew != 1.0 and a is not None:
         found["skew"] = skew
     return found

@@ -505,3 +505,106 @@ def test_ulysses_beside_tensor_parallelism_trains_as_one_device_on_simulated_2x2
     plan = plan_captured(captured, mesh, PlanOptions(profile=None, progress=False), forced=forced)
     assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"
     check_training(name, 2, CP_SEQ, (2, 2), local_runner, {"plan": plan}, batches=batches)
+
+
+# ---------------------------------------------------------------- the balanced layout of a causal ring
+
+BALANCED = {"kind": "ring", "load_balance": "balanced"}
+
+
+def test_the_balanced_ring_is_offered_for_causal_attention_of_2n_equal_chunks_only():
+    """Causal and 8 positions on 2 ranks (4 chunks): offered; 6 positions (not 4 equal chunks) or
+    no mask (nothing to balance): not; forced where it cannot run, refused saying why."""
+    causal = lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)  # noqa: E731
+    qkv = lambda seq: tuple(torch.randn(2, 2, seq, 4) for _ in range(3))  # noqa: E731
+    assert "context-ring-balanced" in _sdpa_rules(_Fn(causal), qkv(8))
+    assert "context-ring-balanced" not in _sdpa_rules(_Fn(causal), qkv(6))
+    open_ = lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0)  # noqa: E731
+    assert "context-ring-balanced" not in _sdpa_rules(_Fn(open_), qkv(8))
+    mesh = MeshSpec((2,), ("cp",))
+    assert _restricted(_Fn(causal), qkv(8), mesh, {"axis": "cp", **BALANCED}) == {"context-ring-balanced"}
+    assert _restricted(_Fn(causal), qkv(8), mesh, {"axis": "cp", "kind": "ring", "load_balance": "contiguous"}) == {
+        "context-ring"}
+    with pytest.raises(AutoparError, match="does not cut into 4 equal chunks .* pad it to 8 tokens"):
+        _restricted(_Fn(causal), qkv(6), mesh, {"axis": "cp", **BALANCED})
+    with pytest.raises(AutoparError, match="not causal"):
+        _restricted(_Fn(open_), qkv(8), mesh, {"axis": "cp", **BALANCED})
+    for bad in ({"axis": "cp", "kind": "ulysses", "load_balance": "balanced"}, {"load_balance": "zigzag"}):
+        with pytest.raises(AutoparError, match="load_balance"):
+            PlanOptions(context_parallel=bad)
+    args = build_parser().parse_args(["plan", "--model", "gpt-tiny", "--mesh", "2", "--context-parallel", "ring:cp:balanced"])
+    assert _plan_options(args).context_parallel == ContextChoice("cp", "ring", "balanced")
+
+
+def test_a_balanced_ring_is_priced_at_half_the_contiguous_rings_busiest_rank_and_chosen():
+    """Llama at 2048 tokens on 4 ranks, the ring forced: its last rank computes every block in
+    the contiguous layout, every rank half as much balanced (roofline: half the FLOPs); the
+    search picks balanced, its step predicted faster, and the plan's JSON and report say so."""
+    model, args, kwargs = meta_model("llama-tiny", 1, 2048)
+    captured = capture(model, args, kwargs)
+    mesh = MeshSpec((4,), ("cp",))
+    plans = {lb: plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"} | (
+        {"load_balance": lb} if lb else {}), profile=None, progress=False)) for lb in (None, "balanced", "contiguous")}
+    attention = {lb: [n.compute_s for n in p.nodes if n.op == str(SDPA)] for lb, p in plans.items()}
+    assert attention["balanced"] == pytest.approx([c / 2 for c in attention["contiguous"]], rel=0.05)
+    assert plans[None].context_parallel.load_balance == "balanced"
+    assert plans["balanced"].predicted.step_time_s < plans["contiguous"].predicted.step_time_s
+    back = Plan.from_json(plans[None].to_json())
+    assert back.context_parallel == plans[None].context_parallel
+    assert json.loads(plans[None].to_json())["context_parallel"]["load_balance"] == "balanced"
+    assert "balanced layout" in plans[None].report()
+
+
+def test_a_balanced_ring_trains_as_one_device_on_simulated_ranks():
+    """CausalLM (learned positions of ``arange``, labels read whole) with its ring balanced on 2
+    simulated ranks: the inputs and positions are permuted where split, the logits put back in
+    order where gathered; 3 AdamW steps equal one device's."""
+    batches = _batches()
+    plan = check_training(CausalLM, 0, 0, (2,), local_runner, {"context_parallel": {"axis": "x", **BALANCED},
+                                                                "profile": None}, batches=batches)
+    assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced"
+    source = generate(capture(build(CausalLM), *batches[0]), plan).source
+    assert "layout='balanced'" in source and "move_balanced(ids" in source and "move_balanced(arange" in source
+
+
+def _balanced_plan(name: str, mesh: MeshSpec, batches: list, axis: str = "cp") -> str:
+    args, kwargs = batches[0]
+    plan = autopar.plan(build(name), mesh, args, kwargs, context_parallel={"axis": axis, **BALANCED},
+                        profile=None, progress=False)
+    assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced", name
+    return plan.to_json()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@slow
+def test_models_as_built_with_a_balanced_ring_train_as_one_device_on_gloo(n):
+    """gpt-tiny, HF Llama and HF GPT-2 as built, causal, their rings balanced over ``n`` gloo
+    processes (point-to-point, each rank chunks r and 2n-1-r; one launch trains every model):
+    3 AdamW steps equal one device's on every rank."""
+    mesh = MeshSpec((n,), ("cp",))
+    cases = [(name, make_batches(name, 2, CP_SEQ)) for name in CP_MODELS]
+    plans = [(name, _balanced_plan(name, mesh, batches), batches) for name, batches in cases]
+    results = run_on_gloo_mesh(_train_each, mesh.shape, plans, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for k, (name, batches) in enumerate(cases):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"{name} balanced rank {r}/{n}", name, batches, *per_plan[k])
+
+
+@slow
+def test_models_as_built_with_a_balanced_ring_beside_data_parallelism_train_as_one_device_on_2x2():
+    """torchtitan's FSDP x CP hand plan with the ring balanced (data parallel on the first axis,
+    the sequence over the second), for each model, on 4 gloo processes: every rank as one device."""
+    mesh = MeshSpec((2, 2), ("a", "b"))
+    cases = [(name, make_batches(name, 2, CP_SEQ)) for name in CP_MODELS]
+    plans = []
+    for name, batches in cases:
+        plan = candidates(build(name), mesh, *batches[0], profile=None, progress=False,
+                          context_parallel={"load_balance": "balanced"})["fsdp(a) x fsdp+cp(b)"]
+        assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced", name
+        plans.append((name, plan.to_json(), batches))
+    results = run_on_gloo_mesh(_train_each, mesh.shape, plans, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for k, (name, batches) in enumerate(cases):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"{name} fsdp x balanced ring rank {r}", name, batches, *per_plan[k])

@@ -608,3 +608,37 @@ def test_models_as_built_with_a_balanced_ring_beside_data_parallelism_train_as_o
     for k, (name, batches) in enumerate(cases):
         for r, per_plan in enumerate(results):
             _check_as_one_device(f"{name} fsdp x balanced ring rank {r}", name, batches, *per_plan[k])
+
+
+class PositionsParamLM(nn.Module):
+    """Learned positions as a parameter the length of the sequence, added to the embeddings (as
+    ViT adds its ``pos_embed``): split by sequence, the parameter is read split beside it."""
+
+    def __init__(self, seq: int, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Parameter(torch.randn(seq, dim))
+        self.qkv, self.head = nn.Linear(dim, 3 * dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        return F.cross_entropy(self.head(x + y).view(-1, VOCAB), labels.view(-1))
+
+
+def test_where_the_balanced_order_cannot_hold_the_ring_is_planned_contiguous_or_refused_if_forced():
+    """A parameter split over the ring's axis beside the sequence would be read in the contiguous
+    order: forced balanced, refused naming it; left to the search (which prefers balanced at 2048
+    tokens), planned again contiguous, saying why."""
+    seq = 2048
+    ids, labels = (torch.randint(0, VOCAB, (1, seq)) for _ in range(2))
+    captured = capture(PositionsParamLM(seq), (ids, labels))
+    mesh = MeshSpec((2,), ("cp",))
+    with pytest.raises(AutoparError, match="reaches p_pos .* a parameter or buffer split over the ring's axis"):
+        plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", **BALANCED}, profile=None, progress=False))
+    plan = plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"}, profile=None,
+                                                     progress=False))
+    assert plan.context_parallel is not None and plan.context_parallel.load_balance == "contiguous"
+    assert any("the balanced layout was refused" in w and "p_pos" in w for w in plan.warnings)

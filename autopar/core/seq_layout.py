@@ -7,9 +7,9 @@ Such dims are found as DTensor follows a split: an op's inputs and output split 
 (by its rule) split one dimension of the op; a value read as it is held keeps its split. So the
 (value, dim) pairs split over the axis are joined through ops, and those a balanced ring reaches
 hold the balanced order; each with its period, the run of elements one sequence spans along the
-dim (a reshape flattening a batch of sequences holds several runs, each permuted alone). Ops whose result depends on sequence
-order (slices, shifts, positions built by ``arange``, cumulative sums) have no rule splitting
-that dim, so they read it whole: the runtime puts it back in order where a move gathers it, and
+dim (a reshape flattening a batch of sequences holds several runs, each permuted alone). Ops
+whose result depends on sequence order (slices, shifts, positions built by ``arange``,
+cumulative sums) have no rule splitting that dim, so they read it whole: the runtime puts it back in order where a move gathers it, and
 permutes it where a move splits it again (``codegen.runtime.move_balanced``), at the inputs
 (``balance`` before the split) and at the outputs (``collectives.full_balanced``).
 

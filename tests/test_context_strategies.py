@@ -642,3 +642,15 @@ def test_where_the_balanced_order_cannot_hold_the_ring_is_planned_contiguous_or_
                                                      progress=False))
     assert plan.context_parallel is not None and plan.context_parallel.load_balance == "contiguous"
     assert any("the balanced layout was refused" in w and "p_pos" in w for w in plan.warnings)
+
+
+@slow
+def test_a_balanced_ring_trains_as_one_device_with_microbatches_and_recomputation():
+    """HF Llama as built, its ring balanced on 2 simulated ranks, 2 microbatches a step and every
+    block recomputed (the recomputed forward permutes as the first did): 3 AdamW steps equal one
+    device's."""
+    batches = make_batches("llama-tiny", 4, CP_SEQ)
+    plan = check_training("llama-tiny", 0, 0, (2,), local_runner, {
+        "context_parallel": {"axis": "x", **BALANCED}, "profile": None, "microbatches": 2, "recompute": "full"},
+        batches=batches)
+    assert plan.context_parallel.load_balance == "balanced" and plan.microbatches == 2 and plan.recompute

@@ -654,3 +654,33 @@ def test_a_balanced_ring_trains_as_one_device_with_microbatches_and_recomputatio
         "context_parallel": {"axis": "x", **BALANCED}, "profile": None, "microbatches": 2, "recompute": "full"},
         batches=batches)
     assert plan.context_parallel.load_balance == "balanced" and plan.microbatches == 2 and plan.recompute
+
+
+def _logits_each(mesh, name: str, texts: list[str], batches: list) -> list[torch.Tensor]:
+    """On every rank: the logits of ``batches[0]`` under each plan, whole (a plan keeping outputs
+    sharded: its DTensor's ``full_tensor()``)."""
+    args, kwargs = batches[0]
+    out = []
+    for text in texts:
+        plan = Plan.from_json(text)
+        logits = autopar.compile(build(name), mesh, args, kwargs, plan=plan)(*args, **kwargs).logits
+        out.append((logits if plan.gather_outputs else logits.full_tensor()).detach().clone())
+    return out
+
+
+@slow
+def test_a_balanced_rings_outputs_come_back_in_sequence_order():
+    """HF Llama's logits under a balanced ring on 2 gloo processes, gathered when read (and kept
+    sharded, then gathered by the reader): one device's, in sequence order."""
+    name, mesh = "llama-tiny", MeshSpec((2,), ("cp",))
+    batches = make_batches(name, 2, CP_SEQ, steps=1)
+    args, kwargs = batches[0]
+    texts = [autopar.plan(build(name), mesh, args, kwargs, context_parallel={"axis": "cp", **BALANCED}, profile=None,
+                          progress=False, gather_outputs=gather).to_json() for gather in (True, False)]
+    assert all(Plan.from_json(t).context_parallel.load_balance == "balanced" for t in texts)
+    want = build(name)(*args, **kwargs).logits.detach()
+    results = run_on_gloo_mesh(_logits_each, mesh.shape, name, texts, batches, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for r, per_plan in enumerate(results):
+        for got, gather in zip(per_plan, (True, False), strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m, r=r, g=gather: f"rank {r} {g}: {m}")

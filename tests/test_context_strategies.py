@@ -237,16 +237,19 @@ def test_attention_under_a_mask_found_causal_keeps_what_the_fused_kernel_keeps()
 
 
 def test_profiling_times_the_slowest_ranks_attention():
-    """Ring: the last rank's queries against every key (unmasked: it sees every block); Ulysses:
-    half the heads over the whole sequence, causal."""
+    """Ring (causal, 2 ranks): the last rank's queries against the keys of 1.5 blocks, unmasked
+    (the first block whole, its own half-masked); balanced, of one block (half of the other,
+    its own half-masked); Ulysses: half the heads over the whole sequence, causal."""
     captured = capture(CausalLM(), _batches(1)[0][0])
     space = build_space(captured, MeshSpec((2,)))
     nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
     grad = gradients(space)
     call = {s.names[0]: op_call(nc, s, (2,), grad) for s in nc.strategies}
     shapes = {name: [tuple(a.shape) for a in c.args[:3]] for name, c in call.items()}
-    local, whole, half_heads = (2, HEADS, SEQ // 2, DIM // HEADS), (2, HEADS, SEQ, DIM // HEADS), (2, HEADS // 2, SEQ, DIM // HEADS)
-    assert shapes["context-ring"] == [local, whole, whole] and call["context-ring"].args[3:] == ()
+    local, half_heads = (2, HEADS, SEQ // 2, DIM // HEADS), (2, HEADS // 2, SEQ, DIM // HEADS)
+    blocks = (2, HEADS, SEQ * 3 // 4, DIM // HEADS)
+    assert shapes["context-ring"] == [local, blocks, blocks] and call["context-ring"].args[3:] == ()
+    assert shapes["context-ring-balanced"] == [local] * 3
     assert shapes["context-ulysses"] == [half_heads] * 3 and call["context-ulysses"].args[5] is True
 
 
@@ -536,17 +539,18 @@ def test_the_balanced_ring_is_offered_for_causal_attention_of_2n_equal_chunks_on
     assert _plan_options(args).context_parallel == ContextChoice("cp", "ring", "balanced")
 
 
-def test_a_balanced_ring_is_priced_at_half_the_contiguous_rings_busiest_rank_and_chosen():
-    """Llama at 2048 tokens on 4 ranks, the ring forced: its last rank computes every block in
-    the contiguous layout, every rank half as much balanced (roofline: half the FLOPs); the
-    search picks balanced, its step predicted faster, and the plan's JSON and report say so."""
+def test_a_balanced_ring_is_priced_below_the_contiguous_rings_busiest_rank_and_chosen():
+    """Llama at 2048 tokens on 4 ranks, the ring forced: in the contiguous layout its last rank
+    computes 3.5 blocks' work (3 earlier blocks, its own half-masked), balanced every rank 2 (half
+    of each other block, its own half-masked); the search picks balanced, its step predicted
+    faster, and the plan's JSON and report say so."""
     model, args, kwargs = meta_model("llama-tiny", 1, 2048)
     captured = capture(model, args, kwargs)
     mesh = MeshSpec((4,), ("cp",))
     plans = {lb: plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"} | (
         {"load_balance": lb} if lb else {}), profile=None, progress=False)) for lb in (None, "balanced", "contiguous")}
     attention = {lb: [n.compute_s for n in p.nodes if n.op == str(SDPA)] for lb, p in plans.items()}
-    assert attention["balanced"] == pytest.approx([c / 2 for c in attention["contiguous"]], rel=0.05)
+    assert attention["balanced"] == pytest.approx([c * 2 / 3.5 for c in attention["contiguous"]], rel=0.05)
     assert plans[None].context_parallel.load_balance == "balanced"
     assert plans["balanced"].predicted.step_time_s < plans["contiguous"].predicted.step_time_s
     back = Plan.from_json(plans[None].to_json())

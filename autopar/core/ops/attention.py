@@ -338,14 +338,21 @@ def causal_attention(node: fx.Node) -> bool:
     return mask_of(node) == "causal" or bool(is_causal)
 
 
+def ring_blocks(node: fx.Node, placed: Placed, n: int) -> float:
+    """Blocks of its own length (a rank's queries against a rank's keys, unmasked) the busiest
+    rank of a ring over ``n`` ranks computes: every one (n) without a mask; under a causal one,
+    in the contiguous layout the last rank's n-1 earlier blocks and its own half-masked (n - 1/2);
+    balanced, every rank half of each other block and its own half-masked (n/2)."""
+    if not causal_attention(node):
+        return float(n)
+    return n / 2 if context_layout(placed) == "balanced" else n - 0.5
+
+
 @timed(SDPA)
 def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
                  grad: Mapping[fx.Node, bool]) -> LocalCall:
-    """Split by sequence, the attention the slowest rank computes. Ring: its queries against
-    every key, unmasked (a causal contiguous ring's last rank sees every block; the diagonal
-    one counted whole, as FLOP counts count causal attention); balanced (``BALANCED_RING``),
-    against half the keys, as every rank computes half of each other block and its own
-    causally (n/2 blocks' work, the last rank's half). Ulysses: the whole sequence for
+    """Split by sequence, the attention the slowest rank computes. Ring: its queries against as
+    many keys as its blocks' work (``ring_blocks``), unmasked. Ulysses: the whole sequence for
     1/n of the heads, masked as the op is; the ring's where other axes left it heads Ulysses
     cannot split (``context_attention`` runs the ring there)."""
     context = context_of(placed)
@@ -361,18 +368,27 @@ def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seq
         return torch.empty(shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
 
     if kind == "ring" or not _heads_divide(q.shape[1], k.shape[1], n):
-        keys = k.shape[2] * n // 2 if context_layout(placed) == "balanced" else k.shape[2] * n
+        keys = math.ceil(k.shape[2] * ring_blocks(node, placed, n))
         return LocalCall(SDPA, (q, grown(k, False, keys), grown(v, False, keys)), kwargs)
     return LocalCall(SDPA, (grown(q, True, q.shape[2] * n), grown(k, True, k.shape[2] * n),
                             grown(v, True, v.shape[2] * n), None, 0.0, causal_attention(node)), kwargs)
 
 
 @flop_share(SDPA)
-def balanced_share(placed: Placed) -> float:
-    """A causal ring in the balanced layout: every rank computes half of each other rank's block
-    and its own causally, half the unmasked FLOPs FLOP counts give a rank (the contiguous
-    layout's last rank computes all of them)."""
-    return 0.5 if context_layout(placed) == "balanced" else 1.0
+def ring_share(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> float:
+    """Split by sequence as a ring, its busiest rank's blocks (``ring_blocks``) over the n an even
+    split of FLOP counts (which count causal attention unmasked) gives it; else 1."""
+    context = context_of(placed)
+    if context is None or (context[1] == "ulysses" and _heads_divide(*_query_and_key_heads(node, placed, mesh_shape),
+                                                                     mesh_shape[context[0]])):
+        return 1.0
+    return ring_blocks(node, placed, mesh_shape[context[0]]) / mesh_shape[context[0]]
+
+
+def _query_and_key_heads(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> tuple[int, int]:
+    """The local query and key/value heads of SDPA ``node`` placed ``placed``."""
+    q, k = (_local_heads(tensor_val(a), p, mesh_shape) for a, p in zip(node.args[:2], placed.ins[:2], strict=True))
+    return q, k
 
 
 @collectives(SDPA)

@@ -19,7 +19,7 @@ optional:
   busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
 * ``@flop_share(op)``: the share of an even split of its counted FLOPs its busiest rank
   computes under a placement, for the roofline (a profile times the busiest rank's call,
-  ``@timed``): a causal ring in the balanced layout half of what FLOP counts give;
+  ``@timed``): a causal ring's, which FLOP counts count unmasked;
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
   runtime: the module that says how the op splits also says how a split op runs.
 
@@ -143,7 +143,7 @@ SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
 WorkingFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 RuleKeyFn = Callable[[fx.Node], Hashable]
 ImbalanceFn = Callable[[Placed, float], float]
-FlopShareFn = Callable[[Placed], float]
+FlopShareFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 
 
 @dataclass

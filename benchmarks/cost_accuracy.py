@@ -17,7 +17,7 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
     python benchmarks/cost_accuracy.py --knobs pipeline --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2x2 \
         --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B, GPipe)
     python benchmarks/cost_accuracy.py --knobs context_parallel --meshes 2,2x2 --launches 1 \
-        --out benchmarks/results/cost_accuracy_context.json   # attention split by sequence: ring, Ulysses
+        --out benchmarks/results/cost_accuracy_context.json   # by sequence: the ring in each layout, Ulysses
     python benchmarks/cost_accuracy.py --knobs expert_parallel --models mixtral-tiny --meshes 2,4,2x2 \
         --launches 1 --out benchmarks/results/cost_accuracy_experts.json   # experts split by expert (all-to-all)
 

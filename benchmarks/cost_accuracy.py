@@ -17,7 +17,7 @@ in a separate step). Prints predicted vs. measured step time (slowest rank) and 
     python benchmarks/cost_accuracy.py --knobs pipeline --models gpt-tiny,gpt2-tiny,llama-tiny --meshes 2x2 \
         --launches 1 --out benchmarks/results/cost_accuracy_pipeline.json   # 2 pipeline stages (1F1B, GPipe)
     python benchmarks/cost_accuracy.py --knobs context_parallel --meshes 2,2x2 --launches 1 \
-        --out benchmarks/results/cost_accuracy_context.json   # attention split by sequence: ring, Ulysses
+        --out benchmarks/results/cost_accuracy_context.json   # by sequence: the ring in each layout, Ulysses
     python benchmarks/cost_accuracy.py --knobs expert_parallel --models mixtral-tiny --meshes 2,4,2x2 \
         --launches 1 --out benchmarks/results/cost_accuracy_experts.json   # experts split by expert (all-to-all)
                                                                            # or within each expert
@@ -93,7 +93,10 @@ KNOB_SIZES = SIZES[1:]
 # ``--knobs context_parallel``: attention forced to split by sequence on the mesh's first axis
 # (``PlanOptions.context_parallel``: that axis, this kind), the planner free on the others; on
 # long sequences, where attention is most of the work, of models whose positions reach that far.
-CONTEXT_KNOBS = ((("context_parallel", "ring"),), (("context_parallel", "ulysses"),))
+# A ring forced in each layout (``KIND:LOAD_BALANCE``): contiguous, and balanced (chunks r and
+# 2n-1-r, equal causal work).
+CONTEXT_KNOBS = ((("context_parallel", "ring:contiguous"),), (("context_parallel", "ring:balanced"),),
+                 (("context_parallel", "ulysses"),))
 CONTEXT_SIZES = ((1, 2048), (2, 1024))
 CONTEXT_MODELS = ("gpt-tiny-long", "llama-tiny")
 #: Models of this benchmark beyond the zoo: gpt-tiny with positions for 2048 tokens (Llama's
@@ -343,7 +346,8 @@ def plan_config(cfg: Config, device: str, hardware: str, plan_kwargs: dict[str, 
     # outputs: planned likewise (the default plan prices a gather of the logits every step)
     options = {"gather_outputs": False, **plan_kwargs, **dict(cfg.knobs)}
     if isinstance(options.get("context_parallel"), str) and options["context_parallel"] != "auto":   # a kind
-        options["context_parallel"] = {"axis": spec.axis_names[0], "kind": options["context_parallel"]}
+        kind, _, layout = options["context_parallel"].partition(":")
+        options["context_parallel"] = {"axis": spec.axis_names[0], "kind": kind} | ({"load_balance": layout} if layout else {})
     hand = options.pop("hand_plan", None)
     if options.get("expert_parallel") in (LAST_AXIS, WITHIN_LAST_AXIS):
         options["expert_parallel"] = {("axis" if options["expert_parallel"] == LAST_AXIS else "within"):

@@ -88,7 +88,8 @@ def show(r: dict) -> None:
         print(f"{head}; NO PLAN: {r['error']}")
         return
     cp = r["context_parallel"]
-    how = "no context parallelism" if cp is None else f"{cp['kind']} over {cp['axis']} ({cp['nodes']} attention calls)"
+    how = ("no context parallelism" if cp is None
+           else f"{cp['kind']} ({cp['load_balance']}) over {cp['axis']} ({cp['nodes']} attention calls)")
     print(f"{head}; plan {r['plan']!r}{'' if r['fits'] else ' (DOES NOT FIT)'}: step {fmt(r['predicted_step_s'], 's')} "
           f"({r['tokens_per_s_per_device']:.0f} tokens/s/device, MFU {r['mfu']:.1%}), peak "
           f"{fmt(r['predicted_peak_bytes'], 'B')}; {how}; recompute {r['recompute']} ({r['recomputed_blocks']} blocks), "

@@ -44,6 +44,7 @@ from autopar.core.placements import (
 )
 from autopar.core.plan import NodePlan, Plan
 from autopar.core.precision import reduce_dtype
+from autopar.core.seq_layout import BalancedLayout, balanced_layout
 from autopar.core.units import fmt
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.recompute import checkpointed, statement_names
@@ -302,8 +303,8 @@ class GeneratedCode:
 
 
 class _Emitter:
-    def __init__(self, captured: CapturedGraph, plan: Plan, strict: bool,
-                 group_bytes: int, spans_job: bool, starts: Sequence[str] = ()) -> None:
+    def __init__(self, captured: CapturedGraph, plan: Plan, strict: bool, group_bytes: int, spans_job: bool,
+                 starts: Sequence[str] = (), balanced: BalancedLayout | None = None) -> None:
         self.captured = captured
         self.plan = {n.name: n for n in plan.nodes}
         self.reduce_precision = plan.reduce_precision
@@ -335,6 +336,7 @@ class _Emitter:
         self.group_of = {name: k for k, names in enumerate(self.group_names) for name in names}   # param node -> group
         self.gathered: set[int] = set()
         self.written = {n.name for n in written_aliases(captured.graph)}   # moved copies go stale on a write
+        self.balanced = balanced   # values held in the balanced order of a balanced ring, if one is
 
     def read_where_used(self, name: str, lines: list[tuple[str, str]]) -> None:
         """Parameters, buffers and constants are read where first used: inside their layer (and
@@ -418,7 +420,7 @@ class _Emitter:
         target = self.grad_target(node.name, have)
         if not param and not moves(have, want, grad, node.name in self.with_grad, target):
             return node.name
-        if rows and not param and node.name not in self.with_grad:
+        if rows and not param and node.name not in self.with_grad and not self.in_order(node.name, have, want)[1]:
             sliced = self.rows_sliced(node, have, want, why)
             if sliced is not None:
                 return sliced
@@ -444,11 +446,24 @@ class _Emitter:
                 kept = self.passes.get(node.name, ())
                 declared = tuple(Replicate() if a in kept else g for a, g in enumerate(grad))
                 shape = list(tensor_val(node).shape)
-                self.emit(f"{var} = move({node.name}, mesh, {placements_str(have, code=True)}, {placements_str(want, code=True)}, "
-                          f"grad={placements_str(declared, code=True)}, shape={shape})",
-                          f"{collective_comment(have, want, self.axes)}{backward}: {why}")
+                how, order = self.in_order(node.name, have, want)
+                self.emit(f"{var} = {how}({node.name}, mesh, {placements_str(have, code=True)}, "
+                          f"{placements_str(want, code=True)}, grad={placements_str(declared, code=True)}, "
+                          f"shape={shape}{order})", f"{collective_comment(have, want, self.axes)}{backward}: {why}")
             self.placed[key] = var
         return self.placed[key]
+
+    def in_order(self, name: str, have: Placements, want: Placements) -> tuple[str, str]:
+        """How a move of value ``name`` from ``have`` to ``want`` is written: ``move``, or where
+        either side is split in the balanced order (``seq_layout``), ``move_balanced`` and the
+        text of its extra arguments."""
+        layout = self.balanced
+        if layout is None:
+            return "move", ""
+        held, read = layout.dim(name, have), layout.dim(name, want)
+        if held is None and read is None:
+            return "move", ""
+        return "move_balanced", f", axis={layout.axis}, held={held}, read={read}"
 
     def as_stored(self, name: str, want: Placements, grad: Placements) -> bool:
         """Is this read of a ZeRO-3 parameter (gathered one by one) its shard as stored, with its
@@ -570,9 +585,12 @@ class _Emitter:
                                               "replicated constant")])
             self.out_of[node.name] = np_.out if np_ else None
         elif np_ is not None:  # user input tensor
-            part = self.sizes.part(node.name, tensor_val(node).shape, np_.out)
+            order = self.balanced.dim(node.name, np_.out) if self.balanced is not None else None
+            whole = node.name if order is None else f"balance({node.name}, {order[0]}, {self.balanced.ranks}, {order[1]})"
+            part = self.sizes.part(whole, tensor_val(node).shape, np_.out)
             if part != node.name:
-                self.emit(f"{node.name} = {part}", f"every rank passes the full input; keep this rank's part ({np_.strategy})")
+                self.emit(f"{node.name} = {part}", f"every rank passes the full input; keep this rank's part ({np_.strategy})"
+                          + ("" if order is None else f"; its dim {order[0]} in the balanced order (chunks r and 2n-1-r)"))
             self.out_of[node.name] = np_.out
 
     def call(self, node: fx.Node, np_: NodePlan | None) -> None:
@@ -637,6 +655,17 @@ class _Emitter:
             if have is None or (self.outputs == "loss" and all(isinstance(p, Replicate) for p in have)):
                 return self.arg(x)
             shape = list(tensor_val(x).shape)
+            order = self.balanced.dim(x.name, have) if self.balanced is not None else None
+            if order is not None and self.outputs == "full":
+                return (f"full_balanced({x.name}, mesh, {placements_str(have, code=True)}, {shape}, dim={order[0]}, "
+                        f"ranks={self.balanced.ranks}, period={order[1]})")
+            if order is not None and self.outputs == "sharded":   # in sequence order: whole over the ring's axis
+                want = tuple(Replicate() if isinstance(p, Shard) and (a == self.balanced.axis or p.dim == order[0])
+                             else p for a, p in enumerate(have))
+                return (f"kept_sharded(move_balanced({x.name}, mesh, {placements_str(have, code=True)}, "
+                        f"{placements_str(want, code=True)}, grad={placements_str(grad_target(want), code=True)}, "
+                        f"shape={shape}, axis={self.balanced.axis}, held={order}, read=None), mesh, "
+                        f"{placements_str(want, code=True)}, {shape})")
             return f"{'full' if self.outputs == 'full' else 'kept_sharded'}({x.name}, mesh, {placements_str(have, code=True)}, {shape})"
 
         self.emit(f"return ({', '.join(wrap(o) for o in user)}{',' if len(user) == 1 else ''})",
@@ -676,7 +705,9 @@ def generate(captured: CapturedGraph, plan: Plan, strict: bool = False, group_by
     steps: what to emit and in what order (``_analyse``), the lines (``_emit``), the functions
     (``_assemble``). An error names the node whose code was being generated."""
     analysis = _analyse(captured, plan)
-    em = _Emitter(captured, analysis.plan, strict, group_bytes, spans_job, analysis.starts)
+    balanced = balanced_layout(captured, {n.name: n for n in analysis.plan.nodes}, plan.mesh.shape,
+                               pipelined=plan.pipeline is not None)
+    em = _Emitter(captured, analysis.plan, strict, group_bytes, spans_job, analysis.starts, balanced)
     if outputs is not None:
         em.outputs = outputs
     return _assemble(captured, analysis, em, _emit(captured, analysis, em))

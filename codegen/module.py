@@ -15,6 +15,7 @@ import codegen.runtime as runtime
 from autopar.core import collectives
 from autopar.core.buffers import refuse_split_steps, whole_batch_state
 from autopar.core.capture import CapturedGraph
+from autopar.core.context_parallel import balance
 from autopar.core.errors import AutoparError, InputMismatchError, LossWeightError
 from autopar.core.launched import handed_over, prepare_reads, settle
 from autopar.core.loss_weights import loss_weighting
@@ -37,8 +38,9 @@ _counter = [0]
 #: the ops' kernels (``autopar.core.ops.KERNELS``, each declared beside its op's rule). Capture
 #: keeps graph values from shadowing these (``autopar.core.execution.GENERATED_NAMES``).
 GENERATED_GLOBALS = {
-    "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "SB": ShardBlocks, "P": Partial(), "Partial": Partial,
-    "redistribute": runtime.redistribute, "move": runtime.move, "param_shard": runtime.param_shard,
+    "torch": torch, "aten": torch.ops.aten, "R": Replicate(), "S": Shard, "SB": ShardBlocks, "P": Partial(),
+    "Partial": Partial, "redistribute": runtime.redistribute, "move": runtime.move, "move_balanced": runtime.move_balanced,
+    "balance": balance, "full_balanced": collectives.full_balanced, "param_shard": runtime.param_shard,
     "shard_of": runtime.shard_of, "held": runtime.held, "on_device": runtime.on_device, "expect": runtime.expect,
     "uneven_reshape": runtime.uneven_reshape, "full": collectives.full, "kept_sharded": runtime.kept_sharded,
     "gather_params": gather_params, "recompute": recompute, "once": runtime.once, "kernels": Kernels(),

@@ -26,7 +26,7 @@ from torch.distributed._local_tensor import (
     local_tensor_mode,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.collectives import (
@@ -37,8 +37,9 @@ from autopar.core.collectives import (
     planned,
     spans_job,
 )
+from autopar.core.context_parallel import balance, unbalance
 from autopar.core.errors import AutoparError
-from autopar.core.placements import for_dtensor
+from autopar.core.placements import for_dtensor, grad_target
 from autopar.core.precision import reduce_dtype
 from autopar.core.together import rank_map
 
@@ -88,6 +89,37 @@ def move(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Seq
     if not x.requires_grad and _same(have, want):
         return x
     return _LocalShard.apply(redistribute(as_dtensor(x, mesh, have, shape), want), tuple(grad))
+
+
+def move_balanced(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], want: Sequence[Placement],
+                  grad: Sequence[Placement], shape: Sequence[int], *, axis: int, held: tuple[int, int] | None,
+                  read: tuple[int, int] | None) -> torch.Tensor:
+    """``move`` of a value split by sequence over mesh ``axis`` in the balanced order (rank r:
+    chunks r and 2n-1-r of 2n, ``context_parallel.balance``) as it is held (``held``: (dim,
+    period: the elements one sequence spans), else None) or as it is read (``read``). A
+    collective moves the value in the order it holds, so the order changes only where the dim is
+    whole on this rank: gathered first, then put back in sequence order (``unbalance``); to split
+    it in the balanced order, permuted (``balance``) while whole, then split as ``move`` splits.
+    Both are local and differentiable (the backward permutes the gradient back)."""
+    n = mesh.shape[axis]
+    if held is not None and held == read:
+        return move(x, mesh, have, want, grad, shape)   # the same order on both sides
+    have = tuple(have)
+    if held is not None:
+        x, have = _whole_along(x, mesh, have, axis, held[0], shape)
+        x = unbalance(x, held[0], n, held[1])
+    if read is None:
+        return move(x, mesh, have, want, grad, shape)
+    x, have = _whole_along(x, mesh, have, axis, read[0], shape)
+    return move(balance(x, read[0], n, read[1]), mesh, have, want, grad, shape)
+
+
+def _whole_along(x: torch.Tensor, mesh: DeviceMesh, have: tuple[Placement, ...], axis: int, dim: int,
+                 shape: Sequence[int]) -> tuple[torch.Tensor, tuple[Placement, ...]]:
+    """``x`` (placed ``have``) gathered where ``axis`` or any axis splitting ``dim`` splits it, so
+    that ``dim`` is whole on this rank (a partial sum stays partial), with its new placement."""
+    mid = tuple(Replicate() if isinstance(p, Shard) and (a == axis or p.dim == dim) else p for a, p in enumerate(have))
+    return move(x, mesh, have, mid, grad_target(mid), shape), mid
 
 
 def to_host(p: DTensor) -> DTensor:

@@ -467,7 +467,9 @@ class CostModel:
             if is_split(s.out[a]) or any(is_split(i[a]) for i in s.ins):
                 split *= n
         moved = self._working_bytes(nc, s)
-        flops = self.flops(nc.node) / split
+        entry = entry_for(nc.node)
+        share = entry.flop_share(nc.node, s, self.mesh.shape) if entry is not None and entry.flop_share else 1.0
+        flops = self.flops(nc.node) / split * share
         if self.efficiency is not None and not (flops == 0 and moved == 0):
             shapes = [largest_shard_shape(tensor_val(i).shape, p, self.mesh.shape) for i, p in zip(nc.inputs, s.ins, strict=True)]
             fwd, bwd = op_seconds(nc.node, shapes, flops, moved, self.efficiency, self.hw, val.dtype)

@@ -237,16 +237,19 @@ def test_attention_under_a_mask_found_causal_keeps_what_the_fused_kernel_keeps()
 
 
 def test_profiling_times_the_slowest_ranks_attention():
-    """Ring: the last rank's queries against every key (unmasked: it sees every block); Ulysses:
-    half the heads over the whole sequence, causal."""
+    """Ring (causal, 2 ranks): the last rank's queries against the keys of 1.5 blocks, unmasked
+    (the first block whole, its own half-masked); balanced, of one block (half of the other,
+    its own half-masked); Ulysses: half the heads over the whole sequence, causal."""
     captured = capture(CausalLM(), _batches(1)[0][0])
     space = build_space(captured, MeshSpec((2,)))
     nc = next(nc for nc in space.nodes if nc.node.target is SDPA)
     grad = gradients(space)
     call = {s.names[0]: op_call(nc, s, (2,), grad) for s in nc.strategies}
     shapes = {name: [tuple(a.shape) for a in c.args[:3]] for name, c in call.items()}
-    local, whole, half_heads = (2, HEADS, SEQ // 2, DIM // HEADS), (2, HEADS, SEQ, DIM // HEADS), (2, HEADS // 2, SEQ, DIM // HEADS)
-    assert shapes["context-ring"] == [local, whole, whole] and call["context-ring"].args[3:] == ()
+    local, half_heads = (2, HEADS, SEQ // 2, DIM // HEADS), (2, HEADS // 2, SEQ, DIM // HEADS)
+    blocks = (2, HEADS, SEQ * 3 // 4, DIM // HEADS)
+    assert shapes["context-ring"] == [local, blocks, blocks] and call["context-ring"].args[3:] == ()
+    assert shapes["context-ring-balanced"] == [local] * 3
     assert shapes["context-ulysses"] == [half_heads] * 3 and call["context-ulysses"].args[5] is True
 
 
@@ -505,3 +508,183 @@ def test_ulysses_beside_tensor_parallelism_trains_as_one_device_on_simulated_2x2
     plan = plan_captured(captured, mesh, PlanOptions(profile=None, progress=False), forced=forced)
     assert plan.context_parallel is not None and plan.context_parallel.kind == "ulysses"
     check_training(name, 2, CP_SEQ, (2, 2), local_runner, {"plan": plan}, batches=batches)
+
+
+# ---------------------------------------------------------------- the balanced layout of a causal ring
+
+BALANCED = {"kind": "ring", "load_balance": "balanced"}
+
+
+def test_the_balanced_ring_is_offered_for_causal_attention_of_2n_equal_chunks_only():
+    """Causal and 8 positions on 2 ranks (4 chunks): offered; 6 positions (not 4 equal chunks) or
+    no mask (nothing to balance): not; forced where it cannot run, refused saying why."""
+    causal = lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)  # noqa: E731
+    qkv = lambda seq: tuple(torch.randn(2, 2, seq, 4) for _ in range(3))  # noqa: E731
+    assert "context-ring-balanced" in _sdpa_rules(_Fn(causal), qkv(8))
+    assert "context-ring-balanced" not in _sdpa_rules(_Fn(causal), qkv(6))
+    open_ = lambda q, k, v: F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0)  # noqa: E731
+    assert "context-ring-balanced" not in _sdpa_rules(_Fn(open_), qkv(8))
+    mesh = MeshSpec((2,), ("cp",))
+    assert _restricted(_Fn(causal), qkv(8), mesh, {"axis": "cp", **BALANCED}) == {"context-ring-balanced"}
+    assert _restricted(_Fn(causal), qkv(8), mesh, {"axis": "cp", "kind": "ring", "load_balance": "contiguous"}) == {
+        "context-ring"}
+    with pytest.raises(AutoparError, match="does not cut into 4 equal chunks .* pad it to 8 tokens"):
+        _restricted(_Fn(causal), qkv(6), mesh, {"axis": "cp", **BALANCED})
+    with pytest.raises(AutoparError, match="not causal"):
+        _restricted(_Fn(open_), qkv(8), mesh, {"axis": "cp", **BALANCED})
+    for bad in ({"axis": "cp", "kind": "ulysses", "load_balance": "balanced"}, {"load_balance": "zigzag"}):
+        with pytest.raises(AutoparError, match="load_balance"):
+            PlanOptions(context_parallel=bad)
+    args = build_parser().parse_args(["plan", "--model", "gpt-tiny", "--mesh", "2", "--context-parallel", "ring:cp:balanced"])
+    assert _plan_options(args).context_parallel == ContextChoice("cp", "ring", "balanced")
+
+
+def test_a_balanced_ring_is_priced_below_the_contiguous_rings_busiest_rank_and_chosen():
+    """Llama at 2048 tokens on 4 ranks, the ring forced: in the contiguous layout its last rank
+    computes 3.5 blocks' work (3 earlier blocks, its own half-masked), balanced every rank 2 (half
+    of each other block, its own half-masked); the search picks balanced, its step predicted
+    faster, and the plan's JSON and report say so."""
+    model, args, kwargs = meta_model("llama-tiny", 1, 2048)
+    captured = capture(model, args, kwargs)
+    mesh = MeshSpec((4,), ("cp",))
+    plans = {lb: plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"} | (
+        {"load_balance": lb} if lb else {}), profile=None, progress=False)) for lb in (None, "balanced", "contiguous")}
+    attention = {lb: [n.compute_s for n in p.nodes if n.op == str(SDPA)] for lb, p in plans.items()}
+    assert attention["balanced"] == pytest.approx([c * 2 / 3.5 for c in attention["contiguous"]], rel=0.05)
+    assert plans[None].context_parallel.load_balance == "balanced"
+    assert plans["balanced"].predicted.step_time_s < plans["contiguous"].predicted.step_time_s
+    back = Plan.from_json(plans[None].to_json())
+    assert back.context_parallel == plans[None].context_parallel
+    assert json.loads(plans[None].to_json())["context_parallel"]["load_balance"] == "balanced"
+    assert "balanced layout" in plans[None].report()
+
+
+def test_a_balanced_ring_trains_as_one_device_on_simulated_ranks():
+    """CausalLM (learned positions of ``arange``, labels read whole) with its ring balanced on 2
+    simulated ranks: the inputs and positions are permuted where split, the logits put back in
+    order where gathered; 3 AdamW steps equal one device's."""
+    batches = _batches()
+    plan = check_training(CausalLM, 0, 0, (2,), local_runner, {"context_parallel": {"axis": "x", **BALANCED},
+                                                                "profile": None}, batches=batches)
+    assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced"
+    source = generate(capture(build(CausalLM), *batches[0]), plan).source
+    assert "layout='balanced'" in source and "move_balanced(ids" in source and "move_balanced(arange" in source
+
+
+def _balanced_plan(name: str, mesh: MeshSpec, batches: list, axis: str = "cp") -> str:
+    args, kwargs = batches[0]
+    plan = autopar.plan(build(name), mesh, args, kwargs, context_parallel={"axis": axis, **BALANCED},
+                        profile=None, progress=False)
+    assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced", name
+    return plan.to_json()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@slow
+def test_models_as_built_with_a_balanced_ring_train_as_one_device_on_gloo(n):
+    """gpt-tiny, HF Llama and HF GPT-2 as built, causal, their rings balanced over ``n`` gloo
+    processes (point-to-point, each rank chunks r and 2n-1-r; one launch trains every model):
+    3 AdamW steps equal one device's on every rank."""
+    mesh = MeshSpec((n,), ("cp",))
+    cases = [(name, make_batches(name, 2, CP_SEQ)) for name in CP_MODELS]
+    plans = [(name, _balanced_plan(name, mesh, batches), batches) for name, batches in cases]
+    results = run_on_gloo_mesh(_train_each, mesh.shape, plans, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for k, (name, batches) in enumerate(cases):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"{name} balanced rank {r}/{n}", name, batches, *per_plan[k])
+
+
+@slow
+def test_models_as_built_with_a_balanced_ring_beside_data_parallelism_train_as_one_device_on_2x2():
+    """torchtitan's FSDP x CP hand plan with the ring balanced (data parallel on the first axis,
+    the sequence over the second), for each model, on 4 gloo processes: every rank as one device."""
+    mesh = MeshSpec((2, 2), ("a", "b"))
+    cases = [(name, make_batches(name, 2, CP_SEQ)) for name in CP_MODELS]
+    plans = []
+    for name, batches in cases:
+        plan = candidates(build(name), mesh, *batches[0], profile=None, progress=False,
+                          context_parallel={"load_balance": "balanced"})["fsdp(a) x fsdp+cp(b)"]
+        assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced", name
+        plans.append((name, plan.to_json(), batches))
+    results = run_on_gloo_mesh(_train_each, mesh.shape, plans, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for k, (name, batches) in enumerate(cases):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"{name} fsdp x balanced ring rank {r}", name, batches, *per_plan[k])
+
+
+class PositionsParamLM(nn.Module):
+    """Learned positions as a parameter the length of the sequence, added to the embeddings (as
+    ViT adds its ``pos_embed``): split by sequence, the parameter is read split beside it."""
+
+    def __init__(self, seq: int, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Parameter(torch.randn(seq, dim))
+        self.qkv, self.head = nn.Linear(dim, 3 * dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        return F.cross_entropy(self.head(x + y).view(-1, VOCAB), labels.view(-1))
+
+
+def test_where_the_balanced_order_cannot_hold_the_ring_is_planned_contiguous_or_refused_if_forced():
+    """A parameter split over the ring's axis beside the sequence would be read in the contiguous
+    order: forced balanced, refused naming it; left to the search (which prefers balanced at 2048
+    tokens), planned again contiguous, saying why."""
+    seq = 2048
+    ids, labels = (torch.randint(0, VOCAB, (1, seq)) for _ in range(2))
+    captured = capture(PositionsParamLM(seq), (ids, labels))
+    mesh = MeshSpec((2,), ("cp",))
+    with pytest.raises(AutoparError, match="reaches p_pos .* a parameter or buffer split over the ring's axis"):
+        plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", **BALANCED}, profile=None, progress=False))
+    plan = plan_captured(captured, mesh, PlanOptions(context_parallel={"axis": "cp", "kind": "ring"}, profile=None,
+                                                     progress=False))
+    assert plan.context_parallel is not None and plan.context_parallel.load_balance == "contiguous"
+    assert any("the balanced layout was refused" in w and "p_pos" in w for w in plan.warnings)
+
+
+@slow
+def test_a_balanced_ring_trains_as_one_device_with_microbatches_and_recomputation():
+    """HF Llama as built, its ring balanced on 2 simulated ranks, 2 microbatches a step and every
+    block recomputed (the recomputed forward permutes as the first did): 3 AdamW steps equal one
+    device's."""
+    batches = make_batches("llama-tiny", 4, CP_SEQ)
+    plan = check_training("llama-tiny", 0, 0, (2,), local_runner, {
+        "context_parallel": {"axis": "x", **BALANCED}, "profile": None, "microbatches": 2, "recompute": "full"},
+        batches=batches)
+    assert plan.context_parallel.load_balance == "balanced" and plan.microbatches == 2 and plan.recompute
+
+
+def _logits_each(mesh, name: str, texts: list[str], batches: list) -> list[torch.Tensor]:
+    """On every rank: the logits of ``batches[0]`` under each plan, whole (a plan keeping outputs
+    sharded: its DTensor's ``full_tensor()``)."""
+    args, kwargs = batches[0]
+    out = []
+    for text in texts:
+        plan = Plan.from_json(text)
+        logits = autopar.compile(build(name), mesh, args, kwargs, plan=plan)(*args, **kwargs).logits
+        out.append((logits if plan.gather_outputs else logits.full_tensor()).detach().clone())
+    return out
+
+
+@slow
+def test_a_balanced_rings_outputs_come_back_in_sequence_order():
+    """HF Llama's logits under a balanced ring on 2 gloo processes, gathered when read (and kept
+    sharded, then gathered by the reader): one device's, in sequence order."""
+    name, mesh = "llama-tiny", MeshSpec((2,), ("cp",))
+    batches = make_batches(name, 2, CP_SEQ, steps=1)
+    args, kwargs = batches[0]
+    texts = [autopar.plan(build(name), mesh, args, kwargs, context_parallel={"axis": "cp", **BALANCED}, profile=None,
+                          progress=False, gather_outputs=gather).to_json() for gather in (True, False)]
+    assert all(Plan.from_json(t).context_parallel.load_balance == "balanced" for t in texts)
+    want = build(name)(*args, **kwargs).logits.detach()
+    results = run_on_gloo_mesh(_logits_each, mesh.shape, name, texts, batches, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for r, per_plan in enumerate(results):
+        for got, gather in zip(per_plan, (True, False), strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m, r=r, g=gather: f"rank {r} {g}: {m}")

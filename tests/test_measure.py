@@ -168,7 +168,7 @@ def test_select_configs():
                                         for s in ("1F1B", "GPipe")]
     context, _ = select_configs(None, [(1,), (2,)], knobs=True, knob="context_parallel", quick=True)
     assert [c.label for c in context] == [f"{m} 2 1x2048 context_parallel={k}" for m in ("gpt-tiny-long", "llama-tiny")
-                                          for k in ("ring", "ulysses")]   # no context on one device
+                                          for k in ("ring:contiguous", "ring:balanced", "ulysses")]   # no context on one device
     experts, _ = select_configs(["gpt-tiny", "mixtral-tiny"], [(2,)], knobs=True, knob="expert_parallel")
     assert [c.label for c in experts] == [f"mixtral-tiny 2 {size} expert_parallel={knob}"   # MoE models only
                                           for size in ("16x64", "32x64")

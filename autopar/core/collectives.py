@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core import launched
+from autopar.core.context_parallel import balance, unbalance
 from autopar.core.placements import for_dtensor
 from autopar.core.together import one_process
 
@@ -128,6 +129,20 @@ def full(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[in
         return launched.gathered(x, mesh, have, shape, lambda grad: _part_of(grad, mesh, have, shape))
     with planned():
         return as_dtensor(x, mesh, have, shape).full_tensor()
+
+
+def full_balanced(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int], *, dim: int,
+                  ranks: int, period: int) -> Any:
+    """``full`` of an output whose ``dim`` is split in the balanced order (``context_parallel.balance``
+    over ``ranks`` ranks, each run of ``period`` elements alone): gathered as ``full`` gathers
+    (when first read, between processes), then put back in sequence order; its gradient permuted
+    back before it is split."""
+    if not torch.compiler.is_compiling() and not one_process() and launched.gatherable(x, mesh, have, shape):
+        return launched.gathered(x, mesh, have, shape,
+                                 lambda grad: _part_of(balance(grad, dim, ranks, period), mesh, have, shape),
+                                 lambda whole: unbalance(whole, dim, ranks, period))
+    with planned():
+        return unbalance(as_dtensor(x, mesh, have, shape).full_tensor(), dim, ranks, period)
 
 
 def _part_of(whole_value: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> torch.Tensor:

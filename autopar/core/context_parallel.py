@@ -56,20 +56,31 @@ def _chunks(length: int, n: int, layout: Layout) -> int:
     return count
 
 
-def balance(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+def balance(x: torch.Tensor, dim: int, n: int, period: int | None = None) -> torch.Tensor:
     """``x`` with its ``dim`` (the whole sequence) permuted into the balanced order: split evenly
-    into ``n`` parts afterwards, part r holds chunks r and 2n-1-r of the 2n."""
-    _chunks(x.size(dim), n, "balanced")
-    parts = x.chunk(2 * n, dim)
-    return torch.cat([parts[c] for c in _chunk_order(n, "balanced")], dim)
+    into ``n`` parts afterwards, part r holds chunks r and 2n-1-r of the 2n. ``period``: the
+    dim holds runs of that many elements (a batch of sequences flattened), each permuted alone."""
+    return _permuted(x, dim, n, period, _chunk_order(n, "balanced"))
 
 
-def unbalance(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+def unbalance(x: torch.Tensor, dim: int, n: int, period: int | None = None) -> torch.Tensor:
     """The inverse of ``balance``: a balanced-order ``dim`` back in sequence order."""
-    _chunks(x.size(dim), n, "balanced")
-    parts = x.chunk(2 * n, dim)
     slot = {c: i for i, c in enumerate(_chunk_order(n, "balanced"))}
-    return torch.cat([parts[slot[c]] for c in range(2 * n)], dim)
+    return _permuted(x, dim, n, period, [slot[c] for c in range(2 * n)])
+
+
+def _permuted(x: torch.Tensor, dim: int, n: int, period: int | None, order: list[int]) -> torch.Tensor:
+    """``x``'s 2n chunks of ``dim`` (of each run of ``period`` along it) put in ``order``."""
+    dim = dim % x.dim()
+    size = x.size(dim)
+    if period is not None and period != size:
+        if size % period:
+            raise AutoparError(f"a dim of {size} elements does not hold whole runs of {period}")
+        runs = x.unflatten(dim, (size // period, period))
+        return _permuted(runs, dim + 1, n, None, order).flatten(dim, dim + 1)
+    _chunks(size, n, "balanced")
+    parts = x.chunk(2 * n, dim)
+    return torch.cat([parts[c] for c in order], dim)
 
 
 def positions(seq_len: int, n: int, rank: int, layout: Layout) -> torch.Tensor:

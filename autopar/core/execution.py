@@ -43,7 +43,8 @@ IDENTITY_OPS = {aten.contiguous.default, aten.alias.default, aten.clone.default,
 #: ``kernels.<name>``.
 GENERATED_NAMES = frozenset({
     "self", "mesh", "device", "sizes", "torch", "aten", "operator", "float", "R", "S", "SB", "P", "Partial",
-    "redistribute", "move", "param_shard", "shard_of", "held", "on_device", "expect", "uneven_reshape",
+    "redistribute", "move", "move_balanced", "balance", "full_balanced", "param_shard", "shard_of", "held", "on_device",
+    "expect", "uneven_reshape",
     "full", "kept_sharded", "gather_params", "recompute", "loss_count", "once", "constants", "kernels",
 })
 

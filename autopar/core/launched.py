@@ -347,11 +347,13 @@ def _read_groups(mesh: DeviceMesh) -> dict[tuple[int, ...] | None, dist.ProcessG
 
 
 def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int],
-             backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             backward: Callable[[torch.Tensor], torch.Tensor],
+             finish: Callable[[torch.Tensor], torch.Tensor] = lambda whole: whole) -> torch.Tensor:
     """The whole tensor of ``shape`` whose part placed ``have`` this rank holds in ``x``, gathered
     when first read (``gatherable`` must hold; launched now where ``prepare_reads`` made no
-    groups for ``mesh``: a pipeline's stages, which read every output at once). ``backward`` maps
-    the whole tensor's gradient to this rank's part."""
+    groups for ``mesh``: a pipeline's stages, which read every output at once), then passed
+    through ``finish`` (a sequence held in the balanced order put back in order). ``backward``
+    maps the whole tensor's gradient to this rank's part."""
     split = [a for a, p in enumerate(have) if isinstance(p, Shard)]
     local = x.detach().contiguous()
     groups = _read_groups(mesh)
@@ -359,11 +361,11 @@ def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape
         group = mesh.get_group(split[0]) if len(split) == 1 else dist.group.WORLD
         flat = torch.empty(dist.get_world_size(group) * local.numel(), dtype=local.dtype, device=local.device)
         cell = _launch(dist.all_gather_single(flat, local.view(-1), group=group, async_op=True),
-                       lambda: _assembled(flat.view(-1, *local.shape), mesh, have, split, shape))
+                       lambda: finish(_assembled(flat.view(-1, *local.shape), mesh, have, split, shape)))
     else:
         group = groups[tuple(split)] if len(split) == 1 else groups[None]
         tag = next(_MADE)
-        cell = _Cell(None, lambda: _assembled(_read(local, group, tag), mesh, have, split, shape))
+        cell = _Cell(None, lambda: finish(_assembled(_read(local, group, tag), mesh, have, split, shape)))
     return _Launched.apply(x, cell, tuple(shape), backward)
 
 

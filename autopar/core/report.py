@@ -297,8 +297,9 @@ def context_text(plan: Plan) -> str:
     how = {"ring": "ring attention (keys and values passed around the axis)",
            "ulysses": "Ulysses (all-to-alls regroup the sequence by heads around attention)"}.get(cp.kind, cp.kind)
     ranks = "x".join(str(plan.mesh.shape[plan.mesh.axis_names.index(a)]) for a in cp.axis.split("+"))
-    return (f"{how} over {cp.axis} ({ranks} ranks), {cp.load_balance} layout, {len(cp.nodes)} attention "
-            f"call(s) split by sequence")
+    layout = {"balanced": "balanced layout (rank r holds chunks r and 2n-1-r: equal causal work)"}.get(
+        cp.load_balance, f"{cp.load_balance} layout")
+    return f"{how} over {cp.axis} ({ranks} ranks), {layout}, {len(cp.nodes)} attention call(s) split by sequence"
 
 
 def format_report(plan: Plan, top: int | None = 12) -> str:
@@ -474,7 +475,9 @@ def _knobs(plan: Plan) -> str:
     if plan.recompute:
         said.append(f"{plan.recompute_mode} recomputation of {len(plan.recompute)} blocks")
     if plan.context_parallel is not None:
-        said.append(f"attention split by sequence over {plan.context_parallel.axis} ({plan.context_parallel.kind})")
+        cp = plan.context_parallel
+        said.append(f"attention split by sequence over {cp.axis} ({cp.kind}"
+                    + (", balanced)" if cp.load_balance == "balanced" else ")"))
     if plan.offloaded:
         said.append(f"the optimizer states of {len(plan.offloaded)} parameters in host memory")
     return "".join(f"; {s}" for s in said)

@@ -45,7 +45,7 @@ from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.mesh import MeshSpec, as_mesh_spec
 from autopar.core.microbatch import microbatch_capture
 from autopar.core.ops import moe
-from autopar.core.ops.attention import SDPA
+from autopar.core.ops.attention import BALANCED_RING, SDPA
 from autopar.core.plan import Plan
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
@@ -184,10 +184,14 @@ def context_role_sets(mesh: MeshSpec, ring_axes: set[int]) -> list[tuple[Role, .
     return out
 
 
+#: A ring's rule names, either layout (``autopar.core.ops.attention``).
+RINGS = ("context-ring", BALANCED_RING)
+
+
 def _ring_axes(space) -> set[int]:
     """The mesh axes some attention of ``space`` can run ring attention on."""
     return {a for nc in space.nodes if nc.kind == "op" and nc.node.target is SDPA
-            for s in nc.strategies for a, name in enumerate(s.names) if name == "context-ring"}
+            for s in nc.strategies for a, name in enumerate(s.names) if name in RINGS}
 
 
 def plan_name(mesh: MeshSpec, roles: Sequence[Role]) -> str:
@@ -320,8 +324,8 @@ def _obeys_context(kind: NodeKind, traits: Traits, s: Strategy, a: int) -> bool:
     if kind == "input":
         return s.out[a] == Shard(1)
     if kind == "op":
-        if attention:
-            return s.names[a] == "context-ring"
+        if attention:   # either layout: the balanced one where it is priced faster (causal, 2n chunks)
+            return s.names[a] in RINGS
         replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
         return on_batch != replicated and all(s.ins[k][a] == R for k in weights + tables)
     return True

@@ -12,26 +12,56 @@ from typing import Any, Literal
 import torch.fx as fx
 
 from autopar.core.capture import tensor_val
+from autopar.core.context_parallel import Layout
 from autopar.core.errors import AutoparError
-from autopar.core.ops.attention import CONTEXT_KINDS, SDPA, ContextKind, context_refusal
+from autopar.core.ops.attention import (
+    BALANCED_RING,
+    CONTEXT_KINDS,
+    SDPA,
+    ContextKind,
+    causal_attention,
+    context_refusal,
+)
 from autopar.core.strategies import Strategy, StrategySpace
 
 #: A strategy's rule name on the axis that splits attention by sequence.
-CONTEXT_RULES = tuple(f"context-{k}" for k in CONTEXT_KINDS)
+CONTEXT_RULES = (*(f"context-{k}" for k in CONTEXT_KINDS), BALANCED_RING)
+LAYOUTS: tuple[Layout, ...] = ("balanced", "contiguous")
 
 
 @dataclass(frozen=True)
 class ContextChoice:
-    """Attention split by sequence over mesh axis ``axis`` (its name), run as ``kind``."""
+    """Attention split by sequence over mesh axis ``axis`` (its name), run as ``kind``; a causal
+    ring laid out as ``load_balance`` ("balanced": rank r holds chunks r and 2n-1-r of 2n, equal
+    causal work; "contiguous": chunk r of n; None: as the search finds faster). ``axis`` None
+    forces nothing but the layout: the search weighs context parallelism as under "auto"."""
 
-    axis: str
+    axis: str | None
     kind: ContextKind = "ring"
+    load_balance: Layout | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.axis, str) or not self.axis:
+        if self.axis is not None and (not isinstance(self.axis, str) or not self.axis):
             raise AutoparError(f"context_parallel's axis is a mesh axis name, got {self.axis!r}")
         if self.kind not in CONTEXT_KINDS:
             raise AutoparError(f"context_parallel's kind is {' or '.join(map(repr, CONTEXT_KINDS))}, got {self.kind!r}")
+        if self.load_balance is not None and self.load_balance not in LAYOUTS:
+            raise AutoparError(f"context_parallel's load_balance is {' or '.join(map(repr, LAYOUTS))}, "
+                               f"got {self.load_balance!r}")
+        if self.load_balance == "balanced" and self.kind != "ring":
+            raise AutoparError("context_parallel's load_balance 'balanced' lays out a causal ring; "
+                               f"{self.kind!r} runs on whole sequences: drop load_balance or use kind 'ring'")
+
+    def keeps(self, name: str, balances: bool) -> bool:
+        """Does a strategy whose rule on the chosen axis is ``name`` split attention as chosen?
+        ``balances``: the attention may run balanced (a causal ring of 2n equal chunks)."""
+        if self.axis is not None and name != f"context-{self.kind}" and not (self.kind == "ring" and name == BALANCED_RING):
+            return False
+        if self.load_balance == "contiguous":
+            return name != BALANCED_RING
+        if self.load_balance == "balanced":   # forced on an axis: balanced only; else where it can be
+            return name != "context-ring" or (self.axis is None and not balances)
+        return True
 
 
 #: ``PlanOptions.context_parallel``'s values once checked: "auto", False, or a forced choice.
@@ -46,24 +76,28 @@ def context_choice(value: Any) -> ContextSetting:
     if isinstance(value, ContextChoice):
         return value
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"axis", "kind"})
-        if unknown or "axis" not in value:
-            raise AutoparError(f"context_parallel as a dict has an 'axis' (a mesh axis name) and a 'kind' ("
-                               f"{' or '.join(map(repr, CONTEXT_KINDS))}); got {value!r}")
-        return ContextChoice(**value)
+        unknown = sorted(set(value) - {"axis", "kind", "load_balance"})
+        if unknown or not ("axis" in value or set(value) == {"load_balance"}):
+            raise AutoparError(f"context_parallel as a dict has an 'axis' (a mesh axis name), a 'kind' ("
+                               f"{' or '.join(map(repr, CONTEXT_KINDS))}) and optionally a 'load_balance' ("
+                               f"{' or '.join(map(repr, LAYOUTS))}), or a 'load_balance' alone; got {value!r}")
+        return ContextChoice(**({"axis": None} | value))
     raise AutoparError(f"context_parallel is 'auto', False, or {{'axis': AXIS, 'kind': "
                        f"{' | '.join(map(repr, CONTEXT_KINDS))}}}; got {value!r}")
 
 
 def context_from_text(text: str) -> ContextSetting:
-    """``--context-parallel``: auto, none, or KIND:AXIS (ring:cp, ulysses:cp)."""
+    """``--context-parallel``: auto, none, or KIND:AXIS[:LOAD_BALANCE] (ring:cp, ulysses:cp,
+    ring:cp:balanced)."""
     if text in ("auto", "none"):
         return "auto" if text == "auto" else False
-    kind, _, axis = text.partition(":")
-    if kind not in CONTEXT_KINDS or not axis:
-        raise AutoparError(f"--context-parallel is auto, none or KIND:AXIS with KIND one of {', '.join(CONTEXT_KINDS)} "
-                           f"(ring:cp), got {text!r}")
-    return ContextChoice(axis, kind)  # type: ignore[arg-type]  # checked above
+    kind, _, rest = text.partition(":")
+    axis, _, layout = rest.partition(":")
+    if kind not in CONTEXT_KINDS or not axis or layout not in ("", *LAYOUTS):
+        raise AutoparError(f"--context-parallel is auto, none or KIND:AXIS[:LOAD_BALANCE] with KIND one of "
+                           f"{', '.join(CONTEXT_KINDS)} and LOAD_BALANCE one of {', '.join(LAYOUTS)} (ring:cp, "
+                           f"ring:cp:balanced), got {text!r}")
+    return ContextChoice(axis, kind, layout or None)  # type: ignore[arg-type]  # checked above
 
 
 def is_context(s: Strategy) -> bool:
@@ -80,19 +114,27 @@ def restrict_context(space: StrategySpace, setting: Any) -> None:
     if setting == "auto":
         return
     attention = [nc for nc in space.nodes if nc.kind == "op" and nc.node.target is SDPA]
-    if setting is False:
-        keep = lambda s: not is_context(s)  # noqa: E731
-    else:
-        axis = _axis_index(space, setting)
-        keep = lambda s: s.names[axis] == f"context-{setting.kind}"  # noqa: E731
+    if setting is not False and setting.axis is not None:
+        _axis_index(space, setting)   # a mesh axis of more than one rank
     narrowed: dict[int, list[Strategy]] = {}
     for nc in attention:
         if id(nc.strategies) not in narrowed:
-            narrowed[id(nc.strategies)] = [s for s in nc.strategies if keep(s)]
-        if narrowed[id(nc.strategies)] or setting is False:
+            narrowed[id(nc.strategies)] = [s for s in nc.strategies if _keeps(space, setting, s, nc.strategies)]
+        if narrowed[id(nc.strategies)] or setting is False or setting.axis is None:
             nc.strategies = narrowed[id(nc.strategies)]
-    if setting is not False and not any(narrowed.values()):
+    if setting is not False and setting.axis is not None and not any(narrowed.values()):
         raise AutoparError(_why_none(space, attention, setting))
+
+
+def _keeps(space: StrategySpace, setting: Literal[False] | ContextChoice, s: Strategy, among: list[Strategy]) -> bool:
+    """Is strategy ``s`` of an attention (one of ``among``) kept under ``setting``: split by
+    sequence as it says on its axis (any axis: where ``s`` splits by sequence at all)?"""
+    if setting is False:
+        return not is_context(s)
+    balances = any(BALANCED_RING in t.names for t in among)
+    if setting.axis is None:
+        return all(setting.keeps(name, balances) for name in s.names if name in CONTEXT_RULES)
+    return setting.keeps(s.names[_axis_index(space, setting)], balances)
 
 
 def _axis_index(space: StrategySpace, choice: ContextChoice) -> int:
@@ -109,17 +151,31 @@ def _axis_index(space: StrategySpace, choice: ContextChoice) -> int:
 
 def _why_none(space: StrategySpace, attention: list, choice: ContextChoice) -> str:
     """Why no attention of ``space`` splits by sequence as ``choice`` says."""
-    head = f"context_parallel={{'axis': {choice.axis!r}, 'kind': {choice.kind!r}}}: "
+    balance = f", 'load_balance': {choice.load_balance!r}" if choice.load_balance is not None else ""
+    head = f"context_parallel={{'axis': {choice.axis!r}, 'kind': {choice.kind!r}{balance}}}: "
     if not attention:
         return head + ("the model has no attention (scaled_dot_product_attention) to split by sequence; plan it with "
                        "context_parallel='auto' or False")
     n = space.mesh.shape[space.mesh.axis_names.index(choice.axis)]
     node = attention[0].node
     q, k, mask, dropout = _shapes(node)
-    why = context_refusal(q, k, mask, dropout, n, choice.kind) or (
+    why = context_refusal(q, k, mask, dropout, n, choice.kind) or _unbalanced(node, q, n, choice) or (
         "no strategy splits it so on this mesh (an earlier axis splits its sequence or heads)")
     return head + (f"no attention can be split that way; the first ({node.name}) cannot because {why}. Plan it with "
                    "another axis or kind, or with context_parallel='auto' or False")
+
+
+def _unbalanced(node: fx.Node, q: tuple[int, ...], n: int, choice: ContextChoice) -> str | None:
+    """Why a ring cannot run balanced on ``n`` ranks (None where it can, or none is asked for)."""
+    if choice.load_balance != "balanced":
+        return None
+    if not causal_attention(node):
+        return "it is not causal (the balanced layout evens causal work; an open ring needs none)"
+    if q[2] % (2 * n):
+        padded = -(-q[2] // (2 * n)) * 2 * n
+        return (f"its sequence of {q[2]} does not cut into {2 * n} equal chunks (two a rank): pad it to {padded} "
+                "tokens at the end, with labels -100 there, or use load_balance 'contiguous'")
+    return None
 
 
 def _shapes(node: fx.Node) -> tuple[tuple[int, ...], tuple[int, ...], Any, Any]:

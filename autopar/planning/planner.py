@@ -20,11 +20,12 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.ops import moe
 from autopar.core.plan import HandPlanSummary, Plan
+from autopar.core.seq_layout import BalancedLayoutError, balanced_layout
 from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
 from autopar.planning.clock import Clock, Deadline, Once
-from autopar.planning.context import context_choice
+from autopar.planning.context import ContextChoice, context_choice
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import (
     PipelineChoice,
@@ -81,13 +82,33 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
         recapture = None
     shown = Clock(options.time_limit, deterministic=options.deterministic).shown("planning", options.progress) if clock is None else nullcontext(clock)
     with shown as clock:
-        plan = _planned(captured, mesh, options, clock.deadline(), forced,
-                        Once(recapture, clock, "capture") if recapture is not None else None, Problems())
+        again = Once(recapture, clock, "capture") if recapture is not None else None
+        plan = _runs_in_order(captured, options, lambda o: _planned(captured, mesh, o, clock.deadline(), forced,
+                                                                    again, Problems()))
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "charged_s": clock.spent,
                                      "reproducible": clock.reproducible, "cut_short": list(clock.cut_short)}
     return plan
+
+
+def _runs_in_order(captured: CapturedGraph, options: PlanOptions, planned: Callable[[PlanOptions], Plan]) -> Plan:
+    """``planned(options)``, planned again with every ring contiguous where its balanced rings
+    cannot hold the balanced order (``seq_layout``: a parameter split beside the sequence, a
+    dimension another axis splits too...); refused, saying why, where the options force it."""
+    plan = planned(options)
+    try:
+        balanced_layout(captured, {n.name: n for n in plan.nodes}, plan.mesh.shape, pipelined=plan.pipeline is not None)
+        return plan
+    except BalancedLayoutError as e:
+        setting = context_choice(options.context_parallel)
+        if isinstance(setting, ContextChoice) and setting.load_balance == "balanced":
+            raise
+        contiguous = (replace(setting, load_balance="contiguous") if isinstance(setting, ContextChoice)
+                      else ContextChoice(None, load_balance="contiguous"))
+        plan = planned(replace(options, context_parallel=contiguous))
+        plan.warnings.append(f"the plan's causal rings run contiguous: the balanced layout was refused ({e})")
+        return plan
 
 
 def _in_parts(options: PlanOptions) -> str | None:

@@ -27,6 +27,7 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_
 
 from autopar.core.capture import tensor_val
 from autopar.core.context_parallel import (
+    Layout,
     allgather_attention,
     positions,
     ring_attention,
@@ -43,6 +44,7 @@ from autopar.core.ops.base import (
     Site,
     collectives,
     emitter,
+    flop_share,
     kernel,
     rule,
     rule_key,
@@ -94,9 +96,11 @@ def emit(em: Emitter, site: Site) -> bool:
     if context is not None:
         text = em.call_text(site.node, site.reads)
         axis, kind = context
+        balanced = context_layout(site.plan) == "balanced"
         em.emit(f"{site.node.name} = kernels.context_attention({text[text.index('(') + 1:-1]}, mesh=mesh, "
-                f"axis={axis}, kind={kind!r})",
-                site.comment + f"; the sequence split over {em.axes[axis]}: {_HOW[kind]}")
+                f"axis={axis}, kind={kind!r}{', layout=' + repr('balanced') if balanced else ''})",
+                site.comment + f"; the sequence split over {em.axes[axis]}: {_HOW[kind]}"
+                + ("; balanced layout: this rank holds chunks r and 2n-1-r, equal causal work" if balanced else ""))
         return True
     if site.node.name not in em.masked_attention:
         return False
@@ -186,6 +190,9 @@ CONTEXT_KINDS: tuple[ContextKind, ...] = get_args(ContextKind)
 _HOW = {"ring": "ring attention (keys and values passed around the ring, exact softmax merge)",
         "ulysses": "Ulysses attention (all-to-alls regroup it by heads around attention on the whole sequence)"}
 SEQ = 2   # the sequence dim of [batch, heads, seq, dim]
+#: The rule name of a causal ring in the balanced layout (rank r holds chunks r and 2n-1-r of
+#: 2n: ``context_parallel.balance``), where every rank does the same causal work.
+BALANCED_RING = "context-ring-balanced"
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,8 +248,9 @@ def causal_or_open(mask: fx.Node) -> bool:
 def context_rules(v: OpView, n: int) -> list[AxisRule]:
     """q, k, v split on the sequence (dim 2), the output too: ring attention, or Ulysses where
     query and key/value heads divide by ``n`` (``context_refusal`` says what each needs), and the
-    sequence not yet split by an earlier axis (one axis runs it). A mask is read whole (R) where
-    it is split this way."""
+    sequence not yet split by an earlier axis (one axis runs it). A causal ring whose sequence
+    cuts into 2n equal chunks may also run in the balanced layout (``BALANCED_RING``). A mask is
+    read whole (R) where it is split this way."""
     q, k = v.in_shapes[0], v.in_shapes[1]
     query, mask, dropout = v.node.args[0], v.arg(3, "attn_mask"), v.arg(4, "dropout_p", 0.0)
     if (context_refusal(q, k, mask, dropout, n, "ring") is not None or not isinstance(query, fx.Node)
@@ -250,6 +258,8 @@ def context_rules(v: OpView, n: int) -> list[AxisRule]:
         return []
     ins = (Shard(SEQ),) * 3 + (Replicate(),) * (len(v.in_shapes) - 3)
     rules = [AxisRule(Shard(SEQ), ins, "context-ring")]
+    if causal_attention(v.node) and q[SEQ] % (2 * n) == 0:
+        rules.append(AxisRule(Shard(SEQ), ins, BALANCED_RING))
     if context_refusal(q, k, mask, dropout, n, "ulysses") is None:
         rules.append(AxisRule(Shard(SEQ), ins, "context-ulysses"))
     return rules
@@ -306,29 +316,43 @@ def context_of(placed: Placed) -> tuple[int, ContextKind] | None:
     return axes[0], next(k for k in CONTEXT_KINDS if f"context-{k}" in label)
 
 
-def context_layout(placed: Placed) -> Literal["contiguous", "balanced"]:
-    """How ``placed``'s sequence is laid out over the ranks of the axis splitting it: each rank
-    one contiguous block (the only layout the runtime's strategies use yet)."""
-    return "contiguous"
+def context_layout(placed: Placed) -> Layout:
+    """How ``placed``'s sequence is laid out over the ranks of the axis splitting it: "balanced"
+    for the ``BALANCED_RING`` rule, else each rank one contiguous block."""
+    context = context_of(placed)
+    if context is None:
+        return "contiguous"
+    names = getattr(placed, "names", None)
+    label = names[context[0]] if names is not None else getattr(placed, "strategy", "")
+    return "balanced" if BALANCED_RING in label else "contiguous"
 
 
 def _with(p: Placements, axis: int, placement: Placement) -> Placements:
     return tuple(placement if a == axis else q for a, q in enumerate(p))
 
 
-def _causal(node: fx.Node) -> bool:
+def causal_attention(node: fx.Node) -> bool:
     """Does the whole attention run causal (``is_causal``, or a mask ``causal_or_open`` let in
     that is causal)?"""
     is_causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     return mask_of(node) == "causal" or bool(is_causal)
 
 
+def ring_blocks(node: fx.Node, placed: Placed, n: int) -> float:
+    """Blocks of its own length (a rank's queries against a rank's keys, unmasked) the busiest
+    rank of a ring over ``n`` ranks computes: every one (n) without a mask; under a causal one,
+    in the contiguous layout the last rank's n-1 earlier blocks and its own half-masked (n - 1/2);
+    balanced, every rank half of each other block and its own half-masked (n/2)."""
+    if not causal_attention(node):
+        return float(n)
+    return n / 2 if context_layout(placed) == "balanced" else n - 0.5
+
+
 @timed(SDPA)
 def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Sequence[int],
                  grad: Mapping[fx.Node, bool]) -> LocalCall:
-    """Split by sequence, the attention the slowest rank computes. Ring: its queries against
-    every key, unmasked (a causal contiguous ring's last rank sees every block; the diagonal
-    one counted whole, as FLOP counts count causal attention). Ulysses: the whole sequence for
+    """Split by sequence, the attention the slowest rank computes. Ring: its queries against as
+    many keys as its blocks' work (``ring_blocks``), unmasked. Ulysses: the whole sequence for
     1/n of the heads, masked as the op is; the ring's where other axes left it heads Ulysses
     cannot split (``context_attention`` runs the ring there)."""
     context = context_of(placed)
@@ -339,13 +363,32 @@ def context_call(call: LocalCall, node: fx.Node, placed: Placed, mesh_shape: Seq
     q, k, v = call.args[:3]
     kwargs = {key: val for key, val in call.kwargs.items() if key in ("scale", "enable_gqa")}
 
-    def grown(t: torch.Tensor, heads: bool) -> torch.Tensor:
-        shape = (t.shape[0], t.shape[1] // n if heads else t.shape[1], t.shape[2] * n, t.shape[3])
+    def grown(t: torch.Tensor, heads: bool, length: int) -> torch.Tensor:
+        shape = (t.shape[0], t.shape[1] // n if heads else t.shape[1], length, t.shape[3])
         return torch.empty(shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
 
     if kind == "ring" or not _heads_divide(q.shape[1], k.shape[1], n):
-        return LocalCall(SDPA, (q, grown(k, False), grown(v, False)), kwargs)
-    return LocalCall(SDPA, (grown(q, True), grown(k, True), grown(v, True), None, 0.0, _causal(node)), kwargs)
+        keys = math.ceil(k.shape[2] * ring_blocks(node, placed, n))
+        return LocalCall(SDPA, (q, grown(k, False, keys), grown(v, False, keys)), kwargs)
+    return LocalCall(SDPA, (grown(q, True, q.shape[2] * n), grown(k, True, k.shape[2] * n),
+                            grown(v, True, v.shape[2] * n), None, 0.0, causal_attention(node)), kwargs)
+
+
+@flop_share(SDPA)
+def ring_share(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> float:
+    """Split by sequence as a ring, its busiest rank's blocks (``ring_blocks``) over the n an even
+    split of FLOP counts (which count causal attention unmasked) gives it; else 1."""
+    context = context_of(placed)
+    if context is None or (context[1] == "ulysses" and _heads_divide(*_query_and_key_heads(node, placed, mesh_shape),
+                                                                     mesh_shape[context[0]])):
+        return 1.0
+    return ring_blocks(node, placed, mesh_shape[context[0]]) / mesh_shape[context[0]]
+
+
+def _query_and_key_heads(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> tuple[int, int]:
+    """The local query and key/value heads of SDPA ``node`` placed ``placed``."""
+    q, k = (_local_heads(tensor_val(a), p, mesh_shape) for a, p in zip(node.args[:2], placed.ins[:2], strict=True))
+    return q, k
 
 
 @collectives(SDPA)
@@ -433,9 +476,10 @@ def _axis_coordinate(mesh: DeviceMesh, axis: int, rank: int) -> int:
 @kernel
 def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                       dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
-                      enable_gqa: bool = False, mesh: DeviceMesh, axis: int, kind: ContextKind) -> torch.Tensor:
-    """``aten.scaled_dot_product_attention`` of q, k, v split contiguously by sequence over mesh
-    ``axis`` (this rank's rows of the output): ``ring_attention`` or ``ulysses_attention`` over
+                      enable_gqa: bool = False, mesh: DeviceMesh, axis: int, kind: ContextKind,
+                      layout: Layout = "contiguous") -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` of q, k, v split by sequence over mesh ``axis``, laid
+    out as ``layout`` (this rank's rows of the output): ``ring_attention`` or ``ulysses_attention`` over
     the axis's process group. A mask ``attention_mask`` found causal runs as ``is_causal``. Where
     point-to-point sends do not run (ranks simulated in one process) the ring, and any other
     mask, run as ``allgather_attention``: the same numbers; Ulysses on heads that a later axis
@@ -447,11 +491,11 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if attn_mask is None and kind == "ulysses" and _heads_divide(query.size(1), key.size(1), n):
         return ulysses_attention(query, key, value, is_causal=is_causal, group=group, scale=scale)
     if attn_mask is None and local_tensor_mode() is None:
-        return ring_attention(query, key, value, is_causal=is_causal, group=group, layout="contiguous", scale=scale)
+        return ring_attention(query, key, value, is_causal=is_causal, group=group, layout=layout, scale=scale)
     seq = query.size(SEQ) * n
     if local_tensor_mode() is None:   # one rank of real processes: its own coordinate
-        rows = positions(seq, n, mesh.get_coordinate()[axis], "contiguous").to(query.device)
+        rows = positions(seq, n, mesh.get_coordinate()[axis], layout).to(query.device)
     else:
-        rows = rank_map(lambda r: positions(seq, n, _axis_coordinate(mesh, axis, r), "contiguous").to(query.device))
+        rows = rank_map(lambda r: positions(seq, n, _axis_coordinate(mesh, axis, r), layout).to(query.device))
     return allgather_attention(query, key, value, attn_mask, is_causal=is_causal, group=group, rows=rows,
-                               layout="contiguous", scale=scale, enable_gqa=enable_gqa)
+                               layout=layout, scale=scale, enable_gqa=enable_gqa)

@@ -17,6 +17,9 @@ optional:
   keeps and its inputs' gradients (a chunked kernel's chunks; all of them where ``Kept.by_parts``);
 * ``@imbalance(op)``: how many times the mean work (compute, collectives, kept tensors) its
   busiest rank does under a placement, given ``PlanOptions.expert_skew`` (routed experts);
+* ``@flop_share(op)``: the share of an even split of its counted FLOPs its busiest rank
+  computes under a placement, for the roofline (a profile times the busiest rank's call,
+  ``@timed``): a causal ring's, which FLOP counts count unmasked;
 * ``@kernel``: a function generated code calls by its name (what ``@emitter`` emits), the op's
   runtime: the module that says how the op splits also says how a split op runs.
 
@@ -129,6 +132,7 @@ class Emitter(Protocol):
     loss_summed_over: tuple[int, ...]  # the loss returned is this rank's summand over these axes
     masked_attention: set[str]         # SDPA nodes reading a folded mask
     unlike_dtensor: set[str]           # values split as an uneven view splits them
+    balanced: Any                      # ``seq_layout.BalancedLayout``: values held in a balanced ring's order, or None
 
     def emit(self, line: str, comment: str = "") -> None: ...
 
@@ -142,6 +146,7 @@ SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
 WorkingFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 RuleKeyFn = Callable[[fx.Node], Hashable]
 ImbalanceFn = Callable[[Placed, float], float]
+FlopShareFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 
 
 @dataclass
@@ -157,6 +162,7 @@ class OpEntry:
     saved: SavedFn | None = None
     working: WorkingFn | None = None
     imbalance: ImbalanceFn | None = None
+    flop_share: FlopShareFn | None = None
 
 
 #: op -> its entry, filled in as the modules of ``autopar.core.ops`` are imported.
@@ -191,6 +197,7 @@ collectives = _registrar("collectives")
 saved = _registrar("saved")
 working = _registrar("working")
 imbalance = _registrar("imbalance")
+flop_share = _registrar("flop_share")
 
 
 #: name -> a function generated code calls as ``kernels.<name>``, filled in by ``@kernel`` as the

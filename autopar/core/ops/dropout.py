@@ -34,9 +34,13 @@ def emit(em: Emitter, site: Site) -> bool:
     if not draws_whole_mask(node, np_.out):
         return False
     shape = list(tensor_val(node).shape)
-    mask = em.sizes.part(f"kernels.dropout_mask({site.read(node.args[0])}, {node.args[1]!r}, {shape})", shape, np_.out)
-    em.emit(f"{node.name} = {site.read(node.args[0])} * {mask}", site.comment + "; the whole tensor's mask, drawn as "
-            "one device draws it (every rank's generator alike), cut to this rank's part")
+    whole = f"kernels.dropout_mask({site.read(node.args[0])}, {node.args[1]!r}, {shape})"
+    order = em.balanced.dim(node.name, np_.out) if em.balanced is not None else None
+    if order is not None:   # the sequence held in the balanced order: its mask too
+        whole = f"balance({whole}, {order[0]}, {em.balanced.ranks}, {order[1]})"
+    em.emit(f"{node.name} = {site.read(node.args[0])} * {em.sizes.part(whole, shape, np_.out)}", site.comment
+            + "; the whole tensor's mask, drawn as one device draws it (every rank's generator alike), cut to this "
+            "rank's part" + ("" if order is None else " in the balanced order"))
     return True
 
 

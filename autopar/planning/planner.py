@@ -19,6 +19,7 @@ from autopar.core.hardware import get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_rows
 from autopar.core.ops import moe
+from autopar.core.ops.attention import BALANCED_RING
 from autopar.core.plan import HandPlanSummary, Plan
 from autopar.core.seq_layout import BalancedLayoutError, balanced_layout
 from autopar.core.strategies import Strategy, StrategySpace
@@ -84,7 +85,7 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     with shown as clock:
         again = Once(recapture, clock, "capture") if recapture is not None else None
         plan = _runs_in_order(captured, options, lambda o: _planned(captured, mesh, o, clock.deadline(), forced,
-                                                                    again, Problems()))
+                                                                    again, Problems()), forced)
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "charged_s": clock.spent,
@@ -92,17 +93,20 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
     return plan
 
 
-def _runs_in_order(captured: CapturedGraph, options: PlanOptions, planned: Callable[[PlanOptions], Plan]) -> Plan:
+def _runs_in_order(captured: CapturedGraph, options: PlanOptions, planned: Callable[[PlanOptions], Plan],
+                   forced: dict[str, Strategy] | None = None) -> Plan:
     """``planned(options)``, planned again with every ring contiguous where its balanced rings
     cannot hold the balanced order (``seq_layout``: a parameter split beside the sequence, a
-    dimension another axis splits too...); refused, saying why, where the options force it."""
+    dimension another axis splits too...); refused, saying why, where the options force it, or
+    ``forced`` pins a node to a balanced ring."""
     plan = planned(options)
     try:
         balanced_layout(captured, {n.name: n for n in plan.nodes}, plan.mesh.shape, pipelined=plan.pipeline is not None)
         return plan
     except BalancedLayoutError as e:
         setting = context_choice(options.context_parallel)
-        if isinstance(setting, ContextChoice) and setting.load_balance == "balanced":
+        pinned = any(BALANCED_RING in s.names for s in (forced or {}).values())
+        if pinned or (isinstance(setting, ContextChoice) and setting.load_balance == "balanced"):
             raise
         contiguous = (replace(setting, load_balance="contiguous") if isinstance(setting, ContextChoice)
                       else ContextChoice(None, load_balance="contiguous"))

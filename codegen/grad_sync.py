@@ -134,7 +134,7 @@ class GradSync:
         bucket of gradients summed over them (at the latest in the backward that synchronises);
         alone, launched now, when no bucket is. Call before the backward."""
         carried = Carried(summand.detach(), tuple(axes))
-        if any(b.axes == carried.axes and b.wire == summand.dtype for b in self.buckets):
+        if self._bucket_sums(carried.axes, summand.dtype):
             self._carried.append(carried)
         else:
             carried.reduced = self._sum_alone(carried)
@@ -143,11 +143,13 @@ class GradSync:
     def _take(self, deferred: Any) -> Carried | None:
         """Carry a forward's deferred sum (``autopar.core.launched``, the plain loop's loss) where a
         bucket of this mesh sums over its axes in its dtype; None where none does."""
-        summand = deferred.summand
-        if deferred.mesh is not self.mesh or not any(b.axes == deferred.axes and b.wire == summand.dtype
-                                                      for b in self.buckets):
+        if deferred.mesh is not self.mesh or not self._bucket_sums(deferred.axes, deferred.summand.dtype):
             return None
-        return self.carry(summand, deferred.axes)
+        return self.carry(deferred.summand, deferred.axes)
+
+    def _bucket_sums(self, axes: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Does a bucket sum gradients over mesh ``axes`` in ``dtype`` (so it may carry a summand)?"""
+        return any(b.axes == axes and b.wire == dtype for b in self.buckets)
 
     def _sum_alone(self, c: Carried) -> Launched:
         """Launch the sum of a summand no bucket takes (a copy: the summand shares the loss's storage)."""

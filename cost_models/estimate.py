@@ -247,6 +247,8 @@ class CostModel:
                 blocking, waiting = (blocking, waiting + t) if reduced else (blocking + t, waiting)
                 sent.append(b if reduced else b * times)
                 measured = measured or m
+            if queued and self._summed_by_job(src) and self._summed_by_job(dst, into=True):
+                waiting, measured = self._job_all_reduce(full)
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
             self._moves[key] = Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
                                     # a float here (a sympy expression in symbolic costs); arrays are edge_grid's
@@ -280,6 +282,11 @@ class CostModel:
             waiting = waiting + np.where(reduced, table[..., 0], 0.0)
             sent.append(table[..., 1] * np.where(reduced, 1, times))
             measured |= table[..., 2].astype(bool)
+        if queued and any(self._summed_by_job(s) for s in srcs):
+            joint = (np.array([self._summed_by_job(s) for s in srcs])[:, None]
+                     & np.array([self._summed_by_job(d, into=True) for d in dsts])[None, :])
+            seconds, on_profile = self._job_all_reduce(full)
+            waiting, measured = np.where(joint, seconds, waiting), np.where(joint, on_profile, measured)
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
                              np.array([shard_fraction(d, mesh) for d in dsts])[None, :])
         buffers = np.where(blocking != 0, _collective_buffers(full, largest), 0.0)
@@ -314,6 +321,29 @@ class CostModel:
         else:
             time = time + self._local_copies(kind, s, d, nbytes, n)
         return (time, each * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
+
+    def _summed_by_job(self, placements: Placements, into: bool = False) -> bool:
+        """Is a gradient placed ``placements`` (a partial sum on every axis; ``into``: replicated on
+        every axis, what it is summed into) summed by one all-reduce of the whole job? The runtime
+        sums a bucket reduced over every axis of a mesh that is the whole job in one collective
+        (``autopar.core.collectives.spans_job``), not one per axis; a pipeline stage's mesh is not
+        the job (``MeshSpec.job_size``)."""
+        wanted = Replicate if into else Partial
+        return (sum(n > 1 for n in self.mesh.shape) > 1 and self.mesh.processes == self.mesh.size
+                and all(isinstance(p, wanted) for p in placements))
+
+    def _job_all_reduce(self, nbytes: float) -> tuple[float, bool]:
+        """A queued gradient all-reduce of ``nbytes`` over every rank (``_summed_by_job``): (seconds,
+        over a profiled link), its latency a bucket's share at the in-step factor. Its link is the
+        profile's for groups of the whole mesh, else the slowest of the axes' (a ring crossing
+        nodes is bound by the inter-node one)."""
+        n = self.mesh.size
+        measured = self.profile.link("all_reduce", n) if self.profile is not None else None
+        link = measured or min(self.links, key=lambda k: (k.bandwidth, -k.latency))
+        time = collective_time("all_reduce", nbytes, n, link)
+        latency = time - collective_time("all_reduce", nbytes, n, Link(link.bandwidth, 0.0))
+        share = latency * self.sync_scale * minimum(1.0, nbytes / self.bucket_bytes)
+        return time - latency + share, measured is not None
 
     def _local_copies(self, kind: str | None, s: Placement, d: Placement, nbytes: float, n: int) -> float:
         """Seconds of the memory work a blocking move does on its rank beside the collective the

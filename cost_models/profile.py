@@ -29,7 +29,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import COLLECTIVE_KINDS, Link
 
-PROFILE_VERSION = 18   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 19   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -47,7 +47,8 @@ PROFILE_VERSION = 18   # 2: op times include making results contiguous; 3: calib
                       # scales only ops that fit in their rank's share of the CPU's last-level cache
                       # (``cache_bytes`` in the fingerprint); 17: the collective factors fitted on a heavier
                       # workload too, whose stretches of compute between collectives are real models';
-                      # 18: a move's local copies (``relayout_per_mib``, ``fresh_per_mib``)
+                      # 18: a move's local copies (``relayout_per_mib``, ``fresh_per_mib``); 19: a gradient
+                      # bucket summed over every axis of the job priced as the one all-reduce it is (refitted)
 
 #: A collective kind profiles of an earlier autopar lack -> the measured kind that prices it there:
 #: the same exchange, run as DTensor runs it (on gloo an all-gather and a chunk: an upper bound),

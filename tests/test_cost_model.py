@@ -197,6 +197,33 @@ def test_a_zero_parameter_an_op_reads_replicated_is_priced_as_gathered_alone():
     assert replicated.comm_s == pytest.approx(3 * model.links[0].latency * (1 - share))   # all-gather over 4
 
 
+def test_a_bucket_summed_over_every_axis_of_the_job_is_one_all_reduce():
+    """The runtime sums a bucket reduced over every axis of a mesh that is the whole job in one
+    all-reduce of all its ranks (``collectives.spans_job``), on the profile's link for groups
+    of that size; over some axes, or on a pipeline stage's mesh (part of a job), one all-reduce
+    per axis. The tensor here is larger than the model (a whole bucket's latency)."""
+    space = _space(mesh=(2, 2), hardware="cpu")
+    shape, nbytes = (2**20,), 2**22
+    job = CostModel(space.mesh, space)
+    stage = CostModel(MeshSpec((2, 2), hardware="cpu", job_size=8), space)
+    per_axis = collective_time("all_reduce", nbytes, 2, job.links[0]) + collective_time("all_reduce", nbytes, 2, job.links[1])
+
+    def synced(model, src, dst=(R, R)):
+        return model.redistribute(shape, torch.float32, src, dst, queued=True).overlap_s
+
+    assert synced(job, (P, P)) == pytest.approx(collective_time("all_reduce", nbytes, 4, job.links[0]))
+    assert synced(stage, (P, P)) == pytest.approx(per_axis)
+    assert synced(job, (P, R)) == pytest.approx(collective_time("all_reduce", nbytes, 2, job.links[0]))
+    grid, _ = job.redistribute_grid(shape, torch.float32, [(P, P), (P, R)], [(R, R), (S0, R)], queued=True)
+    assert grid.overlap_s[0, 0] == pytest.approx(synced(job, (P, P)))
+    assert grid.overlap_s[1, 0] == pytest.approx(synced(job, (P, R)))
+    assert grid.overlap_s[0, 1] == pytest.approx(synced(job, (P, P), (S0, R)))   # a reduce-scatter: per axis
+    fitted = Link(bandwidth=1e9, latency=1e-3)
+    profiled = CostModel(space.mesh, space, profile=Profile({"device": "cpu"}, collectives={
+        collective_key("all_reduce", 4): fitted}))
+    assert synced(profiled, (P, P)) == pytest.approx(collective_time("all_reduce", nbytes, 4, fitted))
+
+
 @pytest.mark.parametrize("d, h", [(64, 256), (1024, 4096)])
 def test_gradient_sync_pays_one_latency_per_bucket(d, h):
     """Gradients are all-reduced in buckets of up to 25 MiB, each paying the collective's latency

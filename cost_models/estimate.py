@@ -157,7 +157,8 @@ def _rows_dropped(grid: Cost, blocking: Sequence[Term], dropped: np.ndarray, hel
 class CostModel:
     """Prices every strategy of a ``StrategySpace`` on ``mesh``: each node's compute (the profile's
     measurement, else the hardware preset's roofline), each placement change's collectives (one
-    per mesh axis, as ``autopar.core.execution`` says the runtime runs them) and the bytes each
+    per mesh axis, as ``autopar.core.execution`` says the runtime runs them; a gradient bucket
+    summed over every axis of the job, one: ``_summed_by_job``) and the bytes each
     holds. Made once per planning request (``autopar.planning.problem.prepare``); its ``Cost``s
     feed the ILP and the plan's predictions.
 

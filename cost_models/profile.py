@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import COLLECTIVE_KINDS, Link
 
-PROFILE_VERSION = 19   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 20   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -48,7 +49,8 @@ PROFILE_VERSION = 19   # 2: op times include making results contiguous; 3: calib
                       # (``cache_bytes`` in the fingerprint); 17: the collective factors fitted on a heavier
                       # workload too, whose stretches of compute between collectives are real models';
                       # 18: a move's local copies (``relayout_per_mib``, ``fresh_per_mib``); 19: a gradient
-                      # bucket summed over every axis of the job priced as the one all-reduce it is (refitted)
+                      # bucket summed over every axis of the job priced as the one all-reduce it is (refitted);
+                      # 20: that all-reduce measured on a mesh of several axes before calibration (``JOB_KINDS``)
 
 #: A collective kind profiles of an earlier autopar lack -> the measured kind that prices it there:
 #: the same exchange, run as DTensor runs it (on gloo an all-gather and a chunk: an upper bound),
@@ -219,12 +221,24 @@ def collective_key(kind: str, n: int) -> str:
     return f"{kind}@{n}"
 
 
-def missing_kinds(profile: Profile | None, sizes: Iterable[int]) -> tuple[str, ...]:
-    """The ``MEASURED_KINDS`` that ``profile`` lacks on a group of one of ``sizes`` (all without a
-    profile): what measuring this host for a mesh of those axis sizes adds. Only those: the
-    links held stay the ones calibration fitted its factors against."""
+#: Kinds also run on a group of every rank of a mesh of several axes: the gradient buckets' sum
+#: over all of them is one all-reduce of the job (``autopar.core.collectives.spans_job``).
+JOB_KINDS = ("all_reduce",)
+
+
+def group_sizes(kind: str, shape: Sequence[int]) -> set[int]:
+    """The group sizes ``kind`` runs on over a mesh of ``shape``: each axis's (above 1), and the
+    whole mesh's for ``JOB_KINDS`` where two axes or more are above 1."""
+    axes = [n for n in shape if n > 1]
+    return {*axes, *([math.prod(axes)] if len(axes) > 1 and kind in JOB_KINDS else [])}
+
+
+def missing_kinds(profile: Profile | None, shape: Sequence[int]) -> tuple[str, ...]:
+    """The ``MEASURED_KINDS`` that ``profile`` lacks on a group it runs on over a mesh of
+    ``shape`` (``group_sizes``; all without a profile): what measuring this host for that mesh
+    adds. Only those: the links held stay the ones calibration fitted its factors against."""
     held = profile.collectives if profile is not None else {}
-    return tuple(k for k in MEASURED_KINDS if any(collective_key(k, n) not in held for n in sizes if n > 1))
+    return tuple(k for k in MEASURED_KINDS if any(collective_key(k, n) not in held for n in group_sizes(k, shape)))
 
 
 def calibration_key(factor: str, shape: tuple[int, ...]) -> str:

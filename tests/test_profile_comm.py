@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.profile_comm import _axes_by_size, _pipeline_overheads, fit_link, profile_mesh
+from autopar.profiling.profile_comm import _axes_by_size, _pipeline_overheads, fit_link, profile_mesh, time_collectives
 from cost_models.comm import COLLECTIVE_KINDS, Link, collective_time
-from cost_models.profile import MEASURED_KINDS, OVERHEADS, collective_key
+from cost_models.profile import MEASURED_KINDS, OVERHEADS, Profile, collective_key, missing_kinds
 from tests.tiers import slow
 
 LINK = Link(bandwidth=2e9, latency=30e-6)
@@ -113,6 +113,21 @@ def test_profile_mesh_on_two_processes_returns_sane_numbers():
     # each tens of microseconds above what they are compared with (autograd nodes, DTensor
     # wrapping), or a plain slope.
     assert all(overheads[k] > 0 for k in ("move", "param_read", "optimizer_per_param"))
+
+
+def _all_reduce_links(mesh):
+    return time_collectives(mesh, sizes=(4096, 65536), repeats=1, kinds=("all_reduce",))
+
+
+@slow
+def test_a_mesh_of_two_axes_measures_the_all_reduce_of_every_rank_too():
+    """Gradient buckets summed over both axes of 2x2 are one all-reduce of the four ranks: the
+    profile measures it beside each axis's, and lacks it until then (``missing_kinds``)."""
+    links = run_on_gloo_mesh(_all_reduce_links, (2, 2), axis_names=("dp", "tp"))[0]
+    assert set(links) == {collective_key("all_reduce", 2), collective_key("all_reduce", 4)}
+    assert all(math.isfinite(k.bandwidth) and k.bandwidth > 0 for k in links.values())
+    axis_only = Profile({"device": "cpu"}, collectives={collective_key(k, 2): Link(1e9, 1e-4) for k in MEASURED_KINDS})
+    assert missing_kinds(axis_only, (2, 2)) == ("all_reduce",) and missing_kinds(axis_only, (2, 1)) == ()
 
 
 def _pipeline_overheads_on(mesh):

@@ -32,7 +32,7 @@ from autopar.core.placements import largest_shard_shape
 from autopar.profiling.launch import run_on_gloo_mesh
 from codegen.runtime import move, param_shard, redistribute, sync_grad_to
 from cost_models.comm import Link, collective_time
-from cost_models.profile import FRESH_BUFFER_BYTES, MEASURED_KINDS, OVERHEADS, collective_key
+from cost_models.profile import FRESH_BUFFER_BYTES, MEASURED_KINDS, OVERHEADS, collective_key, group_sizes
 
 __all__ = ["DEFAULT_SIZES", "fit_link", "measure_mesh", "print_progress", "profile_mesh", "time_collectives",
            "time_overheads", "time_overlap"]
@@ -142,13 +142,19 @@ def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_
     waits for the slowest rank, so each size keeps the largest per-rank median over ``repeats``.
     All groups of an axis communicate at once, as they do in training. Axes of one size are
     measured once (``collective_key`` knows only the size); axes of size 1 communicate nothing.
+    On a mesh of several axes, ``JOB_KINDS`` also on a group of every rank (``group_sizes``).
     Returns ``{collective_key(kind, n): Link}``.
     """
     links: dict[str, Link] = {}
-    for axis, n in _axes_by_size(device_mesh):
-        for kind in kinds:
+    groups = [(device_mesh, axis, n, kinds) for axis, n in _axes_by_size(device_mesh)]
+    job = device_mesh.size()
+    whole = [k for k in kinds if job in group_sizes(k, device_mesh.shape) and all(g[2] != job for g in groups)]
+    if whole and job == dist.get_world_size():   # the gradient buckets' sum over every rank
+        groups.append((DeviceMesh.from_group(dist.group.WORLD, device_mesh.device_type), 0, job, whole))
+    for mesh, axis, n, group_kinds in groups:
+        for kind in group_kinds:
             start = time.perf_counter()
-            samples = _sweep(device_mesh, axis, kind, sizes, repeats)
+            samples = _sweep(mesh, axis, kind, sizes, repeats)
             link = links[collective_key(kind, n)] = fit_link(kind, n, samples)
             if progress is not None:
                 progress(f"{collective_key(kind, n)}: latency {link.latency * 1e6:.1f} us, "

@@ -283,9 +283,9 @@ class CostModel:
             waiting = waiting + np.where(reduced, table[..., 0], 0.0)
             sent.append(table[..., 1] * np.where(reduced, 1, times))
             measured |= table[..., 2].astype(bool)
-        if queued and any(self._summed_by_job(s) for s in srcs):
-            joint = (np.array([self._summed_by_job(s) for s in srcs])[:, None]
-                     & np.array([self._summed_by_job(d, into=True) for d in dsts])[None, :])
+        summed = np.array([queued and self._summed_by_job(s) for s in srcs])
+        if summed.any():
+            joint = summed[:, None] & np.array([self._summed_by_job(d, into=True) for d in dsts])[None, :]
             seconds, on_profile = self._job_all_reduce(full)
             waiting, measured = np.where(joint, seconds, waiting), np.where(joint, on_profile, measured)
         largest = np.maximum(np.array([shard_fraction(s, mesh) for s in srcs])[:, None],
@@ -314,13 +314,10 @@ class CostModel:
         kind = own or kind
         link = self._link(kind, a)
         each = nbytes / n if kind in ALL_TO_ALLS else nbytes   # N, as collective_time reads it
-        time = collective_time(kind, each, n, link)
-        if queued or batched:   # its share of the bucket's latency (sizes may be symbolic)
-            latency = time - collective_time(kind, each, n, Link(link.bandwidth, 0.0))
-            share = latency * (self.sync_scale if queued else 1.0) * minimum(1.0, nbytes / self.bucket_bytes)
-            time = time - latency + share
+        if queued or batched:
+            time = self._in_bucket(kind, each, n, link, nbytes, self.sync_scale if queued else 1.0)
         else:
-            time = time + self._local_copies(kind, s, d, nbytes, n)
+            time = collective_time(kind, each, n, link) + self._local_copies(kind, s, d, nbytes, n)
         return (time, each * (n - 1) / n * (2 if kind == "all_reduce" else 1), link is not self.links[a])
 
     def _summed_by_job(self, placements: Placements, into: bool = False) -> bool:
@@ -341,10 +338,15 @@ class CostModel:
         n = self.mesh.size
         measured = self.profile.link("all_reduce", n) if self.profile is not None else None
         link = measured or min(self.links, key=lambda k: (k.bandwidth, -k.latency))
-        time = collective_time("all_reduce", nbytes, n, link)
-        latency = time - collective_time("all_reduce", nbytes, n, Link(link.bandwidth, 0.0))
-        share = latency * self.sync_scale * minimum(1.0, nbytes / self.bucket_bytes)
-        return time - latency + share, measured is not None
+        return self._in_bucket("all_reduce", nbytes, n, link, nbytes, self.sync_scale), measured is not None
+
+    def _in_bucket(self, kind: str, each: float, n: int, link: Link, nbytes: float, scale: float) -> float:
+        """Seconds of collective ``kind`` (``each``: its ``N``) run in a bucket: its bytes at the link's
+        bandwidth, and the share of the bucket's latency its ``nbytes`` take (at in-step factor
+        ``scale``). Sizes may be symbolic."""
+        time = collective_time(kind, each, n, link)
+        latency = time - collective_time(kind, each, n, Link(link.bandwidth, 0.0))
+        return time - latency + latency * scale * minimum(1.0, nbytes / self.bucket_bytes)
 
     def _local_copies(self, kind: str | None, s: Placement, d: Placement, nbytes: float, n: int) -> float:
         """Seconds of the memory work a blocking move does on its rank beside the collective the

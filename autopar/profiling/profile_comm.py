@@ -146,9 +146,10 @@ def time_collectives(device_mesh: DeviceMesh, *, sizes: Sequence[int] = DEFAULT_
     Returns ``{collective_key(kind, n): Link}``.
     """
     links: dict[str, Link] = {}
-    groups = [(device_mesh, axis, n, kinds) for axis, n in _axes_by_size(device_mesh)]
+    axes = _axes_by_size(device_mesh)
+    groups = [(device_mesh, axis, n, kinds) for axis, n in axes]
     job = device_mesh.size()
-    whole = [k for k in kinds if job in group_sizes(k, device_mesh.shape) and all(g[2] != job for g in groups)]
+    whole = [k for k in kinds if job in group_sizes(k, device_mesh.shape) - {n for _, n in axes}]
     if whole and job == dist.get_world_size():   # the gradient buckets' sum over every rank
         groups.append((DeviceMesh.from_group(dist.group.WORLD, device_mesh.device_type), 0, job, whole))
     for mesh, axis, n, group_kinds in groups:

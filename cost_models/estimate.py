@@ -423,13 +423,14 @@ class CostModel:
 
     def node_signature(self, nc: NodeChoices) -> tuple:
         """Everything ``node`` reads of a node besides the strategy: nodes with equal signatures
-        (the same op in identical layers) cost the same under each of their shared strategies.
+        (the same op in identical layers) cost the same under each strategy they both have.
         Whether it is recomputed, and which block inputs it keeps, set apart identical layers
         of which only the first are recomputed (``Planner._lighter``)."""
         node = nc.node
         saved = self.saved(node) if self.saved is not None and nc.kind == "op" else NOTHING
         counted = self._counted.get(node, frozenset()) & saved.inputs
-        return (id(nc.strategies), nc.kind, nc.trains, node.target, _signature(tensor_val(node)),
+        target = node.target if nc.kind == "op" else None   # a placeholder's is its name, one a layer
+        return (nc.kind, nc.trains, target, _signature(tensor_val(node)),
                 node in self.block_of, self._block_inputs.get(node, frozenset()),
                 tuple(_signature(tensor_val(i)) for i in nc.inputs),
                 tuple(repr(a.meta.get("val")) for a in node.all_input_nodes if tensor_val(a) is None),
@@ -852,7 +853,8 @@ class CostModel:
         shape: edges with equal signatures share one grid (``schedule.PricedSpace``)."""
         flows = self._grad_flows(src)
         return (src.kind, src.trains, dst.kind, src.node.name in self.space.folded, dst.node in self.block_of, flows,
-                self._synced_dtype(src) if flows and self._queued(src) else None)
+                self._synced_dtype(src) if flows and self._queued(src) else None,
+                src.node in self.block_of, len(src.node.users))   # a parameter's lone gather and joined gradient
 
 
 def recomputed_blocks(space: StrategySpace, recompute: str | Mapping[str, RecomputeMode]) -> dict[fx.Node, int]:

@@ -707,6 +707,51 @@ def test_identical_layers_share_node_costs_without_changing_any(name, mesh):
     assert len({id(costs) for costs in priced.nodes}) < 0.8 * len(space.nodes)   # the second layer reuses the first's
 
 
+class Reused(nn.Module):
+    """Two weights of one shape, one read twice (its gradient joined from both reads)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d, bias=False)
+        self.b = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.a(x))).sum()
+
+
+@pytest.mark.parametrize("name, mesh, first_block", [("gpt-tiny", (2, 2), False), ("gpt2-tiny", (4,), True),
+                                                     ("reused", (4,), False)])
+def test_identical_layers_share_edge_grids_without_changing_any(name, mesh, first_block):
+    """``PricedSpace`` prices an edge once per signature: identical layers' parameters (lists of
+    strategies of their own, equal) share their edges' grids, which must be exactly what
+    ``edge_grid`` gives each alone. gpt2-tiny ties its embedding to its head (a parameter two
+    ops read) and recomputes only its first block (``Planner._lighter``); ``Reused`` reads one of
+    two weights of a shape twice: the edges that differ by those must not share. GPT-3 175B priced each parameter's edges apart: 11 s of a 15 s
+    limit."""
+    from autopar.core.blocks import recompute_modes
+    from cost_models.estimate import _SUMMED
+    if name == "reused":
+        captured = capture(Reused(), (torch.randn(8, 16),))
+    else:
+        entry = get_model(name)
+        with torch.device("meta"):
+            model = entry.build()
+        args, kwargs = entry.example(2, 16, device="meta")
+        captured = capture(model, args, kwargs)
+    space = build_space(captured, MeshSpec(mesh, hardware="h100-80gb"))
+    recompute = recompute_modes(captured.graph, "full", blocks=1) if first_block else "none"
+    cm = CostModel(space.mesh, space, recompute=recompute)
+    priced = PricedSpace(space, cm)
+    for (i, j, k), grid in priced.edges.items():
+        alone = cm.edge_grid(space.nodes[i], space.nodes[j], k)
+        for field in _SUMMED:
+            assert np.array_equal(grid.matrix(lambda c, f=field: getattr(c, f)),
+                                  alone.matrix(lambda c, f=field: getattr(c, f))), (space.nodes[i].node.name, field)
+    params = [e for e in priced.edges if space.nodes[e[0]].kind == "param"]
+    if name != "reused" and not first_block:   # the second layer's reuse the first's
+        assert len({id(priced.edges[e]) for e in params}) < 0.6 * len(params)
+
+
 class WithLogits(nn.Module):
     """Returns its logits beside the loss, as language models do."""
 

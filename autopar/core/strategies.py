@@ -299,7 +299,8 @@ def _stored_in_blocks(nodes: list[NodeChoices]) -> None:
                  for a, p in sorted(blocks, key=str) for s in nc.strategies
                  if s.storage is not None and s.out[a] == s.storage[a] == Shard(p.dim)
                  and sum(q == Shard(p.dim) for q in s.storage) == 1]   # the dim split on one axis alone
-        nc.strategies = nc.strategies + twins
+        if twins:   # else the list stays the one parameters of its shape share
+            nc.strategies = nc.strategies + twins
 
 
 def _put(values: tuple, axis: int, value) -> tuple:

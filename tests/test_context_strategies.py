@@ -121,6 +121,27 @@ def test_a_long_sequences_mask_is_known_from_a_grid_of_positions():
     assert "context-ring" not in _sdpa_rules(shifted, long)
 
 
+class BatchedMask(MaskedAttention):
+    """``MaskedAttention``'s mask from sizes, as Hugging Face builds it: from each sequence's positions."""
+
+    def forward(self, q, k, v):
+        pos = torch.arange(q.shape[2]).expand(q.shape[0], -1)
+        i, j = pos[:, None, :, None], pos[:, None, None, :]
+        mask = (j <= i) & (i - j < self.window)
+        return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=mask)
+
+
+def test_a_large_batchs_mask_is_known_from_a_thinner_grid():
+    """A mask per sequence of a large batch is computed on a grid thin enough that the batch of
+    them fits ``GRID_ELEMENTS`` (the densest grid for Mixtral's 256 x 4096 held 2.3G booleans),
+    and still tells a window spanning the sequence from a shorter one."""
+    from autopar.core.ops.attention import GRID_ELEMENTS, mask_grid
+    assert 256 * len(mask_grid(4200, 256)) ** 2 <= GRID_ELEMENTS < 256 * len(mask_grid(4200)) ** 2
+    long = tuple(torch.zeros(256, 1, 4200, 2) for _ in range(3))
+    assert "context-ring" in _sdpa_rules(BatchedMask(4200), long)
+    assert "context-ring" not in _sdpa_rules(BatchedMask(1000), long)
+
+
 def test_one_axis_splits_the_sequence_and_ulysses_needs_the_heads_to_divide():
     qkv = tuple(torch.randn(2, 3, 8, 4) for _ in range(3))
     captured = capture(MaskedAttention(8), qkv)

@@ -261,10 +261,11 @@ class PricedSpace:
         for i, j, k in space.edges():
             src, nc = space.nodes[i], space.nodes[j]
             val = nc.inputs[k].meta.get("val")
-            key = (_listed(src, listed, numbers), _listed(nc, listed, numbers), k, tuple(val.shape), val.dtype, model.edge_signature(src, nc))
-            if key not in grids:
-                grids[key] = model.edge_grid(src, nc, k)
-            self.edges[(i, j, k)] = grids[key]
+            pair = (_listed(src, listed, numbers), _listed(nc, listed, numbers), k, tuple(val.shape), val.dtype,
+                    model.edge_signature(src, nc))
+            if pair not in grids:
+                grids[pair] = model.edge_grid(src, nc, k)
+            self.edges[(i, j, k)] = grids[pair]
 
     def step_costs(self, strategy: Sequence[int]) -> tuple[list[Cost], list[tuple[int, float]]]:
         """``step_costs`` of the plan giving node i its strategy number ``strategy[i]``."""

@@ -653,6 +653,17 @@ class PositionsParamLM(nn.Module):
         return F.cross_entropy(self.head(x + y).view(-1, VOCAB), labels.view(-1))
 
 
+def test_a_pipeline_plans_its_rings_contiguous_in_one_search():
+    """A pipeline stage holds no balanced ring (``seq_layout``): the stages are planned with
+    contiguous rings from the start. They were planned balanced and the whole search run again,
+    which DeepSeek-V2-Lite on 8x8 began with its 60 s spent: ``PlanningTimeout``, no plan."""
+    model, args, kwargs = meta_model("llama-tiny", 2, 2048)
+    plan = autopar.plan(model, MeshSpec((2, 2), ("pp", "cp")), args, kwargs, profile=None, progress=False,
+                        pipeline={"axis": "pp", "microbatches": 2}, context_parallel={"axis": "cp", "kind": "ring"})
+    assert plan.pipeline is not None and plan.context_parallel.load_balance == "contiguous"
+    assert not any("balanced layout was refused" in w for w in plan.warnings)
+
+
 def test_where_the_balanced_order_cannot_hold_the_ring_is_planned_contiguous_or_refused_if_forced():
     """A parameter split over the ring's axis beside the sequence would be read in the contiguous
     order: forced balanced, refused naming it; left to the search (which prefers balanced at 2048

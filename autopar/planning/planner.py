@@ -104,15 +104,29 @@ def _runs_in_order(captured: CapturedGraph, options: PlanOptions, planned: Calla
         balanced_layout(captured, {n.name: n for n in plan.nodes}, plan.mesh.shape, pipelined=plan.pipeline is not None)
         return plan
     except BalancedLayoutError as e:
-        setting = context_choice(options.context_parallel)
         pinned = any(BALANCED_RING in s.names for s in (forced or {}).values())
-        if pinned or (isinstance(setting, ContextChoice) and setting.load_balance == "balanced"):
+        if pinned or _balance_forced(options):
             raise
-        contiguous = (replace(setting, load_balance="contiguous") if isinstance(setting, ContextChoice)
-                      else ContextChoice(None, load_balance="contiguous"))
-        plan = planned(replace(options, context_parallel=contiguous))
+        plan = planned(_contiguous(options))
         plan.warnings.append(f"the plan's causal rings run contiguous: the balanced layout was refused ({e})")
         return plan
+
+
+def _balance_forced(options: PlanOptions) -> bool:
+    """Do the options force causal rings into the balanced layout?"""
+    setting = context_choice(options.context_parallel)
+    return isinstance(setting, ContextChoice) and setting.load_balance == "balanced"
+
+
+def _contiguous(options: PlanOptions) -> PlanOptions:
+    """The options with every causal ring contiguous (where they do not force the balanced layout:
+    those are kept, and refused where it cannot run)."""
+    if _balance_forced(options):
+        return options
+    setting = context_choice(options.context_parallel)
+    contiguous = (replace(setting, load_balance="contiguous") if isinstance(setting, ContextChoice)
+                  else ContextChoice(None, load_balance="contiguous"))
+    return replace(options, context_parallel=contiguous)
 
 
 def _in_parts(options: PlanOptions) -> str | None:
@@ -129,8 +143,9 @@ def _planned(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions, dead
     """``plan_captured``'s search, by ``deadline`` (a pipeline stage's plan is one too), each
     planning problem built once in the call (``problems``)."""
     choice = pipeline_choice(options.pipeline)
-    if isinstance(choice, PipelineChoice):
-        return pipeline_search(captured, mesh, options, choice, recapture, deadline, _stage_plan(recapture, problems))
+    if isinstance(choice, PipelineChoice):   # a stage holds no balanced ring (``seq_layout``)
+        return pipeline_search(captured, mesh, _contiguous(options), choice, recapture, deadline,
+                               _stage_plan(recapture, problems))
     if choice != "auto" or forced or not _pipeline_worth_weighing(captured, mesh, recapture):
         return _spmd_plan(captured, mesh, options, deadline, forced, recapture, problems)
     return _with_or_without_pipeline(captured, mesh, options, deadline, recapture, problems)
@@ -152,8 +167,8 @@ def _with_or_without_pipeline(captured: CapturedGraph, mesh: MeshSpec, options: 
         deadline.clock.note("the pipeline plans (not weighed)")
     else:
         try:
-            piped = pipeline_search(captured, mesh, options, PipelineChoice(axis="auto"), recapture, deadline,
-                                    _stage_plan(recapture, problems))
+            piped = pipeline_search(captured, mesh, _contiguous(options), PipelineChoice(axis="auto"), recapture,
+                                    deadline, _stage_plan(recapture, problems))
         except AutoparError as e:
             piped, why = None, str(e)
     if best is None:

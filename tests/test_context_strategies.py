@@ -17,13 +17,13 @@ import autopar
 from autopar.cli import _plan_options, build_parser
 from autopar.core import from_shapes
 from autopar.core.capture import capture
-from autopar.core.errors import AutoparError
+from autopar.core.errors import AutoparError, PlanningTimeout
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.attention import SDPA, context_moves, fused_kernel
 from autopar.core.plan import Plan
 from autopar.core.strategies import build_space
 from autopar.planning.baselines import candidates, context_role_sets, plan_name
-from autopar.planning.context import ContextChoice, restrict_context
+from autopar.planning.context import ContextChoice, context_choice, restrict_context
 from autopar.planning.options import PlanOptions
 from autopar.planning.planner import plan_captured
 from autopar.profiling.launch import run_on_gloo_mesh
@@ -678,6 +678,27 @@ def test_where_the_balanced_order_cannot_hold_the_ring_is_planned_contiguous_or_
                                                      progress=False))
     assert plan.context_parallel is not None and plan.context_parallel.load_balance == "contiguous"
     assert any("the balanced layout was refused" in w and "p_pos" in w for w in plan.warnings)
+
+
+def test_a_balanced_ring_refused_with_no_time_left_to_plan_it_contiguous_says_what_to_do(monkeypatch):
+    """Where the search that replaces a refused balanced ring finds no time left, the timeout
+    says why the search ran twice and how to plan it once."""
+    import autopar.planning.planner as planner
+
+    seq = 2048
+    ids, labels = (torch.randint(0, VOCAB, (1, seq)) for _ in range(2))
+    captured = capture(PositionsParamLM(seq), (ids, labels))
+    searched = planner._planned
+
+    def second_late(*args, **kwargs):
+        if context_choice(args[2].context_parallel).load_balance == "contiguous":
+            raise PlanningTimeout("no time was left")
+        return searched(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "_planned", second_late)
+    with pytest.raises(PlanningTimeout, match="balanced.*p_pos.*ran out of time.*'load_balance': 'contiguous'"):
+        plan_captured(captured, MeshSpec((2,), ("cp",)), PlanOptions(context_parallel={"axis": "cp", "kind": "ring"},
+                                                                       profile=None, progress=False))
 
 
 @slow

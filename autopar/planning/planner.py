@@ -107,7 +107,12 @@ def _runs_in_order(captured: CapturedGraph, options: PlanOptions, planned: Calla
         pinned = any(BALANCED_RING in s.names for s in (forced or {}).values())
         if pinned or _balance_forced(options):
             raise
-        plan = planned(_contiguous(options))
+        try:
+            plan = planned(_contiguous(options))
+        except PlanningTimeout as late:   # the first search spent the time
+            raise PlanningTimeout(f"the plan found ran its causal rings balanced, which it cannot ({e}), and "
+                                  f"planning them contiguous ran out of time ({late}): plan with context_parallel="
+                                  "{'load_balance': 'contiguous'} or a larger time_limit") from None
         plan.warnings.append(f"the plan's causal rings run contiguous: the balanced layout was refused ({e})")
         return plan
 

@@ -226,8 +226,8 @@ def step_costs(space: StrategySpace, model: CostModel, chosen: Sequence[Strategy
 
 def _listed(nc: NodeChoices, listed: dict[int, int], numbers: dict[tuple[Strategy, ...], int]) -> int:
     """A node's strategies as a number that equal lists share: identical layers' parameters and
-    ops have lists of their own, equal (GPT-3 175B's 1487 edges price 333 grids, not 1487). Each
-    list is hashed once (a tuple does not keep its hash)."""
+    ops may have lists of their own, equal, whose costs are the same. Each list is hashed once
+    (a tuple does not keep its hash)."""
     number = listed.get(id(nc.strategies))
     if number is None:
         number = listed[id(nc.strategies)] = numbers.setdefault(tuple(nc.strategies), len(numbers))

@@ -220,7 +220,7 @@ def planned_mask_kind(mask: fx.Node) -> str | None:
 
 
 #: Booleans a mask's grid (``mask_grid``) may hold, its leading dims (batch, heads) included: a
-#: batch of 256 at 4096 positions held 2.3G on the densest grid, 11 s of Mixtral's planning.
+#: large batch of long sequences on the densest grid held billions (benchmarks/RESULTS.md).
 GRID_ELEMENTS = 1 << 26
 #: Grids from densest to thinnest: (positions at each end, positions spread over the sequence,
 #: neighbours either side of each, largest number of equal blocks whose edges are taken).

@@ -662,6 +662,9 @@ def test_a_pipeline_plans_its_rings_contiguous_in_one_search():
                         pipeline={"axis": "pp", "microbatches": 2}, context_parallel={"axis": "cp", "kind": "ring"})
     assert plan.pipeline is not None and plan.context_parallel.load_balance == "contiguous"
     assert not any("balanced layout was refused" in w for w in plan.warnings)
+    off = autopar.plan(model, MeshSpec((2, 2), ("pp", "cp")), args, kwargs, profile=None, progress=False,
+                       pipeline={"axis": "pp", "microbatches": 2}, context_parallel=False)
+    assert off.pipeline is not None and off.context_parallel is None   # none asked: none planned
 
 
 def test_where_the_balanced_order_cannot_hold_the_ring_is_planned_contiguous_or_refused_if_forced():

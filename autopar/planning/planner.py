@@ -124,11 +124,11 @@ def _balance_forced(options: PlanOptions) -> bool:
 
 
 def _contiguous(options: PlanOptions) -> PlanOptions:
-    """The options with every causal ring contiguous (where they do not force the balanced layout:
-    those are kept, and refused where it cannot run)."""
-    if _balance_forced(options):
-        return options
+    """The options with every causal ring contiguous. Options that force the balanced layout are
+    kept (refused where it cannot run), and so are those with no context parallelism (False)."""
     setting = context_choice(options.context_parallel)
+    if setting is False or _balance_forced(options):
+        return options
     contiguous = (replace(setting, load_balance="contiguous") if isinstance(setting, ContextChoice)
                   else ContextChoice(None, load_balance="contiguous"))
     return replace(options, context_parallel=contiguous)

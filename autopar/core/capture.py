@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.core import lean_loss
 from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS, private_write
+from autopar.core.expert_lists import fold_expert_lists
 from autopar.core.expert_parallel import experts_as_one_op
 from autopar.core.precision import ComputeIn, Precision, check_precision
 
@@ -425,10 +426,11 @@ def _lean_tracing() -> Iterator[None]:
             config.do_not_emit_stack_traces = emit
 
 
-def _refuse_value_dependent_sizes(program: ExportedProgram, model_name: str) -> None:
+def _refuse_value_dependent_sizes(program: ExportedProgram, model_name: str, why_not: list[str]) -> None:
     """A size that depends on tensor values (export's unbacked symbols: ``torch.where(cond)``,
     ``nonzero``, boolean-mask indexing) cannot be planned: every cost and placement rests on
-    sizes known before the run. Name the first op that makes one, and its module."""
+    sizes known before the run. Name the first op that makes one, its module, and ``why_not``
+    (``fold_expert_lists``) it is no hand-written mixture of experts autopar runs as one op."""
     for node in program.graph.nodes:
         val = node.meta.get("val")
         if node.op != "call_function" or not free_unbacked_symbols(val):
@@ -438,8 +440,9 @@ def _refuse_value_dependent_sizes(program: ExportedProgram, model_name: str) -> 
             f"{model_name}: {node.target} in {module} makes a tensor whose size depends on "
             "tensor values (as torch.where(condition), nonzero or boolean-mask indexing do, e.g. a mixture of "
             "experts that picks each expert's tokens in a loop); autopar plans sizes known before the run. "
-            "Keep shapes fixed: weight by a mask instead of selecting rows, or, for a mixture of experts, build "
-            "its experts as transformers does (fused gate_up_proj / down_proj), which autopar splits by expert.")
+            "Keep shapes fixed: weight by a mask instead of selecting rows. A mixture of experts is planned where "
+            "its experts are transformers' fused ones or a list of SwiGLU MLPs, each picking its tokens by the "
+            "router's top-k ids and adding its weighted rows back" + (f"; here, {why_not[0]}" if why_not else "") + ".")
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
@@ -468,10 +471,11 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _out_of_place_private_writes(program)
     _refuse_higher_order_ops(program, type(model).__name__)
     _lean_losses(program)
-    _refuse_value_dependent_sizes(program, type(model).__name__)
+    folded, why_not = fold_expert_lists(program, model)
+    _refuse_value_dependent_sizes(program, type(model).__name__, why_not)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
-    notes = _notes(model, added, len(checkpoints))
+    notes = _notes(model, added, len(checkpoints)) + folded
     name = type(model).__name__
     _refuse_buffer_writes(program.graph_signature, name)
     frozen = frozen_parameters(model)

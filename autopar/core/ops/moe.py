@@ -125,8 +125,17 @@ def emit(em: Emitter, site: Site) -> bool:
 def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, *, mesh: DeviceMesh, axis: int | None) -> torch.Tensor:
     """The experts on this rank's tokens: ``routed_experts`` over mesh ``axis``'s group (this
-    rank's experts being its slice of them), or with every expert here (``axis`` None)."""
+    rank's experts being its slice of them), or with every expert here (``axis`` None). A slice of
+    a larger value (experts stacked in the graph: ``autopar.core.expert_lists``) is copied first,
+    so that what the backward keeps is the slice, not the whole stack."""
+    gate_up, down = _own(gate_up), _own(down)
     return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis))
+
+
+def _own(weight: torch.Tensor) -> torch.Tensor:
+    """``weight``, copied where it is a computed view of a larger tensor (a parameter is used as it is)."""
+    base = weight._base
+    return weight.clone() if not weight.is_leaf and base is not None and base.numel() > weight.numel() else weight
 
 
 def _evenly_routed(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,

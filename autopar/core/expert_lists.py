@@ -1,0 +1,385 @@
+"""A hand-written mixture of experts, found in the exported graph and run as ``moe_experts``.
+
+Hand-written MoE layers (Hugging Face's Mixtral before transformers 5, and most written by hand)
+keep their experts in a ``ModuleList`` of SwiGLU MLPs (three bias-free linears: ``down(silu(gate
+x) * up x)``). Each expert picks its tokens with ``torch.where`` / ``nonzero`` over the router's
+top-k ids, runs on those rows, weights them by their router weights and adds them back with
+``index_add_`` (or an indexed add). Exported, each expert's row count is an unbacked symbol, a size
+no plan can rest on.
+
+Capture finds each such layer (``expert_lists``): the value-dependent ops that one router's ids
+[T, k] feed, the first [T, H] value that all of them reach (the layer's output), and the ops
+between that output and the layer's inputs (the tokens [T, H], the ids, the router weights [T, k]
+and the experts' weights). It checks on random values that those ops compute what ``moe_experts``
+computes from the same inputs with the experts' weights stacked (gate and up [E, 2I, H], down
+[E, H, I]), some expert receiving no token (``_agrees``), and only then puts that one op in their
+place (``_rewrite``). The layer is then planned, priced and split as transformers' fused experts
+are. The weights are stacked in the graph from the model's own parameters each step, so the model,
+its state dict and its optimizer keep their per-expert parameters; split by expert, every rank
+holds every expert's weights (it slices their stack) and their gradients are gathered back.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
+
+from autopar.core.expert_parallel import moe_experts
+
+aten = torch.ops.aten
+MOE = torch.ops.autopar.moe_experts.default
+#: Elements of random inputs and weights the check may make; above, a layer on ``meta`` is taken unchecked.
+CHECK_ELEMENTS = 1 << 28
+_CASTS = (aten.to.dtype, aten._to_copy.default, aten.type_as.default)
+
+
+@dataclass(frozen=True)
+class ExpertList:
+    """One hand-written MoE layer of the graph: its inputs, its output and the ops between."""
+
+    output: fx.Node                   # the layer's [T, H] result
+    hidden: fx.Node                   # the tokens [T, H] the experts read
+    ids: fx.Node                      # the router's expert ids [T, k]
+    weights: fx.Node                  # the router's weights [T, k]
+    experts: tuple[tuple[fx.Node, fx.Node, fx.Node], ...]   # (gate, up, down) as each expert's linears read them
+    inner: frozenset[fx.Node]         # the ops between the inputs and the output
+    doomed: frozenset[fx.Node]        # those and the size checks on the experts' rows: replaced
+    name: str                         # the experts' module path
+
+
+def _val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _unbacked(node: fx.Node) -> bool:
+    return bool(free_unbacked_symbols(node.meta.get("val")))
+
+
+def seeds(graph: fx.Graph) -> list[fx.Node]:
+    """The ops that make a value-dependent size from inputs of known size (``where``, ``nonzero``)."""
+    return [n for n in graph.nodes if n.op == "call_function" and _unbacked(n)
+            and not any(_unbacked(i) for i in n.all_input_nodes)]
+
+
+def _routing_ids(seed: fx.Node) -> fx.Node | None:
+    """The integer [T, k] value ``seed`` is computed from through integer ops only, first in the
+    chain (the router's expert ids, not a mask derived from them)."""
+    todo, seen, found = list(seed.all_input_nodes), set(), []
+    while todo:
+        node = todo.pop()
+        val = _val(node)
+        if node in seen or val is None or val.dtype.is_floating_point:
+            continue
+        seen.add(node)
+        if val.dim() == 2 and val.dtype != torch.bool:
+            found.append(node)
+        todo.extend(node.all_input_nodes)
+    first = [n for n in found if not _ancestors(n, seen.__contains__) & set(found)]
+    return first[0] if len(first) == 1 else None
+
+
+def _first_reached_by_all(graph: fx.Graph, group: list[fx.Node]) -> fx.Node | None:
+    """The first floating 2-D value of known size that every op of ``group`` reaches."""
+    reach: dict[fx.Node, int] = {s: 1 << i for i, s in enumerate(group)}
+    full = (1 << len(group)) - 1
+    for node in graph.nodes:
+        bits = reach.get(node, 0)
+        for i in node.all_input_nodes:
+            bits |= reach.get(i, 0)
+        if not bits:
+            continue
+        reach[node] = bits
+        val = _val(node)
+        if bits == full and val is not None and not _unbacked(node) and val.dim() == 2 \
+                and val.dtype.is_floating_point:
+            return node
+    return None
+
+
+def _ancestors(node: fx.Node, within: Callable[[fx.Node], bool] = lambda _: True) -> set[fx.Node]:
+    """The values ``node`` is computed from, through those ``within`` admits."""
+    seen: set[fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen and within(n):
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+@dataclass
+class _Walk:
+    """What the walk back from a layer's output found: its inputs and the ops in between."""
+
+    ids: fx.Node
+    hidden: set[fx.Node]
+    weights: set[fx.Node]
+    params: set[fx.Node]
+    inner: set[fx.Node]
+
+
+def _walk_back(output: fx.Node, ids: fx.Node, params: Mapping[str, str]) -> _Walk | str:
+    """The ops from ``output`` back to the layer's inputs: ``ids``, parameters, a floating [T, k]
+    value (the router's weights) and a floating [T, H] value the router also reads (the tokens)."""
+    routed_from = _ancestors(ids)
+    (t, k), h = _val(ids).shape, _val(output).shape[-1]
+    walk = _Walk(ids, set(), set(), set(), set())
+    todo = [output]
+    while todo:
+        node = todo.pop()
+        if node is ids or node in walk.inner or node in walk.hidden or node in walk.weights or node in walk.params:
+            continue
+        val = _val(node)
+        shape = tuple(val.shape) if val is not None and not _unbacked(node) else None
+        floating = val is not None and val.dtype.is_floating_point
+        if floating and shape == (t, k) and node is not output:
+            walk.weights.add(node)
+        elif floating and shape == (t, h) and node in routed_from:
+            walk.hidden.add(node)
+        elif node.op == "placeholder":
+            if node.name not in params:
+                return f"it reads {node.name}, which is neither a parameter nor the router's output"
+            walk.params.add(node)
+        elif node.op != "call_function":
+            return f"it reads {node.name} ({node.op})"
+        else:
+            walk.inner.add(node)
+            todo.extend(node.all_input_nodes)
+    if len(walk.hidden) != 1 or len(walk.weights) != 1:
+        return (f"its rows come from {len(walk.hidden)} values of [{t}, {h}] the router reads (one expected) and "
+                f"are weighted by {len(walk.weights)} values of [{t}, {k}] (one expected)")
+    return walk
+
+
+def _expert_of(node: fx.Node, params: Mapping[str, str]) -> tuple[str, int, str] | None:
+    """(list path, expert index, parameter name in the expert) of a weight a linear reads, through casts."""
+    while node.op == "call_function" and node.target in _CASTS:
+        node = node.args[0]
+    match = re.fullmatch(r"(.+)\.(\d+)\.(.+)", params.get(node.name, ""))
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+
+
+def _swiglu_roles(linears: list[fx.Node], inner: set[fx.Node]) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(gate, up, down) weights of one expert's three linears (of the layer's ops ``inner``): down
+    reads the others' product, gate's output goes through SiLU."""
+    if len(linears) != 3:
+        return None
+    downs = [lin for lin in linears if _ancestors(lin.args[0], inner.__contains__) & set(linears)]
+    gates = [lin for lin in linears if any(u.target is aten.silu.default for u in lin.users)]
+    if len(downs) != 1 or len(gates) != 1 or gates[0] is downs[0]:
+        return None
+    up = next(lin for lin in linears if lin not in (gates[0], downs[0]))
+    return gates[0].args[1], up.args[1], downs[0].args[1]
+
+
+def _experts(walk: _Walk, params: Mapping[str, str]) -> tuple[str, tuple] | str:
+    """The experts' list path and each expert's (gate, up, down) weights, in expert order."""
+    by_expert: dict[int, list[fx.Node]] = {}
+    paths = set()
+    for node in walk.inner:
+        if node.target is not aten.linear.default:
+            continue
+        owner = _expert_of(node.args[1], params)
+        if owner is None or (len(node.args) > 2 and node.args[2] is not None):
+            return f"{node.name} is a linear that is not a bias-free weight of an expert of a list"
+        paths.add(owner[0])
+        by_expert.setdefault(owner[1], []).append(node)
+    if len(paths) != 1 or sorted(by_expert) != list(range(len(by_expert))) or len(by_expert) < 2:
+        return f"its linears belong to {sorted(paths)} experts {sorted(by_expert)}, not one list of experts 0..E-1"
+    roles = [_swiglu_roles(by_expert[e], walk.inner) for e in range(len(by_expert))]
+    if any(r is None for r in roles):
+        return "its experts are not SwiGLU MLPs (down(silu(gate(x)) * up(x)), three bias-free linears)"
+    return paths.pop(), tuple(roles)
+
+
+def _descendants(group: Iterable[fx.Node], stop: fx.Node) -> set[fx.Node]:
+    """Every value computed from ``group``, not counting what is computed from ``stop``."""
+    seen: set[fx.Node] = set()
+    todo = list(group)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            if n is not stop:
+                todo.extend(n.users)
+    return seen
+
+
+def _layer(graph: fx.Graph, ids: fx.Node, group: list[fx.Node], params: Mapping[str, str]) -> ExpertList | str:
+    """The hand-written MoE layer whose experts pick their tokens with ``group``, routed by ``ids``."""
+    output = _first_reached_by_all(graph, group)
+    if output is None:
+        return "no [tokens, hidden] value is computed from all its experts' rows"
+    walk = _walk_back(output, ids, params)
+    if isinstance(walk, str):
+        return walk
+    if not set(group) <= walk.inner:
+        return "some of its experts' rows do not reach its output"
+    found = _experts(walk, params)
+    if isinstance(found, str):
+        return found
+    hidden, weights = walk.hidden.pop(), walk.weights.pop()
+    if _val(hidden).dtype != _val(output).dtype:
+        return f"its output is {_val(output).dtype} where its tokens are {_val(hidden).dtype}"
+    doomed = walk.inner | _descendants(group, output)
+    stray = [n for n in doomed - {output} if any(u not in doomed for u in n.users)]
+    if stray:
+        return f"{stray[0].name}, computed inside it, is also used outside it"
+    return ExpertList(output, hidden, ids, weights, found[1], frozenset(walk.inner), frozenset(doomed), found[0])
+
+
+def expert_lists(graph: fx.Graph, params: Mapping[str, str]) -> tuple[list[ExpertList], list[str]]:
+    """The hand-written MoE layers of ``graph`` (``params``: parameter placeholder -> name), and
+    why each other group of value-dependent ops is not one."""
+    groups: dict[fx.Node | None, list[fx.Node]] = {}
+    for seed in seeds(graph):
+        groups.setdefault(_routing_ids(seed), []).append(seed)
+    layers, why_not = [], []
+    for ids, group in groups.items():
+        found = "no integer [tokens, k] value (the router's ids) is its input" if ids is None else \
+            _layer(graph, ids, group, params)
+        if isinstance(found, str):
+            why_not.append(f"{group[0].name}: {found}")
+        else:
+            layers.append(found)
+    return layers, why_not
+
+
+# ----------------------------------------------------------------------------
+# Checked on random routing, then replaced
+# ----------------------------------------------------------------------------
+
+
+def _extracted(graph: fx.Graph, layer: ExpertList) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The layer's ops as a module of (tokens, ids, router weights, its parameters) returning
+    (its output, each expert's gate, up and down weights as its linears read them), and those inputs."""
+    roots = [layer.hidden, layer.ids, layer.weights]
+    params = [n for n in graph.nodes if n.op == "placeholder" and n not in roots and any(u in layer.inner for u in n.users)]
+    inputs = [*roots, *params]
+    small = fx.Graph()
+    env = {n: small.placeholder(n.name) for n in inputs}
+    for node in graph.nodes:
+        if node in layer.inner:
+            env[node] = small.node_copy(node, env.__getitem__)
+    small.output((env[layer.output], *[env[w] for expert in layer.experts for w in expert]))
+    return fx.GraphModule(torch.nn.Module(), small), inputs
+
+
+def _routing(t: int, k: int, experts: int, spare: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k ids [t, k] (distinct in a row, the last ``spare`` experts never chosen) and weights."""
+    ids = torch.rand(t, experts - spare, generator=gen).argsort(dim=1)[:, :k]
+    return ids, torch.rand(t, k, generator=gen).softmax(dim=1)
+
+
+def _stacked_moe(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    """``moe_experts`` on the experts' (gate, up, down) weights ``w`` (flat, expert by expert), stacked."""
+    gate_up = torch.cat([torch.stack(w[0::3]), torch.stack(w[1::3])], dim=1)
+    return moe_experts(hidden, ids, weights, gate_up, torch.stack(w[2::3]))
+
+
+def _agrees(graph: fx.Graph, layer: ExpertList, value: Callable[[fx.Node], torch.Tensor]) -> str | None:
+    """None where the layer's ops compute what ``moe_experts`` does on random tokens and routing
+    (first with an expert that receives no token); else how far apart. ``value``: a parameter's."""
+    module, inputs = _extracted(graph, layer)
+    params = [value(p) for p in inputs[3:]]
+    (t, k), h, n = _val(layer.ids).shape, _val(layer.hidden).shape[-1], len(layer.experts)
+    gen = torch.Generator().manual_seed(0)
+    for spare in (min(1, n - k), 0):
+        ids, weights = _routing(t, k, n, spare, gen)
+        hidden = torch.randn(t, h, generator=gen)
+        args = [hidden.to(params[0].device, _val(layer.hidden).dtype), ids.to(params[0].device, _val(layer.ids).dtype),
+                weights.to(params[0].device, _val(layer.weights).dtype)]
+        with torch.no_grad():
+            out, *w = module(*args, *params)
+            fused = _stacked_moe(args[0], args[1], args[2], w)
+        tol = 1e-4 if out.dtype in (torch.float32, torch.float64) else 3e-2
+        error = ((fused.double() - out.double()).abs().max() / out.double().abs().max().clamp_min(1e-30)).item()
+        if fused.shape != out.shape or not error <= tol:
+            return f"on random routing its result and the stacked experts' differ by {error:.2g} (relative)"
+    return None
+
+
+def _call(graph: fx.Graph, before: fx.Node, target: torch._ops.OpOverload, *args: object) -> fx.Node:
+    """``target(*args)`` inserted before ``before``, with its fake value and ``before``'s module path."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], args)
+    mode = detect_fake_mode(pytree.tree_leaves(vals))
+    with mode if mode is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*vals)
+    if "nn_module_stack" in before.meta:
+        node.meta["nn_module_stack"] = dict(before.meta["nn_module_stack"])
+    return node
+
+
+def rewrite(graph: fx.Graph, layer: ExpertList) -> fx.Node:
+    """``moe_experts`` on the experts' weights stacked, in the layer's place; its ops erased."""
+    out = layer.output
+    gate, up, down = ([expert[i] for expert in layer.experts] for i in range(3))
+    gate_up = _call(graph, out, aten.cat.default,
+                    [_call(graph, out, aten.stack.default, gate), _call(graph, out, aten.stack.default, up)], 1)
+    moe = _call(graph, out, MOE, layer.hidden, layer.ids, layer.weights, gate_up,
+                _call(graph, out, aten.stack.default, down))
+    out.replace_all_uses_with(moe)
+    for node in reversed(list(graph.nodes)):   # each node's users before it
+        if node in layer.doomed and not node.users:
+            graph.erase_node(node)
+    return moe
+
+
+def _parameter_values(program: ExportedProgram, model: torch.nn.Module) -> Callable[[fx.Node], torch.Tensor]:
+    """A parameter placeholder's value: the model's own, or random of its shape where it is on ``meta``."""
+    names = program.graph_signature.inputs_to_parameters
+
+    def value(node: fx.Node) -> torch.Tensor:
+        param = model.get_parameter(names[node.name])
+        if _has_values(param):
+            return param.detach()
+        return torch.randn(param.shape, dtype=param.dtype) / max(1, param.shape[-1]) ** 0.5
+    return value
+
+
+def _has_values(param: torch.Tensor) -> bool:
+    """Not on ``meta`` nor fake (a copy of the model captured again for new input shapes)."""
+    return param.device.type != "meta" and not is_fake(param)
+
+
+def _checkable(layer: ExpertList) -> bool:
+    """Small enough to check with random weights where the model's are on ``meta``."""
+    (t, _), h = _val(layer.ids).shape, _val(layer.hidden).shape[-1]
+    weights = sum(_val(w).numel() for expert in layer.experts for w in expert)
+    return weights + 4 * t * h <= CHECK_ELEMENTS
+
+
+def fold_expert_lists(program: ExportedProgram, model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Each hand-written MoE layer of ``program`` replaced by ``moe_experts`` where checked to
+    compute the same: (a note for each, why each other value-dependent size is not such a layer)."""
+    graph = program.graph
+    layers, why_not = expert_lists(graph, program.graph_signature.inputs_to_parameters)
+    value, notes = _parameter_values(program, model), []
+    for layer in layers:
+        checked = all(_has_values(p) for p in model.parameters()) or _checkable(layer)
+        with maybe_disable_local_tensor_mode(), unset_fake_temporarily():
+            problem = _agrees(graph, layer, value) if checked else None
+        if problem is not None:
+            why_not.append(f"{layer.name}: {problem}")
+            continue
+        rewrite(graph, layer)
+        notes.append(f"{layer.name}: a hand-written list of {len(layer.experts)} SwiGLU experts picking their "
+                     "tokens by value runs as one op (moe_experts) on their weights stacked" +
+                     ("" if checked else "; not checked here (its weights have no values and are too large to draw), it is when compiled on real ones"))
+    if notes:
+        program.graph_module.recompile()
+    return notes, why_not

@@ -1,0 +1,117 @@
+"""A hand-written mixture of experts (``tests/hand_moe.py``: a ModuleList of SwiGLU experts, each
+picking its tokens with ``torch.where``) found in the graph and run as one op
+(``autopar.core.expert_lists``): trained exactly with its experts split by expert, on gloo
+processes and a simulated 2x2 mesh, with uneven routing; a loop that computes anything else is
+refused, saying why."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+import autopar.core.expert_parallel as ep
+from autopar.core.capture import capture
+from autopar.core.errors import CaptureError
+from autopar.core.mesh import MeshSpec
+from autopar.core.ops.moe import MOE
+from autopar.planning.baselines import candidates
+from autopar.planning.options import PlanOptions
+from autopar.profiling.launch import per_rank
+from tests import hand_moe
+from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches
+from tests.tiers import slow
+
+NAME = hand_moe.NAME
+BATCHES = make_batches(NAME, 2, 4)   # 8 tokens a step: some rank sends some expert none
+
+
+def _plan(mesh_shape: tuple[int, ...], axis: str, hand: str | None = None) -> autopar.Plan:
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel={"axis": axis}, hand_plans=hand is not None, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute="none")
+    if hand is not None:
+        return candidates(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)[hand]
+    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)
+
+
+def test_the_loop_over_experts_is_captured_as_one_op_on_their_weights_stacked():
+    args, kwargs = BATCHES[0]
+    captured = capture(build(NAME), args, kwargs)
+    moes = [n for n in captured.graph.nodes if n.target is MOE]
+    assert len(moes) == hand_moe.LAYERS
+    gate_up, down = moes[0].args[3:]
+    assert tuple(gate_up.meta["val"].shape) == (hand_moe.EXPERTS, 2 * hand_moe.INTERMEDIATE, hand_moe.HIDDEN)
+    gate, up = (captured.param_of[p.name] for p in (gate_up.args[0][0].args[0][0], gate_up.args[0][1].args[0][0]))
+    assert (gate, up) == ("blocks.0.moe.experts.0.w1.weight", "blocks.0.moe.experts.0.w3.weight")
+    assert [captured.param_of[p.name] for p in down.args[0]] == [
+        f"blocks.0.moe.experts.{e}.w2.weight" for e in range(hand_moe.EXPERTS)]
+    assert not any(n.target is torch.ops.aten.where.default for n in captured.graph.nodes)
+    assert sum("hand-written list of 4 SwiGLU experts" in w for w in captured.warnings) == hand_moe.LAYERS
+
+
+@pytest.mark.parametrize("mesh_shape, runner, axis, hand", [
+    ((2,), gloo_runner, "x", None),
+    pytest.param((4,), gloo_runner, "x", None, marks=slow),
+    ((2, 2), local_runner, "tp", None),
+    ((2, 2), local_runner, "dp", "dp(dp) x tp(tp)"),   # Megatron's EP over the data axis, attention split by tp
+])
+def test_a_hand_written_moe_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runner, axis, hand,
+                                                                            monkeypatch):
+    seen: list[list[list[int]]] = []
+    real = ep.dispatch
+
+    def dispatch(tokens, expert_ids, num_experts, group):
+        seen.append([torch.bincount(ids.flatten(), minlength=num_experts).tolist() for ids in per_rank(expert_ids)])
+        return real(tokens, expert_ids, num_experts, group)
+
+    monkeypatch.setattr(ep, "dispatch", dispatch)
+    plan = _plan(mesh_shape, axis, hand)
+    ways = MeshSpec(mesh_shape).shape[MeshSpec(mesh_shape).axis_names.index(axis)]
+    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": hand_moe.EXPERTS // ways,
+                                    "layers": hand_moe.LAYERS, "of": hand_moe.LAYERS}
+    check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
+    if runner is local_runner:   # (gloo's ranks dispatch in their own processes)
+        assert any(0 in per_expert for counts in seen for per_expert in counts), seen
+
+
+class _Overwriting(hand_moe.SparseMoe):
+    """Each expert's rows written over the tokens' outputs, not added: a token's first expert is lost."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.topk(F.softmax(self.gate(hidden), dim=1), hand_moe.TOP_K, dim=-1)
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out[token] = expert(hidden[token]) * weights[token, slot, None]
+        return out
+
+
+class _GeluExpert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hand_moe.HIDDEN, 64, bias=False), nn.Linear(64, hand_moe.HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Gelu(hand_moe.SparseMoe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(_GeluExpert() for _ in range(hand_moe.EXPERTS))
+
+
+@pytest.mark.parametrize("layer, shape, why", [
+    (_Overwriting, (8, hand_moe.HIDDEN), "its result and the stacked experts' differ by"),
+    (_Gelu, (2, 4, hand_moe.HIDDEN), "its experts are not SwiGLU MLPs"),
+])
+def test_a_loop_over_experts_that_computes_something_else_is_refused_saying_why(layer, shape, why):
+    """Found by its shape, the loop is replaced only where it computes what the op does: checked
+    on random routing (the overwrite matches every structural test), else refused by name."""
+    hidden = torch.randn(shape)
+    with pytest.raises(CaptureError, match="aten.where.default in its own forward") as info:
+        capture(layer(), (hidden,))
+    assert why in str(info.value)
+    assert layer()(hidden).shape == hidden.shape   # (each runs eagerly)

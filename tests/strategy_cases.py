@@ -299,6 +299,19 @@ class SplitGetitem(nn.Module):
         return a * b + c
 
 
+class UnbindGetitem(nn.Module):
+    """Query, key and value unpacked from one projection (``q, k, v = qkv.unbind(2)``, or a tensor
+    unpacked as a tuple, which export records so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = Pre(3, 5, 12)
+
+    def forward(self, x):
+        q, k, v = self.pre(x).view(3, 5, 3, 4).unbind(2)
+        return q * k + v
+
+
 # ---------------------------------------------------------------------------------------------
 # matmul family: GPT-2's Conv1D (view -> addmm -> view), torch.matmul
 # ---------------------------------------------------------------------------------------------
@@ -641,6 +654,9 @@ CASES: list[Case] = [
     Case("split-getitem", SplitGetitem, lambda: (torch.randn(3, 5, 12),),
          (aten.split.Tensor, operator.getitem),
          {aten.split.Tensor: {"follow"}, operator.getitem: {"follow"}}),
+    Case("unbind-getitem", UnbindGetitem, lambda: (torch.randn(3, 5, 12),),
+         (aten.unbind.int, operator.getitem),
+         {aten.unbind.int: {"follow"}, operator.getitem: {"follow"}}),
     Case("pointwise", Pointwise, lambda: (torch.randn(3, 5, 6),),
          (aten.gelu.default, aten.tanh.default, aten.pow.Tensor_Scalar, aten.silu.default, aten.mul.Tensor,
           aten.add.Tensor, aten.sub.Tensor, aten.dropout.default, aten.to.dtype),

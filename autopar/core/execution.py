@@ -24,7 +24,7 @@ VIEW_OPS = {
     aten.transpose.int, aten.t.default, aten.permute.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.expand.default, aten.slice.Tensor, aten.select.int,
-    aten.split.Tensor, aten.split_with_sizes.default, aten.alias.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.alias.default,
     aten.detach.default, operator.getitem,
 }
 

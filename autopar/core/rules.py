@@ -160,7 +160,7 @@ def along_dim(dim_arg: int, dim_name: str = "dim", default: int = 0, partial: bo
     def rule(v: OpView, n: int) -> list[AxisRule]:
         shape = v.in_shapes[0]
         dim = _norm(v.arg(dim_arg, dim_name, default), len(shape))
-        dropped = v.node.target in (aten.select.int,)
+        dropped = v.node.target in (aten.select.int, aten.unbind.int)
         return identity_dims(
             v, n, lambda d: None if d == dim else (d - 1 if dropped and d > dim else d), partial=partial
         )
@@ -490,7 +490,7 @@ RULES: dict[object, RuleFn] = {
     aten.unsqueeze.default: unsqueeze,
     aten.squeeze.dim: squeeze, aten.squeeze.dims: squeeze, aten.squeeze.default: squeeze,
     aten.slice.Tensor: along_dim(1),
-    aten.select.int: along_dim(1),
+    aten.select.int: along_dim(1), aten.unbind.int: along_dim(1),
     aten.split.Tensor: along_dim(2), aten.split_with_sizes.default: along_dim(2), aten.chunk.default: along_dim(2),
     aten.softmax.int: along_dim(1), aten._softmax.default: along_dim(1),
     aten.cumsum.default: along_dim(1, partial=True), aten.diff.default: diff,

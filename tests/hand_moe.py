@@ -1,43 +1,63 @@
 """A decoder whose mixture of experts is written by hand, as Hugging Face's Mixtral was before
 transformers 5 and as most hand-written MoEs are: a ``ModuleList`` of SwiGLU experts, each
-picking its tokens with ``torch.where`` over a one-hot of the router's top-2 ids and adding its
-rows back, weighted, with ``index_add_``. Zoo name: ``tests.hand_moe:build``."""
+picking its tokens with ``torch.where`` over a one-hot of the router's top-k ids and adding its
+rows back, weighted, with ``index_add_``. Zoo name: ``tests.hand_moe:build`` (tiny);
+``HandMoe(MIXTRAL_8X7B)`` has Mixtral 8x7B's sizes."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 NAME = "tests.hand_moe:build"
-VOCAB, HIDDEN, HEADS, LAYERS, EXPERTS, TOP_K, INTERMEDIATE = 64, 32, 4, 2, 4, 2, 48
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 4
 
 
+@dataclass(frozen=True)
+class Sizes:
+    vocab: int = 64
+    hidden: int = 32
+    heads: int = 4
+    layers: int = 2
+    experts: int = 4
+    top_k: int = 2
+    intermediate: int = 48
+    positions: int = 64
+
+
+TINY = Sizes()
+MIXTRAL_8X7B = Sizes(vocab=32000, hidden=4096, heads=32, layers=32, experts=8, top_k=2, intermediate=14336,
+                     positions=4096)
+
+
 class Expert(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Sizes) -> None:
         super().__init__()
-        self.w1 = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.w2 = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
-        self.w3 = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.w1 = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.w2 = nn.Linear(s.intermediate, s.hidden, bias=False)
+        self.w3 = nn.Linear(s.hidden, s.intermediate, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class SparseMoe(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Sizes = TINY) -> None:
         super().__init__()
-        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+        self.top_k, self.num_experts = s.top_k, s.experts
+        self.gate = nn.Linear(s.hidden, s.experts, bias=False)
+        self.experts = nn.ModuleList(Expert(s) for _ in range(s.experts))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = hidden.shape
         hidden = hidden.view(-1, dim)
         weights = F.softmax(self.gate(hidden), dim=1, dtype=torch.float)
-        weights, chosen = torch.topk(weights, TOP_K, dim=-1)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(hidden.dtype)
         out = torch.zeros_like(hidden)
-        mask = F.one_hot(chosen, num_classes=EXPERTS).permute(2, 1, 0)
+        mask = F.one_hot(chosen, num_classes=self.num_experts).permute(2, 1, 0)
         for e, expert in enumerate(self.experts):
             slot, token = torch.where(mask[e])
             rows = expert(hidden[None, token].reshape(-1, dim)) * weights[token, slot, None]
@@ -46,36 +66,38 @@ class SparseMoe(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Sizes) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
-        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.moe = SparseMoe()
+        self.heads, self.hidden = s.heads, s.hidden
+        self.norm1, self.norm2 = nn.RMSNorm(s.hidden), nn.RMSNorm(s.hidden)
+        self.qkv = nn.Linear(s.hidden, 3 * s.hidden, bias=False)
+        self.proj = nn.Linear(s.hidden, s.hidden, bias=False)
+        self.moe = SparseMoe(s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, HIDDEN))
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, self.hidden))
         return x + self.moe(self.norm2(x))
 
 
 class HandMoe(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Sizes = TINY) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.pos = nn.Embedding(64, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.RMSNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.vocab = s.vocab
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.pos = nn.Embedding(s.positions, s.hidden)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.norm = nn.RMSNorm(s.hidden)
+        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), labels[:, 1:].reshape(-1))
 
 
 def build() -> HandMoe:
@@ -83,8 +105,8 @@ def build() -> HandMoe:
 
 
 def example_inputs(batch: int, seq: int, device: torch.device) -> tuple:
-    return (torch.randint(0, VOCAB, (batch, seq), device=device),)
+    return (torch.randint(0, TINY.vocab, (batch, seq), device=device),)
 
 
 def example_kwargs(batch: int, seq: int, device: torch.device) -> dict:
-    return {"labels": torch.randint(0, VOCAB, (batch, seq), device=device)}
+    return {"labels": torch.randint(0, TINY.vocab, (batch, seq), device=device)}

@@ -24,6 +24,7 @@ from tests.equivalence import build, check_training, gloo_runner, local_runner, 
 from tests.tiers import slow
 
 NAME = hand_moe.NAME
+TINY = hand_moe.TINY
 BATCHES = make_batches(NAME, 2, 4)   # 8 tokens a step: some rank sends some expert none
 
 
@@ -40,15 +41,15 @@ def test_the_loop_over_experts_is_captured_as_one_op_on_their_weights_stacked():
     args, kwargs = BATCHES[0]
     captured = capture(build(NAME), args, kwargs)
     moes = [n for n in captured.graph.nodes if n.target is MOE]
-    assert len(moes) == hand_moe.LAYERS
+    assert len(moes) == TINY.layers
     gate_up, down = moes[0].args[3:]
-    assert tuple(gate_up.meta["val"].shape) == (hand_moe.EXPERTS, 2 * hand_moe.INTERMEDIATE, hand_moe.HIDDEN)
+    assert tuple(gate_up.meta["val"].shape) == (TINY.experts, 2 * TINY.intermediate, TINY.hidden)
     gate, up = (captured.param_of[p.name] for p in (gate_up.args[0][0].args[0][0], gate_up.args[0][1].args[0][0]))
     assert (gate, up) == ("blocks.0.moe.experts.0.w1.weight", "blocks.0.moe.experts.0.w3.weight")
     assert [captured.param_of[p.name] for p in down.args[0]] == [
-        f"blocks.0.moe.experts.{e}.w2.weight" for e in range(hand_moe.EXPERTS)]
+        f"blocks.0.moe.experts.{e}.w2.weight" for e in range(TINY.experts)]
     assert not any(n.target is torch.ops.aten.where.default for n in captured.graph.nodes)
-    assert sum("hand-written list of 4 SwiGLU experts" in w for w in captured.warnings) == hand_moe.LAYERS
+    assert sum("hand-written list of 4 SwiGLU experts" in w for w in captured.warnings) == TINY.layers
 
 
 @pytest.mark.parametrize("mesh_shape, runner, axis, hand", [
@@ -69,8 +70,8 @@ def test_a_hand_written_moe_trains_exactly_with_its_experts_split_by_expert(mesh
     monkeypatch.setattr(ep, "dispatch", dispatch)
     plan = _plan(mesh_shape, axis, hand)
     ways = MeshSpec(mesh_shape).shape[MeshSpec(mesh_shape).axis_names.index(axis)]
-    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": hand_moe.EXPERTS // ways,
-                                    "layers": hand_moe.LAYERS, "of": hand_moe.LAYERS}
+    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": TINY.experts // ways,
+                                    "layers": TINY.layers, "of": TINY.layers}
     check_training(NAME, 0, 0, mesh_shape, runner, {"plan": plan}, batches=BATCHES)
     if runner is local_runner:   # (gloo's ranks dispatch in their own processes)
         assert any(0 in per_expert for counts in seen for per_expert in counts), seen
@@ -80,7 +81,7 @@ class _Overwriting(hand_moe.SparseMoe):
     """Each expert's rows written over the tokens' outputs, not added: a token's first expert is lost."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, chosen = torch.topk(F.softmax(self.gate(hidden), dim=1), hand_moe.TOP_K, dim=-1)
+        weights, chosen = torch.topk(F.softmax(self.gate(hidden), dim=1), TINY.top_k, dim=-1)
         out = torch.zeros_like(hidden)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)
@@ -91,7 +92,7 @@ class _Overwriting(hand_moe.SparseMoe):
 class _GeluExpert(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(hand_moe.HIDDEN, 64, bias=False), nn.Linear(64, hand_moe.HIDDEN, bias=False)
+        self.fc1, self.fc2 = nn.Linear(TINY.hidden, 64, bias=False), nn.Linear(64, TINY.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -100,12 +101,12 @@ class _GeluExpert(nn.Module):
 class _Gelu(hand_moe.SparseMoe):
     def __init__(self) -> None:
         super().__init__()
-        self.experts = nn.ModuleList(_GeluExpert() for _ in range(hand_moe.EXPERTS))
+        self.experts = nn.ModuleList(_GeluExpert() for _ in range(TINY.experts))
 
 
 @pytest.mark.parametrize("layer, shape, why", [
-    (_Overwriting, (8, hand_moe.HIDDEN), "its result and the stacked experts' differ by"),
-    (_Gelu, (2, 4, hand_moe.HIDDEN), "its experts are not SwiGLU MLPs"),
+    (_Overwriting, (8, TINY.hidden), "its result and the stacked experts' differ by"),
+    (_Gelu, (2, 4, TINY.hidden), "its experts are not SwiGLU MLPs"),
 ])
 def test_a_loop_over_experts_that_computes_something_else_is_refused_saying_why(layer, shape, why):
     """Found by its shape, the loop is replaced only where it computes what the op does: checked

@@ -1,5 +1,6 @@
 """Mixture-of-experts models planned with and without expert parallelism (issue 43): each built
-on ``meta`` as transformers builds it, 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
+on ``meta`` as transformers builds it (and Mixtral 8x7B's sizes written by hand, its experts a
+ModuleList: ``autopar.models.moe``), 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
 planned as a training loop runs (``gather_outputs=False``) under the default 60 s limit, once with
 ``expert_parallel="auto"`` and once with ``False``. Prints one row per plan.
 
@@ -17,6 +18,7 @@ import transformers
 
 import autopar
 from autopar.core.mesh import MeshSpec
+from autopar.models.moe import HandMoe, mixtral_8x7b
 from autopar.models.zoo import get_model
 from autopar.planning.options import _expert_parallel_from_text
 
@@ -34,7 +36,8 @@ def deepseek_v2_lite() -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-MODELS = {"mixtral": lambda: get_model("mixtral-8x7b").build(), "deepseek-v2-lite": deepseek_v2_lite}
+MODELS = {"mixtral": lambda: get_model("mixtral-8x7b").build(), "deepseek-v2-lite": deepseek_v2_lite,
+          "mixtral-hand": mixtral_8x7b}
 
 
 def plan_row(name: str, expert_parallel: str | bool | dict[str, str], mesh: tuple[int, ...] = (8, 8),
@@ -43,7 +46,8 @@ def plan_row(name: str, expert_parallel: str | bool | dict[str, str], mesh: tupl
         model = MODELS[name]()
     ids = torch.empty(batch, SEQ, dtype=torch.long, device="meta")
     start = time.perf_counter()
-    plan = autopar.plan(model, MeshSpec(mesh, hardware="h100-80gb"), (ids,), {"labels": ids.clone(), "use_cache": False},
+    kwargs = {"labels": ids.clone()} | ({} if isinstance(model, HandMoe) else {"use_cache": False})
+    plan = autopar.plan(model, MeshSpec(mesh, hardware="h100-80gb"), (ids,), kwargs,
                         precision="bf16", gather_outputs=False, expert_parallel=expert_parallel, progress=False)
     wall = time.perf_counter() - start
     pp = plan.pipeline

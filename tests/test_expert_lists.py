@@ -1,4 +1,4 @@
-"""A hand-written mixture of experts (``tests/hand_moe.py``: a ModuleList of SwiGLU experts, each
+"""A hand-written mixture of experts (``autopar/models/moe.py``: a ModuleList of SwiGLU experts, each
 picking its tokens with ``torch.where``) found in the graph and run as one op
 (``autopar.core.expert_lists``): trained exactly with its experts split by expert, on gloo
 processes and a simulated 2x2 mesh, with uneven routing; a loop that computes anything else is
@@ -16,10 +16,10 @@ from autopar.core.capture import capture
 from autopar.core.errors import CaptureError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
+from autopar.models import moe as hand_moe
 from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
 from autopar.profiling.launch import per_rank
-from tests import hand_moe
 from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches
 from tests.tiers import slow
 

@@ -1,8 +1,9 @@
 """A decoder whose mixture of experts is written by hand, as Hugging Face's Mixtral was before
 transformers 5 and as most hand-written MoEs are: a ``ModuleList`` of SwiGLU experts, each
 picking its tokens with ``torch.where`` over a one-hot of the router's top-k ids and adding its
-rows back, weighted, with ``index_add_``. Zoo name: ``tests.hand_moe:build`` (tiny);
-``HandMoe(MIXTRAL_8X7B)`` has Mixtral 8x7B's sizes."""
+rows back, weighted, with ``index_add_``. autopar runs such a loop as one op
+(``autopar.core.expert_lists``). As a model name: ``autopar.models.moe:build`` (tiny) and
+``autopar.models.moe:mixtral_8x7b`` (Mixtral 8x7B's sizes, 47.5B parameters)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-NAME = "tests.hand_moe:build"
+NAME = "autopar.models.moe:build"
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 4
 
 
@@ -102,6 +103,10 @@ class HandMoe(nn.Module):
 
 def build() -> HandMoe:
     return HandMoe()
+
+
+def mixtral_8x7b() -> HandMoe:
+    return HandMoe(MIXTRAL_8X7B)
 
 
 def example_inputs(batch: int, seq: int, device: torch.device) -> tuple:

@@ -116,3 +116,15 @@ def test_a_loop_over_experts_that_computes_something_else_is_refused_saying_why(
         capture(layer(), (hidden,))
     assert why in str(info.value)
     assert layer()(hidden).shape == hidden.shape   # (each runs eagerly)
+
+
+def test_the_report_counts_each_layers_experts_in_one_row_per_choice():
+    """Parameters of a list in a list of layers (each layer's experts) share a row per choice,
+    counted; one that differs gets its own row, by name."""
+    from dataclasses import replace
+
+    plan = _plan((2,), "x")
+    odd = "blocks.1.moe.experts.2.w2.weight"
+    plan.nodes = [replace(n, strategy="odd one out") if n.fqn == odd else n for n in plan.nodes]
+    rows = [line.split() for line in plan.report().splitlines() if ".w2.weight" in line]
+    assert [r[:2] for r in rows] == [["blocks.*.moe.experts.*.w2.weight", "x7"], [odd, "odd"]], rows

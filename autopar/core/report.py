@@ -120,7 +120,8 @@ def _strategy_text(n: NodePlan) -> str:
 
 def _param_rows(params: list[NodePlan], holding: _Holding) -> list[_ParamRow]:
     """One row per layer pattern whose members all share a strategy, else one row per
-    (pattern, strategy) with the layer indices spelled out (or per parameter)."""
+    (pattern, strategy) with the layer indices spelled out (counted where the pattern has two
+    indices; one parameter alone by its name)."""
     groups: dict[str, list[NodePlan]] = {}
     for n in params:
         groups.setdefault(param_pattern(n.fqn or n.name), []).append(n)
@@ -138,6 +139,8 @@ def _param_rows(params: list[NodePlan], holding: _Holding) -> list[_ParamRow]:
                 pos = pattern.split(".").index("*")
                 idx = [int((m.fqn or m.name).split(".")[pos]) for m in ms]
                 rows.append(holding.row(pattern.replace("*", f"[{_index_ranges(idx)}]"), strategy, storage, ms))
+            elif len(ms) > 1:   # (a list in a list, e.g. each layer's experts: counted, not spelled out)
+                rows.append(holding.row(pattern, strategy, storage, ms))
             else:
                 rows.extend(holding.row(m.fqn or m.name, strategy, storage, [m]) for m in ms)
     return rows

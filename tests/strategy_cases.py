@@ -547,6 +547,18 @@ class MoEExperts(nn.Module):
         return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down)
 
 
+class PlainExperts(MoEExperts):
+    """The same layer's experts as plain GELU MLPs (``down(gelu(up x))``, ``gate_up`` [E, I, H]),
+    as a hand-written loop over experts is captured: within, ``gate_up`` splits by its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(0.3 * torch.randn(4, 6, 6))
+
+    def forward(self, x, ids, weights):
+        return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down, "gelu")
+
+
 def _routing() -> torch.Tensor:
     """[8, 2] expert ids in 0..2: tokens 0-3 choose experts 0 and 1, tokens 4-7 experts 1 and 2."""
     return torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [2, 1], [1, 2], [2, 1], [1, 2]])
@@ -722,6 +734,8 @@ CASES: list[Case] = [
     Case("experts", Experts, lambda: (torch.randn(7, 6),), (GROUPED_MM,),
          {GROUPED_MM: {"column", "row", "partial"}}),
     Case("moe-experts", MoEExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
+         {MOE: {"batch", "experts", "experts-within"}}, meshes=((2,), (2, 2))),
+    Case("moe-plain-experts", PlainExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
          {MOE: {"batch", "experts", "experts-within"}}, meshes=((2,), (2, 2))),
     Case("scatter", Scatter, lambda: (torch.randn(5, 3, 6), torch.randint(0, 6, (5, 3, 2)), torch.randn(5, 3, 2)),
          (aten.scatter.src, aten.scatter.value, aten.scatter_add.default),

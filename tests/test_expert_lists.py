@@ -49,7 +49,22 @@ def test_the_loop_over_experts_is_captured_as_one_op_on_their_weights_stacked():
     assert [captured.param_of[p.name] for p in down.args[0]] == [
         f"blocks.0.moe.experts.{e}.w2.weight" for e in range(TINY.experts)]
     assert not any(n.target is torch.ops.aten.where.default for n in captured.graph.nodes)
-    assert sum("hand-written list of 4 SwiGLU experts" in w for w in captured.warnings) == TINY.layers
+    assert sum("hand-written list of 4 experts (gated silu MLPs)" in w for w in captured.warnings) == TINY.layers
+
+
+def test_plain_gelu_experts_train_exactly_split_by_expert_and_within():
+    """Experts of two linears (``down(gelu(up x))``) run as the op with its activation: split by
+    expert over one axis and within (by their intermediate rows) over the other."""
+    name = "autopar.models.moe:build_gelu"
+    batches = make_batches(name, 2, 4)
+    args, kwargs = batches[0]
+    options = PlanOptions(expert_parallel={"axis": "dp", "within": "tp"}, hand_plans=False, time_limit=None,
+                          profile=None, pipeline=False, microbatches=1, recompute="none")
+    plan = autopar.plan(build(name), MeshSpec((2, 2)), args, kwargs, options=options)
+    assert plan.expert_parallel == {"axis": "dp", "experts_per_rank": 2, "within": "tp", "layers": 2, "of": 2}
+    moes = [n for n in capture(build(name), args, kwargs).graph.nodes if n.target is MOE]
+    assert [n.args[5:] for n in moes] == [("gelu",)] * 2 and moes[0].args[3].target is torch.ops.aten.stack.default
+    check_training(name, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
 @pytest.mark.parametrize("mesh_shape, runner, axis, hand", [
@@ -89,24 +104,19 @@ class _Overwriting(hand_moe.SparseMoe):
         return out
 
 
-class _GeluExpert(nn.Module):
+class _Biased(hand_moe.SparseMoe):
+    """Experts as ``nn.Sequential(nn.Linear, nn.GELU, nn.Linear)`` builds them: with biases."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(TINY.hidden, 64, bias=False), nn.Linear(64, TINY.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class _Gelu(hand_moe.SparseMoe):
-    def __init__(self) -> None:
-        super().__init__()
-        self.experts = nn.ModuleList(_GeluExpert() for _ in range(TINY.experts))
+        h = TINY.hidden
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 64), nn.GELU(), nn.Linear(64, h))
+                                     for _ in range(TINY.experts))
 
 
 @pytest.mark.parametrize("layer, shape, why", [
     (_Overwriting, (8, TINY.hidden), "its result and the stacked experts' differ by"),
-    (_Gelu, (2, 4, TINY.hidden), "its experts are not SwiGLU MLPs"),
+    (_Biased, (2, 4, TINY.hidden), "is a linear that is not a bias-free weight of an expert"),
 ])
 def test_a_loop_over_experts_that_computes_something_else_is_refused_saying_why(layer, shape, why):
     """Found by its shape, the loop is replaced only where it computes what the op does: checked

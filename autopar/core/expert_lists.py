@@ -1,18 +1,19 @@
 """A hand-written mixture of experts, found in the exported graph and run as ``moe_experts``.
 
 Hand-written MoE layers (Hugging Face's Mixtral before transformers 5, and most written by hand)
-keep their experts in a ``ModuleList`` of SwiGLU MLPs (three bias-free linears: ``down(silu(gate
-x) * up x)``). Each expert picks its tokens with ``torch.where`` / ``nonzero`` over the router's
-top-k ids, runs on those rows, weights them by their router weights and adds them back with
-``index_add_`` (or an indexed add). Exported, each expert's row count is an unbacked symbol, a size
+keep their experts in a ``ModuleList`` of MLPs of bias-free linears: gated (SwiGLU:
+``down(silu(gate x) * up x)``) or plain (``down(gelu(up x))``, as GShard's and DeepSpeed-MoE's
+FFNs; SiLU, GELU or ReLU). Each expert picks its tokens with ``torch.where`` / ``nonzero`` over
+the router's top-k ids, runs on those rows, weights them by their router weights and adds them
+back with ``index_add_`` (or an indexed add). Exported, each expert's row count is an unbacked symbol, a size
 no plan can rest on.
 
 Capture finds each such layer (``expert_lists``): the value-dependent ops that one router's ids
 [T, k] feed, the first [T, H] value that all of them reach (the layer's output), and the ops
 between that output and the layer's inputs (the tokens [T, H], the ids, the router weights [T, k]
 and the experts' weights). It checks on random values that those ops compute what ``moe_experts``
-computes from the same inputs with the experts' weights stacked (gate and up [E, 2I, H], down
-[E, H, I]), some expert receiving no token (``_agrees``), and only then puts that one op in their
+computes from the same inputs with the experts' weights stacked (gate and up [E, 2I, H], or up
+[E, I, H]; down [E, H, I]) and their activation, some expert receiving no token (``_agrees``), and only then puts that one op in their
 place (``_rewrite``). The layer is then planned, priced and split as transformers' fused experts
 are. The weights are stacked in the graph from the model's own parameters each step, so the model,
 its state dict and its optimizer keep their per-expert parameters; split by expert, every rank
@@ -51,7 +52,8 @@ class ExpertList:
     hidden: fx.Node                   # the tokens [T, H] the experts read
     ids: fx.Node                      # the router's expert ids [T, k]
     weights: fx.Node                  # the router's weights [T, k]
-    experts: tuple[tuple[fx.Node, fx.Node, fx.Node], ...]   # (gate, up, down) as each expert's linears read them
+    experts: tuple[tuple[fx.Node, ...], ...]   # (gate, up, down) or (up, down), as each expert's linears read them
+    activation: str                   # of ``expert_parallel.ACTIVATIONS``
     inner: frozenset[fx.Node]         # the ops between the inputs and the output
     doomed: frozenset[fx.Node]        # those and the size checks on the experts' rows: replaced
     name: str                         # the experts' module path
@@ -171,21 +173,38 @@ def _expert_of(node: fx.Node, params: Mapping[str, str]) -> tuple[str, int, str]
     return (match.group(1), int(match.group(2)), match.group(3)) if match else None
 
 
-def _swiglu_roles(linears: list[fx.Node], inner: set[fx.Node]) -> tuple[fx.Node, fx.Node, fx.Node] | None:
-    """(gate, up, down) weights of one expert's three linears (of the layer's ops ``inner``): down
-    reads the others' product, gate's output goes through SiLU."""
-    if len(linears) != 3:
-        return None
+#: The activation ops an expert may apply, by their name in ``expert_parallel.ACTIVATIONS``.
+_ACTIVATION_OF = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
+
+
+def _activation(node: fx.Node) -> str | None:
+    """The name of the activation a user of linear ``node`` applies, or None."""
+    for user in node.users:
+        name = _ACTIVATION_OF.get(user.target)
+        if name == "gelu" and user.kwargs.get("approximate", "none") == "tanh":
+            return "gelu_tanh"
+        if name is not None:
+            return name
+    return None
+
+
+def _mlp_roles(linears: list[fx.Node], inner: set[fx.Node]) -> tuple[tuple[fx.Node, ...], str] | None:
+    """One expert's weights by role and its activation, from its linears (among the layer's ops
+    ``inner``): gated, three (gate, up, down: down reads the product of the others, gate's output
+    goes through the activation); plain, two (up, down: down reads the activation of up's output)."""
     downs = [lin for lin in linears if _ancestors(lin.args[0], inner.__contains__) & set(linears)]
-    gates = [lin for lin in linears if any(u.target is aten.silu.default for u in lin.users)]
-    if len(downs) != 1 or len(gates) != 1 or gates[0] is downs[0]:
+    firsts = [lin for lin in linears if lin not in downs]
+    acts = [lin for lin in firsts if _activation(lin) is not None]
+    if len(downs) != 1 or len(acts) != 1 or len(firsts) not in (1, 2):
         return None
-    up = next(lin for lin in linears if lin not in (gates[0], downs[0]))
-    return gates[0].args[1], up.args[1], downs[0].args[1]
+    up = next(lin for lin in firsts if lin is not acts[0]) if len(firsts) == 2 else acts[0]
+    weights = (acts[0], up, downs[0]) if len(firsts) == 2 else (up, downs[0])
+    return tuple(lin.args[1] for lin in weights), _activation(acts[0]) or ""
 
 
-def _experts(walk: _Walk, params: Mapping[str, str]) -> tuple[str, tuple] | str:
-    """The experts' list path and each expert's (gate, up, down) weights, in expert order."""
+def _experts(walk: _Walk, params: Mapping[str, str]) -> tuple[str, tuple, str] | str:
+    """The experts' list path, each expert's weights by role (``_mlp_roles``) in expert order, and
+    their activation."""
     by_expert: dict[int, list[fx.Node]] = {}
     paths = set()
     for node in walk.inner:
@@ -198,10 +217,11 @@ def _experts(walk: _Walk, params: Mapping[str, str]) -> tuple[str, tuple] | str:
         by_expert.setdefault(owner[1], []).append(node)
     if len(paths) != 1 or sorted(by_expert) != list(range(len(by_expert))) or len(by_expert) < 2:
         return f"its linears belong to {sorted(paths)} experts {sorted(by_expert)}, not one list of experts 0..E-1"
-    roles = [_swiglu_roles(by_expert[e], walk.inner) for e in range(len(by_expert))]
-    if any(r is None for r in roles):
-        return "its experts are not SwiGLU MLPs (down(silu(gate(x)) * up(x)), three bias-free linears)"
-    return paths.pop(), tuple(roles)
+    roles = [_mlp_roles(by_expert[e], walk.inner) for e in range(len(by_expert))]
+    if any(r is None for r in roles) or len({(len(r[0]), r[1]) for r in roles if r is not None}) != 1:
+        return ("its experts are not all one kind of MLP of bias-free linears, gated (down(act(gate(x)) * up(x))) "
+                "or plain (down(act(up(x)))), with SiLU, GELU or ReLU")
+    return paths.pop(), tuple(r[0] for r in roles if r is not None), roles[0][1] if roles[0] else ""
 
 
 def _descendants(group: Iterable[fx.Node], stop: fx.Node) -> set[fx.Node]:
@@ -237,7 +257,8 @@ def _layer(graph: fx.Graph, ids: fx.Node, group: list[fx.Node], params: Mapping[
     stray = [n for n in doomed - {output} if any(u not in doomed for u in n.users)]
     if stray:
         return f"{stray[0].name}, computed inside it, is also used outside it"
-    return ExpertList(output, hidden, ids, weights, found[1], frozenset(walk.inner), frozenset(doomed), found[0])
+    return ExpertList(output, hidden, ids, weights, found[1], found[2], frozenset(walk.inner), frozenset(doomed),
+                      found[0])
 
 
 def expert_lists(graph: fx.Graph, params: Mapping[str, str]) -> tuple[list[ExpertList], list[str]]:
@@ -264,7 +285,7 @@ def expert_lists(graph: fx.Graph, params: Mapping[str, str]) -> tuple[list[Exper
 
 def _extracted(graph: fx.Graph, layer: ExpertList) -> tuple[fx.GraphModule, list[fx.Node]]:
     """The layer's ops as a module of (tokens, ids, router weights, its parameters) returning
-    (its output, each expert's gate, up and down weights as its linears read them), and those inputs."""
+    (its output, each expert's weights by role as its linears read them), and those inputs."""
     roots = [layer.hidden, layer.ids, layer.weights]
     params = [n for n in graph.nodes if n.op == "placeholder" and n not in roots and any(u in layer.inner for u in n.users)]
     inputs = [*roots, *params]
@@ -283,10 +304,11 @@ def _routing(t: int, k: int, experts: int, spare: int, gen: torch.Generator) -> 
     return ids, torch.rand(t, k, generator=gen).softmax(dim=1)
 
 
-def _stacked_moe(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
-    """``moe_experts`` on the experts' (gate, up, down) weights ``w`` (flat, expert by expert), stacked."""
-    gate_up = torch.cat([torch.stack(w[0::3]), torch.stack(w[1::3])], dim=1)
-    return moe_experts(hidden, ids, weights, gate_up, torch.stack(w[2::3]))
+def _stacked(weights: list, roles: int, stack: Callable, cat: Callable) -> tuple:
+    """(gate_up, down) of the experts' ``weights`` (flat, expert by expert, ``roles`` each: gate,
+    up, down or up, down), stacked by ``stack`` and, gated, the gate and up joined by ``cat``."""
+    by_role = [stack(weights[i::roles]) for i in range(roles)]
+    return (cat([by_role[0], by_role[1]], 1) if roles == 3 else by_role[0]), by_role[-1]
 
 
 def _agrees(graph: fx.Graph, layer: ExpertList, value: Callable[[fx.Node], torch.Tensor]) -> str | None:
@@ -303,7 +325,8 @@ def _agrees(graph: fx.Graph, layer: ExpertList, value: Callable[[fx.Node], torch
                 weights.to(params[0].device, _val(layer.weights).dtype)]
         with torch.no_grad():
             out, *w = module(*args, *params)
-            fused = _stacked_moe(args[0], args[1], args[2], w)
+            gate_up, down = _stacked(w, len(layer.experts[0]), torch.stack, torch.cat)
+            fused = moe_experts(args[0], args[1], args[2], gate_up, down, layer.activation)
         tol = 1e-4 if out.dtype in (torch.float32, torch.float64) else 3e-2
         error = ((fused.double() - out.double()).abs().max() / out.double().abs().max().clamp_min(1e-30)).item()
         if fused.shape != out.shape or not error <= tol:
@@ -327,11 +350,11 @@ def _call(graph: fx.Graph, before: fx.Node, target: torch._ops.OpOverload, *args
 def rewrite(graph: fx.Graph, layer: ExpertList) -> fx.Node:
     """``moe_experts`` on the experts' weights stacked, in the layer's place; its ops erased."""
     out = layer.output
-    gate, up, down = ([expert[i] for expert in layer.experts] for i in range(3))
-    gate_up = _call(graph, out, aten.cat.default,
-                    [_call(graph, out, aten.stack.default, gate), _call(graph, out, aten.stack.default, up)], 1)
-    moe = _call(graph, out, MOE, layer.hidden, layer.ids, layer.weights, gate_up,
-                _call(graph, out, aten.stack.default, down))
+    gate_up, down = _stacked([w for expert in layer.experts for w in expert], len(layer.experts[0]),
+                             lambda ws: _call(graph, out, aten.stack.default, ws),
+                             lambda ws, dim: _call(graph, out, aten.cat.default, ws, dim))
+    activation = () if layer.activation == "silu" else (layer.activation,)   # (the op's default)
+    moe = _call(graph, out, MOE, layer.hidden, layer.ids, layer.weights, gate_up, down, *activation)
     out.replace_all_uses_with(moe)
     for node in reversed(list(graph.nodes)):   # each node's users before it
         if node in layer.doomed and not node.users:
@@ -377,8 +400,9 @@ def fold_expert_lists(program: ExportedProgram, model: torch.nn.Module) -> tuple
             why_not.append(f"{layer.name}: {problem}")
             continue
         rewrite(graph, layer)
-        notes.append(f"{layer.name}: a hand-written list of {len(layer.experts)} SwiGLU experts picking their "
-                     "tokens by value runs as one op (moe_experts) on their weights stacked" +
+        kind = f"{'gated' if len(layer.experts[0]) == 3 else 'plain'} {layer.activation}"
+        notes.append(f"{layer.name}: a hand-written list of {len(layer.experts)} experts ({kind} MLPs) picking "
+                     "their tokens by value runs as one op (moe_experts) on their weights stacked" +
                      ("" if checked else "; not checked here (its weights have no values and are too large to draw), it is when compiled on real ones"))
     if notes:
         program.graph_module.recompile()

@@ -165,20 +165,45 @@ def expert_parallel_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids:
     return combine(experts(d.tokens, d.counts), d, weights)
 
 
+#: The experts' activations: applied to the gate of a gated MLP (``down(act(gate x) * up x)``,
+#: ``gate_up`` [2I, H]: SwiGLU with "silu", GeGLU with "gelu") or to the whole of a plain one
+#: (``down(act(up x))``, ``gate_up`` [I, H]); which of the two from the weights' shapes (``gated``).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+
+
+def gated(gate_up: torch.Size | tuple[int, ...], down: torch.Size | tuple[int, ...]) -> bool:
+    """Are experts ``gate_up`` [.., 2I, H] and ``down`` [.., H, I] a gated MLP (else [.., I, H])?"""
+    return gate_up[-2] == 2 * down[-1]
+
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """One expert on its rows ``x``: ``gate_up`` [2I, H] (gate rows first) or [I, H], ``down`` [H, I]."""
+    act = ACTIVATIONS[activation]
+    if gated(gate_up.shape, down.shape):
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(act(gate) * up, down)
+    return F.linear(act(F.linear(x, gate_up)), down)
+
+
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert in transformers' fused layout: ``gate_up`` [2I, H] (gate rows first),
     ``down`` [H, I]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    return expert_mlp(x, gate_up, down, "silu")
+
+
+def grouped_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                    activation: str = "silu") -> torch.Tensor:
+    """Experts on rows grouped by expert (``counts`` rows for each of ``gate_up`` [E, 2I or I, H]
+    and ``down`` [E, H, I]): an ``ExpertsFn``. An expert without rows gets zero gradients."""
+    if len(counts) != gate_up.size(0) or gate_up.size(0) != down.size(0):
+        raise AutoparError(f"{len(counts)} row counts for {gate_up.size(0)} gate_up and {down.size(0)} down experts")
+    return torch.cat([expert_mlp(part, gate_up[e], down[e], activation) for e, part in enumerate(x.split(counts))])
 
 
 def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts on rows grouped by expert (``counts`` rows for each of ``gate_up``
-    [E, 2I, H] and ``down`` [E, H, I]): an ``ExpertsFn``. An expert without rows gets zero
-    gradients."""
-    if len(counts) != gate_up.size(0) or gate_up.size(0) != down.size(0):
-        raise AutoparError(f"{len(counts)} row counts for {gate_up.size(0)} gate_up and {down.size(0)} down experts")
-    return torch.cat([swiglu(part, gate_up[e], down[e]) for e, part in enumerate(x.split(counts))])
+    """SwiGLU experts on rows grouped by expert (``grouped_experts`` with SiLU)."""
+    return grouped_experts(x, counts, gate_up, down, "silu")
 
 
 def reference_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, expert: ExpertFn,
@@ -200,30 +225,33 @@ def reference_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch
 
 
 def routed_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """transformers' SwiGLU experts on this rank's tokens ``hidden`` [T, H], routed by ``top_idx``
-    / ``top_w`` [T, k] (global expert ids, router weights) to experts ``gate_up`` [E', 2I, H] and
-    ``down`` [E', H, I]: this rank's slice of the experts when ``group`` splits them by expert
-    (``expert_parallel_moe``), else all of them. Computed in the experts' dtype, returned in the
-    tokens', as ``grouped_mm_experts_forward`` does."""
+                   down: torch.Tensor, group: dist.ProcessGroup | None = None, activation: str = "silu") -> torch.Tensor:
+    """Experts (``expert_mlp``: transformers' SwiGLU ones with "silu") on this rank's tokens ``hidden``
+    [T, H], routed by ``top_idx`` / ``top_w`` [T, k] (global expert ids, router weights) to experts
+    ``gate_up`` [E', 2I or I, H] and ``down`` [E', H, I]: this rank's slice of the experts when
+    ``group`` splits them by expert (``expert_parallel_moe``), else all of them. Computed in the
+    experts' dtype, returned in the tokens', as ``grouped_mm_experts_forward`` does."""
     n = _size_rank(group)[0]
     out = expert_parallel_moe(hidden.to(gate_up.dtype), top_w, top_idx,
-                              lambda rows, counts: grouped_swiglu(rows, counts, gate_up, down),
+                              lambda rows, counts: grouped_experts(rows, counts, gate_up, down, activation),
                               gate_up.size(0) * n, group)
     return out.to(hidden.dtype)
 
 
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())
 def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """A mixture-of-experts layer's experts as one op (``routed_experts`` on one device): what
-    capture records in place of the ops of transformers' experts implementations, so that the
-    planner sees one node per MoE layer (``autopar.core.ops.moe`` says how it splits)."""
-    return routed_experts(hidden, top_idx, top_w, gate_up, down)
+    capture records in place of the ops of transformers' experts implementations (and of a
+    hand-written loop over experts: ``autopar.core.expert_lists``), so that the planner sees one
+    node per MoE layer (``autopar.core.ops.moe`` says how it splits)."""
+    if activation not in ACTIVATIONS:
+        raise AutoparError(f"moe_experts' activation is one of {sorted(ACTIVATIONS)}; got {activation!r}")
+    return routed_experts(hidden, top_idx, top_w, gate_up, down, activation=activation)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(hidden, top_idx, top_w, gate_up, down):
+def _moe_experts_fake(hidden, top_idx, top_w, gate_up, down, activation="silu"):
     if hidden.dim() != 2 or top_idx.shape != top_w.shape or top_idx.size(0) != hidden.size(0):
         raise AutoparError(f"moe_experts takes hidden [T, H] and top-k ids and weights [T, k]; got "
                            f"{tuple(hidden.shape)}, {tuple(top_idx.shape)}, {tuple(top_w.shape)}")
@@ -231,17 +259,20 @@ def _moe_experts_fake(hidden, top_idx, top_w, gate_up, down):
 
 
 def _keep_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:5])
+    ctx.activation = inputs[5] if len(inputs) > 5 else "silu"
 
 
 def _moe_experts_backward(ctx, grad: torch.Tensor) -> tuple:
     """Gradients by running ``routed_experts`` again under autograd (the op is opaque to it)."""
-    needs = ctx.needs_input_grad
+    needs = ctx.needs_input_grad[:5]
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs, strict=True)]
         wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
-        grads = iter(torch.autograd.grad(routed_experts(*leaves), wanted, grad, allow_unused=True) if wanted else ())
-    return tuple(next(grads) if need else None for need in needs)
+        hidden, top_idx, top_w, gate_up, down = leaves
+        out = routed_experts(hidden, top_idx, top_w, gate_up, down, activation=ctx.activation)
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+    return tuple(next(grads) if need else None for need in needs) + (None,)
 
 
 torch.library.register_autograd("autopar::moe_experts", _moe_experts_backward, setup_context=_keep_inputs)

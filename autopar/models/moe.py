@@ -2,7 +2,8 @@
 transformers 5 and as most hand-written MoEs are: a ``ModuleList`` of SwiGLU experts, each
 picking its tokens with ``torch.where`` over a one-hot of the router's top-k ids and adding its
 rows back, weighted, with ``index_add_``. autopar runs such a loop as one op
-(``autopar.core.expert_lists``). As a model name: ``autopar.models.moe:build`` (tiny) and
+(``autopar.core.expert_lists``). As a model name: ``autopar.models.moe:build`` (tiny),
+``autopar.models.moe:build_gelu`` (tiny, plain GELU experts) and
 ``autopar.models.moe:mixtral_8x7b`` (Mixtral 8x7B's sizes, 47.5B parameters)."""
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class Sizes:
     top_k: int = 2
     intermediate: int = 48
     positions: int = 64
+    activation: str = "silu"   # "silu", "gelu" or "relu"
+    gated: bool = True         # down(act(w1 x) * w3 x) (SwiGLU with silu), else down(act(w1 x))
 
 
 TINY = Sizes()
@@ -36,12 +39,14 @@ MIXTRAL_8X7B = Sizes(vocab=32000, hidden=4096, heads=32, layers=32, experts=8, t
 class Expert(nn.Module):
     def __init__(self, s: Sizes) -> None:
         super().__init__()
+        self.activation = s.activation   # a function of torch.nn.functional
         self.w1 = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.w2 = nn.Linear(s.intermediate, s.hidden, bias=False)
-        self.w3 = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.w3 = nn.Linear(s.hidden, s.intermediate, bias=False) if s.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        hidden = getattr(F, self.activation)(self.w1(x))
+        return self.w2(hidden * self.w3(x) if self.w3 is not None else hidden)
 
 
 class SparseMoe(nn.Module):
@@ -103,6 +108,11 @@ class HandMoe(nn.Module):
 
 def build() -> HandMoe:
     return HandMoe()
+
+
+def build_gelu() -> HandMoe:
+    """The tiny model with plain GELU experts (``down(gelu(up x))``, as GShard's and DeepSpeed-MoE's FFNs)."""
+    return HandMoe(Sizes(activation="gelu", gated=False))
 
 
 def mixtral_8x7b() -> HandMoe:

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from autopar.core.capture import tensor_val
 from autopar.core.errors import AutoparError
-from autopar.core.expert_parallel import routed_experts
+from autopar.core.expert_parallel import gated, routed_experts
 from autopar.core.ops.base import (
     Collective,
     Emitter,
@@ -86,12 +86,13 @@ def within(v: OpView, n: int) -> list[AxisRule]:
     inner = v.in_shapes[DOWN][2]
     if inner % n or inner != tensor_val(v.node.args[DOWN]).shape[2]:
         return []
-    return [AxisRule(Partial(), (Replicate(),) * 3 + (GATE_UP_WITHIN, Shard(2)), WITHIN)]
+    gate_up = GATE_UP_WITHIN if gated(v.in_shapes[GATE_UP], v.in_shapes[DOWN]) else Shard(1)   # (a plain MLP: its rows)
+    return [AxisRule(Partial(), (Replicate(),) * 3 + (gate_up, Shard(2)), WITHIN)]
 
 
 def within_axis(placed: Placed) -> int | None:
-    """The mesh axis that splits each expert within under ``placed``, or None."""
-    return next((a for a, p in enumerate(placed.ins[GATE_UP]) if p == GATE_UP_WITHIN), None)
+    """The mesh axis that splits each expert within under ``placed`` (``down`` by its columns), or None."""
+    return next((a for a, p in enumerate(placed.ins[DOWN]) if p == Shard(2)), None)
 
 
 def num_experts(node: fx.Node) -> int:
@@ -123,13 +124,14 @@ def emit(em: Emitter, site: Site) -> bool:
 
 @kernel
 def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, *, mesh: DeviceMesh, axis: int | None) -> torch.Tensor:
+                down: torch.Tensor, activation: str = "silu", *, mesh: DeviceMesh, axis: int | None) -> torch.Tensor:
     """The experts on this rank's tokens: ``routed_experts`` over mesh ``axis``'s group (this
     rank's experts being its slice of them), or with every expert here (``axis`` None). A slice of
     a larger value (experts stacked in the graph: ``autopar.core.expert_lists``) is copied first,
     so that what the backward keeps is the slice, not the whole stack."""
     gate_up, down = _own(gate_up), _own(down)
-    return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis))
+    return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis),
+                          activation)
 
 
 def _own(weight: torch.Tensor) -> torch.Tensor:
@@ -139,11 +141,11 @@ def _own(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _evenly_routed(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """The kernel on this rank's tokens, their rows routed evenly over the local experts
     (profiling's integer inputs are zeros: every row to one expert)."""
     even = torch.arange(top_idx.numel(), device=top_idx.device).remainder(gate_up.size(0)).view(top_idx.shape)
-    return routed_experts(hidden, even, top_w, gate_up, down)
+    return routed_experts(hidden, even, top_w, gate_up, down, activation=activation)
 
 
 AS_RUN = TimedKernel("autopar.moe_experts.kernel", _evenly_routed)
@@ -194,16 +196,17 @@ def busiest_rank(placed: Placed, skew: float) -> float:
 def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
     (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
-    activation, up projection and product (4I), in the experts' dtype. The kernel is autograd's
+    activation, up projection and product (4I; a plain MLP: its projection and activation, 2I), in
+    the experts' dtype. The kernel is autograd's
     ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``. A
     rank keeps its share of the rows, and of the 4I where each expert is split within
     (``kept_share``)."""
-    hidden, ids, gate_up = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP))
+    hidden, ids, gate_up, down = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP, DOWN))
     rows = hidden.shape[0] * ids.shape[1]
-    inner = gate_up.shape[1] // 2
-    extra = rows * (2 * hidden.shape[1] + 4 * inner) * gate_up.element_size()
+    inner = 2 * gate_up.shape[1] if gated(gate_up.shape, down.shape) else 2 * down.shape[2]
+    extra = rows * (2 * hidden.shape[1] + inner) * gate_up.element_size()
     return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True,
-                share=functools.partial(kept_share, 2 * hidden.shape[1], 4 * inner))
+                share=functools.partial(kept_share, 2 * hidden.shape[1], inner))
 
 
 def kept_share(token_part: int, inner_part: int, ins: Sequence[Placements], mesh_shape: Sequence[int]) -> float:
@@ -227,7 +230,7 @@ def row_buffers(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) -> flo
     gate_up = tensor_val(node.args[GATE_UP])
     experts, fused, _ = largest_shard_shape(gate_up.shape, placed.ins[GATE_UP], mesh_shape)
     rows = tokens * tensor_val(node.args[IDS]).shape[1]
-    forward, backward = 3 * rows * hidden, 2 * rows * (fused // 2) / experts
+    forward, backward = 3 * rows * hidden, rows * fused / experts   # (a plain MLP: one gradient of [r, I])
     return maximum(forward, backward) * gate_up.element_size()
 
 
@@ -266,7 +269,8 @@ def _forced_axis(space: StrategySpace, layers: list[NodeChoices], axis: str) -> 
     if not layers:
         raise AutoparError("expert_parallel names an axis, but the model has no mixture-of-experts layer autopar "
                            "recognises (transformers' experts classes with fused gate_up_proj / down_proj weights "
-                           "and SiLU); pass expert_parallel='auto' or False")
+                           "and SiLU, or a hand-written list of bias-free MLP experts); pass expert_parallel='auto' "
+                           "or False")
     return names.index(axis)
 
 

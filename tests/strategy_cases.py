@@ -559,6 +559,18 @@ class PlainExperts(MoEExperts):
         return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down, "gelu")
 
 
+class BiasedExperts(PlainExperts):
+    """Plain ReLU experts whose linears have biases ([E, I] and [E, H]), split with their weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_bias, self.down_bias = nn.Parameter(0.3 * torch.randn(4, 6)), nn.Parameter(0.3 * torch.randn(4, 6))
+
+    def forward(self, x, ids, weights):
+        return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down, "relu", self.up_bias,
+                   self.down_bias)
+
+
 def _routing() -> torch.Tensor:
     """[8, 2] expert ids in 0..2: tokens 0-3 choose experts 0 and 1, tokens 4-7 experts 1 and 2."""
     return torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [2, 1], [1, 2], [2, 1], [1, 2]])
@@ -737,6 +749,8 @@ CASES: list[Case] = [
          {MOE: {"batch", "experts", "experts-within"}}, meshes=((2,), (2, 2))),
     Case("moe-plain-experts", PlainExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
          {MOE: {"batch", "experts", "experts-within"}}, meshes=((2,), (2, 2))),
+    Case("moe-biased-experts", BiasedExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
+         {MOE: {"batch", "experts"}}, meshes=((2,), (2, 2))),
     Case("scatter", Scatter, lambda: (torch.randn(5, 3, 6), torch.randint(0, 6, (5, 3, 2)), torch.randn(5, 3, 2)),
          (aten.scatter.src, aten.scatter.value, aten.scatter_add.default),
          {aten.scatter.src: {"follow", "partial"}, aten.scatter.value: {"follow"},

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import autopar
 import autopar.core.expert_parallel as ep
 from autopar.core.capture import capture
-from autopar.core.errors import CaptureError
+from autopar.core.errors import AutoparError, CaptureError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
 from autopar.models import moe as hand_moe
@@ -52,18 +52,49 @@ def test_the_loop_over_experts_is_captured_as_one_op_on_their_weights_stacked():
     assert sum("hand-written list of 4 experts (gated silu MLPs)" in w for w in captured.warnings) == TINY.layers
 
 
-def test_plain_gelu_experts_train_exactly_split_by_expert_and_within():
-    """Experts of two linears (``down(gelu(up x))``) run as the op with its activation: split by
-    expert over one axis and within (by their intermediate rows) over the other."""
-    name = "autopar.models.moe:build_gelu"
+class _Tutorial(nn.Module):
+    """A MoE as tutorials write it: ``nn.Sequential`` experts with biases, an indexed ``+=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        h = TINY.hidden
+        self.router = nn.Linear(h, TINY.experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+                                     for _ in range(TINY.experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.router(x).softmax(-1).topk(TINY.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out[token] += weights[token, slot, None] * expert(x[token])
+        return out
+
+
+def test_sequential_experts_with_biases_are_captured_with_their_biases_stacked():
+    captured = capture(_Tutorial(), (torch.randn(8, TINY.hidden),))
+    (moe,) = [n for n in captured.graph.nodes if n.target is MOE]
+    assert moe.args[5] == "gelu" and [tuple(a.meta["val"].shape) for a in moe.args[3:5] + moe.args[6:]] == [
+        (4, 4 * TINY.hidden, TINY.hidden), (4, TINY.hidden, 4 * TINY.hidden), (4, 4 * TINY.hidden), (4, TINY.hidden)]
+    assert [captured.param_of[p.name] for p in moe.args[7].args[0]] == [f"experts.{e}.2.bias" for e in range(4)]
+
+
+@pytest.mark.parametrize("name, choice", [
+    ("autopar.models.moe:build_gelu", {"axis": "dp", "within": "tp"}),
+    ("autopar.models.moe:build_relu_biased", {"axis": "tp"}),
+])
+def test_plain_experts_train_exactly_split_by_expert_and_within(name, choice):
+    """Experts of two linears (``down(act(up x))``) run as the op with their activation (and their
+    biases): split by expert over one axis and within (by their intermediate rows) over the other
+    (not with biases: each rank of the partial sum would add the down projection's)."""
     batches = make_batches(name, 2, 4)
     args, kwargs = batches[0]
-    options = PlanOptions(expert_parallel={"axis": "dp", "within": "tp"}, hand_plans=False, time_limit=None,
+    options = PlanOptions(expert_parallel=choice, hand_plans=False, time_limit=None,
                           profile=None, pipeline=False, microbatches=1, recompute="none")
     plan = autopar.plan(build(name), MeshSpec((2, 2)), args, kwargs, options=options)
-    assert plan.expert_parallel == {"axis": "dp", "experts_per_rank": 2, "within": "tp", "layers": 2, "of": 2}
+    assert plan.expert_parallel == {**choice, "experts_per_rank": 2, "layers": 2, "of": 2}
     moes = [n for n in capture(build(name), args, kwargs).graph.nodes if n.target is MOE]
-    assert [n.args[5:] for n in moes] == [("gelu",)] * 2 and moes[0].args[3].target is torch.ops.aten.stack.default
+    assert [n.args[5] for n in moes] == [name.split("_")[1]] * 2 and moes[0].args[3].target is torch.ops.aten.stack.default
     check_training(name, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
@@ -104,19 +135,19 @@ class _Overwriting(hand_moe.SparseMoe):
         return out
 
 
-class _Biased(hand_moe.SparseMoe):
-    """Experts as ``nn.Sequential(nn.Linear, nn.GELU, nn.Linear)`` builds them: with biases."""
+class _Normed(hand_moe.SparseMoe):
+    """Experts with a norm inside (``nn.Sequential(nn.Linear, nn.LayerNorm, nn.GELU, nn.Linear)``)."""
 
     def __init__(self) -> None:
         super().__init__()
         h = TINY.hidden
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 64), nn.GELU(), nn.Linear(64, h))
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, h))
                                      for _ in range(TINY.experts))
 
 
 @pytest.mark.parametrize("layer, shape, why", [
     (_Overwriting, (8, TINY.hidden), "its result and the stacked experts' differ by"),
-    (_Biased, (2, 4, TINY.hidden), "is a linear that is not a bias-free weight of an expert"),
+    (_Normed, (2, 4, TINY.hidden), "not all one kind of MLP"),
 ])
 def test_a_loop_over_experts_that_computes_something_else_is_refused_saying_why(layer, shape, why):
     """Found by its shape, the loop is replaced only where it computes what the op does: checked
@@ -138,3 +169,10 @@ def test_the_report_counts_each_layers_experts_in_one_row_per_choice():
     plan.nodes = [replace(n, strategy="odd one out") if n.fqn == odd else n for n in plan.nodes]
     rows = [line.split() for line in plan.report().splitlines() if ".w2.weight" in line]
     assert [r[:2] for r in rows] == [["blocks.*.moe.experts.*.w2.weight", "x7"], [odd, "odd"]], rows
+
+
+def test_experts_with_biases_are_not_split_within():
+    name = "autopar.models.moe:build_relu_biased"
+    args, kwargs = make_batches(name, 2, 4)[0]
+    with pytest.raises(AutoparError, match="experts have biases, so they cannot split within"):
+        autopar.plan(build(name), MeshSpec((2, 2)), args, kwargs, expert_parallel={"within": "tp"}, profile=None)

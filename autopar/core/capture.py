@@ -441,7 +441,7 @@ def _refuse_value_dependent_sizes(program: ExportedProgram, model_name: str, why
             "tensor values (as torch.where(condition), nonzero or boolean-mask indexing do, e.g. a mixture of "
             "experts that picks each expert's tokens in a loop); autopar plans sizes known before the run. "
             "Keep shapes fixed: weight by a mask instead of selecting rows. A mixture of experts is planned where "
-            "its experts are transformers' fused ones or a list of MLPs of bias-free linears, each picking its "
+            "its experts are transformers' fused ones or a list of MLPs of linears, each picking its "
             "tokens by the router's top-k ids and adding its weighted rows back" + (f"; here, {why_not[0]}" if why_not else "") + ".")
 
 

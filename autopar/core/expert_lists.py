@@ -1,7 +1,7 @@
 """A hand-written mixture of experts, found in the exported graph and run as ``moe_experts``.
 
 Hand-written MoE layers (Hugging Face's Mixtral before transformers 5, and most written by hand)
-keep their experts in a ``ModuleList`` of MLPs of bias-free linears: gated (SwiGLU:
+keep their experts in a ``ModuleList`` of MLPs of linears (with biases or none): gated (SwiGLU:
 ``down(silu(gate x) * up x)``) or plain (``down(gelu(up x))``, as GShard's and DeepSpeed-MoE's
 FFNs; SiLU, GELU or ReLU). Each expert picks its tokens with ``torch.where`` / ``nonzero`` over
 the router's top-k ids, runs on those rows, weights them by their router weights and adds them
@@ -22,7 +22,6 @@ holds every expert's weights (it slices their stack) and their gradients are gat
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -52,8 +51,10 @@ class ExpertList:
     hidden: fx.Node                   # the tokens [T, H] the experts read
     ids: fx.Node                      # the router's expert ids [T, k]
     weights: fx.Node                  # the router's weights [T, k]
-    experts: tuple[tuple[fx.Node, ...], ...]   # (gate, up, down) or (up, down), as each expert's linears read them
+    experts: tuple[tuple[fx.Node, ...], ...]   # each expert's weights by role, then their biases (``_mlp_roles``)
     activation: str                   # of ``expert_parallel.ACTIVATIONS``
+    gated: bool                       # (gate, up, down), else (up, down)
+    biased: bool                      # each linear with its bias
     inner: frozenset[fx.Node]         # the ops between the inputs and the output
     doomed: frozenset[fx.Node]        # those and the size checks on the experts' rows: replaced
     name: str                         # the experts' module path
@@ -165,12 +166,23 @@ def _walk_back(output: fx.Node, ids: fx.Node, params: Mapping[str, str]) -> _Wal
     return walk
 
 
-def _expert_of(node: fx.Node, params: Mapping[str, str]) -> tuple[str, int, str] | None:
-    """(list path, expert index, parameter name in the expert) of a weight a linear reads, through casts."""
-    while node.op == "call_function" and node.target in _CASTS:
+def _param_name(node: object, params: Mapping[str, str]) -> str | None:
+    """The name of the parameter a linear reads as ``node`` (through casts), or None."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
         node = node.args[0]
-    match = re.fullmatch(r"(.+)\.(\d+)\.(.+)", params.get(node.name, ""))
-    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+    return params.get(node.name) if isinstance(node, fx.Node) else None
+
+
+def _list_split(names: list[str]) -> tuple[str, list[int]] | None:
+    """(list path, each name's index in it): the first index position in the dotted ``names`` at
+    which all share the path before it and at least two differ (``experts.3.w1.weight``, or
+    ``experts.3.0.weight`` in a ``Sequential``)."""
+    parts = [name.split(".") for name in names]
+    for pos in range(1, min(map(len, parts))):
+        if all(p[pos].isdigit() for p in parts) and len({tuple(p[:pos]) for p in parts}) == 1 \
+                and len({p[pos] for p in parts}) > 1:
+            return ".".join(parts[0][:pos]), [int(p[pos]) for p in parts]
+    return None
 
 
 #: The activation ops an expert may apply, by their name in ``expert_parallel.ACTIVATIONS``.
@@ -189,39 +201,48 @@ def _activation(node: fx.Node) -> str | None:
 
 
 def _mlp_roles(linears: list[fx.Node], inner: set[fx.Node]) -> tuple[tuple[fx.Node, ...], str] | None:
-    """One expert's weights by role and its activation, from its linears (among the layer's ops
-    ``inner``): gated, three (gate, up, down: down reads the product of the others, gate's output
-    goes through the activation); plain, two (up, down: down reads the activation of up's output)."""
+    """One expert's weights by role, then their biases where every linear has one, and its
+    activation, from its linears (among the layer's ops ``inner``): gated, three (gate, up, down:
+    down reads the product of the others, gate's output goes through the activation); plain, two
+    (up, down: down reads the activation of up's output)."""
     downs = [lin for lin in linears if _ancestors(lin.args[0], inner.__contains__) & set(linears)]
     firsts = [lin for lin in linears if lin not in downs]
     acts = [lin for lin in firsts if _activation(lin) is not None]
     if len(downs) != 1 or len(acts) != 1 or len(firsts) not in (1, 2):
         return None
     up = next(lin for lin in firsts if lin is not acts[0]) if len(firsts) == 2 else acts[0]
-    weights = (acts[0], up, downs[0]) if len(firsts) == 2 else (up, downs[0])
-    return tuple(lin.args[1] for lin in weights), _activation(acts[0]) or ""
+    ordered = (acts[0], up, downs[0]) if len(firsts) == 2 else (up, downs[0])
+    biases = [lin.args[2] if len(lin.args) > 2 else None for lin in ordered]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    kept = tuple(b for b in biases if b is not None)
+    return tuple(lin.args[1] for lin in ordered) + kept, _activation(acts[0]) or ""
 
 
 def _experts(walk: _Walk, params: Mapping[str, str]) -> tuple[str, tuple, str] | str:
     """The experts' list path, each expert's weights by role (``_mlp_roles``) in expert order, and
     their activation."""
+    linears = [n for n in walk.inner if n.target is aten.linear.default]
+    weights = [_param_name(n.args[1], params) for n in linears]
+    biases = [_param_name(n.args[2], params) if len(n.args) > 2 and n.args[2] is not None else "" for n in linears]
+    if any(w is None for w in weights) or any(b is None for b in biases):
+        return "one of its linears reads a weight or bias that is not a parameter"
+    split = _list_split([w for w in weights if w is not None])
+    if split is None:
+        return f"its linears' weights ({', '.join(sorted(filter(None, weights))[:4])}, ...) are not one list of experts"
+    path, index = split
     by_expert: dict[int, list[fx.Node]] = {}
-    paths = set()
-    for node in walk.inner:
-        if node.target is not aten.linear.default:
-            continue
-        owner = _expert_of(node.args[1], params)
-        if owner is None or (len(node.args) > 2 and node.args[2] is not None):
-            return f"{node.name} is a linear that is not a bias-free weight of an expert of a list"
-        paths.add(owner[0])
-        by_expert.setdefault(owner[1], []).append(node)
-    if len(paths) != 1 or sorted(by_expert) != list(range(len(by_expert))) or len(by_expert) < 2:
-        return f"its linears belong to {sorted(paths)} experts {sorted(by_expert)}, not one list of experts 0..E-1"
+    for lin, e, bias in zip(linears, index, biases, strict=True):
+        if bias and not bias.startswith(f"{path}.{e}."):
+            return f"{lin.name} reads a bias ({bias}) that is not its expert's"
+        by_expert.setdefault(e, []).append(lin)
+    if sorted(by_expert) != list(range(len(by_expert))):
+        return f"its linears belong to experts {sorted(by_expert)} of {path}, not to experts 0..E-1"
     roles = [_mlp_roles(by_expert[e], walk.inner) for e in range(len(by_expert))]
     if any(r is None for r in roles) or len({(len(r[0]), r[1]) for r in roles if r is not None}) != 1:
-        return ("its experts are not all one kind of MLP of bias-free linears, gated (down(act(gate(x)) * up(x))) "
-                "or plain (down(act(up(x)))), with SiLU, GELU or ReLU")
-    return paths.pop(), tuple(r[0] for r in roles if r is not None), roles[0][1] if roles[0] else ""
+        return ("its experts are not all one kind of MLP, gated (down(act(gate(x)) * up(x))) or plain "
+                "(down(act(up(x)))), with SiLU, GELU or ReLU, every linear with a bias or none")
+    return path, tuple(r[0] for r in roles if r is not None), roles[0][1] if roles[0] else ""
 
 
 def _descendants(group: Iterable[fx.Node], stop: fx.Node) -> set[fx.Node]:
@@ -257,8 +278,10 @@ def _layer(graph: fx.Graph, ids: fx.Node, group: list[fx.Node], params: Mapping[
     stray = [n for n in doomed - {output} if any(u not in doomed for u in n.users)]
     if stray:
         return f"{stray[0].name}, computed inside it, is also used outside it"
-    return ExpertList(output, hidden, ids, weights, found[1], found[2], frozenset(walk.inner), frozenset(doomed),
-                      found[0])
+    roles = len(found[1][0])
+    gated, biased = roles in (3, 6), roles in (4, 6)   # (gate, up, down) or (up, down), biases after
+    return ExpertList(output, hidden, ids, weights, found[1], found[2], gated, biased, frozenset(walk.inner),
+                      frozenset(doomed), found[0])
 
 
 def expert_lists(graph: fx.Graph, params: Mapping[str, str]) -> tuple[list[ExpertList], list[str]]:
@@ -304,11 +327,18 @@ def _routing(t: int, k: int, experts: int, spare: int, gen: torch.Generator) -> 
     return ids, torch.rand(t, k, generator=gen).softmax(dim=1)
 
 
-def _stacked(weights: list, roles: int, stack: Callable, cat: Callable) -> tuple:
-    """(gate_up, down) of the experts' ``weights`` (flat, expert by expert, ``roles`` each: gate,
-    up, down or up, down), stacked by ``stack`` and, gated, the gate and up joined by ``cat``."""
-    by_role = [stack(weights[i::roles]) for i in range(roles)]
-    return (cat([by_role[0], by_role[1]], 1) if roles == 3 else by_role[0]), by_role[-1]
+def _stacked(weights: list, layer: ExpertList, stack: Callable, cat: Callable) -> tuple:
+    """(gate_up, down) of the experts' ``weights`` (flat, expert by expert, as ``layer.experts``
+    holds them), then, biased, their biases: stacked by ``stack`` and, gated, the gate and up
+    joined by ``cat`` (on their rows)."""
+    roles = 3 if layer.gated else 2
+    per = roles * (2 if layer.biased else 1)
+    by_role = [stack(weights[i::per]) for i in range(per)]
+
+    def joined(parts: list) -> object:
+        return cat([parts[0], parts[1]], 1) if layer.gated else parts[0]
+    biases = (joined(by_role[roles:]), by_role[-1]) if layer.biased else ()
+    return (joined(by_role[:roles]), by_role[roles - 1], *biases)
 
 
 def _agrees(graph: fx.Graph, layer: ExpertList, value: Callable[[fx.Node], torch.Tensor]) -> str | None:
@@ -325,8 +355,8 @@ def _agrees(graph: fx.Graph, layer: ExpertList, value: Callable[[fx.Node], torch
                 weights.to(params[0].device, _val(layer.weights).dtype)]
         with torch.no_grad():
             out, *w = module(*args, *params)
-            gate_up, down = _stacked(w, len(layer.experts[0]), torch.stack, torch.cat)
-            fused = moe_experts(args[0], args[1], args[2], gate_up, down, layer.activation)
+            gate_up, down, *biases = _stacked(w, layer, torch.stack, torch.cat)
+            fused = moe_experts(args[0], args[1], args[2], gate_up, down, layer.activation, *biases)
         tol = 1e-4 if out.dtype in (torch.float32, torch.float64) else 3e-2
         error = ((fused.double() - out.double()).abs().max() / out.double().abs().max().clamp_min(1e-30)).item()
         if fused.shape != out.shape or not error <= tol:
@@ -350,11 +380,11 @@ def _call(graph: fx.Graph, before: fx.Node, target: torch._ops.OpOverload, *args
 def rewrite(graph: fx.Graph, layer: ExpertList) -> fx.Node:
     """``moe_experts`` on the experts' weights stacked, in the layer's place; its ops erased."""
     out = layer.output
-    gate_up, down = _stacked([w for expert in layer.experts for w in expert], len(layer.experts[0]),
-                             lambda ws: _call(graph, out, aten.stack.default, ws),
-                             lambda ws, dim: _call(graph, out, aten.cat.default, ws, dim))
-    activation = () if layer.activation == "silu" else (layer.activation,)   # (the op's default)
-    moe = _call(graph, out, MOE, layer.hidden, layer.ids, layer.weights, gate_up, down, *activation)
+    stacked = _stacked([w for expert in layer.experts for w in expert], layer,
+                       lambda ws: _call(graph, out, aten.stack.default, ws),
+                       lambda ws, dim: _call(graph, out, aten.cat.default, ws, dim))
+    activation = () if layer.activation == "silu" and not layer.biased else (layer.activation,)   # (its default)
+    moe = _call(graph, out, MOE, layer.hidden, layer.ids, layer.weights, *stacked[:2], *activation, *stacked[2:])
     out.replace_all_uses_with(moe)
     for node in reversed(list(graph.nodes)):   # each node's users before it
         if node in layer.doomed and not node.users:
@@ -400,8 +430,8 @@ def fold_expert_lists(program: ExportedProgram, model: torch.nn.Module) -> tuple
             why_not.append(f"{layer.name}: {problem}")
             continue
         rewrite(graph, layer)
-        kind = f"{'gated' if len(layer.experts[0]) == 3 else 'plain'} {layer.activation}"
-        notes.append(f"{layer.name}: a hand-written list of {len(layer.experts)} experts ({kind} MLPs) picking "
+        kind = f"{'gated' if layer.gated else 'plain'} {layer.activation} MLPs{' with biases' if layer.biased else ''}"
+        notes.append(f"{layer.name}: a hand-written list of {len(layer.experts)} experts ({kind}) picking "
                      "their tokens by value runs as one op (moe_experts) on their weights stacked" +
                      ("" if checked else "; not checked here (its weights have no values and are too large to draw), it is when compiled on real ones"))
     if notes:

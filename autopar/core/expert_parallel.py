@@ -177,13 +177,16 @@ def gated(gate_up: torch.Size | tuple[int, ...], down: torch.Size | tuple[int, .
     return gate_up[-2] == 2 * down[-1]
 
 
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """One expert on its rows ``x``: ``gate_up`` [2I, H] (gate rows first) or [I, H], ``down`` [H, I]."""
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str = "silu",
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert on its rows ``x``: ``gate_up`` [2I, H] (gate rows first) or [I, H], ``down`` [H, I],
+    each with its bias where given."""
     act = ACTIVATIONS[activation]
+    inner = F.linear(x, gate_up, gate_up_bias)
     if gated(gate_up.shape, down.shape):
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(act(gate) * up, down)
-    return F.linear(act(F.linear(x, gate_up)), down)
+        gate, up = inner.chunk(2, dim=-1)
+        return F.linear(act(gate) * up, down, down_bias)
+    return F.linear(act(inner), down, down_bias)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -193,12 +196,16 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 
 def grouped_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
-                    activation: str = "silu") -> torch.Tensor:
+                    activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Experts on rows grouped by expert (``counts`` rows for each of ``gate_up`` [E, 2I or I, H]
-    and ``down`` [E, H, I]): an ``ExpertsFn``. An expert without rows gets zero gradients."""
+    and ``down`` [E, H, I], and their biases [E, 2I or I], [E, H] where given): an ``ExpertsFn``.
+    An expert without rows gets zero gradients."""
     if len(counts) != gate_up.size(0) or gate_up.size(0) != down.size(0):
         raise AutoparError(f"{len(counts)} row counts for {gate_up.size(0)} gate_up and {down.size(0)} down experts")
-    return torch.cat([expert_mlp(part, gate_up[e], down[e], activation) for e, part in enumerate(x.split(counts))])
+    return torch.cat([expert_mlp(part, gate_up[e], down[e], activation,
+                                 None if gate_up_bias is None else gate_up_bias[e],
+                                 None if down_bias is None else down_bias[e]) for e, part in enumerate(x.split(counts))])
 
 
 def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -225,7 +232,8 @@ def reference_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids: torch
 
 
 def routed_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, group: dist.ProcessGroup | None = None, activation: str = "silu") -> torch.Tensor:
+                   down: torch.Tensor, group: dist.ProcessGroup | None = None, activation: str = "silu",
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Experts (``expert_mlp``: transformers' SwiGLU ones with "silu") on this rank's tokens ``hidden``
     [T, H], routed by ``top_idx`` / ``top_w`` [T, k] (global expert ids, router weights) to experts
     ``gate_up`` [E', 2I or I, H] and ``down`` [E', H, I]: this rank's slice of the experts when
@@ -233,46 +241,55 @@ def routed_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Ten
     experts' dtype, returned in the tokens', as ``grouped_mm_experts_forward`` does."""
     n = _size_rank(group)[0]
     out = expert_parallel_moe(hidden.to(gate_up.dtype), top_w, top_idx,
-                              lambda rows, counts: grouped_experts(rows, counts, gate_up, down, activation),
+                              lambda rows, counts: grouped_experts(rows, counts, gate_up, down, activation,
+                                                                   gate_up_bias, down_bias),
                               gate_up.size(0) * n, group)
     return out.to(hidden.dtype)
 
 
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())
 def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                down: torch.Tensor, activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture-of-experts layer's experts as one op (``routed_experts`` on one device): what
     capture records in place of the ops of transformers' experts implementations (and of a
     hand-written loop over experts: ``autopar.core.expert_lists``), so that the planner sees one
     node per MoE layer (``autopar.core.ops.moe`` says how it splits)."""
     if activation not in ACTIVATIONS:
         raise AutoparError(f"moe_experts' activation is one of {sorted(ACTIVATIONS)}; got {activation!r}")
-    return routed_experts(hidden, top_idx, top_w, gate_up, down, activation=activation)
+    return routed_experts(hidden, top_idx, top_w, gate_up, down, None, activation, gate_up_bias, down_bias)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(hidden, top_idx, top_w, gate_up, down, activation="silu"):
+def _moe_experts_fake(hidden, top_idx, top_w, gate_up, down, activation="silu", gate_up_bias=None, down_bias=None):
     if hidden.dim() != 2 or top_idx.shape != top_w.shape or top_idx.size(0) != hidden.size(0):
         raise AutoparError(f"moe_experts takes hidden [T, H] and top-k ids and weights [T, k]; got "
                            f"{tuple(hidden.shape)}, {tuple(top_idx.shape)}, {tuple(top_w.shape)}")
     return hidden.new_empty(hidden.shape)
 
 
+_TENSORS = (0, 1, 2, 3, 4, 6, 7)   # the op's tensor arguments (5: its activation)
+
+
 def _keep_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:5])
-    ctx.activation = inputs[5] if len(inputs) > 5 else "silu"
+    inputs = tuple(inputs) + (None,) * (8 - len(inputs))
+    ctx.save_for_backward(*(inputs[i] for i in _TENSORS))
+    ctx.activation = inputs[5] if inputs[5] is not None else "silu"
 
 
 def _moe_experts_backward(ctx, grad: torch.Tensor) -> tuple:
     """Gradients by running ``routed_experts`` again under autograd (the op is opaque to it)."""
-    needs = ctx.needs_input_grad[:5]
+    needs = [ctx.needs_input_grad[i] if i < len(ctx.needs_input_grad) else False for i in _TENSORS]
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs, strict=True)]
-        wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
-        hidden, top_idx, top_w, gate_up, down = leaves
-        out = routed_experts(hidden, top_idx, top_w, gate_up, down, activation=ctx.activation)
+        leaves = [None if t is None else t.detach().requires_grad_(need)
+                  for t, need in zip(ctx.saved_tensors, needs, strict=True)]
+        wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
+        hidden, top_idx, top_w, gate_up, down, gate_up_bias, down_bias = leaves
+        out = routed_experts(hidden, top_idx, top_w, gate_up, down, None, ctx.activation, gate_up_bias, down_bias)
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
-    return tuple(next(grads) if need else None for need in needs) + (None,)
+    by_input = {i: next(grads) if need and t is not None else None
+                for i, t, need in zip(_TENSORS, leaves, needs, strict=True)}
+    return tuple(by_input.get(i) for i in range(len(ctx.needs_input_grad)))
 
 
 torch.library.register_autograd("autopar::moe_experts", _moe_experts_backward, setup_context=_keep_inputs)

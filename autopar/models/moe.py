@@ -3,7 +3,7 @@ transformers 5 and as most hand-written MoEs are: a ``ModuleList`` of SwiGLU exp
 picking its tokens with ``torch.where`` over a one-hot of the router's top-k ids and adding its
 rows back, weighted, with ``index_add_``. autopar runs such a loop as one op
 (``autopar.core.expert_lists``). As a model name: ``autopar.models.moe:build`` (tiny),
-``autopar.models.moe:build_gelu`` (tiny, plain GELU experts) and
+``autopar.models.moe:build_gelu`` (tiny, plain GELU experts), ``build_relu_biased`` and
 ``autopar.models.moe:mixtral_8x7b`` (Mixtral 8x7B's sizes, 47.5B parameters)."""
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Sizes:
     positions: int = 64
     activation: str = "silu"   # "silu", "gelu" or "relu"
     gated: bool = True         # down(act(w1 x) * w3 x) (SwiGLU with silu), else down(act(w1 x))
+    bias: bool = False         # the experts' linears with biases
 
 
 TINY = Sizes()
@@ -40,9 +41,9 @@ class Expert(nn.Module):
     def __init__(self, s: Sizes) -> None:
         super().__init__()
         self.activation = s.activation   # a function of torch.nn.functional
-        self.w1 = nn.Linear(s.hidden, s.intermediate, bias=False)
-        self.w2 = nn.Linear(s.intermediate, s.hidden, bias=False)
-        self.w3 = nn.Linear(s.hidden, s.intermediate, bias=False) if s.gated else None
+        self.w1 = nn.Linear(s.hidden, s.intermediate, bias=s.bias)
+        self.w2 = nn.Linear(s.intermediate, s.hidden, bias=s.bias)
+        self.w3 = nn.Linear(s.hidden, s.intermediate, bias=s.bias) if s.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = getattr(F, self.activation)(self.w1(x))
@@ -113,6 +114,11 @@ def build() -> HandMoe:
 def build_gelu() -> HandMoe:
     """The tiny model with plain GELU experts (``down(gelu(up x))``, as GShard's and DeepSpeed-MoE's FFNs)."""
     return HandMoe(Sizes(activation="gelu", gated=False))
+
+
+def build_relu_biased() -> HandMoe:
+    """The tiny model with plain ReLU experts whose linears have biases (``nn.Linear``'s default)."""
+    return HandMoe(Sizes(activation="relu", gated=False, bias=True))
 
 
 def mixtral_8x7b() -> HandMoe:

@@ -57,7 +57,7 @@ EXPERTS = "experts"
 WITHIN = "experts-within"
 #: ``gate_up`` [E, 2I, H] split within: the gate's rows and the up's, each block split over the axis.
 GATE_UP_WITHIN = ShardBlocks(1, 2)
-HIDDEN, IDS, WEIGHTS, GATE_UP, DOWN = range(5)   # the op's inputs
+HIDDEN, IDS, WEIGHTS, GATE_UP, DOWN = range(5)   # the op's tensor inputs; then its biases, where it has them
 
 
 @rule(MOE)
@@ -67,13 +67,14 @@ def split_experts(v: OpView, n: int) -> list[AxisRule]:
     where the number of experts divides by ``n`` and no earlier axis split them (one axis runs
     the all-to-alls); or the tokens whole and each expert split within (``within``)."""
     tokens, gate_up = v.in_shapes[HIDDEN], v.in_shapes[GATE_UP]
+    weights = len(v.in_shapes) - 3   # gate_up, down and their biases, where given
     rules = [replicate(v)] + within(v, n)
     if not fits(tokens[0], n, even=True):
         return rules
     split = (Shard(0),) * 3
-    rules.append(AxisRule(Shard(0), split + (Replicate(), Replicate()), "batch"))
+    rules.append(AxisRule(Shard(0), split + (Replicate(),) * weights, "batch"))
     if gate_up[0] == num_experts(v.node) and gate_up[0] % n == 0:
-        rules.append(AxisRule(Shard(0), split + (Shard(0), Shard(0)), EXPERTS))
+        rules.append(AxisRule(Shard(0), split + (Shard(0),) * weights, EXPERTS))
     return rules
 
 
@@ -82,9 +83,10 @@ def within(v: OpView, n: int) -> list[AxisRule]:
     the up's alike: ``GATE_UP_WITHIN``), ``down`` by its intermediate columns, so that each rank
     computes its share of every routed row's intermediate activations and a partial sum of the
     output; tokens, ids and router weights whole on the axis. Where the intermediate size
-    divides by ``n`` and no earlier axis split it (one axis splits it, in two blocks)."""
+    divides by ``n`` and no earlier axis split it (one axis splits it, in two blocks). Not with
+    biases (the down projection's would be added on every rank of the partial sum)."""
     inner = v.in_shapes[DOWN][2]
-    if inner % n or inner != tensor_val(v.node.args[DOWN]).shape[2]:
+    if inner % n or inner != tensor_val(v.node.args[DOWN]).shape[2] or len(v.in_shapes) > DOWN + 1:
         return []
     gate_up = GATE_UP_WITHIN if gated(v.in_shapes[GATE_UP], v.in_shapes[DOWN]) else Shard(1)   # (a plain MLP: its rows)
     return [AxisRule(Partial(), (Replicate(),) * 3 + (gate_up, Shard(2)), WITHIN)]
@@ -124,28 +126,32 @@ def emit(em: Emitter, site: Site) -> bool:
 
 @kernel
 def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, activation: str = "silu", *, mesh: DeviceMesh, axis: int | None) -> torch.Tensor:
+                down: torch.Tensor, activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, *, mesh: DeviceMesh, axis: int | None) -> torch.Tensor:
     """The experts on this rank's tokens: ``routed_experts`` over mesh ``axis``'s group (this
     rank's experts being its slice of them), or with every expert here (``axis`` None). A slice of
     a larger value (experts stacked in the graph: ``autopar.core.expert_lists``) is copied first,
     so that what the backward keeps is the slice, not the whole stack."""
-    gate_up, down = _own(gate_up), _own(down)
+    gate_up, down, gate_up_bias, down_bias = (_own(w) for w in (gate_up, down, gate_up_bias, down_bias))
     return routed_experts(hidden, top_idx, top_w, gate_up, down, None if axis is None else mesh.get_group(axis),
-                          activation)
+                          activation, gate_up_bias, down_bias)
 
 
-def _own(weight: torch.Tensor) -> torch.Tensor:
+def _own(weight: torch.Tensor | None) -> torch.Tensor | None:
     """``weight``, copied where it is a computed view of a larger tensor (a parameter is used as it is)."""
+    if weight is None:
+        return None
     base = weight._base
     return weight.clone() if not weight.is_leaf and base is not None and base.numel() > weight.numel() else weight
 
 
 def _evenly_routed(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                   down: torch.Tensor, activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on this rank's tokens, their rows routed evenly over the local experts
     (profiling's integer inputs are zeros: every row to one expert)."""
     even = torch.arange(top_idx.numel(), device=top_idx.device).remainder(gate_up.size(0)).view(top_idx.shape)
-    return routed_experts(hidden, even, top_w, gate_up, down, activation=activation)
+    return routed_experts(hidden, even, top_w, gate_up, down, None, activation, gate_up_bias, down_bias)
 
 
 AS_RUN = TimedKernel("autopar.moe_experts.kernel", _evenly_routed)
@@ -205,7 +211,8 @@ def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     rows = hidden.shape[0] * ids.shape[1]
     inner = 2 * gate_up.shape[1] if gated(gate_up.shape, down.shape) else 2 * down.shape[2]
     extra = rows * (2 * hidden.shape[1] + inner) * gate_up.element_size()
-    return Kept(frozenset(i for i in (HIDDEN, WEIGHTS, GATE_UP, DOWN) if flags[i]), False, extra, by_parts=True,
+    weights = (HIDDEN, WEIGHTS, *range(GATE_UP, len(flags)))   # (the ids are not differentiated)
+    return Kept(frozenset(i for i in weights if flags[i]), False, extra, by_parts=True,
                 share=functools.partial(kept_share, 2 * hidden.shape[1], inner))
 
 
@@ -243,7 +250,7 @@ def _flops(hidden_shape, ids_shape, weights_shape, gate_up_shape, down_shape, *a
 
 
 def grouped_gemms(hidden: Sequence[int], ids: Sequence[int], weights: Sequence[int], gate_up: Sequence[int],
-                  down: Sequence[int]) -> list[tuple[int, int, int, int]]:
+                  down: Sequence[int], *biases: Sequence[int]) -> list[tuple[int, int, int, int]]:
     """The products (m, n, k, batch) the experts run on one rank, from its inputs' local shapes:
     each of its E_l experts multiplies its share of the rows routed to this rank (T*k rows,
     uniform routing: T*k / E_l each) by [H, 2I], then by [I, H]; priced per shape
@@ -269,7 +276,7 @@ def _forced_axis(space: StrategySpace, layers: list[NodeChoices], axis: str) -> 
     if not layers:
         raise AutoparError("expert_parallel names an axis, but the model has no mixture-of-experts layer autopar "
                            "recognises (transformers' experts classes with fused gate_up_proj / down_proj weights "
-                           "and SiLU, or a hand-written list of bias-free MLP experts); pass expert_parallel='auto' "
+                           "and SiLU, or a hand-written list of MLP experts); pass expert_parallel='auto' "
                            "or False")
     return names.index(axis)
 
@@ -292,6 +299,9 @@ def _refuse_within(space: StrategySpace, layers: list[NodeChoices], a: int) -> N
     name, ranks = space.mesh.axis_names[a], space.mesh.shape[a]
     for nc in layers:
         inner = tensor_val(nc.node.args[DOWN]).shape[2]
+        if any(isinstance(a, fx.Node) for a in nc.node.args[DOWN + 2:]):
+            raise AutoparError(f"{nc.node.name}'s experts have biases, so they cannot split within (each rank of "
+                               "the partial sum would add the down projection's bias): split them by expert only")
         if inner % ranks:
             raise AutoparError(f"{nc.node.name}'s experts have an intermediate size of {inner}, which cannot split "
                                f"evenly over mesh axis {name!r} of {ranks} ranks: name an axis whose size divides "

@@ -176,3 +176,14 @@ def test_experts_with_biases_are_not_split_within():
     args, kwargs = make_batches(name, 2, 4)[0]
     with pytest.raises(AutoparError, match="experts have biases, so they cannot split within"):
         autopar.plan(build(name), MeshSpec((2, 2)), args, kwargs, expert_parallel={"within": "tp"}, profile=None)
+
+
+def test_a_model_built_on_meta_is_checked_on_random_weights():
+    """Planned for a cluster, the model has no weights: the loop is checked on random ones of
+    their shapes, its ops' tensors made on the CPU (not on ``meta``, where nonzero cannot run)."""
+    with torch.device("meta"):
+        model = hand_moe.build()
+    ids = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    captured = capture(model, (ids,), {"labels": ids})
+    assert sum(n.target is MOE for n in captured.graph.nodes) == TINY.layers
+    assert not any("not checked" in w for w in captured.warnings)

@@ -306,19 +306,26 @@ def expert_lists(graph: fx.Graph, params: Mapping[str, str]) -> tuple[list[Exper
 # ----------------------------------------------------------------------------
 
 
-def _extracted(graph: fx.Graph, layer: ExpertList) -> tuple[fx.GraphModule, list[fx.Node]]:
+def _param_inputs(graph: fx.Graph, layer: ExpertList) -> list[fx.Node]:
+    """The parameters the layer's ops read."""
+    roots = (layer.hidden, layer.ids, layer.weights)
+    return [n for n in graph.nodes if n.op == "placeholder" and n not in roots and any(u in layer.inner for u in n.users)]
+
+
+def _extracted(graph: fx.Graph, layer: ExpertList, device: torch.device) -> fx.GraphModule:
     """The layer's ops as a module of (tokens, ids, router weights, its parameters) returning
-    (its output, each expert's weights by role as its linears read them), and those inputs."""
-    roots = [layer.hidden, layer.ids, layer.weights]
-    params = [n for n in graph.nodes if n.op == "placeholder" and n not in roots and any(u in layer.inner for u in n.users)]
-    inputs = [*roots, *params]
+    (its output, each expert's weights by role as its linears read them); the
+    tensors its ops make, made on ``device`` (not ``meta``, where the model was captured)."""
+    inputs = [layer.hidden, layer.ids, layer.weights, *_param_inputs(graph, layer)]
     small = fx.Graph()
     env = {n: small.placeholder(n.name) for n in inputs}
     for node in graph.nodes:
         if node in layer.inner:
             env[node] = small.node_copy(node, env.__getitem__)
+            if isinstance(node.kwargs.get("device"), torch.device):
+                env[node].kwargs = {**node.kwargs, "device": device}
     small.output((env[layer.output], *[env[w] for expert in layer.experts for w in expert]))
-    return fx.GraphModule(torch.nn.Module(), small), inputs
+    return fx.GraphModule(torch.nn.Module(), small)
 
 
 def _routing(t: int, k: int, experts: int, spare: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,8 +351,8 @@ def _stacked(weights: list, layer: ExpertList, stack: Callable, cat: Callable) -
 def _agrees(graph: fx.Graph, layer: ExpertList, value: Callable[[fx.Node], torch.Tensor]) -> str | None:
     """None where the layer's ops compute what ``moe_experts`` does on random tokens and routing
     (first with an expert that receives no token); else how far apart. ``value``: a parameter's."""
-    module, inputs = _extracted(graph, layer)
-    params = [value(p) for p in inputs[3:]]
+    params = [value(p) for p in _param_inputs(graph, layer)]
+    module = _extracted(graph, layer, params[0].device)
     (t, k), h, n = _val(layer.ids).shape, _val(layer.hidden).shape[-1], len(layer.experts)
     gen = torch.Generator().manual_seed(0)
     for spare in (min(1, n - k), 0):

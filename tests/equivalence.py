@@ -180,3 +180,18 @@ def tight_budget(name, batch, seq, mesh_shape, batches: list | None = None) -> f
     with pytest.raises(InfeasibleError) as info:
         autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, memory_budget=1.0)
     return info.value.min_memory_bytes + 0.5 * (replicated - info.value.min_memory_bytes)
+
+
+def recording_dispatch(monkeypatch) -> list[list[list[int]]]:
+    """Record, at each expert-parallel dispatch, each rank's (token, choice) pairs per expert."""
+    import autopar.core.expert_parallel as ep
+
+    seen: list[list[list[int]]] = []
+    real = ep.dispatch
+
+    def dispatch(tokens, expert_ids, num_experts, group):
+        seen.append([torch.bincount(ids.flatten(), minlength=num_experts).tolist() for ids in per_rank(expert_ids)])
+        return real(tokens, expert_ids, num_experts, group)
+
+    monkeypatch.setattr(ep, "dispatch", dispatch)
+    return seen

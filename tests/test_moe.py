@@ -24,8 +24,15 @@ from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
 from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
-from autopar.profiling.launch import per_rank
-from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, meta_model
+from tests.equivalence import (
+    build,
+    check_training,
+    gloo_runner,
+    local_runner,
+    make_batches,
+    meta_model,
+    recording_dispatch,
+)
 from tests.tiers import slow
 
 NAME = "mixtral-tiny"   # 4 experts, top-2, 2 layers
@@ -44,19 +51,6 @@ def _shared_reference(monkeypatch):
     monkeypatch.setattr(equivalence, "train_reference",
                         lambda name, batches, precision="fp32": _reference(precision) if batches is BATCHES
                         else _one_device(name, batches, precision))
-
-
-def _recording_dispatch(monkeypatch) -> list[list[list[int]]]:
-    """Record, at each dispatch, each rank's (token, choice) pairs per expert."""
-    seen: list[list[list[int]]] = []
-    real = ep.dispatch
-
-    def dispatch(tokens, expert_ids, num_experts, group):
-        seen.append([torch.bincount(ids.flatten(), minlength=num_experts).tolist() for ids in per_rank(expert_ids)])
-        return real(tokens, expert_ids, num_experts, group)
-
-    monkeypatch.setattr(ep, "dispatch", dispatch)
-    return seen
 
 
 def _plan(mesh_shape: tuple[int, ...], axis: str, hand: str | None = None) -> Plan:
@@ -78,7 +72,7 @@ def test_mixtral_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     """On 2 and 4 gloo processes (real all-to-alls) and on a simulated 2x2 mesh (beside data or
     tensor parallelism on the other axis), where the dispatches are recorded: some rank sends some
     expert no token. (A simulated mesh of 2 runs the strategy in tests/strategy_cases.py.)"""
-    seen = _recording_dispatch(monkeypatch)
+    seen = recording_dispatch(monkeypatch)
     plan = _plan(mesh_shape, axis, hand)
     spec = MeshSpec(mesh_shape)
     ways = spec.shape[spec.axis_names.index(axis)]
@@ -115,7 +109,7 @@ def test_mixtral_trains_exactly_with_each_expert_split_within(mesh_shape, runner
     """Each expert's intermediate dimension split over an axis (its gate and up rows alike, its
     down columns; the output a partial sum), alone on 2 gloo processes and beside the experts
     split by expert on the other axis of a simulated 2x2 mesh (uneven routing: recorded)."""
-    seen = _recording_dispatch(monkeypatch)
+    seen = recording_dispatch(monkeypatch)
     plan = _forced(mesh_shape, choice)
     within = MeshSpec(mesh_shape).axis_names.index(choice["within"])
     record = {"within": choice["within"], "layers": 2, "of": 2}

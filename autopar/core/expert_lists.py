@@ -431,7 +431,8 @@ def fold_expert_lists(program: ExportedProgram, model: torch.nn.Module) -> tuple
     value, notes = _parameter_values(program, model), []
     for layer in layers:
         checked = all(_has_values(p) for p in model.parameters()) or _checkable(layer)
-        with maybe_disable_local_tensor_mode(), unset_fake_temporarily():
+        # (random values on the CPU, whatever default device a caller set, e.g. ``meta``)
+        with maybe_disable_local_tensor_mode(), unset_fake_temporarily(), torch.device("cpu"):
             problem = _agrees(graph, layer, value) if checked else None
         if problem is not None:
             why_not.append(f"{layer.name}: {problem}")

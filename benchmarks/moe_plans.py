@@ -1,6 +1,6 @@
 """Mixture-of-experts models planned with and without expert parallelism (issue 43): each built
-on ``meta`` as transformers builds it (and Mixtral 8x7B's sizes written by hand, its experts a
-ModuleList: ``autopar.models.moe``), 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
+on ``meta`` as transformers builds it (and, written by hand with a ModuleList of experts,
+Mixtral 8x7B's sizes and a fine-grained MoE of DeepSeek-V2-Lite's routed experts: ``autopar.models.moe``), 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
 planned as a training loop runs (``gather_outputs=False``) under the default 60 s limit, once with
 ``expert_parallel="auto"`` and once with ``False``. Prints one row per plan.
 
@@ -18,7 +18,7 @@ import transformers
 
 import autopar
 from autopar.core.mesh import MeshSpec
-from autopar.models.moe import HandMoe, mixtral_8x7b
+from autopar.models.moe import HandMoe, fine_grained, mixtral_8x7b
 from autopar.models.zoo import get_model
 from autopar.planning.options import _expert_parallel_from_text
 
@@ -37,7 +37,7 @@ def deepseek_v2_lite() -> torch.nn.Module:
 
 
 MODELS = {"mixtral": lambda: get_model("mixtral-8x7b").build(), "deepseek-v2-lite": deepseek_v2_lite,
-          "mixtral-hand": mixtral_8x7b}
+          "mixtral-hand": mixtral_8x7b, "fine-grained-hand": fine_grained}
 
 
 def plan_row(name: str, expert_parallel: str | bool | dict[str, str], mesh: tuple[int, ...] = (8, 8),

@@ -178,3 +178,37 @@ def test_a_model_built_on_meta_is_checked_on_random_weights():
         captured = capture(model, (ids,), {"labels": ids})
     assert sum(n.target is MOE for n in captured.graph.nodes) == TINY.layers
     assert not any("not checked" in w for w in captured.warnings)
+
+
+def test_repeated_moe_modules_are_exported_once_into_the_same_graph(monkeypatch):
+    """Every layer's MoE module alike runs the folded graph of the first, exported alone: the
+    whole model's graph and notes are those of exporting each loop in place."""
+    from collections import Counter
+
+    from autopar.core import moe_modules
+
+    args, kwargs = BATCHES[0]
+    exported = []
+    real = moe_modules.folded
+    monkeypatch.setattr(moe_modules, "folded", lambda module, inputs: exported.append(module) or real(module, inputs))
+    once = capture(build(NAME), args, kwargs)
+    monkeypatch.setattr(moe_modules, "repeated_moe_modules", lambda model: [])
+    each = capture(build(NAME), args, kwargs)
+    assert len(exported) == 1 and type(exported[0]) is hand_moe.SparseMoe
+    assert Counter(str(n.target) for n in once.graph.nodes) == Counter(str(n.target) for n in each.graph.nodes)
+    assert once.warnings == each.warnings and len(once.warnings) == TINY.layers
+
+
+def test_a_folded_module_computes_its_forward_and_runs_it_on_other_shapes():
+    from autopar.core.moe_modules import folded_once
+
+    model = build(NAME)
+    args, kwargs = BATCHES[0]
+    layer = model.blocks[1].moe
+    x, other = torch.randn(*args[0].shape, TINY.hidden), torch.randn(3, 5, TINY.hidden)
+    with folded_once(model, args, kwargs):
+        assert "forward" in vars(layer)
+        fast, slow = layer(x), layer(other)
+    assert "forward" not in vars(layer)
+    torch.testing.assert_close(fast, layer(x))
+    torch.testing.assert_close(slow, layer(other), rtol=0, atol=0)

@@ -13,7 +13,7 @@ import re
 import traceback
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchErr
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS, private_write
 from autopar.core.expert_lists import fold_expert_lists
 from autopar.core.expert_parallel import experts_as_one_op
+from autopar.core.moe_modules import folded_once
 from autopar.core.precision import ComputeIn, Precision, check_precision
 
 
@@ -461,7 +462,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         dynamic_shapes = _with_added(dynamic_shapes, added)
     checkpoints: list[str] = []
     with _counting_checkpoints(checkpoints):
-        program = _export(model, traced, args, exported, dynamic_shapes)
+        program, once = _export(model, traced, args, exported, dynamic_shapes)
     in_spec = program.call_spec.in_spec
     for key in added:
         in_spec = _drop_added_input(program, key)
@@ -472,6 +473,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     _refuse_higher_order_ops(program, type(model).__name__)
     _lean_losses(program)
     folded, why_not = fold_expert_lists(program, model)
+    folded = once + folded
     _refuse_value_dependent_sizes(program, type(model).__name__, why_not)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
@@ -496,15 +498,18 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
 
 
 def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs: dict,
-            dynamic_shapes: Any) -> torch.export.ExportedProgram:
+            dynamic_shapes: Any) -> tuple[torch.export.ExportedProgram, list[str]]:
     """``torch.export.export(traced, ...)`` (non-strict, lean: ``_lean_tracing``; transformers'
-    experts as one op each: ``experts_as_one_op``), its failures raised as ``_capture_error`` says
+    experts as one op each: ``experts_as_one_op``; repeated hand-written MoE modules folded once:
+    ``folded_once``, whose notes come second), its failures raised as ``_capture_error`` says
     about ``model``."""
+    once: AbstractContextManager[list[str]] = (folded_once(model, args, kwargs) if traced is model and dynamic_shapes
+                                               is None else nullcontext([]))
     try:
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.
-        with maybe_disable_local_tensor_mode(), _lean_tracing(), experts_as_one_op():
-            return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with maybe_disable_local_tensor_mode(), _lean_tracing(), experts_as_one_op(), once as notes:
+            return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False), notes
     except Exception as e:  # export raises many types; all mean "not traceable"
         simulated = _simulated_state_error(model)
         if simulated is not None:

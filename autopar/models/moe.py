@@ -35,6 +35,9 @@ class Sizes:
 TINY = Sizes()
 MIXTRAL_8X7B = Sizes(vocab=32000, hidden=4096, heads=32, layers=32, experts=8, top_k=2, intermediate=14336,
                      positions=4096)
+#: Fine-grained: DeepSeek-V2-Lite's routed experts (64 of 1408, 6 a token) in 27 layers, no shared expert.
+FINE_GRAINED = Sizes(vocab=102400, hidden=2048, heads=16, layers=27, experts=64, top_k=6, intermediate=1408,
+                     positions=4096)
 
 
 class Expert(nn.Module):
@@ -123,6 +126,10 @@ def build_relu_biased() -> HandMoe:
 
 def mixtral_8x7b() -> HandMoe:
     return HandMoe(MIXTRAL_8X7B)
+
+
+def fine_grained() -> HandMoe:
+    return HandMoe(FINE_GRAINED)
 
 
 def example_inputs(batch: int, seq: int, device: torch.device) -> tuple:

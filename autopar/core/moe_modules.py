@@ -1,0 +1,158 @@
+"""Repeated hand-written MoE modules exported once, so that a model of many exports quickly.
+
+Exported in the whole model, each hand-written MoE layer's loop over its experts
+(``autopar.core.expert_lists``) costs export time in proportion to its experts: a value-dependent
+size per expert (4.8 s a layer of 64 experts on this 2-core host; DeepSeek-V2-Lite's 27 such
+layers, 140 s). Most models repeat one such module in every block. So capture exports one of them
+alone (its inputs' shapes found by running the model on fake tensors up to its first call),
+folds its loop into ``moe_experts`` there, and while the whole model is exported every module
+alike (same class, parameter shapes and settings) runs that folded graph on its own parameters
+(``folded_once``): the loop is traced once, not once per layer. A module that cannot be folded,
+or is called with other shapes, runs its own forward, as it would anyway.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+from autopar.core.expert_lists import fold_expert_lists
+
+_STATE = (InputKind.PARAMETER, InputKind.BUFFER)
+
+
+@dataclass(frozen=True)
+class Folded:
+    """One MoE module's exported graph with its loop folded, and how to call it."""
+
+    graph: fx.GraphModule
+    state: tuple[str, ...]          # the module's parameter and buffer names, in placeholder order
+    in_spec: pytree.TreeSpec        # its (args, kwargs)
+    out_spec: pytree.TreeSpec
+    shapes: tuple[tuple[int, ...], ...]   # of its tensor inputs, as exported
+
+
+def _alike_entries(entries: nn.ModuleList) -> bool:
+    """Entries of one type and parameter shapes, each with at least two parameters (an expert MLP)."""
+    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in entries}
+    return len(entries) > 1 and len(shapes) == 1 and len(next(iter(shapes))[1]) >= 2
+
+
+def _key(module: nn.Module) -> tuple:
+    """What modules alike share: class, parameter and buffer shapes, plain settings."""
+    state = [(n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    settings = sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str)))
+    return type(module), tuple(state), tuple(settings)
+
+
+def repeated_moe_modules(model: nn.Module) -> list[list[nn.Module]]:
+    """Groups of two or more modules alike, each holding a ``ModuleList`` of alike experts."""
+    groups: dict[tuple, list[nn.Module]] = {}
+    for module in model.modules():
+        if any(isinstance(c, nn.ModuleList) and _alike_entries(c) for c in module.children()):
+            groups.setdefault(_key(module), []).append(module)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+class _Reached(Exception):
+    """Raised by a pre-hook to stop the model's forward once a module's inputs are known."""
+
+
+def first_inputs(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``module``'s (args, kwargs), as fake tensors, at its first call in ``model(*args, **kwargs)``
+    run on fake tensors up to it; None where that run fails before it."""
+    found: list[tuple[tuple, dict]] = []
+
+    def reached(_: nn.Module, a: tuple, kw: dict) -> None:
+        found.append((a, kw))
+        raise _Reached
+
+    handle = module.register_forward_pre_hook(reached, with_kwargs=True)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+            model(*fake_args, **fake_kwargs)
+    except _Reached:
+        pass
+    except Exception:  # noqa: BLE001 - any failure only means the model is exported the slow way
+        return None
+    finally:
+        handle.remove()
+    return found[0] if found else None
+
+
+def _shapes(flat: list) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
+
+
+def folded(module: nn.Module, inputs: tuple[tuple, dict]) -> tuple[Folded, list[str]] | None:
+    """``module`` exported alone on ``inputs`` with its loop over experts folded (``fold_expert_lists``),
+    and the notes the fold made; None where it does not export, fold, or keep only plain inputs."""
+    try:
+        program = torch.export.export(module, inputs[0], inputs[1], strict=False)
+    except Exception:  # noqa: BLE001 - exported with the whole model instead
+        return None
+    notes, _ = fold_expert_lists(program, module)
+    specs = program.graph_signature.input_specs
+    if not notes or any(s.kind not in (*_STATE, InputKind.USER_INPUT) for s in specs) or \
+            any(node.op == "get_attr" for node in program.graph.nodes):
+        return None
+    flat, in_spec = pytree.tree_flatten(inputs)
+    if len([s for s in specs if s.kind == InputKind.USER_INPUT]) != len(flat) or \
+            not all(isinstance(x, torch.Tensor) for x in flat):
+        return None
+    state = tuple(str(s.target) for s in specs if s.kind in _STATE)
+    return Folded(program.graph_module, state, in_spec, program.call_spec.out_spec, _shapes(flat)), notes
+
+
+def _run(graph: Folded, module: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s forward as ``graph`` computes it on its own parameters and buffers (its own
+    forward where the inputs are laid out or shaped otherwise)."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if spec != graph.in_spec or _shapes(flat) != graph.shapes or not all(isinstance(x, torch.Tensor) for x in flat):
+        return original(module, *args, **kwargs)
+    state = [module.get_parameter(n) if _is_parameter(module, n) else module.get_buffer(n) for n in graph.state]
+    out = fx.Interpreter(graph.graph).run(*state, *flat)
+    return pytree.tree_unflatten(list(out), graph.out_spec)
+
+
+def _is_parameter(module: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf in module.get_submodule(owner)._parameters
+
+
+def _paths(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+@contextmanager
+def folded_once(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[list[str]]:
+    """While open, each group of ``repeated_moe_modules`` of ``model`` that exports and folds runs
+    the folded graph of its first (``folded``); yields the fold's notes, one per module, named by
+    its path. The modules' own forwards are back after."""
+    notes: list[str] = []
+    patched: list[nn.Module] = []
+    paths = _paths(model)
+    try:
+        for group in repeated_moe_modules(model):
+            inputs = first_inputs(model, group[0], args, kwargs)
+            found = folded(group[0], inputs) if inputs is not None else None
+            if found is None:
+                continue
+            for module in group:
+                module.forward = functools.partial(_run, found[0], module, type(module).forward)
+                patched.append(module)
+                notes += [f"{paths[id(module)]}.{note}" for note in found[1]]
+        yield notes
+    finally:
+        for module in patched:
+            del module.forward

@@ -180,9 +180,11 @@ def test_a_model_built_on_meta_is_checked_on_random_weights():
     assert not any("not checked" in w for w in captured.warnings)
 
 
-def test_repeated_moe_modules_are_exported_once_into_the_same_graph(monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_repeated_moe_modules_are_exported_once_into_the_same_graph(monkeypatch, precision):
     """Every layer's MoE module alike runs the folded graph of the first, exported alone: the
-    whole model's graph and notes are those of exporting each loop in place."""
+    whole model's graph and notes are those of exporting each loop in place (under a precision
+    policy too, whose casts the whole model's capture makes once)."""
     from collections import Counter
 
     from autopar.core import moe_modules
@@ -190,10 +192,10 @@ def test_repeated_moe_modules_are_exported_once_into_the_same_graph(monkeypatch)
     args, kwargs = BATCHES[0]
     exported = []
     real = moe_modules.folded
-    monkeypatch.setattr(moe_modules, "folded", lambda module, inputs: exported.append(module) or real(module, inputs))
-    once = capture(build(NAME), args, kwargs)
+    monkeypatch.setattr(moe_modules, "folded", lambda module, *rest: exported.append(module) or real(module, *rest))
+    once = capture(build(NAME), args, kwargs, precision=precision)
     monkeypatch.setattr(moe_modules, "repeated_moe_modules", lambda model: [])
-    each = capture(build(NAME), args, kwargs)
+    each = capture(build(NAME), args, kwargs, precision=precision)
     assert len(exported) == 1 and type(exported[0]) is hand_moe.SparseMoe
     assert Counter(str(n.target) for n in once.graph.nodes) == Counter(str(n.target) for n in each.graph.nodes)
     assert once.warnings == each.warnings and len(once.warnings) == TINY.layers

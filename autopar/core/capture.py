@@ -503,8 +503,9 @@ def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs
     experts as one op each: ``experts_as_one_op``; repeated hand-written MoE modules folded once:
     ``folded_once``, whose notes come second), its failures raised as ``_capture_error`` says
     about ``model``."""
-    once: AbstractContextManager[list[str]] = (folded_once(model, args, kwargs) if traced is model and dynamic_shapes
-                                               is None else nullcontext([]))
+    precision = traced.precision if isinstance(traced, ComputeIn) else "fp32"
+    once: AbstractContextManager[list[str]] = (folded_once(model, args, kwargs, precision) if dynamic_shapes is None
+                                               else nullcontext([]))
     try:
         # Export traces with its own fake tensors; a LocalTensorMode (one-process SPMD simulation)
         # around the caller must not see that tracing.

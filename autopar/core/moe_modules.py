@@ -13,6 +13,7 @@ or is called with other shapes, runs its own forward, as it would anyway.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from autopar.core.expert_lists import fold_expert_lists
+from autopar.core.precision import ComputeIn, Precision
 
 _STATE = (InputKind.PARAMETER, InputKind.BUFFER)
+log = logging.getLogger("autopar")
 
 
 @dataclass(frozen=True)
@@ -94,14 +97,19 @@ def _shapes(flat: list) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(x.shape) for x in flat if isinstance(x, torch.Tensor))
 
 
-def folded(module: nn.Module, inputs: tuple[tuple, dict]) -> tuple[Folded, list[str]] | None:
-    """``module`` exported alone on ``inputs`` with its loop over experts folded (``fold_expert_lists``),
-    and the notes the fold made; None where it does not export, fold, or keep only plain inputs."""
+def folded(module: nn.Module, inputs: tuple[tuple, dict], precision: Precision = "fp32"
+           ) -> tuple[Folded, list[str]] | None:
+    """``module`` exported alone on ``inputs`` (under ``precision``'s casts, as the whole model is)
+    with its loop over experts folded (``fold_expert_lists``), and the notes the fold made; None
+    where it does not export, fold, or keep only plain inputs."""
+    traced = module if precision == "fp32" else ComputeIn(module, precision)
     try:
-        program = torch.export.export(module, inputs[0], inputs[1], strict=False)
+        program = torch.export.export(traced, inputs[0], inputs[1], strict=False)
     except Exception:  # noqa: BLE001 - exported with the whole model instead
         return None
-    notes, _ = fold_expert_lists(program, module)
+    notes, _ = fold_expert_lists(program, traced)
+    wrapped = "" if traced is module else "model."   # (ComputeIn's child)
+    notes = [note.removeprefix(wrapped) for note in notes]
     specs = program.graph_signature.input_specs
     if not notes or any(s.kind not in (*_STATE, InputKind.USER_INPUT) for s in specs) or \
             any(node.op == "get_attr" for node in program.graph.nodes):
@@ -110,8 +118,24 @@ def folded(module: nn.Module, inputs: tuple[tuple, dict]) -> tuple[Folded, list[
     if len([s for s in specs if s.kind == InputKind.USER_INPUT]) != len(flat) or \
             not all(isinstance(x, torch.Tensor) for x in flat):
         return None
-    state = tuple(str(s.target) for s in specs if s.kind in _STATE)
+    state = tuple(str(s.target).removeprefix(wrapped) for s in specs if s.kind in _STATE)
+    if wrapped:
+        _read_as_cast(program.graph_module, [s.arg.name for s in specs if s.kind in (InputKind.PARAMETER,
+                                                                                    InputKind.USER_INPUT)])
     return Folded(program.graph_module, state, in_spec, program.call_spec.out_spec, _shapes(flat)), notes
+
+
+def _read_as_cast(graph: fx.GraphModule, names: list[str]) -> None:
+    """Drop the precision policy's casts of the placeholders ``names`` (and their metadata checks):
+    inside the whole model's capture each module's parameters and inputs come already cast."""
+    for node in [n for n in graph.graph.nodes if n.op == "placeholder" and n.name in names]:
+        for user in list(node.users):
+            if user.target is torch.ops.aten._assert_tensor_metadata.default:
+                graph.graph.erase_node(user)
+            elif user.target is torch.ops.aten.to.dtype:
+                user.replace_all_uses_with(node)
+                graph.graph.erase_node(user)
+    graph.recompile()
 
 
 def _run(graph: Folded, module: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -120,32 +144,45 @@ def _run(graph: Folded, module: nn.Module, original: Any, *args: Any, **kwargs: 
     flat, spec = pytree.tree_flatten((args, kwargs))
     if spec != graph.in_spec or _shapes(flat) != graph.shapes or not all(isinstance(x, torch.Tensor) for x in flat):
         return original(module, *args, **kwargs)
-    state = [module.get_parameter(n) if _is_parameter(module, n) else module.get_buffer(n) for n in graph.state]
-    out = fx.Interpreter(graph.graph).run(*state, *flat)
+    out = fx.Interpreter(graph.graph).run(*(_current(module, name) for name in graph.state), *flat)
     return pytree.tree_unflatten(list(out), graph.out_spec)
 
 
-def _is_parameter(module: nn.Module, name: str) -> bool:
+def _current(module: nn.Module, name: str) -> torch.Tensor:
+    """``module``'s parameter or buffer ``name`` as it is now (under a precision policy's
+    ``functional_call``, the cast value in its place)."""
     owner, _, leaf = name.rpartition(".")
-    return leaf in module.get_submodule(owner)._parameters
+    return getattr(module.get_submodule(owner), leaf)
 
 
 def _paths(model: nn.Module) -> dict[int, str]:
     return {id(m): name for name, m in model.named_modules()}
 
 
+def _folded_first(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict,
+                  precision: Precision) -> tuple[Folded, list[str]] | None:
+    """``folded`` on ``module``'s inputs in ``model``; None where any step fails (the model is then
+    exported as it is, each loop in place: slower, never wrong)."""
+    traced = model if precision == "fp32" else ComputeIn(model, precision)
+    try:
+        inputs = first_inputs(traced, module, args, kwargs)
+        return folded(module, inputs, precision) if inputs is not None else None
+    except Exception as e:  # noqa: BLE001 - an optimisation only
+        log.debug("a repeated MoE module is exported in place: %s", e)
+        return None
+
+
 @contextmanager
-def folded_once(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[list[str]]:
+def folded_once(model: nn.Module, args: tuple, kwargs: dict, precision: Precision = "fp32") -> Iterator[list[str]]:
     """While open, each group of ``repeated_moe_modules`` of ``model`` that exports and folds runs
-    the folded graph of its first (``folded``); yields the fold's notes, one per module, named by
-    its path. The modules' own forwards are back after."""
+    the folded graph of its first (``folded``, under ``precision``); yields the fold's notes, one
+    per module, named by its path. The modules' own forwards are back after."""
     notes: list[str] = []
     patched: list[nn.Module] = []
     paths = _paths(model)
     try:
         for group in repeated_moe_modules(model):
-            inputs = first_inputs(model, group[0], args, kwargs)
-            found = folded(group[0], inputs) if inputs is not None else None
+            found = _folded_first(model, group[0], args, kwargs, precision)
             if found is None:
                 continue
             for module in group:

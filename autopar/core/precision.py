@@ -58,6 +58,7 @@ class ComputeIn(nn.Module):
     def __init__(self, model: nn.Module, precision: Precision) -> None:
         super().__init__()
         self.model = model
+        self.precision = precision
         self.dtype = compute_dtype(precision)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

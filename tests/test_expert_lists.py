@@ -214,3 +214,22 @@ def test_a_folded_module_computes_its_forward_and_runs_it_on_other_shapes():
     assert "forward" not in vars(layer)
     torch.testing.assert_close(fast, layer(x))
     torch.testing.assert_close(slow, layer(other), rtol=0, atol=0)
+
+
+def test_the_experts_weights_of_a_list_are_one_decision():
+    """Each role's weights of a list of experts, stacked, share one decision of the solver (with
+    their casts under a precision policy), as the experts are used alike."""
+    import numpy as np
+
+    from autopar.core.strategies import build_space
+    from autopar.planning.shrink import group
+
+    args, kwargs = BATCHES[0]
+    space = build_space(capture(build(NAME), args, kwargs, precision="bf16"), MeshSpec((2, 2)))
+    grouping = group(space, lambda i: np.zeros(len(space.nodes[i].strategies)),
+                     lambda i, j, k: np.zeros((len(space.nodes[i].strategies), len(space.nodes[j].strategies))))
+    stacks = [nc for nc in space.nodes if nc.node.target is torch.ops.aten.stack.default]
+    assert len(stacks) == 3 * TINY.layers
+    for nc in stacks:
+        params = [space.index[u.args[0]] for u in nc.inputs]   # (each input a cast of a parameter)
+        assert len({grouping.owner[i] for i in params}) == 1 and len({grouping.owner[space.index[u]] for u in nc.inputs}) == 1

@@ -8,6 +8,8 @@ node's strategies each choice of that decision means. Three reductions build it:
   producer: for each of the producer's strategies the follower takes its own cheapest strategy
   that reads the producer's placement as it is (any, where none can), so it needs no variable
   of its own;
+* **stacked siblings** (the parameters a ``stack`` joins, a hand-written list of experts'
+  weights) take the first's choice;
 * **repeated blocks** (transformer layers, found from the graph's structure, never from names)
   share decisions: the blocks strictly between the first and the last of a run of identical
   blocks are cut into a few contiguous segments, and each block takes its segment's first
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from autopar.core.capture import output_shape
-from autopar.core.execution import VIEW_OPS
+from autopar.core.execution import CAST_OPS, VIEW_OPS
 from autopar.core.strategies import StrategySpace
 
 # Blocks needed before sharing pays off: first and last stay free, the ones between share.
@@ -98,7 +100,9 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
             given = np.where(same | ~same.any(axis=1, keepdims=True), given, np.inf)
             root[j], choice[j] = root[i], np.argmin(given, axis=1)
             folded += 1
-    rep, blocks = _shared_roots(space, root) if share_blocks else ({}, None)
+    rep = _stacked_siblings(space, root)
+    across, blocks = _shared_roots(space, root) if share_blocks else ({}, None)
+    rep |= {a: b for a, b in across.items() if a not in rep}
 
     def final(r: int) -> int:
         while r in rep:   # maps only point to earlier nodes: no cycles
@@ -112,6 +116,38 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
     for r, d in decision.items():
         sizes[d] = len(space.nodes[r].strategies)
     return Grouping(tuple(owner), tuple(choice), tuple(sizes), tuple(decision), folded, shared, blocks)
+
+
+def _cast_chain(space: StrategySpace, root: list[int], i: int) -> list[int] | None:
+    """The decision roots from node ``i`` back through casts to the parameter it reads (None
+    where it reads none so)."""
+    chain = [root[i]]
+    while space.nodes[i].kind != "param":
+        nc = space.nodes[i]
+        if nc.kind != "op" or nc.node.target not in CAST_OPS or len(nc.inputs) != 1 or nc.inputs[0] not in space.index:
+            return None
+        i = space.index[nc.inputs[0]]
+        chain.append(root[i])
+    return chain
+
+
+def _stacked_siblings(space: StrategySpace, root: list[int]) -> dict[int, int]:
+    """Parameters stacked into one tensor (each expert's weight of a hand-written list of experts:
+    ``autopar.core.expert_lists``), and their casts, mapped to the first's decisions: siblings used
+    alike, which would each be a decision of its own (64 experts of 27 layers: 5184 parameters)."""
+    rep: dict[int, int] = {}
+    for nc in space.nodes:
+        if nc.kind != "op" or nc.node.target is not torch.ops.aten.stack.default or len(nc.inputs) < 2:
+            continue
+        chains = [_cast_chain(space, root, space.index[u]) if u in space.index else None for u in nc.inputs]
+        if any(c is None or len(c) != len(chains[0] or ()) for c in chains):
+            continue
+        for chain in chains[1:]:
+            for a, b in zip(chain or (), chains[0] or (), strict=True):
+                if a != b and root[a] == a and root[b] == b and a not in rep \
+                        and space.nodes[a].strategies == space.nodes[b].strategies:
+                    rep[a] = b
+    return rep
 
 
 def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int], tuple[int, int, int] | None]:

@@ -182,6 +182,22 @@ def tight_budget(name, batch, seq, mesh_shape, batches: list | None = None) -> f
     return info.value.min_memory_bytes + 0.5 * (replicated - info.value.min_memory_bytes)
 
 
+def expert_parallel_plan(name: str, batches: list, mesh_shape: tuple[int, ...], axis: str,
+                         hand: str | None = None) -> autopar.Plan:
+    """The auto plan of ``name`` for ``batches[0]`` with the experts forced over ``axis``, or the
+    hand plan ``hand`` made so; solved to optimality (no time limit a loaded host could cut
+    short), the search kept small."""
+    from autopar.planning.baselines import candidates
+    from autopar.planning.options import PlanOptions
+
+    args, kwargs = batches[0]
+    options = PlanOptions(expert_parallel={"axis": axis}, hand_plans=hand is not None, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute="none")
+    if hand is not None:
+        return candidates(build(name), MeshSpec(mesh_shape), args, kwargs, options=options)[hand]
+    return autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, options=options)
+
+
 def recording_dispatch(monkeypatch) -> list[list[list[int]]]:
     """Record, at each expert-parallel dispatch, each rank's (token, choice) pairs per expert."""
     import autopar.core.expert_parallel as ep

@@ -16,9 +16,16 @@ from autopar.core.errors import AutoparError, CaptureError
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
 from autopar.models import moe as hand_moe
-from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
-from tests.equivalence import build, check_training, gloo_runner, local_runner, make_batches, recording_dispatch
+from tests.equivalence import (
+    build,
+    check_training,
+    expert_parallel_plan,
+    gloo_runner,
+    local_runner,
+    make_batches,
+    recording_dispatch,
+)
 from tests.tiers import slow
 
 NAME = hand_moe.NAME
@@ -27,12 +34,7 @@ BATCHES = make_batches(NAME, 2, 4)   # 8 tokens a step: some rank sends some exp
 
 
 def _plan(mesh_shape: tuple[int, ...], axis: str, hand: str | None = None) -> autopar.Plan:
-    args, kwargs = BATCHES[0]
-    options = PlanOptions(expert_parallel={"axis": axis}, hand_plans=hand is not None, time_limit=None, profile=None,
-                          pipeline=False, microbatches=1, recompute="none")
-    if hand is not None:
-        return candidates(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)[hand]
-    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)
+    return expert_parallel_plan(NAME, BATCHES, mesh_shape, axis, hand)
 
 
 def test_the_loop_over_experts_is_captured_as_one_op_on_their_weights_stacked():

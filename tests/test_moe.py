@@ -22,11 +22,11 @@ from autopar.core.mesh import MeshSpec
 from autopar.core.ops.moe import MOE
 from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
-from autopar.planning.baselines import candidates
 from autopar.planning.options import PlanOptions
 from tests.equivalence import (
     build,
     check_training,
+    expert_parallel_plan,
     gloo_runner,
     local_runner,
     make_batches,
@@ -55,13 +55,7 @@ def _shared_reference(monkeypatch):
 
 def _plan(mesh_shape: tuple[int, ...], axis: str, hand: str | None = None) -> Plan:
     """The auto plan with the experts forced over ``axis``, or the hand plan ``hand`` made so."""
-    args, kwargs = BATCHES[0]
-    # solved to optimality (no time limit a loaded host could cut short), the search kept small
-    options = PlanOptions(expert_parallel={"axis": axis}, hand_plans=hand is not None, time_limit=None, profile=None,
-                          pipeline=False, microbatches=1, recompute="none")
-    if hand is not None:
-        return candidates(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)[hand]
-    return autopar.plan(build(NAME), MeshSpec(mesh_shape), args, kwargs, options=options)
+    return expert_parallel_plan(NAME, BATCHES, mesh_shape, axis, hand)
 
 
 @pytest.mark.parametrize("mesh_shape, runner, axis, hand", [

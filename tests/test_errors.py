@@ -134,6 +134,25 @@ class LoopedExperts(nn.Module):
         return out.sum()
 
 
+class HitExperts(LoopedExperts):
+    """Looping over the experts a batch hits (transformers 4.4x's Mixtral): a loop of a length
+    that depends on values, which export cannot trace."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in torch.bincount(chosen.flatten(), minlength=3).nonzero():
+            rows, slot = torch.where(chosen == e)
+            out = out.index_add(0, rows, self.experts[int(e)](x[rows]) * weight[rows, slot, None])
+        return out.sum()
+
+
+def test_a_loop_over_the_experts_hit_is_told_to_loop_over_every_expert():
+    with pytest.raises(CaptureError, match=r"HitExperts at .*\(for e in .*\): a Python loop over a tensor whose "
+                                           r"length depends on its values .* range\(num_experts\)"):
+        autopar.plan(HitExperts(), MeshSpec((2,)), (torch.randn(6, 4),))
+
+
 def test_sizes_that_depend_on_values_are_refused_by_op_and_module():
     """Export traces ``torch.where(cond)`` with a size it cannot know; planning must say so, by op
     and module, never fail later on the symbol."""

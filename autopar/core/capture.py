@@ -170,9 +170,10 @@ def _user_frame(exc: BaseException) -> str:
 
 
 
-def _capture_hint(message: str, dtype: torch.dtype = torch.float32) -> str | None:
+def _capture_hint(message: str, dtype: torch.dtype = torch.float32, line: str = "") -> str | None:
     """What to do about export's error ``message`` (its first line), where its cause is known;
-    ``dtype``: the precision policy's compute dtype the model was traced under."""
+    ``dtype``: the precision policy's compute dtype the model was traced under; ``line``: the
+    model's source line that failed to trace."""
     if dtype != torch.float32 and re.search(r"dtype|BFloat16|Half", message):
         return (f"under a precision policy computing in {dtype} autopar casts the parameters and floating inputs "
                 "to it (FSDP2's MixedPrecisionPolicy), not the buffers nor the tensors the model makes: this op "
@@ -188,7 +189,12 @@ def _capture_hint(message: str, dtype: torch.dtype = torch.float32) -> str | Non
     if "higher order operator" in message.lower():   # torch.cond and the like: untraced, and no sharded form
         return ("torch.cond (or another control-flow operator) is the cause; autopar cannot shard it: compute both "
                 "branches and pick one with torch.where.")
-    if "data-dependent" in message.lower() or "data dependent" in message.lower():
+    dependent = "data-dependent" in message.lower() or "data dependent" in message.lower()
+    if dependent and re.match(r"\s*for\s", line):
+        return ("a Python loop over a tensor whose length depends on its values is the cause (as a mixture of "
+                "experts looping over the experts a batch hits): loop over a length known from shapes instead, "
+                "e.g. every expert with range(num_experts) (autopar runs a loop over a list of experts as one op)")
+    if dependent:
         return ("Python control flow on tensor values is the cause: compute both outcomes and pick one with "
                 "torch.where, or make the condition depend on shapes only.")
     return None
@@ -199,8 +205,9 @@ def _capture_error(model: torch.nn.Module, e: Exception, dtype: torch.dtype = to
     comes first, export's words after it, and without export's traceback (raised ``from None``);
     an unknown one keeps it (its ``__cause__``). ``dtype``: as ``_capture_hint`` takes it."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    where = f"torch.export could not capture {type(model).__name__}{_user_frame(e)}"
-    hint = _capture_hint(first, dtype)
+    frame = _user_frame(e)
+    where = f"torch.export could not capture {type(model).__name__}{frame}"
+    hint = _capture_hint(first, dtype, frame.rpartition(" (")[2])
     if hint is None:
         error = CaptureError(f"{where}: {type(e).__name__}: {first}. Check that the model runs eagerly on these "
                              "inputs (model(*args, **kwargs)); the line named above is where tracing failed.")

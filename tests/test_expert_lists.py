@@ -235,3 +235,19 @@ def test_the_experts_weights_of_a_list_are_one_decision():
     for nc in stacks:
         params = [space.index[u.args[0]] for u in nc.inputs]   # (each input a cast of a parameter)
         assert len({grouping.owner[i] for i in params}) == 1 and len({grouping.owner[space.index[u]] for u in nc.inputs}) == 1
+
+
+def test_microbatches_captured_again_on_a_fake_copy_fold_once_too(monkeypatch):
+    """``compile`` captures a fake copy of the model again for each new input shape (here the
+    microbatch's): its repeated MoE modules are folded once there too, and train exactly."""
+    from autopar.core import moe_modules
+
+    found: list[bool] = []
+    real = moe_modules._folded_first
+    monkeypatch.setattr(moe_modules, "_folded_first", lambda *a: (r := real(*a), found.append(r is not None))[0])
+    batches = make_batches(NAME, 4, 4)
+    options = PlanOptions(expert_parallel={"axis": "dp"}, hand_plans=False, time_limit=None, profile=None,
+                          pipeline=False, microbatches=2, recompute="none")
+    plan = autopar.plan(build(NAME), MeshSpec((2, 2)), *batches[0], options=options)
+    check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=batches)
+    assert len(found) >= 3 and all(found), found

@@ -24,6 +24,7 @@ is a valid plan of the full one.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,8 +102,7 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
             root[j], choice[j] = root[i], np.argmin(given, axis=1)
             folded += 1
     rep = _stacked_siblings(space, root)
-    across, blocks = _shared_roots(space, root) if share_blocks else ({}, None)
-    rep |= {a: b for a, b in across.items() if a not in rep}
+    blocks = _shared_roots(space, root, rep) if share_blocks else None
 
     def final(r: int) -> int:
         while r in rep:   # maps only point to earlier nodes: no cycles
@@ -116,6 +116,14 @@ def group(space: StrategySpace, node_cost: Callable[[int], np.ndarray],
     for r, d in decision.items():
         sizes[d] = len(space.nodes[r].strategies)
     return Grouping(tuple(owner), tuple(choice), tuple(sizes), tuple(decision), folded, shared, blocks)
+
+
+def _merge(space: StrategySpace, root: list[int], rep: dict[int, int], a: int, b: int) -> None:
+    """Let decision root a take root b's choice in ``rep`` (followers come along with their roots),
+    where a has no other yet and both have the same candidate strategies."""
+    if root[a] == a and root[b] == b and a != b and a not in rep \
+            and space.nodes[a].strategies == space.nodes[b].strategies:
+        rep[a] = b
 
 
 def _cast_chain(space: StrategySpace, root: list[int], i: int) -> list[int] | None:
@@ -139,34 +147,26 @@ def _stacked_siblings(space: StrategySpace, root: list[int]) -> dict[int, int]:
     for nc in space.nodes:
         if nc.kind != "op" or nc.node.target is not torch.ops.aten.stack.default or len(nc.inputs) < 2:
             continue
-        chains = [_cast_chain(space, root, space.index[u]) if u in space.index else None for u in nc.inputs]
-        if any(c is None or len(c) != len(chains[0] or ()) for c in chains):
+        chains = [_cast_chain(space, root, space.index[u]) for u in nc.inputs if u in space.index]
+        found = [c for c in chains if c is not None]
+        if len(found) != len(nc.inputs) or len({len(c) for c in found}) != 1:
             continue
-        for chain in chains[1:]:
-            for a, b in zip(chain or (), chains[0] or (), strict=True):
-                if a != b and root[a] == a and root[b] == b and a not in rep \
-                        and space.nodes[a].strategies == space.nodes[b].strategies:
-                    rep[a] = b
+        for chain in found[1:]:
+            for a, b in zip(chain, found[0], strict=True):
+                _merge(space, root, rep, a, b)
     return rep
 
 
-def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int], tuple[int, int, int] | None]:
-    """Decision roots of the inner blocks of the longest run of identical blocks, mapped to their
-    segment's first block's. Two roots are merged only if their candidate strategies are the same
-    list."""
+def _shared_roots(space: StrategySpace, root: list[int], rep: dict[int, int]) -> tuple[int, int, int] | None:
+    """The longest run of identical blocks (None where there is none); the decision roots of its
+    inner blocks mapped in ``rep`` to their segment's first block's (``_merge``: a root mapped
+    already keeps its own)."""
     order = [i for i, nc in enumerate(space.nodes) if nc.kind in ("op", "alias")]
     run = _longest_run(space, order)
     if run is None:
-        return {}, None
+        return None
     start, period, count = run
-    rep: dict[int, int] = {}
-
-    def merge(a: int, b: int) -> None:
-        """Let decision root a take root b's choice (followers come along with their roots)."""
-        if root[a] == a and root[b] == b and a != b and a not in rep \
-                and space.nodes[a].strategies == space.nodes[b].strategies:
-            rep[a] = b
-
+    merge = functools.partial(_merge, space, root, rep)
     inner = count - 2
     segment_first: dict[int, int] = {}
     for block in range(1, count - 1):
@@ -180,7 +180,7 @@ def _shared_roots(space: StrategySpace, root: list[int]) -> tuple[dict[int, int]
                 iu, iv = space.index.get(u), space.index.get(v)
                 if iu is not None and iv is not None and space.nodes[iu].kind == space.nodes[iv].kind == "param":
                     merge(iu, iv)
-    return rep, run
+    return run
 
 
 def _longest_run(space: StrategySpace, order: list[int]) -> tuple[int, int, int] | None:

@@ -126,7 +126,6 @@ def _ancestors(node: fx.Node, within: Callable[[fx.Node], bool] = lambda _: True
 class _Walk:
     """What the walk back from a layer's output found: its inputs and the ops in between."""
 
-    ids: fx.Node
     hidden: set[fx.Node]
     weights: set[fx.Node]
     params: set[fx.Node]
@@ -138,7 +137,7 @@ def _walk_back(output: fx.Node, ids: fx.Node, params: Mapping[str, str]) -> _Wal
     value (the router's weights) and a floating [T, H] value the router also reads (the tokens)."""
     routed_from = _ancestors(ids)
     (t, k), h = _val(ids).shape, _val(output).shape[-1]
-    walk = _Walk(ids, set(), set(), set(), set())
+    walk = _Walk(set(), set(), set(), set())
     todo = [output]
     while todo:
         node = todo.pop()
@@ -429,8 +428,9 @@ def fold_expert_lists(program: ExportedProgram, model: torch.nn.Module) -> tuple
     graph = program.graph
     layers, why_not = expert_lists(graph, program.graph_signature.inputs_to_parameters)
     value, notes = _parameter_values(program, model), []
+    real = all(_has_values(p) for p in model.parameters())
     for layer in layers:
-        checked = all(_has_values(p) for p in model.parameters()) or _checkable(layer)
+        checked = real or _checkable(layer)
         # (random values on the CPU, whatever default device a caller set, e.g. ``meta``)
         with maybe_disable_local_tensor_mode(), unset_fake_temporarily(), torch.device("cpu"):
             problem = _agrees(graph, layer, value) if checked else None

@@ -72,7 +72,7 @@ class _Reached(Exception):
 
 def first_inputs(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """``module``'s (args, kwargs), as fake tensors, at its first call in ``model(*args, **kwargs)``
-    run on fake tensors up to it; None where that run fails before it."""
+    run on fake tensors up to it; None where the run ends before it."""
     found: list[tuple[tuple, dict]] = []
 
     def reached(_: nn.Module, a: tuple, kw: dict) -> None:
@@ -86,8 +86,6 @@ def first_inputs(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict)
             model(*fake_args, **fake_kwargs)
     except _Reached:
         pass
-    except Exception:  # noqa: BLE001 - any failure only means the model is exported the slow way
-        return None
     finally:
         handle.remove()
     return found[0] if found else None
@@ -101,12 +99,9 @@ def folded(module: nn.Module, inputs: tuple[tuple, dict], precision: Precision =
            ) -> tuple[Folded, list[str]] | None:
     """``module`` exported alone on ``inputs`` (under ``precision``'s casts, as the whole model is)
     with its loop over experts folded (``fold_expert_lists``), and the notes the fold made; None
-    where it does not export, fold, or keep only plain inputs."""
+    where it does not fold or takes other than tensors (an export that fails raises)."""
     traced = module if precision == "fp32" else ComputeIn(module, precision)
-    try:
-        program = torch.export.export(traced, inputs[0], inputs[1], strict=False)
-    except Exception:  # noqa: BLE001 - exported with the whole model instead
-        return None
+    program = torch.export.export(traced, inputs[0], inputs[1], strict=False)
     notes, _ = fold_expert_lists(program, traced)
     wrapped = "" if traced is module else "model."   # (ComputeIn's child)
     notes = [note.removeprefix(wrapped) for note in notes]

@@ -8,12 +8,15 @@
   bug, so it fails instead of being silently redistributed; in this process (the fixture) and in
   the gloo processes tests start (the environment variable, read when they import the runtime).
 """
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
 os.environ["AUTOPAR_PROFILE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-profiles-")
+atexit.register(shutil.rmtree, os.environ["AUTOPAR_PROFILE_DIR"], ignore_errors=True)   # one per worker; left none behind
 os.environ["AUTOPAR_MEASURE_FIRST_PROFILE"] = "0"   # autopar.profiling.missing_ops.FIRST_PROFILE_ENV
 os.environ["AUTOPAR_STRICT"] = "1"
 

@@ -164,6 +164,15 @@ def test_the_report_counts_each_layers_experts_in_one_row_per_choice():
     assert [r[:2] for r in rows] == [["blocks.*.moe.experts.*.w2.weight", "x7"], [odd, "odd"]], rows
 
 
+def test_the_report_says_what_every_layers_list_runs_as_once():
+    """Each layer's note is kept in the plan; the report names the layers in one line."""
+    plan = _plan((2,), "x")
+    said = [w for w in plan.warnings if "hand-written list" in w]
+    assert [w.split(":")[0] for w in said] == ["blocks.0.moe.experts", "blocks.1.moe.experts"]
+    lines = [line for line in plan.report().splitlines() if "hand-written list" in line]
+    assert lines == [f"  - blocks.[0-1].moe.experts (2): {said[0].partition(': ')[2]}"], lines
+
+
 def test_experts_with_biases_are_not_split_within():
     name = "autopar.models.moe:build_relu_biased"
     args, kwargs = make_batches(name, 2, 4)[0]

@@ -304,3 +304,12 @@ def test_a_plan_says_whether_a_profile_priced_it():
     predicted = autopar.plan(model, MeshSpec((2,)), args, kwargs, profile=None).predicted
     assert predicted.cost_source.startswith("no profile") and not predicted.profiled
     assert replace(predicted, cost_source="profile AMD EPYC: 90% of compute time measured").profiled
+
+
+def test_warnings_that_say_the_same_of_each_layer_are_one_line():
+    from autopar.core.report import grouped_warnings
+
+    said = ["h.0.mlp: no rule, runs replicated", "aten.foo has no rule", "h.2.mlp: no rule, runs replicated",
+            "h.1.mlp: something else", "h.1.mlp: no rule, runs replicated", "embed: no rule, runs replicated"]
+    assert grouped_warnings(said) == ["h.[0-2].mlp (3): no rule, runs replicated", "aten.foo has no rule",
+                                      "h.1.mlp: something else", "embed: no rule, runs replicated"]

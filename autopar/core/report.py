@@ -136,9 +136,7 @@ def _param_rows(params: list[NodePlan], holding: _Holding) -> list[_ParamRow]:
             continue
         for (strategy, storage), ms in by_choice.items():
             if pattern.count("*") == 1 and len(ms) > 1:
-                pos = pattern.split(".").index("*")
-                idx = [int((m.fqn or m.name).split(".")[pos]) for m in ms]
-                rows.append(holding.row(pattern.replace("*", f"[{_index_ranges(idx)}]"), strategy, storage, ms))
+                rows.append(holding.row(_named_layers(pattern, [m.fqn or m.name for m in ms]), strategy, storage, ms))
             elif len(ms) > 1:   # (a list in a list, e.g. each layer's experts: counted, not spelled out)
                 rows.append(holding.row(pattern, strategy, storage, ms))
             else:
@@ -435,7 +433,35 @@ def _warning_lines(plan: Plan) -> list[str]:
                         f"{fmt(plan.memory_budget, 'B')}")
     if not warnings:
         return ["Warnings: none (every op has a sharding rule)"]
-    return [f"Warnings ({len(warnings)})", *(f"  - {w}" for w in warnings)]
+    return [f"Warnings ({len(warnings)})", *(f"  - {w}" for w in grouped_warnings(warnings))]
+
+
+def grouped_warnings(warnings: list[str]) -> list[str]:
+    """Warnings that say the same of each layer (``blocks.3.moe.experts: ...``) as one line naming
+    the layers (``blocks.[0-31].moe.experts (32): ...``), in the order each first appears."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for w in warnings:
+        name, sep, rest = w.partition(": ")
+        key = (param_pattern(name), rest) if sep and " " not in name and "*" in param_pattern(name) else (w, "")
+        groups.setdefault(key, []).append(name)
+    out = []
+    for (pattern, rest), names in groups.items():
+        if not rest:
+            out.append(pattern)
+        elif len(names) == 1:
+            out.append(f"{names[0]}: {rest}")
+        else:
+            out.append(f"{_named_layers(pattern, names)} ({len(names)}): {rest}")
+    return out
+
+
+def _named_layers(pattern: str, names: list[str]) -> str:
+    """``blocks.*.moe`` over ``blocks.0.moe`` ... ``blocks.31.moe`` -> ``blocks.[0-31].moe``
+    (the pattern as it is where it has several indices)."""
+    if pattern.count("*") != 1:
+        return pattern
+    pos = pattern.split(".").index("*")
+    return pattern.replace("*", f"[{_index_ranges([int(n.split('.')[pos]) for n in names])}]")
 
 
 #: What a prediction rests on, in a few words (``summary``).

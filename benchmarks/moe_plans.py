@@ -1,6 +1,7 @@
 """Mixture-of-experts models planned with and without expert parallelism (issue 43): each built
-on ``meta`` as transformers builds it (and, written by hand with a ModuleList of experts,
-Mixtral 8x7B's sizes and a fine-grained MoE of DeepSeek-V2-Lite's routed experts: ``autopar.models.moe``), 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
+on ``meta`` as transformers builds it (Mixtral 8x7B, DeepSeek-V2-Lite's shapes, gpt-oss-120b; and,
+written by hand with a ModuleList of experts, Mixtral 8x7B's sizes and a fine-grained MoE of
+DeepSeek-V2-Lite's routed experts: ``autopar.models.moe``), 256 x 4096 tokens a step in bf16 on 8x8 H100-80GB,
 planned as a training loop runs (``gather_outputs=False``) under the default 60 s limit, once with
 ``expert_parallel="auto"`` and once with ``False``. Prints one row per plan.
 
@@ -37,6 +38,7 @@ def deepseek_v2_lite() -> torch.nn.Module:
 
 
 MODELS = {"mixtral": lambda: get_model("mixtral-8x7b").build(), "deepseek-v2-lite": deepseek_v2_lite,
+          "gpt-oss-120b": lambda: get_model("gpt-oss-120b").build(),
           "mixtral-hand": mixtral_8x7b, "fine-grained-hand": fine_grained}
 
 

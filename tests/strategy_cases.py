@@ -487,17 +487,21 @@ class AlibiOps(nn.Module):
 
 class Routing(nn.Module):
     """A mixture-of-experts router's ops: ``topk`` of the probabilities, ``sort`` of the chosen
-    experts, their ``histc`` counts over a fixed range, and ``floor_divide``."""
+    experts, their ``histc`` counts over a fixed range, and ``floor_divide``; the largest and
+    smallest logit of each row with their indices (``max.dim``, gpt-oss's attention sinks' maximum)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pre = Pre(6, 5)
 
     def forward(self, logits):
-        top, idx = self.pre(logits).softmax(-1).topk(2, dim=-1)
+        x = self.pre(logits)
+        top, idx = x.softmax(-1).topk(2, dim=-1)
         order, _ = idx.sort(dim=-1)
         counts = torch.histc(idx.float(), bins=5, min=0, max=4)
-        return top, order, counts, torch.floor_divide(idx, 2)
+        most, most_at = x.max(dim=-1, keepdim=True)
+        least, least_at = x.min(dim=0)
+        return top, order, counts, torch.floor_divide(idx, 2), most * 2, most_at, least * 2, least_at
 
 
 class InPlaceWrites(nn.Module):
@@ -569,6 +573,25 @@ class BiasedExperts(PlainExperts):
     def forward(self, x, ids, weights):
         return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down, "relu", self.up_bias,
                    self.down_bias)
+
+
+def _interleaved_swiglu(inner: torch.Tensor) -> torch.Tensor:
+    """A gate of the model's own, as gpt-oss's: gate and up columns interleaved, clamped."""
+    gate, up = inner[..., ::2].clamp(max=2.0), inner[..., 1::2].clamp(-2.0, 2.0)
+    return (up + 1) * gate * torch.sigmoid(1.7 * gate)
+
+
+#: Registered as capture registers a model's gate (``expert_parallel.GATES``); a name of this module's own.
+INTERLEAVED = "tests.strategy_cases.interleaved_swiglu"
+importlib.import_module("autopar.core.expert_parallel").GATES[INTERLEAVED] = _interleaved_swiglu
+
+
+class OwnGateExperts(MoEExperts):
+    """SwiGLU experts gated by a function of the model's own (``INTERLEAVED``): split by token or
+    by expert, never within (autopar does not know which columns its gate pairs)."""
+
+    def forward(self, x, ids, weights):
+        return MOE(self.pre(x), ids, self.weights(weights), self.gate_up, self.down, INTERLEAVED)
 
 
 def _routing() -> torch.Tensor:
@@ -737,9 +760,10 @@ CASES: list[Case] = [
           aten.stack.default: {"follow"}, aten.repeat_interleave.self_int: {"follow"},
           aten.numpy_T.default: {"follow"}}),
     Case("routing", Routing, lambda: (torch.randn(6, 5),),
-         (aten.topk.default, aten.sort.default, aten.histc.default, aten.floor_divide.default),
+         (aten.topk.default, aten.sort.default, aten.histc.default, aten.floor_divide.default, aten.max.dim,
+          aten.min.dim),
          {aten.topk.default: {"follow"}, aten.sort.default: {"follow"}, aten.histc.default: {"partial-count"},
-          aten.floor_divide.default: {"elementwise"}}),
+          aten.floor_divide.default: {"elementwise"}, aten.max.dim: {"follow"}, aten.min.dim: {"follow"}}),
     Case("in-place-writes", InPlaceWrites, lambda: (torch.randn(4, 5, 6),),
          (aten.copy_.default, aten.masked_fill_.Scalar, aten.new_zeros.default),
          {aten.copy_.default: {"replicate"}, aten.masked_fill_.Scalar: {"replicate"}}),
@@ -750,6 +774,8 @@ CASES: list[Case] = [
     Case("moe-plain-experts", PlainExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
          {MOE: {"batch", "experts", "experts-within"}}, meshes=((2,), (2, 2))),
     Case("moe-biased-experts", BiasedExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
+         {MOE: {"batch", "experts"}}, meshes=((2,), (2, 2))),
+    Case("moe-own-gate", OwnGateExperts, lambda: (torch.randn(8, 6), _routing(), torch.rand(8, 2)), (MOE,),
          {MOE: {"batch", "experts"}}, meshes=((2,), (2, 2))),
     Case("scatter", Scatter, lambda: (torch.randn(5, 3, 6), torch.randint(0, 6, (5, 3, 2)), torch.randn(5, 3, 2)),
          (aten.scatter.src, aten.scatter.value, aten.scatter_add.default),

@@ -489,3 +489,38 @@ def test_torch_expert_parallel_reference_trains_as_one_device():
                 torch.testing.assert_close(got[key], want if rows is None else want[r * rows:(r + 1) * rows],
                                            rtol=equivalence.RTOL, atol=equivalence.ATOL,
                                            msg=lambda m, key=key: f"{key}: {m}")
+
+
+OSS = "gpt-oss-tiny"   # transformers' gpt-oss: transposed experts with biases, a clamped SwiGLU on interleaved columns
+
+
+def test_gpt_oss_experts_run_as_one_op_with_the_gate_of_their_class():
+    """Experts of another layout than Mixtral's (``is_transposed``, ``has_bias``, gpt-oss's own
+    ``_apply_gate``) are one op on their weights' transposed views, gated by their class's gate."""
+    args, kwargs = make_batches(OSS, 2, 8)[0]
+    moes = [n for n in capture(build(OSS), args, kwargs).graph.nodes if n.target is MOE]
+    assert len(moes) == 2
+    gate = moes[0].args[5]
+    assert gate.startswith("transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(") and gate in ep.GATES
+    assert "limit=7.0" in gate and "alpha=1.702" in gate
+    assert [a.target for a in moes[0].args[3:5]] == [torch.ops.aten.transpose.int] * 2
+    assert all(isinstance(b, torch.fx.Node) for b in moes[0].args[6:8])   # its biases
+
+
+def test_experts_gated_by_their_models_own_function_are_not_split_within():
+    from tests.strategy_cases import OwnGateExperts, _routing
+
+    inputs = (torch.randn(8, 6), _routing(), torch.rand(8, 2))
+    with pytest.raises(AutoparError, match="gate with a function of their model's own"):
+        autopar.plan(OwnGateExperts(), MeshSpec((2,)), inputs, expert_parallel={"within": "x"}, profile=None)
+
+
+@pytest.mark.parametrize("mesh_shape, runner, axis", [((2,), gloo_runner, "x"), ((2, 2), local_runner, "tp")])
+def test_gpt_oss_trains_exactly_with_its_experts_split_by_expert(mesh_shape, runner, axis, monkeypatch):
+    seen = recording_dispatch(monkeypatch)
+    batches = make_batches(OSS, 2, 8)
+    plan = expert_parallel_plan(OSS, batches, mesh_shape, axis)
+    assert plan.expert_parallel == {"axis": axis, "experts_per_rank": 2, "layers": 2, "of": 2}
+    check_training(OSS, 0, 0, mesh_shape, runner, {"plan": plan}, batches=batches)
+    if runner is local_runner:
+        assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen

@@ -24,7 +24,7 @@ EXPECTED_NAMES = [
     "gpt2-tiny", "gpt2-125m", "llama-tiny", "llama-7b", "llama-70b", "bert-tiny", "bert-base",
     "opt-tiny", "opt-1.3b", "bloom-tiny", "bloom-560m", "falcon-tiny", "falcon-7b", "gptj-tiny", "gpt-j-6b",
     "gpt-neox-tiny", "pythia-1.4b", "mistral-tiny", "mistral-7b", "qwen2-tiny", "qwen2-1.5b",
-    "gemma-tiny", "gemma-2b", "phi-tiny", "phi-2", "mixtral-tiny", "mixtral-8x7b",
+    "gemma-tiny", "gemma-2b", "phi-tiny", "phi-2", "mixtral-tiny", "mixtral-8x7b", "gpt-oss-tiny", "gpt-oss-120b",
     "roberta-tiny", "roberta-base", "t5-tiny", "t5-base", "vit-tiny", "vit-base",
 ]
 

@@ -170,6 +170,11 @@ def expert_parallel_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids:
 #: (``down(act(up x))``, ``gate_up`` [I, H]); which of the two from the weights' shapes (``gated``).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+#: Gates taken from a model's experts class at capture (``model_gate``), by the name the op's
+#: ``activation`` gives them: a function of the up projection's rows [.., 2I or I] to [.., I]
+#: (transformers' ``_apply_gate`` where a class has its own, e.g. gpt-oss's clamped, interleaved
+#: SwiGLU; or an activation of its own). Per process: each rank captures, and so registers, its own.
+GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
 
 def gated(gate_up: torch.Size | tuple[int, ...], down: torch.Size | tuple[int, ...]) -> bool:
@@ -181,8 +186,10 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activ
                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on its rows ``x``: ``gate_up`` [2I, H] (gate rows first) or [I, H], ``down`` [H, I],
     each with its bias where given."""
-    act = ACTIVATIONS[activation]
     inner = F.linear(x, gate_up, gate_up_bias)
+    if activation in GATES:
+        return F.linear(GATES[activation](inner), down, down_bias)
+    act = ACTIVATIONS[activation]
     if gated(gate_up.shape, down.shape):
         gate, up = inner.chunk(2, dim=-1)
         return F.linear(act(gate) * up, down, down_bias)
@@ -255,8 +262,9 @@ def moe_experts(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor
     capture records in place of the ops of transformers' experts implementations (and of a
     hand-written loop over experts: ``autopar.core.expert_lists``), so that the planner sees one
     node per MoE layer (``autopar.core.ops.moe`` says how it splits)."""
-    if activation not in ACTIVATIONS:
-        raise AutoparError(f"moe_experts' activation is one of {sorted(ACTIVATIONS)}; got {activation!r}")
+    if activation not in ACTIVATIONS and activation not in GATES:
+        raise AutoparError(f"moe_experts' activation is one of {sorted(ACTIVATIONS)} or a gate this process captured "
+                           f"from a model ({sorted(GATES)}); got {activation!r}")
     return routed_experts(hidden, top_idx, top_w, gate_up, down, None, activation, gate_up_bias, down_bias)
 
 
@@ -295,25 +303,56 @@ def _moe_experts_backward(ctx, grad: torch.Tensor) -> tuple:
 torch.library.register_autograd("autopar::moe_experts", _moe_experts_backward, setup_context=_keep_inputs)
 
 
-def _plain_swiglu_experts(module: torch.nn.Module) -> bool:
-    """Is ``module`` (a transformers experts class) the layout ``moe_experts`` computes: fused
-    [gate; up] weights [E, 2I, H], down [E, H, I], no biases, SiLU gate, nothing after?"""
+#: transformers' activation classes by the name ``ACTIVATIONS`` gives their function.
+_KNOWN_ACTS = {"SiLU": "silu", "SiLUActivation": "silu", "GELU": "gelu", "GELUActivation": "gelu",
+               "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+               "ReLU": "relu"}
+
+
+def _interface_args(module: torch.nn.Module) -> tuple | None:
+    """``moe_experts``' weights and activation for ``module``, a transformers experts class
+    (``@use_experts_implementation``): [gate; up] or up weights as [E, 2I or I, H] and down as
+    [E, H, I] (views of transposed ones), their biases where it has them, and its gate (``activation``:
+    ``_activation_of``); None where the op cannot compute it (a norm after each expert, experts
+    already split by transformers' own expert parallelism, weights of another rank)."""
+    has_gate = getattr(module, "has_gate", None)
+    up = getattr(module, "gate_up_proj" if has_gate else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if (has_gate is None or getattr(module, "has_post_expert_norm", True) or getattr(module, "_is_expert_parallel", True)
+            or not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 or down.dim() != 3):
+        return None
+    if getattr(module, "is_transposed", False):
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    biases = ((getattr(module, "gate_up_proj_bias" if has_gate else "up_proj_bias"), module.down_proj_bias)
+              if getattr(module, "has_bias", False) else (None, None))
+    return (up, down, _activation_of(module, bool(has_gate)), *biases)
+
+
+def _activation_of(module: torch.nn.Module, has_gate: bool) -> str:
+    """The name of ``module``'s activation in ``ACTIVATIONS`` where it is one of them applied as
+    transformers' default gate does (``act(gate) * up``, gate rows first), else a gate of its own
+    registered in ``GATES`` (its class's ``_apply_gate``, or its activation on a plain MLP) under a
+    name that says its class and settings, the same on every rank."""
     from transformers.integrations.moe import _default_apply_gate
 
-    return (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
-            and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
-            and not getattr(module, "has_post_expert_norm", True) and not getattr(module, "_is_expert_parallel", True)
-            and type(module)._apply_gate is _default_apply_gate
-            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-            and getattr(module, "gate_up_proj", None) is not None and module.gate_up_proj.dim() == 3
-            and getattr(module, "down_proj", None) is not None and module.down_proj.dim() == 3)
+    act = getattr(module, "act_fn", None)
+    known = _KNOWN_ACTS.get(type(act).__name__)
+    default = not has_gate or type(module)._apply_gate is _default_apply_gate
+    if known is not None and default:
+        return known
+    settings = ",".join(f"{k}={v!r}" for k, v in sorted(vars(module).items())
+                        if isinstance(v, (bool, int, float, str)) and not k.startswith("_") and k != "training")
+    cls = type(module)
+    name = f"{cls.__module__}.{cls.__qualname__}({settings}; act={type(act).__name__})"
+    GATES.setdefault(name, functools.partial(cls._apply_gate, module) if has_gate else act)
+    return name
 
 
 @contextmanager
 def experts_as_one_op() -> Iterator[None]:
     """While it is open, transformers 5's experts (classes decorated ``@use_experts_implementation``,
     whichever of "eager", "batched_mm" or "grouped_mm" their config picks) run as ``moe_experts``
-    where their layout is its (``_plain_swiglu_experts``), else as they would. Capture exports
+    where it computes them (``_interface_args``), else as they would. Capture exports
     under it; the registry of implementations is restored after, the model itself untouched."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -334,7 +373,8 @@ def experts_as_one_op() -> Iterator[None]:
 
 def _as_one_op(original: Callable | None, module: torch.nn.Module, hidden_states: torch.Tensor,
                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    if _plain_swiglu_experts(module):
-        return moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+    args = _interface_args(module)
+    if args is not None:
+        return moe_experts(hidden_states, top_k_index, top_k_weights, *args)
     forward = original or type(module).forward.__wrapped__   # "eager": the class's own forward
     return forward(module, hidden_states, top_k_index, top_k_weights)

@@ -514,7 +514,7 @@ RULES: dict[object, RuleFn] = {
     aten.log_softmax.int: along_dim(1), aten._log_softmax.default: along_dim(1),
     aten.cat.default: cat,
     aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.sum.default: reduction,
-    aten.amax.default: reduction,
+    aten.amax.default: reduction, aten.max.dim: reduction, aten.min.dim: reduction,
     aten.contiguous.default: same_dims, aten.clone.default: same_dims, aten.alias.default: same_dims,
     **{cast: same_dims for cast in CAST_OPS},
     aten.detach.default: same_dims, aten.type_as.default: pointwise,

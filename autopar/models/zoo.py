@@ -221,6 +221,7 @@ QWEN2 = HFFamily("Qwen2", "AutoModelForCausalLM", "Qwen2Config", "causal")
 GEMMA = HFFamily("Gemma", "AutoModelForCausalLM", "GemmaConfig", "causal")
 PHI = HFFamily("Phi", "AutoModelForCausalLM", "PhiConfig", "causal", ("resid_pdrop", "embd_pdrop", "attention_dropout"))
 MIXTRAL = HFFamily("Mixtral (MoE)", "AutoModelForCausalLM", "MixtralConfig", "causal")
+GPT_OSS = HFFamily("gpt-oss (MoE)", "AutoModelForCausalLM", "GptOssConfig", "causal")
 _BERT_DROPOUT = ("hidden_dropout_prob", "attention_probs_dropout_prob")
 BERT = HFFamily("BERT", "AutoModelForMaskedLM", "BertConfig", "masked", _BERT_DROPOUT)
 ROBERTA = HFFamily("RoBERTa", "AutoModelForMaskedLM", "RobertaConfig", "masked", _BERT_DROPOUT)
@@ -327,6 +328,10 @@ _reg(_hf_entry("mixtral-tiny", "Tiny Mixtral", MIXTRAL, **_TINY, **_TINY_SHAPE, 
 _reg(_hf_entry("mixtral-8x7b", "Mixtral 8x7B", MIXTRAL, 8, 4096, 46_702_792_704, num_hidden_layers=32, hidden_size=4096,
                num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
                max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2))
+_reg(_hf_entry("gpt-oss-tiny", "Tiny gpt-oss", GPT_OSS, **_TINY, num_params=108_752, num_hidden_layers=2, hidden_size=64,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32, vocab_size=256,
+               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8))
+_reg(_hf_entry("gpt-oss-120b", "gpt-oss-120b", GPT_OSS, 8, 4096, 116_829_156_672))   # transformers' defaults
 _reg(_hf_entry("roberta-tiny", "Tiny RoBERTa", ROBERTA, **_TINY, num_params=92_352, num_hidden_layers=2, hidden_size=64,
                num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=66))
 _reg(_hf_entry("roberta-base", "RoBERTa-base 125M", ROBERTA, 8, 512, 124_697_433, num_hidden_layers=12, hidden_size=768,

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from autopar.core.capture import tensor_val
 from autopar.core.errors import AutoparError
-from autopar.core.expert_parallel import gated, routed_experts
+from autopar.core.expert_parallel import ACTIVATIONS, GATES, gated, routed_experts
 from autopar.core.ops.base import (
     Collective,
     Emitter,
@@ -86,10 +86,17 @@ def within(v: OpView, n: int) -> list[AxisRule]:
     divides by ``n`` and no earlier axis split it (one axis splits it, in two blocks). Not with
     biases (the down projection's would be added on every rank of the partial sum)."""
     inner = v.in_shapes[DOWN][2]
-    if inner % n or inner != tensor_val(v.node.args[DOWN]).shape[2] or len(v.in_shapes) > DOWN + 1:
+    if (inner % n or inner != tensor_val(v.node.args[DOWN]).shape[2] or len(v.in_shapes) > DOWN + 1
+            or _activation(v.node) not in ACTIVATIONS):
         return []
     gate_up = GATE_UP_WITHIN if gated(v.in_shapes[GATE_UP], v.in_shapes[DOWN]) else Shard(1)   # (a plain MLP: its rows)
     return [AxisRule(Partial(), (Replicate(),) * 3 + (gate_up, Shard(2)), WITHIN)]
+
+
+def _activation(node: fx.Node) -> str:
+    """The layer's activation: a name of ``ACTIVATIONS``, or of a gate captured from the model
+    (``GATES``), which may read its rows in any layout (gpt-oss's interleave gate and up columns)."""
+    return str(node.args[DOWN + 1]) if len(node.args) > DOWN + 1 else str(node.kwargs.get("activation", "silu"))
 
 
 def within_axis(placed: Placed) -> int | None:
@@ -149,7 +156,9 @@ def _evenly_routed(hidden: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Ten
                    down: torch.Tensor, activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on this rank's tokens, their rows routed evenly over the local experts
-    (profiling's integer inputs are zeros: every row to one expert)."""
+    (profiling's integer inputs are zeros: every row to one expert). A gate captured from a model
+    in another process (``GATES``) is timed as SwiGLU's, its cost alike to within its few elementwise ops."""
+    activation = activation if activation in ACTIVATIONS or activation in GATES else "silu"
     even = torch.arange(top_idx.numel(), device=top_idx.device).remainder(gate_up.size(0)).view(top_idx.shape)
     return routed_experts(hidden, even, top_w, gate_up, down, None, activation, gate_up_bias, down_bias)
 
@@ -302,6 +311,10 @@ def _refuse_within(space: StrategySpace, layers: list[NodeChoices], a: int) -> N
         if any(isinstance(a, fx.Node) for a in nc.node.args[DOWN + 2:]):
             raise AutoparError(f"{nc.node.name}'s experts have biases, so they cannot split within (each rank of "
                                "the partial sum would add the down projection's bias): split them by expert only")
+        if _activation(nc.node) not in ACTIVATIONS:
+            raise AutoparError(f"{nc.node.name}'s experts gate with a function of their model's own "
+                               f"({_activation(nc.node)}), whose layout of the gate and up columns autopar does not "
+                               "know, so they cannot split within: split them by expert only")
         if inner % ranks:
             raise AutoparError(f"{nc.node.name}'s experts have an intermediate size of {inner}, which cannot split "
                                f"evenly over mesh axis {name!r} of {ranks} ranks: name an axis whose size divides "

@@ -24,6 +24,7 @@ from solver import (
     restrict,
     solve,
 )
+from solver.apart import solve_apart
 from tests.tiers import slow_except
 
 GIB = float(1 << 30)
@@ -396,3 +397,45 @@ def test_invalid_solver_and_time_limit() -> None:
         solve(problem, solver="gurobi")
     with pytest.raises(SolverError, match="time_limit"):
         solve(problem, time_limit=0)
+
+
+def test_a_large_model_is_solved_apart_as_it_would_be_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``APART_VARIABLES`` (here: every model) a timed solve runs in a process of its own,
+    and gives what the same solve gives in this one."""
+    import solver.ilp as ilp
+
+    problem = step_problem(3, 0.7)
+    here = solve(problem, time_limit=60.0)
+    started = []
+    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    monkeypatch.setattr(ilp, "solve_apart", lambda *a: started.append(1) or solve_apart(*a))
+    apart = solve(problem, time_limit=60.0)
+    assert started and apart.choices == here.choices and apart.status == here.status == "optimal"
+    assert apart.objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)
+
+
+def test_a_solver_that_overruns_its_time_limit_is_stopped_and_the_hint_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS may run far past its limit on large models (checks far apart): solved apart, it is
+    stopped at the limit, and the solve returns its hint (a feasible plan), saying time stopped it."""
+    import time
+
+    import solver.ilp as ilp
+    from solver.apart import STALL_ENV
+
+    problem = step_problem(3, 0.7)
+    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    monkeypatch.setenv(STALL_ENV, "30")
+    start = time.perf_counter()
+    sol = solve(problem, time_limit=1.0)
+    assert time.perf_counter() - start < 1.0 + ilp.APART_GRACE_S + 0.5
+    assert (sol.status, sol.stopped_by, sol.gap, sol.nodes) == ("feasible", "time", None, 0)
+    check_solution(problem, sol)
+
+
+def test_a_failing_solver_process_is_a_solver_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import solver.ilp as ilp
+
+    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    monkeypatch.setenv("AUTOPAR_SOLVE_APART_STALL_S", "not a number")
+    with pytest.raises(SolverError, match="(?s)the solver's process failed .*not a number"):
+        solve(step_problem(3, 0.7), time_limit=30.0)

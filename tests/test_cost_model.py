@@ -787,3 +787,26 @@ def test_a_returned_output_is_gathered_in_the_step_only_when_split_unevenly(gath
     assert cost.transient_bytes == pytest.approx(whole + buffers if in_step else whole * 8 / 32)
     grid = cm.edge_grid(logits, out, i)
     assert grid[(logits.strategies.index(split), 0)].transient_bytes == cost.transient_bytes
+
+
+def test_a_dropout_that_drops_nothing_is_no_op_and_prices_nothing():
+    """ATen's dropout of probability 0 (or not training) returns its input and draws nothing: capture
+    drops it, so that a model's eager attention at ``attention_dropout=0.0`` does not pay a pass
+    over every score matrix; one that drops something stays, and the plans differ by its price."""
+    class Scores(nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.p, self.proj = p, nn.Linear(16, 64)
+
+        def forward(self, x):
+            scores = self.proj(x) @ self.proj(x).transpose(-1, -2)
+            return (nn.functional.dropout(scores.softmax(-1), self.p, self.training) @ self.proj(x)).square().sum()
+
+    x, model = torch.randn(4, 64, 16), Scores(0.0)
+    kept, idle = capture(Scores(0.1), (x,)), capture(model, (x,))
+    ops = [str(n.target) for n in idle.graph.nodes if n.op == "call_function"]
+    assert "aten.dropout.default" not in ops and "aten.dropout.default" in str(kept.graph)
+    priced = [plan_captured(c, MeshSpec((1,)), PlanOptions(hand_plans=False, profile=None, time_limit=None)).predicted
+              for c in (kept, idle)]
+    assert priced[1].step_time_s < priced[0].step_time_s
+    torch.testing.assert_close(idle.program.module()(x), model(x))

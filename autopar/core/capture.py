@@ -266,6 +266,21 @@ def _out_of_place_private_writes(program: ExportedProgram) -> None:
         gm.recompile()
 
 
+def _drop_idle_dropouts(program: ExportedProgram) -> None:
+    """A dropout of probability 0 (or not training) returns its input itself and draws nothing
+    (ATen's ``dropout``): replaced by its input, so that it is not priced as a pass over it and a
+    copy (a Hugging Face model's eager attention calls one on every score matrix, gpt-oss's
+    among them)."""
+    gm = program.graph_module
+    idle = [n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default
+            and (float(n.args[1]) == 0.0 or not n.args[2])]
+    for node in idle:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    if idle:
+        gm.recompile()
+
+
 def _lean_losses(program: ExportedProgram) -> None:
     """Each cross-entropy the lean loss computes made one (``autopar.core.lean_loss``: the
     logits' fp32 copy, log-probabilities and their gradients never held whole)."""
@@ -477,6 +492,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         _unwrap(program, model)
     _inline_grad_regions(program)
     _out_of_place_private_writes(program)
+    _drop_idle_dropouts(program)
     _refuse_higher_order_ops(program, type(model).__name__)
     _lean_losses(program)
     folded, why_not = fold_expert_lists(program, model)

@@ -524,3 +524,40 @@ def test_gpt_oss_trains_exactly_with_its_experts_split_by_expert(mesh_shape, run
     check_training(OSS, 0, 0, mesh_shape, runner, {"plan": plan}, batches=batches)
     if runner is local_runner:
         assert seen and any(0 in per_expert for counts in seen for per_expert in counts), seen
+
+
+#: transformers' MoE architectures beyond the zoo's, at a tiny size each (4 experts, top-2): their
+#: routers (DeepSeek-V3's grouped sigmoid scores, PhiMoE's sparse mixer, GLM-4's), shared experts,
+#: and the layers around them (LFM2's convolutions) as transformers builds them.
+ARCHITECTURES = {
+    "Qwen3MoeConfig": {"num_experts": 4, "head_dim": 16},
+    "DeepseekV3Config": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                         "first_k_dense_replace": 0, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                         "qk_nope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4},
+    "Glm4MoeConfig": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                      "first_k_dense_replace": 0, "head_dim": 16},
+    "PhimoeConfig": {"num_local_experts": 4},
+    "HunYuanMoEV1Config": {"num_experts": 4, "moe_topk": 2, "head_dim": 16, "intermediate_size": 32},
+    "Lfm2MoeConfig": {"num_experts": 4, "num_dense_layers": 0, "layer_types": ["full_attention", "conv"]},
+}
+
+
+def _architecture(config: str) -> torch.nn.Module:
+    import transformers
+
+    sizes = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "moe_intermediate_size": 32, "vocab_size": 256, "num_experts_per_tok": 2,
+             "max_position_embeddings": 128, "eos_token_id": 0, "pad_token_id": 0, "bos_token_id": 0}
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config)(**sizes | ARCHITECTURES[config]))
+
+
+@pytest.mark.parametrize("config", sorted(ARCHITECTURES))
+def test_transformers_moe_architectures_train_exactly_split_by_expert(config):
+    gen = torch.Generator().manual_seed(1)
+    batches = [((ids,), {"labels": ids.clone(), "use_cache": False})
+               for ids in (torch.randint(0, 256, (2, 8), generator=gen) for _ in range(3))]
+    options = {"expert_parallel": {"axis": "x"}, "hand_plans": False, "time_limit": None, "profile": None,
+               "pipeline": False, "microbatches": 1, "recompute": "none"}
+    plan = check_training(functools.partial(_architecture, config), 0, 0, (2,), local_runner, options, batches=batches)
+    assert plan.expert_parallel is not None and plan.expert_parallel["axis"] == "x"
+    assert plan.expert_parallel["layers"] == plan.expert_parallel["of"] == 2

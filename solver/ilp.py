@@ -857,18 +857,7 @@ def solve(problem: Problem, time_limit: float | None = None, solver: SolverName 
         obj, mem = _evaluate(problem, data, hint)
         return Solution(tuple(hint), obj, mem, "optimal", 0.0, time.perf_counter() - start, 0, 0)
 
-    params = mathopt.SolveParameters(
-        random_seed=0,  # fixed seed: same problem, same plan
-        relative_gap_tolerance=relative_gap,
-        absolute_gap_tolerance=1e-9,
-    )
-    hard_stop = None
-    if time_limit is not None:
-        remaining = max(time_limit - (time.perf_counter() - start), 0.01)
-        params.time_limit = datetime.timedelta(seconds=remaining)
-        hard_stop = remaining + APART_GRACE_S
-    if node_limit is not None:
-        params.node_limit = max(int(node_limit), 0)
+    params, hard_stop = _parameters(relative_gap, time_limit, start, node_limit)
     hinted = _hint_values(built, red, data, hint)
     result = _run(built, hinted, SOLVERS[solver], params, hard_stop)
     if result is None:   # stopped at the limit before it answered: the hint stands
@@ -893,6 +882,25 @@ def solve(problem: Problem, time_limit: float | None = None, solver: SolverName 
         nodes=int(stats.node_count) if stats is not None else 0,
         stopped_by=None if status == "optimal" else _stopped_by(result) if result is not None else "time",
     )
+
+
+def _parameters(relative_gap: float, time_limit: float | None, start: float,
+                node_limit: int | None) -> tuple[mathopt.SolveParameters, float | None]:
+    """The solver's parameters (its time limit: what is left of ``time_limit`` since ``start``),
+    and the seconds from now at which a solve apart is stopped (None: no limit)."""
+    params = mathopt.SolveParameters(
+        random_seed=0,  # fixed seed: same problem, same plan
+        relative_gap_tolerance=relative_gap,
+        absolute_gap_tolerance=1e-9,
+    )
+    hard_stop = None
+    if time_limit is not None:
+        remaining = max(time_limit - (time.perf_counter() - start), 0.01)
+        params.time_limit = datetime.timedelta(seconds=remaining)
+        hard_stop = remaining + APART_GRACE_S
+    if node_limit is not None:
+        params.node_limit = max(int(node_limit), 0)
+    return params, hard_stop
 
 
 def _stopped_by(result: result_pb2.SolveResultProto) -> Literal["nodes", "time", None]:

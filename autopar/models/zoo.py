@@ -28,8 +28,8 @@ Entries
 Hugging Face models are exactly what a user's ``AutoModel....from_config(config)`` builds:
 default attention implementation, tied embeddings where the config ties them, key/value cache on
 by default (the example inputs pass ``use_cache=False``, as training does), random weights
-(nothing is ever downloaded). The configs set sizes and dropout 0 (the models still run
-``aten.dropout(x, 0.0, True)``), nothing else. With ``labels`` they return a ``ModelOutput``; an
+(nothing is ever downloaded). The configs set sizes and dropout 0 (the models still call
+``dropout(x, 0.0, True)``, which capture drops), nothing else. With ``labels`` they return a ``ModelOutput``; an
 exported program's outputs are then ``(loss, logits)``.
 """
 

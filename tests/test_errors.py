@@ -153,6 +153,27 @@ def test_a_loop_over_the_experts_hit_is_told_to_loop_over_every_expert():
         autopar.plan(HitExperts(), MeshSpec((2,)), (torch.randn(6, 4),))
 
 
+class SkippingExperts(LoopedExperts):
+    """Every expert, but one that no token chose skipped (transformers 4.36's Mixtral): a branch on
+    a size that depends on values, which export cannot trace."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.shape[0] == 0:
+                continue
+            out = out.index_add(0, rows, expert(x[rows]) * weight[rows, slot, None])
+        return out.sum()
+
+
+def test_skipping_an_expert_no_token_chose_is_told_to_drop_the_branch():
+    with pytest.raises(CaptureError, match=r"SkippingExperts at .*\(if rows.shape\[0\] == 0:\): a branch on how many "
+                                           r"rows a value-dependent selection picked .* drop the branch"):
+        autopar.plan(SkippingExperts(), MeshSpec((2,)), (torch.randn(6, 4),))
+
+
 def test_sizes_that_depend_on_values_are_refused_by_op_and_module():
     """Export traces ``torch.where(cond)`` with a size it cannot know; planning must say so, by op
     and module, never fail later on the symbol."""

@@ -194,6 +194,10 @@ def _capture_hint(message: str, dtype: torch.dtype = torch.float32, line: str = 
         return ("a Python loop over a tensor whose length depends on its values is the cause (as a mixture of "
                 "experts looping over the experts a batch hits): loop over a length known from shapes instead, "
                 "e.g. every expert with range(num_experts) (autopar runs a loop over a list of experts as one op)")
+    if dependent and re.match(r"\s*if\s.*(numel\(\)|shape\[0\]|size\(0\)|len\().*(==|<=|<|>)\s*[01]\b", line):
+        return ("a branch on how many rows a value-dependent selection picked is the cause (as a mixture of experts "
+                "skipping an expert that no token chose): drop the branch; an expert run on no rows adds nothing, "
+                "and autopar runs a loop over a list of experts as one op")
     if dependent:
         return ("Python control flow on tensor values is the cause: compute both outcomes and pick one with "
                 "torch.where, or make the condition depend on shapes only.")

@@ -330,7 +330,7 @@ _reg(_hf_entry("mixtral-8x7b", "Mixtral 8x7B", MIXTRAL, 8, 4096, 46_702_792_704,
                max_position_embeddings=32768, num_local_experts=8, num_experts_per_tok=2))
 _reg(_hf_entry("gpt-oss-tiny", "Tiny gpt-oss", GPT_OSS, **_TINY, num_params=108_752, num_hidden_layers=2, hidden_size=64,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32, vocab_size=256,
-               num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8))
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=8))
 _reg(_hf_entry("gpt-oss-120b", "gpt-oss-120b", GPT_OSS, 8, 4096, 116_829_156_672))   # transformers' defaults
 _reg(_hf_entry("roberta-tiny", "Tiny RoBERTa", ROBERTA, **_TINY, num_params=92_352, num_hidden_layers=2, hidden_size=64,
                num_attention_heads=4, intermediate_size=128, vocab_size=256, max_position_embeddings=66))

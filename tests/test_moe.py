@@ -561,3 +561,29 @@ def test_transformers_moe_architectures_train_exactly_split_by_expert(config):
     plan = check_training(functools.partial(_architecture, config), 0, 0, (2,), local_runner, options, batches=batches)
     assert plan.expert_parallel is not None and plan.expert_parallel["axis"] == "x"
     assert plan.expert_parallel["layers"] == plan.expert_parallel["of"] == 2
+
+
+def test_a_gate_of_the_models_own_is_priced_keeping_what_autograd_keeps_of_it():
+    """``gate_kept`` counts what autograd keeps of a captured gate by running it: SwiGLU written as
+    a gate of its own keeps the 4I the op's SwiGLU is priced at (its rows, activation and product);
+    gpt-oss's clamped, interleaved one 7I, and its layer's kept rows are priced that much more."""
+    import torch.nn.functional as F
+
+    from autopar.core.strategies import build_space
+    from cost_models.estimate import CostModel
+    from tests.strategy_cases import INTERLEAVED, MoEExperts, OwnGateExperts, _routing
+
+    def swiglu(x):
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up
+
+    ep.GATES["tests.test_moe.swiglu"] = swiglu
+    assert (ep.gate_kept("tests.test_moe.swiglu", 12), ep.gate_kept(INTERLEAVED, 12)) == (4 * 6, 7 * 6)
+    inputs = (torch.randn(8, 6), _routing(), torch.rand(8, 2))
+    kept = []
+    for layer in (MoEExperts(), OwnGateExperts()):
+        space = build_space(capture(layer, inputs), MeshSpec((1,), hardware="cpu"))
+        nc = next(nc for nc in space.nodes if nc.node.target is MOE)
+        kept.append(CostModel(space.mesh, space)._kept(nc, nc.strategies[0], None)[1])
+    rows = 8 * 2
+    assert kept[1] - kept[0] == rows * (7 - 4) * 6 * 4

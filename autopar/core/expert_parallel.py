@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
 from autopar.core.errors import AutoparError
 
@@ -175,6 +177,28 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 #: (transformers' ``_apply_gate`` where a class has its own, e.g. gpt-oss's clamped, interleaved
 #: SwiGLU; or an activation of its own). Per process: each rank captures, and so registers, its own.
 GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+@functools.cache
+def gate_kept(activation: str, fused: int) -> int:
+    """Values per row that autograd keeps of a gate captured from a model (``GATES[activation]``)
+    and of the down projection reading it, on rows of ``fused`` up-projection values (2I or I):
+    counted by running it on a few rows, each storage once (SwiGLU's default gate keeps 4I: the
+    fused rows, the activation and the product)."""
+    rows, kept = 2, {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    # real tensors on the CPU, whatever mode or default device the caller planned under
+    with maybe_disable_local_tensor_mode(), unset_fake_temporarily(), torch.device("cpu"), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        gated_rows = GATES[activation](torch.randn(rows, fused, requires_grad=True))
+        down = torch.zeros(1, gated_rows.shape[-1], requires_grad=True)
+        F.linear(gated_rows, down)
+    kept.pop(down.untyped_storage().data_ptr(), None)
+    return sum(kept.values()) // rows
 
 
 def gated(gate_up: torch.Size | tuple[int, ...], down: torch.Size | tuple[int, ...]) -> bool:

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from autopar.core.capture import tensor_val
 from autopar.core.errors import AutoparError
-from autopar.core.expert_parallel import ACTIVATIONS, GATES, gated, routed_experts
+from autopar.core.expert_parallel import ACTIVATIONS, GATES, gate_kept, gated, routed_experts
 from autopar.core.ops.base import (
     Collective,
     Emitter,
@@ -211,14 +211,16 @@ def busiest_rank(placed: Placed, skew: float) -> float:
 def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
     """What autograd keeps of the kernel: tokens, router weights and experts (inputs), and per
     (token, choice) row the dispatched token and the returned result (2H) and the expert's gate,
-    activation, up projection and product (4I; a plain MLP: its projection and activation, 2I), in
-    the experts' dtype. The kernel is autograd's
+    activation, up projection and product (4I; a plain MLP: its projection and activation, 2I; a
+    gate of the model's own: what it keeps, ``gate_kept``), in the experts' dtype. The kernel is autograd's
     ops (``routed_experts``), each freeing what it kept as its backward runs: ``by_parts``. A
     rank keeps its share of the rows, and of the 4I where each expert is split within
     (``kept_share``)."""
     hidden, ids, gate_up, down = (tensor_val(node.args[i]) for i in (HIDDEN, IDS, GATE_UP, DOWN))
     rows = hidden.shape[0] * ids.shape[1]
     inner = 2 * gate_up.shape[1] if gated(gate_up.shape, down.shape) else 2 * down.shape[2]
+    if _activation(node) in GATES:   # a gate of the model's own keeps what it keeps (counted once, run)
+        inner = gate_kept(_activation(node), gate_up.shape[1])
     extra = rows * (2 * hidden.shape[1] + inner) * gate_up.element_size()
     weights = (HIDDEN, WEIGHTS, *range(GATE_UP, len(flags)))   # (the ids are not differentiated)
     return Kept(frozenset(i for i in weights if flags[i]), False, extra, by_parts=True,

@@ -413,7 +413,7 @@ def table_row(r: dict[str, Any]) -> tuple[str, ...]:
     knobs = " ".join(f"{k}={v}" for k, v in r.get("knobs") or ())
     head = (r["model"], mesh_str(r["mesh"]), f"{r['batch']}x{r['seq']}" + (f" {knobs}" if knobs else ""))
     if r["status"] != "ok":
-        return head + ("failed",) + ("",) * 6
+        return head + ("refused" if r["status"] == "refused" else "failed",) + ("",) * 6
     p = r["predicted"]
     return head + (f"{p['step_time_s'] * 1e3:.2f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{r['step_error_pct']:+.0f}",
                    f"{r['launch_spread_pct']:.0f}",
@@ -553,13 +553,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue   # failed in an earlier launch
             print(f"[launch {launch + 1}/{a.launches}, {i + 1}/{len(configs)}] {cfg.label} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
+            planned = launch > 0
             try:
                 if launch == 0:
                     records.append(plan_config(cfg, a.device, hardware, plan_kwargs, profile=not a.no_profile))
+                planned = True
                 measure_config(records[i], a.device, a.warmup, a.steps, a.timeout)
             except AutoparError as e:   # replaces (or, if planning failed, appends) this config's record
-                records[i:i + 1] = [{**dataclasses.asdict(cfg), "label": cfg.label, "status": "error", "error": str(e)}]
-                print(f"  failed: {str(e).splitlines()[0]}", file=sys.stderr)
+                # refused by the planner: a knob the model cannot take (a split within experts with biases)
+                status = "error" if planned else "refused"
+                records[i:i + 1] = [{**dataclasses.asdict(cfg), "label": cfg.label, "status": status, "error": str(e)}]
+                print(f"  {'failed' if planned else 'refused by the planner'}: {str(e).splitlines()[0]}", file=sys.stderr)
             else:
                 last = records[i]["launches"][-1]
                 print(f"  {fmt(time.perf_counter() - t0, 's')}: measured step {fmt(last['step_s'], 's')}, "

@@ -49,8 +49,10 @@ def solve_apart(model: model_pb2.ModelProto, solver_type: int, params: parameter
     """``solve_proto`` in a child process; None where it has not answered within ``seconds``
     (it is killed). A solver error in the child is raised here as ``RuntimeError``."""
     deadline = time.perf_counter() + seconds
+    # the child imports this very module: the parent's import path, whatever put it there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     child = subprocess.Popen([sys.executable, "-c", "from solver.apart import main; main()"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     payload = _framed(struct.pack("<i", solver_type), model.SerializeToString(), params.SerializeToString(),
                       model_params.SerializeToString())
     try:

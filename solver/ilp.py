@@ -44,6 +44,7 @@ incumbent when the time limit is hit.)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import numbers
@@ -997,7 +998,8 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
     model_params.variable_values_filter.filtered_ids.extend(i for ids in built.x_ids.values() for i in ids)
     try:
         if hard_stop is not None and len(built.proto.variables.ids) >= APART_VARIABLES:
-            return solve_apart(built.proto, solver.value, params.to_proto(), model_params, hard_stop)
+            with contextlib.suppress(OSError):   # (no interpreter to start: solved here, unstoppable)
+                return solve_apart(built.proto, solver.value, params.to_proto(), model_params, hard_stop)
         return solve_proto(built.proto, solver.value, params.to_proto(), model_params)
     except StatusNotOk as e:
         raise SolverError(f"the solver rejected the model: {e}") from None

@@ -439,3 +439,14 @@ def test_a_failing_solver_process_is_a_solver_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("AUTOPAR_SOLVE_APART_STALL_S", "not a number")
     with pytest.raises(SolverError, match="(?s)the solver's process failed .*not a number"):
         solve(step_problem(3, 0.7), time_limit=30.0)
+
+
+def test_without_an_interpreter_to_start_a_large_model_is_solved_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import solver.ilp as ilp
+
+    problem = step_problem(3, 0.7)
+    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    assert solve(problem, time_limit=30.0).objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)

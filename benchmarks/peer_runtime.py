@@ -13,7 +13,8 @@ two ran a second apart, so a spell of load on this shared host (rounds of one va
   ColwiseParallel/RowwiseParallel on tp, FSDP2 on dp) where torch's API can split the model
   unchanged (separate q/k/v projections in ``nn.Linear``: Llama), against autopar's
   'fsdp(dp) x tp(tp)' hand plan (``autopar.profiling.peers`` builds torch's variants).
-* mixture-of-experts models (Mixtral), meshes 2, 4 and 2x2 (dp x ep): torch EP x DP
+* mixture-of-experts models (Mixtral; ``autopar.models.moe:build``, a hand-written list of
+  experts), meshes 2, 4 and 2x2 (dp x ep): torch EP x DP
   (torchtitan-style expert parallelism written by hand: experts split by expert over the last
   axis, tokens sent to them by all-to-all, the rest under DDP) against autopar's plan with
   ``expert_parallel`` forced onto the same axis ("ep"); and torch DDP against autopar's 'ddp'
@@ -69,7 +70,7 @@ from machine import machine_line, save_results
 
 RESULTS = Path(__file__).parent / "results" / "peer_runtime.json"
 MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "gpt2-125m": (8, 128),
-          "mixtral-tiny": (16, 64)}
+          "mixtral-tiny": (16, 64), "autopar.models.moe:build": (16, 64)}
 MESHES = ((4,), (2, 2), (1,))
 ROUNDS = 15
 WARMUP_STEPS = {"gpt2-125m": (1, 3)}   # (warmup, timed) steps a round; others (2, 20): its steps take seconds here
@@ -130,7 +131,7 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     torch.manual_seed(SEED)
     model = entry.build()
     args, kwargs = entry.example(batch, seq)
-    moe = bool(peers.experts_modules(model))
+    moe = bool(peers.experts_modules(model) or peers.hand_moe_layers(model))
     spec = autopar.MeshSpec(mesh, ("dp",) if len(mesh) == 1 else ("dp", "ep" if moe else "tp"), hardware="cpu")
     if profile == "auto" and spec.size > 1:
         profile_model(model, spec, args, kwargs, progress=None)

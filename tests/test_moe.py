@@ -444,7 +444,7 @@ def test_the_experts_memory_is_what_the_kernel_holds(layout):
     assert cost.transient_bytes < 2 * out + internal / 2
 
 
-def _torch_ep_worker(mesh, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _torch_ep_worker(mesh, name, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """torch EP x DP (``peers.expert_parallel``) trained on this rank's part of each batch: the
     mean of the ranks' losses each step, this rank's parameters (its experts' slices) at the end
     and its gradients of the first step (AdamW would hide a gradient wrong by a constant factor)."""
@@ -452,13 +452,13 @@ def _torch_ep_worker(mesh, batches) -> tuple[list[float], dict[str, torch.Tensor
 
     from autopar.profiling import peers
 
-    model = build(NAME)
+    model = build(name)
     wrapped, _ = peers.wrap("torch EP x DP", model, batches[0], mesh)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=equivalence.LR, eps=equivalence.EPS)
     losses, grads = [], {}
     for batch in batches:
         args, kwargs = peers.rank_batch(batch, dist.get_world_size(), dist.get_rank())
-        loss = wrapped(*args, **kwargs).loss
+        loss = equivalence.loss_of(wrapped(*args, **kwargs))
         loss.backward()
         grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
@@ -469,24 +469,36 @@ def _torch_ep_worker(mesh, batches) -> tuple[list[float], dict[str, torch.Tensor
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
 
 
-@slow
-def test_torch_expert_parallel_reference_trains_as_one_device():
+def _as_global(key: str, rank: int, local: int) -> str:
+    """A hand-written list's local expert ``experts.i.`` on ``rank``: global expert ``rank*local + i``."""
+    head, sep, tail = key.partition(".experts.")
+    index, _, rest = tail.partition(".")
+    return f"{head}.experts.{rank * local + int(index)}.{rest}" if sep and index.isdigit() else key
+
+
+@pytest.mark.parametrize("name", [NAME, "autopar.models.moe:build"])
+def test_torch_expert_parallel_reference_trains_as_one_device(name):
     """The hand-written torch EP that benchmarks/peer_runtime.py times autopar against (experts
     split by expert, tokens dispatched by all-to-all, DDP for the rest) trains as one device
-    does on 2 gloo processes: losses, and each rank's slice of every parameter."""
+    does on 2 gloo processes: losses, and each rank's slice of every parameter; for transformers'
+    fused experts and for a hand-written list of them."""
     from autopar.profiling.launch import run_on_gloo_mesh
 
-    ref_losses, ref_state = _reference("fp32")
-    model = build(NAME)
-    equivalence.loss_of(model(*BATCHES[0][0], **BATCHES[0][1])).backward()
+    batches = BATCHES if name == NAME else make_batches(name, 2, 4)
+    ref_losses, ref_state = _reference("fp32") if name == NAME else _one_device(name, batches)
+    model = build(name)
+    equivalence.loss_of(model(*batches[0][0], **batches[0][1])).backward()
     ref_grads = {k: p.grad for k, p in model.named_parameters()}
-    ranks = run_on_gloo_mesh(_torch_ep_worker, (2,), BATCHES, axis_names=("ep",), start_method="forkserver")
+    ranks = run_on_gloo_mesh(_torch_ep_worker, (2,), name, batches, axis_names=("ep",), start_method="forkserver")
     for r, (losses, state, grads) in enumerate(ranks):
         torch.testing.assert_close(losses, ref_losses, rtol=equivalence.RTOL, atol=equivalence.ATOL)
         for got, ref in ((state, ref_state), (grads, ref_grads)):
-            for key, want in ref.items():
-                rows = got[key].shape[0] if key.endswith(("gate_up_proj", "down_proj")) else None
-                torch.testing.assert_close(got[key], want if rows is None else want[r * rows:(r + 1) * rows],
+            got = {_as_global(k, r, 2): v for k, v in got.items()}   # (4 experts, 2 a rank)
+            assert set(got) <= set(ref) and len(got) < len(ref) if name != NAME else set(got) == set(ref)
+            for key, have in got.items():
+                want = ref[key]
+                rows = have.shape[0] if key.endswith(("gate_up_proj", "down_proj")) else None
+                torch.testing.assert_close(have, want if rows is None else want[r * rows:(r + 1) * rows],
                                            rtol=equivalence.RTOL, atol=equivalence.ATOL,
                                            msg=lambda m, key=key: f"{key}: {m}")
 

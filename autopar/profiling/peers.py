@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,17 +95,29 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _dispatched_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
-    """The experts' forward over an expert-parallel ``group`` (this rank holds local experts
-    ``[r*L, (r+1)*L)`` of ``n*L``): each (token, choice) pair goes to its expert's rank by an
-    all-to-all (counts first, so that every rank knows the uneven splits), each local expert
-    runs on its rows, the results come back by the reverse all-to-all and are summed weighted by
-    the router. Differentiable: the functional all-to-all's backward sends gradients back."""
+    """transformers' fused experts' forward over an expert-parallel ``group`` (this rank holds
+    local experts ``[r*L, (r+1)*L)`` of ``n*L``): ``routed`` to its local experts' SwiGLUs."""
+    def expert(e: int, part: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(part, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+
+    return routed(hidden.to(experts.gate_up_proj.dtype), top_k_index, top_k_weights, expert,
+                  experts.gate_up_proj.size(0), group).to(hidden.dtype)
+
+
+def routed(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+           expert: Callable[[int, torch.Tensor], torch.Tensor], local: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Each (token, choice) pair of ``hidden`` sent to its expert's rank of ``group`` by an
+    all-to-all (counts first, so that every rank knows the uneven splits), each of this rank's
+    ``local`` experts run on its rows (``expert(local index, rows)``), the results sent back by
+    the reverse all-to-all and summed weighted by the router. Differentiable: the functional
+    all-to-all's backward sends gradients back."""
     import torch.distributed._functional_collectives as funcol
 
     def all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_to_all_single(rows.contiguous(), out_splits, in_splits, group))
 
-    n, local, k = group.size(), experts.gate_up_proj.size(0), top_k_index.size(1)
+    n, k = group.size(), top_k_index.size(1)
     pair_expert = top_k_index.reshape(-1)
     by_expert = torch.argsort(pair_expert, stable=True)          # by expert, hence by destination rank
     to_expert = torch.bincount(pair_expert, minlength=n * local)
@@ -113,20 +126,15 @@ def _dispatched_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: t
     splits = torch.cat([to_expert.view(n, local).sum(1), from_rank.view(n, local).sum(1),
                         from_rank.view(n, local).sum(0)]).tolist()
     send, recv, rows = splits[:n], splits[n:2 * n], splits[2 * n:]
-    x = hidden[by_expert // k].to(experts.gate_up_proj.dtype)
-    x = all_to_all(x, recv, send)
+    x = all_to_all(hidden[by_expert // k], recv, send)
     # a source's rows arrive grouped by local expert: group all sources' rows by local expert
     local_of_row = torch.arange(local, device=x.device).repeat(n).repeat_interleave(from_rank)
     regroup = torch.argsort(local_of_row, stable=True)
-    outs = []
-    for e, part in enumerate(x[regroup].split(rows)):
-        gate, up = F.linear(part, experts.gate_up_proj[e]).chunk(2, dim=-1)
-        outs.append(F.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
-    y = torch.cat(outs)
+    y = torch.cat([expert(e, part) for e, part in enumerate(x[regroup].split(rows))])
     y = y.new_zeros(y.shape).index_copy(0, regroup, y)            # back to arrival order
     y = all_to_all(y, send, recv)
     pairs = y.new_zeros(y.shape).index_copy(0, by_expert, y).view(*top_k_index.shape, -1)
-    return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
+    return (pairs * top_k_weights.unsqueeze(-1)).sum(1)
 
 
 def _keep_local_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> None:
@@ -141,30 +149,65 @@ def _keep_local_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> None:
         setattr(experts, name, nn.Parameter(full.detach()[ep_rank * local:(ep_rank + 1) * local].clone()))
 
 
+def hand_moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The hand-written mixture-of-experts layers of ``model`` (``autopar.models.moe.SparseMoe``:
+    a router ``gate`` and a ``ModuleList`` of experts), by name."""
+    from autopar.models.moe import SparseMoe
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoe)]
+
+
+def _routed_hand_moe(moe: nn.Module, hidden: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """``SparseMoe.forward`` over an expert-parallel ``group``: its router as it is, its tokens
+    ``routed`` to this rank's experts (``moe.experts`` holds only those)."""
+    batch, seq, dim = hidden.shape
+    x = hidden.view(-1, dim)
+    weights = F.softmax(moe.gate(x), dim=1, dtype=torch.float)
+    weights, chosen = torch.topk(weights, moe.top_k, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+    out = routed(x, chosen, weights, lambda e, rows: moe.experts[e](rows), len(moe.experts), group)
+    return out.to(hidden.dtype).view(batch, seq, dim)
+
+
+def _split_by_expert(model: nn.Module, group: dist.ProcessGroup, rank: int, size: int) -> list[str]:
+    """Each MoE layer of ``model`` keeps this rank's experts and runs over ``group`` (its forward
+    swapped on the instance, as torchtitan's hooks do: the model's class is untouched); the names
+    of the experts' parameters (DDP leaves them to ``_average_expert_grad``)."""
+    fused, hand = experts_modules(model), hand_moe_layers(model)
+    for _, experts in fused:
+        _keep_local_experts(experts, rank, size)
+        experts.forward = types.MethodType(functools.partial(_dispatched_experts, group=group), experts)
+    for _, moe in hand:
+        if len(moe.experts) % size:
+            raise ValueError(f"torch EP needs the experts to divide by {size}; got {len(moe.experts)}")
+        local = len(moe.experts) // size
+        moe.experts = nn.ModuleList(list(moe.experts)[rank * local:(rank + 1) * local])
+        moe.forward = types.MethodType(functools.partial(_routed_hand_moe, group=group), moe)
+    return ([f"{name}.{p}" for name, _ in fused for p in ("gate_up_proj", "down_proj")]
+            + [f"{name}.experts.{p}" for name, moe in hand for p, _ in moe.experts.named_parameters()])
+
+
 def expert_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[nn.Module, Batch]:
     """torchtitan-style expert parallelism with data parallelism ("torch EP x DP"): each
-    mixture-of-experts layer's experts split by expert over the mesh's last axis (each rank its
-    slices of the expert weights, tokens dispatched by all-to-all: ``_dispatched_experts``),
-    every rank its part of ``batch``; the other parameters' gradients averaged over all ranks by
-    DDP, the experts' summed over the first axis (the ranks holding the same experts; none on a
-    1-D mesh) and divided by the number of ranks, as DDP's average would."""
+    mixture-of-experts layer's experts (transformers' fused ones, or a hand-written list:
+    ``hand_moe_layers``) split by expert over the mesh's last axis (each rank its experts,
+    tokens dispatched by all-to-all: ``routed``), every rank its part of ``batch``; the other
+    parameters' gradients averaged over all ranks by DDP, the experts' summed over the first axis
+    (the ranks holding the same experts; none on a 1-D mesh) and divided by the number of ranks,
+    as DDP's average would."""
     from torch.nn.parallel import DistributedDataParallel
 
-    layers = experts_modules(model)
-    if not layers or mesh.ndim > 2:
-        raise ValueError(f"torch EP needs a mixture-of-experts model (transformers' fused experts) and a 1-D or 2-D "
-                         f"mesh; got {type(model).__name__} with {len(layers)} experts layers on a {mesh.ndim}-D mesh")
+    if not (experts_modules(model) or hand_moe_layers(model)) or mesh.ndim > 2:
+        raise ValueError(f"torch EP needs a mixture-of-experts model (transformers' fused experts, or "
+                         f"autopar.models.moe's) and a 1-D or 2-D mesh; got {type(model).__name__} on a "
+                         f"{mesh.ndim}-D mesh")
     ep, world = mesh.get_group(mesh.ndim - 1), dist.get_world_size()
     dp = mesh.get_group(0) if mesh.ndim == 2 else None
-    for _, experts in layers:
-        _keep_local_experts(experts, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1))
-        # the forward swapped on this instance, as torchtitan's hooks do: the model's class is untouched
-        experts.forward = types.MethodType(functools.partial(_dispatched_experts, group=ep), experts)
-    ignored = [f"{name}.{p}" for name, _ in layers for p in ("gate_up_proj", "down_proj")]
+    ignored = _split_by_expert(model, ep, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    for _, experts in layers:
-        for p in (experts.gate_up_proj, experts.down_proj):
-            p.register_post_accumulate_grad_hook(functools.partial(_average_expert_grad, dp=dp, world=world))
+    params = dict(model.named_parameters())
+    for name in ignored:
+        params[name].register_post_accumulate_grad_hook(functools.partial(_average_expert_grad, dp=dp, world=world))
     return DistributedDataParallel(model), rank_batch(batch, world, dist.get_rank())
 
 

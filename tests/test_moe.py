@@ -515,6 +515,7 @@ def test_gpt_oss_experts_run_as_one_op_with_the_gate_of_their_class():
     gate = moes[0].args[5]
     assert gate.startswith("transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(") and gate in ep.GATES
     assert "limit=7.0" in gate and "alpha=1.702" in gate
+    assert not list(ep.GATES[gate].args[0].parameters())   # the registry keeps no expert weights alive
     assert [a.target for a in moes[0].args[3:5]] == [torch.ops.aten.transpose.int] * 2
     assert all(isinstance(b, torch.fx.Node) for b in moes[0].args[6:8])   # its biases
 

@@ -34,6 +34,7 @@ it is); ``autopar.core.ops.moe`` says how that op splits, and runs it split by e
 """
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -368,8 +369,19 @@ def _activation_of(module: torch.nn.Module, has_gate: bool) -> str:
                         if isinstance(v, (bool, int, float, str)) and not k.startswith("_") and k != "training")
     cls = type(module)
     name = f"{cls.__module__}.{cls.__qualname__}({settings}; act={type(act).__name__})"
-    GATES.setdefault(name, functools.partial(cls._apply_gate, module) if has_gate else act)
+    GATES.setdefault(name, functools.partial(cls._apply_gate, _without_weights(module)) if has_gate else act)
     return name
+
+
+def _without_weights(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` holding its settings and weightless submodules (its activation)
+    but none of its parameters and buffers: what its gate reads, kept in ``GATES`` without keeping
+    the experts' weights alive after the model is gone."""
+    light = copy.copy(module)
+    light._parameters, light._buffers = {}, {}
+    light._modules = {k: m for k, m in module._modules.items()
+                      if m is not None and not any(True for _ in m.parameters()) and not any(True for _ in m.buffers())}
+    return light
 
 
 @contextmanager

@@ -173,7 +173,7 @@ def expert_parallel_moe(tokens: torch.Tensor, weights: torch.Tensor, expert_ids:
 #: (``down(act(up x))``, ``gate_up`` [I, H]); which of the two from the weights' shapes (``gated``).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
-#: Gates taken from a model's experts class at capture (``model_gate``), by the name the op's
+#: Gates taken from a model's experts class at capture (``_activation_of``), by the name the op's
 #: ``activation`` gives them: a function of the up projection's rows [.., 2I or I] to [.., I]
 #: (transformers' ``_apply_gate`` where a class has its own, e.g. gpt-oss's clamped, interleaved
 #: SwiGLU; or an activation of its own). Per process: each rank captures, and so registers, its own.

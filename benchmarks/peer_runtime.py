@@ -131,7 +131,7 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     torch.manual_seed(SEED)
     model = entry.build()
     args, kwargs = entry.example(batch, seq)
-    moe = bool(peers.experts_modules(model) or peers.hand_moe_layers(model))
+    moe = peers.has_experts(model)
     spec = autopar.MeshSpec(mesh, ("dp",) if len(mesh) == 1 else ("dp", "ep" if moe else "tp"), hardware="cpu")
     if profile == "auto" and spec.size > 1:
         profile_model(model, spec, args, kwargs, progress=None)

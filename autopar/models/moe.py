@@ -60,12 +60,16 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(s.hidden, s.experts, bias=False)
         self.experts = nn.ModuleList(Expert(s) for _ in range(s.experts))
 
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k router weights (renormalised to sum to 1) and experts."""
+        weights = F.softmax(self.gate(hidden), dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(hidden.dtype), chosen
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = hidden.shape
         hidden = hidden.view(-1, dim)
-        weights = F.softmax(self.gate(hidden), dim=1, dtype=torch.float)
-        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(hidden.dtype)
+        weights, chosen = self.route(hidden)
         out = torch.zeros_like(hidden)
         mask = F.one_hot(chosen, num_classes=self.num_experts).permute(2, 1, 0)
         for e, expert in enumerate(self.experts):

@@ -157,14 +157,17 @@ def hand_moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoe)]
 
 
+def has_experts(model: nn.Module) -> bool:
+    """Does ``model`` have mixture-of-experts layers torch EP splits (``expert_parallel``)?"""
+    return bool(experts_modules(model) or hand_moe_layers(model))
+
+
 def _routed_hand_moe(moe: nn.Module, hidden: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
     """``SparseMoe.forward`` over an expert-parallel ``group``: its router as it is, its tokens
     ``routed`` to this rank's experts (``moe.experts`` holds only those)."""
     batch, seq, dim = hidden.shape
     x = hidden.view(-1, dim)
-    weights = F.softmax(moe.gate(x), dim=1, dtype=torch.float)
-    weights, chosen = torch.topk(weights, moe.top_k, dim=-1)
-    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+    weights, chosen = moe.route(x)
     out = routed(x, chosen, weights, lambda e, rows: moe.experts[e](rows), len(moe.experts), group)
     return out.to(hidden.dtype).view(batch, seq, dim)
 
@@ -197,7 +200,7 @@ def expert_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[n
     as DDP's average would."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if not (experts_modules(model) or hand_moe_layers(model)) or mesh.ndim > 2:
+    if not has_experts(model) or mesh.ndim > 2:
         raise ValueError(f"torch EP needs a mixture-of-experts model (transformers' fused experts, or "
                          f"autopar.models.moe's) and a 1-D or 2-D mesh; got {type(model).__name__} on a "
                          f"{mesh.ndim}-D mesh")

@@ -222,10 +222,12 @@ def _local(x: torch.Tensor, case: Case, n: int, rank: int) -> torch.Tensor:
     return whole.chunk(n, 2)[rank].clone()
 
 
-def _run_case(group, case: Case, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | str:
-    """This rank's output and its part of the gradients of query, key, value (or the error)."""
+def _run_case(group, case: Case, tensors: tuple[torch.Tensor, ...],
+              device: str = "cpu") -> tuple[torch.Tensor, ...] | str:
+    """This rank's output and its part of the gradients of query, key, value (or the error),
+    computed on ``device`` and returned on the CPU."""
     n, rank = group.size(), group.rank()
-    q, k, v, d_out = (_local(t.to(case.dtype), case, n, rank) for t in tensors)
+    q, k, v, d_out = (_local(t.to(case.dtype), case, n, rank).to(device) for t in tensors)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     try:
         if case.kernel == "ring":
@@ -236,16 +238,17 @@ def _run_case(group, case: Case, tensors: tuple[torch.Tensor, ...]) -> tuple[tor
     except AutoparError as e:
         return str(e)
     out.backward(d_out)
-    return out.detach(), q.grad, k.grad, v.grad
+    return tuple(t.cpu() for t in (out.detach(), q.grad, k.grad, v.grad))
 
 
-def _all_cases(mesh, cases: dict[str, Case], inputs: dict[str, tuple[torch.Tensor, ...]]) -> dict:
+def _all_cases(mesh, cases: dict[str, Case], inputs: dict[str, tuple[torch.Tensor, ...]],
+               device: str = "cpu") -> dict:
     group = mesh.get_group()
     results = {}
     for name, case in cases.items():
         if case.block == "math":   # this process only: the ring on the kernel other devices use
             cp._kernel_for = lambda query: "math"
-        results[name] = _run_case(group, case, inputs[name])
+        results[name] = _run_case(group, case, inputs[name], device)
         cp._kernel_for = _KERNEL_FOR
     return results
 

@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from autopar.core.errors import AutoparError
 from autopar.core.sizes import maximum
 
 Layout = Literal["contiguous", "balanced"]
-Kernel = Literal["flash_cpu", "math"]
+Kernel = Literal["flash_cpu", "flash_cuda", "efficient_cuda", "cudnn_cuda", "math"]
 _LAYOUTS = ("contiguous", "balanced")
 
 
@@ -141,10 +142,26 @@ def _block(is_causal: bool, layout: Layout, rank: int, source: int, length: int)
 # ----------------------------------------------------------------------------
 
 
+#: The ring's block kernel for each fused kernel SDPA may pick on CUDA.
+_CUDA_KERNELS: dict[int, Kernel] = {int(SDPBackend.FLASH_ATTENTION): "flash_cuda",
+                                    int(SDPBackend.EFFICIENT_ATTENTION): "efficient_cuda",
+                                    int(SDPBackend.CUDNN_ATTENTION): "cudnn_cuda"}
+
+
 def _kernel_for(query: torch.Tensor) -> Kernel:
-    """The CPU flash kernel on CPU (memory linear in the block, GQA built in); elsewhere the
-    matmul kernel in fp32, exact on any device."""
-    return "flash_cpu" if query.device.type == "cpu" else "math"
+    """The fused kernel that returns a log-sum-exp on the query's device: the CPU flash kernel on
+    CPU (memory linear in the block, GQA built in); on CUDA the one SDPA itself picks for such a
+    block (cuDNN's or FlashAttention in 16-bit dtypes on recent GPUs, the memory-efficient kernel
+    in fp32; ``torch.nn.attention.sdpa_kernel`` chooses as for SDPA); elsewhere the matmul kernel
+    in fp32, exact on any device but holding a block's whole score matrix."""
+    if query.device.type == "cpu":
+        return "flash_cpu"
+    if query.device.type != "cuda":
+        return "math"
+    kernel = _CUDA_KERNELS.get(int(torch._fused_sdp_choice(query, query, query, None, 0.0, False)), "math")
+    # the memory-efficient kernel's backward, fed a merged log-sum-exp, gave wrong gradients in
+    # 16-bit dtypes (an H200, torch 2.11; right in fp32): the matmul kernel runs there instead
+    return "math" if kernel == "efficient_cuda" and query.dtype != torch.float32 else kernel
 
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -178,6 +195,8 @@ def _block_forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse
+    if kernel != "math":
+        return _cuda_forward(kernel, q, k, v, causal, scale)
     s = _math_scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
     return torch.matmul(_probabilities(s, lse), _expand_heads(v, q.size(1)).float()), lse
@@ -191,6 +210,8 @@ def _block_backward(kernel: Kernel, grads: tuple[torch.Tensor, ...], q: torch.Te
     if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             d_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if kernel != "math":
+        return _cuda_backward(kernel, grads, q, k, v, causal, scale)
     p = _probabilities(_math_scores(q, k, causal, scale), lse)
     d_out = d_out.float()
     d_p = torch.matmul(d_out, _expand_heads(v, q.size(1)).float().transpose(-2, -1))
@@ -199,6 +220,52 @@ def _block_backward(kernel: Kernel, grads: tuple[torch.Tensor, ...], q: torch.Te
     dk = torch.matmul(d_s.transpose(-2, -1), q.float())
     dv = torch.matmul(p.transpose(-2, -1), d_out)
     return dq, _fold_heads(dk, k.size(1)), _fold_heads(dv, v.size(1))
+
+
+#: The memory-efficient CUDA kernel pads its log-sum-exp's rows to a multiple of this.
+_EFFICIENT_LSE_ROWS = 32
+
+
+def _cuda_forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_block_forward`` on CUDA's fused kernels: key/value heads repeated to the query's (as
+    SDPA does for them under GQA); the log-sum-exp without the efficient kernel's padding."""
+    k, v = (_expand_heads(t, q.size(1)) for t in (k, v))
+    if kernel == "flash_cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+    elif kernel == "cudnn_cuda":   # its log-sum-exp is [batch, heads, rows, 1]
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+                                                                      scale=scale)[:2]
+        lse = lse.reshape(q.shape[:-1])
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+    return out.float(), lse[..., :q.size(2)]
+
+
+def _cuda_backward(kernel: Kernel, grads: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """``_block_backward`` on CUDA's fused kernels, fed the whole attention's output and
+    log-sum-exp (contiguous, as they read them). No dropout: the random state they take is unread."""
+    d_out, out, lse = (g.contiguous() for g in grads)
+    kv_heads = k.size(1)
+    k, v = (_expand_heads(t, q.size(1)) for t in (k, v))
+    if kernel == "flash_cuda":
+        seed, offset = (torch.empty(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            d_out, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset, scale=scale)
+    elif kernel == "cudnn_cuda":
+        seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            d_out, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None, q.size(2), k.size(2), 0.0,
+            causal, scale=scale)
+    else:
+        padded = lse.new_zeros(*lse.shape[:-1], -(-lse.size(-1) // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS)
+        padded[..., :lse.size(-1)] = lse
+        seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+        dq, dk, dv, _bias = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            d_out, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -217,11 +284,15 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 class _Shift:
     """Tensors sent to the next rank of the ring while the same-shaped ones of the previous rank
-    arrive, launched at construction; ``wait`` returns what arrived."""
+    arrive, launched at construction; ``wait`` returns what arrived. Over gloo, whose
+    point-to-point messages are host memory, a GPU's tensors travel through host copies (as when
+    processes share a GPU)."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup, tag: int) -> None:
         n, rank = group.size(), group.rank()
-        self.sent = tuple(t.contiguous() for t in tensors)   # kept alive until the sends complete
+        self.device = tensors[0].device
+        self.staged = self.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        self.sent = tuple((t.cpu() if self.staged else t).contiguous() for t in tensors)   # alive until sent
         self.received, self.works = self.sent, []            # a ring of one: the block comes back
         if n > 1:
             self.received = tuple(torch.empty_like(t) for t in self.sent)
@@ -233,7 +304,7 @@ class _Shift:
     def wait(self) -> tuple[torch.Tensor, ...]:
         for work in self.works:
             work.wait()
-        return self.received
+        return tuple(t.to(self.device) for t in self.received) if self.staged else self.received
 
 
 @dataclass(frozen=True)
@@ -349,6 +420,14 @@ def ring_held_bytes(q_numel: Any, kv_numel: Any, rows: Any, itemsize: int, n: in
     if n > 2:
         return forward, q4 + in_flight + 4 * kv4 + 2 * grads
     return forward, q4 + in_flight + maximum(3 * kv4 + 2 * grads, 4 * kv4 + grads)
+
+
+def expanded_heads_bytes(q_numel: Any, grouped: bool, itemsize: int) -> tuple[Any, Any]:
+    """What the CUDA block kernels hold beyond ``ring_held_bytes`` (forward, backward) in bytes
+    where keys and values have fewer heads than queries: a block's keys and values repeated to
+    the query's heads (``_expand_heads``), and in the backward their gradients too before they
+    are folded back; nothing otherwise (and on the CPU, whose kernel takes grouped heads)."""
+    return (2 * itemsize * q_numel, 4 * itemsize * q_numel) if grouped else (0, 0)
 
 
 def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> None:

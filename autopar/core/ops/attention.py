@@ -18,7 +18,6 @@ from torch.distributed._local_tensor import (
     LocalTensor,
     local_tensor_mode,
     maybe_disable_local_tensor_mode,
-    rank_map,
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -29,6 +28,7 @@ from autopar.core.capture import tensor_val
 from autopar.core.context_parallel import (
     Layout,
     allgather_attention,
+    expanded_heads_bytes,
     positions,
     ring_attention,
     ring_held_bytes,
@@ -55,6 +55,7 @@ from autopar.core.ops.base import (
 from autopar.core.placements import Placements, largest_shard_shape
 from autopar.core.rules import AxisRule, OpView, fits, replicate
 from autopar.core.sizes import maximum, minimum
+from autopar.core.together import rank_map
 
 aten = torch.ops.aten
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -465,7 +466,8 @@ def attention_working(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) 
     (``ring_held_bytes``), less what the schedule holds there already (its output and
     log-sum-exp in the forward, its inputs' gradients in the backward). On the CPU, beside that,
     the flash kernel's scratch of one call (``flash_cpu_scratch``): of one block for the ring,
-    of the whole sequence on 1/n of the heads for Ulysses."""
+    of the whole sequence on 1/n of the heads for Ulysses; on a GPU, the ring's grouped-query
+    keys and values repeated to the query's heads (``expanded_heads_bytes``)."""
     vals = [tensor_val(a) for a in node.args[:3]]
     q, k, v = (largest_shard_shape(t.shape, p, mesh_shape) for t, p in zip(vals, placed.ins[:3], strict=True))
     itemsize, cpu = vals[0].dtype.itemsize, tensor_val(node).device.type == "cpu"
@@ -476,10 +478,9 @@ def attention_working(node: fx.Node, placed: Placed, mesh_shape: Sequence[int]) 
         return maximum(*flash_cpu_scratch(seq if context else q[2], seq, q[3], q_numel, itemsize)) if cpu else 0
     forward, backward = ring_held_bytes(q_numel, kv_numel, rows, itemsize, mesh_shape[context[0]])
     forward, backward = forward - itemsize * q_numel - 4 * rows, backward - itemsize * (q_numel + kv_numel)
-    if cpu:
-        scratch = flash_cpu_scratch(q[2], k[2], q[3], q_numel, itemsize)
-        forward, backward = forward + scratch[0], backward + scratch[1]
-    return maximum(forward, backward)
+    scratch = flash_cpu_scratch(q[2], k[2], q[3], q_numel, itemsize) if cpu else \
+        expanded_heads_bytes(q_numel, k[1] != q[1], itemsize)
+    return maximum(forward + scratch[0], backward + scratch[1])
 
 
 def _axis_coordinate(mesh: DeviceMesh, axis: int, rank: int) -> int:

@@ -207,18 +207,24 @@ def gated(gate_up: torch.Size | tuple[int, ...], down: torch.Size | tuple[int, .
     return gate_up[-2] == 2 * down[-1]
 
 
+def _activated(inner: torch.Tensor, gated_mlp: bool, activation: str) -> torch.Tensor:
+    """Rows of the first product [.., 2I or I] through the experts' activation (row by row): a
+    model's own gate, or ``act(gate) * up`` (gated), or ``act``."""
+    if activation in GATES:
+        return GATES[activation](inner)
+    act = ACTIVATIONS[activation]
+    if gated_mlp:
+        gate, up = inner.chunk(2, dim=-1)
+        return act(gate) * up
+    return act(inner)
+
+
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str = "silu",
                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on its rows ``x``: ``gate_up`` [2I, H] (gate rows first) or [I, H], ``down`` [H, I],
     each with its bias where given."""
     inner = F.linear(x, gate_up, gate_up_bias)
-    if activation in GATES:
-        return F.linear(GATES[activation](inner), down, down_bias)
-    act = ACTIVATIONS[activation]
-    if gated(gate_up.shape, down.shape):
-        gate, up = inner.chunk(2, dim=-1)
-        return F.linear(act(gate) * up, down, down_bias)
-    return F.linear(act(inner), down, down_bias)
+    return F.linear(_activated(inner, gated(gate_up.shape, down.shape), activation), down, down_bias)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -235,9 +241,43 @@ def grouped_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, d
     An expert without rows gets zero gradients."""
     if len(counts) != gate_up.size(0) or gate_up.size(0) != down.size(0):
         raise AutoparError(f"{len(counts)} row counts for {gate_up.size(0)} gate_up and {down.size(0)} down experts")
-    return torch.cat([expert_mlp(part, gate_up[e], down[e], activation,
-                                 None if gate_up_bias is None else gate_up_bias[e],
-                                 None if down_bias is None else down_bias[e]) for e, part in enumerate(x.split(counts))])
+    if _grouped_mm_runs(x, gate_up, down, gate_up_bias, down_bias):
+        return _grouped_mm_experts(x, counts, gate_up, down, activation)
+    return looped_experts(x, counts, gate_up, down, activation, gate_up_bias, down_bias)
+
+
+def looped_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                   activation: str, gate_up_bias: torch.Tensor | None,
+                   down_bias: torch.Tensor | None) -> torch.Tensor:
+    """``grouped_experts`` one expert after another. The weights are unbound, not indexed: the
+    backward of ``gate_up[e]`` is a zero tensor the size of all the experts for each expert
+    (quadratic in their number), unbind's one stack of their gradients."""
+    ups, downs = gate_up.unbind(0), down.unbind(0)
+    up_biases, down_biases = (([None] * len(counts)) if b is None else b.unbind(0) for b in (gate_up_bias, down_bias))
+    return torch.cat([expert_mlp(part, ups[e], downs[e], activation, up_biases[e], down_biases[e])
+                      for e, part in enumerate(x.split(counts))])
+
+
+def _grouped_mm_runs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *biases: torch.Tensor | None) -> bool:
+    """Does ``torch._grouped_mm`` take these experts, and gain: several of them (one runs faster as
+    plain GEMMs), in bf16 on a CUDA GPU of compute capability 9 or more, every product's dimensions
+    multiples of 8 (16 bytes), no biases? (It adds none: added after it, in bf16, they took
+    outputs further from fp32 than the loop's linear, which adds them before rounding.)"""
+    return (x.is_cuda and gate_up.size(0) > 1 and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16
+            and all(b is None for b in biases)
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and all(d % 8 == 0 for d in (*gate_up.shape[1:], *down.shape[1:])))
+
+
+def _grouped_mm_experts(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                        activation: str) -> torch.Tensor:
+    """``grouped_experts`` without biases as two grouped GEMMs (every expert's rows in one kernel
+    each, as transformers' "grouped_mm" experts run), not kernels an expert
+    (``benchmarks/gpu_experts.py``)."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    inner = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(_activated(inner, gated(gate_up.shape, down.shape), activation),
+                             down.transpose(-2, -1), offs=offs)
 
 
 def grouped_swiglu(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 from autopar.core.expert_parallel import grouped_experts, looped_experts
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import hardware_for_device
-from cost_models.efficiency import GemmShape, efficiency_of, gemm_seconds
+from autopar.core.ops.moe import MOE
+from cost_models.efficiency import efficiency_of, op_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_op_tables import seconds  # noqa: E402
@@ -39,13 +40,14 @@ VARIANTS = ("loop", "autopar")   # routed rows on the rank (tokens x top-k), spr
 
 
 def priced(hw, experts: int, hidden: int, inner: int, rows: int) -> float:
-    """Forward and backward seconds the cost model gives the two GEMMs of each expert."""
-    eff = efficiency_of(hw)
-    per = -(-rows // experts)
-    gemms = (GemmShape(per, 2 * inner, hidden, experts), GemmShape(per, hidden, inner, experts))
-    fwd = sum(gemm_seconds(g, eff, hw, torch.bfloat16) for g in gemms)
-    bwd = sum(gemm_seconds(b, eff, hw, torch.bfloat16, pass_="backward") for g in gemms for b in g.backward())
-    return (fwd + bwd) / eff.sustained + 2 * hw.op_overhead_s
+    """Forward and backward seconds the cost model gives the experts op on ``rows`` routed rows
+    (``op_seconds`` as the planner calls it: each expert's two GEMMs, or the time to move the
+    op's bytes, its weights among them, where that is longer)."""
+    node = torch.fx.Graph().call_function(MOE, ())
+    shapes = [(rows, hidden), (rows, 1), (rows, 1), (experts, 2 * inner, hidden), (experts, hidden, inner)]
+    nbytes = 2 * (2 * rows * hidden + 3 * experts * inner * hidden) + 12 * rows
+    fwd, bwd = op_seconds(node, shapes, 0.0, nbytes, efficiency_of(hw), hw, torch.bfloat16)
+    return fwd + bwd
 
 
 def case(name: str, rows: int, hw, device: str) -> dict:

@@ -61,10 +61,17 @@ def case(name: str, rows: int, hw, device: str) -> dict:
     grad = torch.ones(rows, hidden, device=device, dtype=torch.bfloat16)   # a whole tensor: grouped_mm needs one
     row = {"shape": name, "rows": rows, "priced_s": priced(hw, experts, hidden, inner, rows)}
     variants = {"loop": lambda *a: looped_experts(*a, "silu", None, None), "autopar": grouped_experts}
+    leaves = (x, gate_up, down)
+
+    def step(fn) -> None:   # a training step's backward: gradients set, not added to (zero_grad's default)
+        for t in leaves:
+            t.grad = None
+        fn(x, counts, gate_up, down).backward(grad)
+
     for label in VARIANTS:
         fn = variants[label]
         try:
-            took = seconds(lambda fn=fn: fn(x, counts, gate_up, down).backward(grad), device, 5)
+            took = seconds(lambda fn=fn: step(fn), device, 5)
             row[label] = {"s": took, "tflops": flops / took / 1e12}
         except Exception as e:   # a kernel this GPU or torch lacks: recorded, the rest still measured
             row[label] = {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -41,7 +41,9 @@ def passes(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: st
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     forward = seconds(lambda: attend(*leaves), device, repeat)
 
-    def both() -> None:
+    def both() -> None:   # gradients set, not added to, as after zero_grad
+        for t in leaves:
+            t.grad = None
         attend(*leaves).backward(torch.ones_like(q))
 
     total = seconds(both, device, repeat)

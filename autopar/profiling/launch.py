@@ -326,9 +326,18 @@ def _gloo_context(start_method: str) -> Any:
         # starts once per parent process). Only effective before the server starts.
         # (torch._dynamo is imported lazily by the first DTensor op: ~1 s.)
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", __name__]
+            ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", __name__, *_PRELOADED,
+             *(m for m in sys.modules if m in _PRELOADED_IF_IMPORTED or m.startswith(_MODELS_IF_IMPORTED))]
         )
     return ctx
+
+
+#: What every rank that compiles or plans imports (autopar's modules), preloaded by the forkserver.
+_PRELOADED = ("autopar.api", "codegen.module", "autopar.planning.planner")
+#: Preloaded where the parent process has imported them already: Hugging Face's model classes
+#: cost a rank ~1.7 s of CPU to import (the models the parent builds, its ranks build too).
+_PRELOADED_IF_IMPORTED = ("transformers", "transformers.modeling_utils")
+_MODELS_IF_IMPORTED = "transformers.models."
 
 
 def _start_ranks(ctx: Any, procs: list[Any], worker_args: tuple, n: int) -> None:

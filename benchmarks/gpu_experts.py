@@ -34,9 +34,9 @@ from gpu_op_tables import seconds  # noqa: E402
 #: name: (local experts, hidden, inner) of a rank holding all the layer's experts or a share of them.
 SHAPES = {"mixtral-8x7b, 8 experts": (8, 4096, 14336), "mixtral-8x7b, 1 expert (ep=8)": (1, 4096, 14336),
           "deepseek-v2-lite, 64 experts": (64, 2048, 1408), "deepseek-v2-lite, 8 experts (ep=8)": (8, 2048, 1408)}
-ROWS = (1024, 8192, 32768)
+ROWS = (1024, 8192, 32768)   # routed rows on the rank (tokens x top-k), spread evenly over its experts
 #: autopar's loop over experts, and its kernel as it runs (the grouped GEMM where it takes them).
-VARIANTS = ("loop", "autopar")   # routed rows on the rank (tokens x top-k), spread evenly over its experts
+VARIANTS = ("loop", "autopar")
 
 
 def priced(hw, experts: int, hidden: int, inner: int, rows: int) -> float:

@@ -26,7 +26,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import autopar.core.context_parallel as cp
 from autopar.core.hardware import get_hardware
 from autopar.core.mesh import hardware_for_device
-from cost_models.efficiency import attention_seconds, efficiency_of
+from autopar.core.ops.attention import SDPA
+from cost_models.efficiency import efficiency_of, op_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_op_tables import seconds  # noqa: E402
@@ -61,17 +62,17 @@ def passes(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: st
 
 def priced(hw, q_rows: int, keys: float, causal: bool, dtype: torch.dtype) -> dict | None:
     """(forward, backward) seconds the cost model gives SDPA of ``q_rows`` queries against ``keys``
-    keys (as ``op_seconds`` prices fused attention: the backward 2.5 times the forward's work);
-    None where the hardware has no efficiency table (the CPU's times are profiled instead)."""
+    keys (``op_seconds`` as the planner calls it); None where the hardware has no efficiency table
+    (the CPU's times are profiled instead)."""
     eff = efficiency_of(hw)
     if eff is None:
         return None
+    node = torch.fx.Graph().call_function(SDPA, (None, None, None, None, 0.0, causal))
+    shapes = [(1, HEADS, q_rows, DIM), (1, KV_HEADS, keys, DIM), (1, KV_HEADS, keys, DIM)]
     flops = 4 * HEADS * q_rows * keys * DIM
-    out = {}
-    for name, factor in (("forward", 1.0), ("backward", 2.5)):
-        kernel = attention_seconds(flops * factor, q_rows, eff, hw, dtype, kernel="flash", causal=causal, pass_=name)
-        out[f"{name}_s"] = kernel / eff.sustained + hw.op_overhead_s
-    return out
+    nbytes = dtype.itemsize * DIM * (2 * HEADS * q_rows + 2 * KV_HEADS * keys)   # q, k, v and the output
+    fwd, bwd = op_seconds(node, shapes, flops, nbytes, eff, hw, dtype)
+    return {"forward_s": fwd, "backward_s": bwd}
 
 
 def ring_case(seq: int, n: int, layout: cp.Layout, device: str, dtype: torch.dtype, repeat: int,

@@ -382,9 +382,10 @@ def measure_config(record: dict[str, Any], device: str, warmup: int, steps: int,
 def finish_record(record: dict[str, Any]) -> None:
     """Measured figures over the launches: the typical step (each timed step's slowest rank,
     pooled over all launches, the median: the figure the cost model predicts, its calibration
-    measured the same way), the lowest peak (the CPU measurement can only err high, see
-    ``autopar.profiling.measure``: frees of blocks allocated before the step are not seen; CUDA's peak
-    counter is exact and launches agree), and how far the launches' typical steps and peaks
+    measured the same way), the lowest launch's peak (a launch's: its busiest rank's typical step,
+    ``measure_training``; the CPU measurement can only err high, see ``autopar.profiling.measure``:
+    frees of blocks allocated before the step are not seen; CUDA's peak counter is exact and
+    launches agree), and how far the launches' typical steps and peaks
     spread (``launch_spread_pct``: slowest over fastest, the noise floor; ``peak_spread_pct``).
     The plan's JSON is dropped: the record keeps its summary."""
     del record["plan_json"]

@@ -114,6 +114,20 @@ def test_peak_of_a_linear_adamw_step_matches_the_hand_count():
     assert 0 <= m.peak_bytes - (m.baseline_bytes + 3 * w) <= 256
 
 
+def test_the_peak_is_the_median_of_several_steps():
+    """Each of ``peak_steps`` more steps is measured; the figure is their median (one step may
+    peak above the others): here steps on batches of 3 sizes, whose peaks grow with the batch."""
+    d = 256
+    model = nn.Linear(d, d, bias=False)
+    batches = [((torch.randn(rows, d),), {}) for rows in (512, 8, 128)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    m = measure_training(model, batches, opt, warmup=1, steps=2, loss_fn=lambda y: y.sum(), peak_steps=3)
+    small, middle, large = m.peak_bytes_all[1], m.peak_bytes_all[2], m.peak_bytes_all[0]   # steps 3, 4, 5
+    assert small < middle < large and m.peak_bytes == middle
+    with pytest.raises(AutoparError, match="peak_steps"):
+        measure_training(model, batches, opt, peak_steps=0)
+
+
 def test_measure_training_on_a_zoo_model_gives_sane_figures():
     entry = get_model("gpt-tiny")
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -46,8 +46,9 @@ class StepMeasurement:
 
     step_s: float            # median seconds per step over the timed steps
     step_s_all: list[float]  # seconds of each timed step
-    peak_bytes: int          # peak tensor bytes live on this rank during one full step
+    peak_bytes: int          # peak tensor bytes live on this rank during a full step: the median of ``peak_bytes_all``
     baseline_bytes: int      # tensor bytes live at the start of that step
+    peak_bytes_all: list[int] = field(default_factory=list)   # the peak of each step measured
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -251,17 +252,26 @@ def slowest_rank_steps(per_rank: Sequence[Sequence[float]]) -> list[float]:
 
 
 def measure_training(module: nn.Module, batches: Sequence[Batch], optimizer: torch.optim.Optimizer, *,
-                     warmup: int = 2, steps: int = 5,
-                     loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepMeasurement:
-    """``time_training``, then the peak memory of one more step.
+                     warmup: int = 2, steps: int = 5, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                     peak_steps: int = 3) -> StepMeasurement:
+    """``time_training``, then the peak memory of ``peak_steps`` more steps: their median.
+
+    One step's peak is not every step's: where collectives run asynchronously (a kernel's
+    all-to-all in the backward, the gradient buckets), how long their buffers live depends on
+    when the peers answer, and some steps peak well above the others (``benchmarks/RESULTS.md``).
+    The median is the typical step's.
 
     Every rank of a distributed module must call this together (steps start after a barrier).
     """
+    if peak_steps < 1:
+        raise AutoparError(f"measuring the peak needs peak_steps >= 1 (got {peak_steps})")
     times = time_training(module, batches, optimizer, warmup=warmup, steps=steps, loss_fn=loss_fn)
-    batch = batches[(warmup + steps) % len(batches)]
-    peak, baseline = peak_step_bytes(module, batch, optimizer, loss_fn)
+    first = warmup + steps
+    peaks = [peak_step_bytes(module, batches[(first + i) % len(batches)], optimizer, loss_fn)
+             for i in range(peak_steps)]
+    peak, baseline = sorted(peaks)[(peak_steps - 1) // 2]
     return StepMeasurement(step_s=statistics.median(times), step_s_all=times, peak_bytes=peak,
-                           baseline_bytes=baseline)
+                           baseline_bytes=baseline, peak_bytes_all=[p for p, _ in peaks])
 
 
 def peak_step_bytes(module: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer,

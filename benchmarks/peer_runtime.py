@@ -35,7 +35,8 @@ for only when read: the loop reads neither).
 
 Prints each variant's step and the ratios: autopar hand plan / the torch wrapper doing the same
 (target <= 1.10), autopar's expert-parallel plan / torch EP x DP (<= 1.10), auto / fastest torch variant (<= 1.05), the plain loop on autopar's 'ddp' and
-auto plans / on torch DDP (<= 1.05), one process autopar / eager (<= 1.05); saves
+auto plans / on torch DDP (<= 1.05), one process autopar / eager (<= 1.05), each with its 90%
+bootstrap interval over the rounds (in brackets: how far other rounds could move it); saves
 benchmarks/results/peer_runtime.json.
 
 Where the auto plan is a hand plan (``kept_hand_plan``), that hand plan's module is timed once for
@@ -64,7 +65,7 @@ from autopar.models.zoo import get_model
 from autopar.planning.baselines import candidates
 from autopar.profiling import peers
 from autopar.profiling.launch import run_on_gloo_mesh
-from autopar.profiling.measure import ratio_in_rounds, slowest_rank_steps, time_in_turns
+from autopar.profiling.measure import ratio_in_rounds, ratio_interval, slowest_rank_steps, time_in_turns
 from autopar.profiling.profiler import profile_model
 from machine import machine_line, save_results
 
@@ -159,8 +160,7 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
             "auto_plan": kept or "solver", "launches": "one" if together else "one per variant, in turns",
             "step_s": step, "rounds_s": rounds_s,
-            "ratios": {k: {"target": kind, "ratio": r, "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
-                       for k, (kind, r) in ratios.items()}}
+            "ratios": ratios}
 
 
 def _variants(model: nn.Module, spec: autopar.MeshSpec, args: tuple, kwargs: dict, options: autopar.PlanOptions,
@@ -200,21 +200,24 @@ def _time_in_rounds(name: str, mesh: tuple[int, ...], axis_names: tuple[str, ...
 
 
 def _ratios(rounds_s: dict[str, list[float]], torch_variants: list[str], auto_label: str,
-            size: int) -> dict[str, tuple[str, float]]:
-    """Each compared pair's (target, ratio of step times in the same rounds)."""
-    ratios = {}
+            size: int) -> dict[str, dict]:
+    """Each compared pair's target, ratio of step times in the same rounds, and that ratio's 90%
+    bootstrap interval over the rounds (``ratio_interval``)."""
+    pairs = {}
     for hand, peer in PEERS.items():
         if f"autopar {hand}" in rounds_s and peer in rounds_s:
-            ratios[f"{hand} / {peer}"] = ("EP / torch EP" if hand == EP else "hand / torch",
-                                          ratio_in_rounds(rounds_s[f"autopar {hand}"], rounds_s[peer]))
+            pairs[f"{hand} / {peer}"] = ("EP / torch EP" if hand == EP else "hand / torch", f"autopar {hand}", peer)
     for label in ("ddp" + PLAIN, "auto" + PLAIN):
         if f"autopar {label}" in rounds_s:
-            ratios[f"{label} / torch DDP{PLAIN}"] = ("plain loop / torch DDP", ratio_in_rounds(
-                rounds_s[f"autopar {label}"], rounds_s["torch DDP" + PLAIN]))
+            pairs[f"{label} / torch DDP{PLAIN}"] = ("plain loop / torch DDP", f"autopar {label}", "torch DDP" + PLAIN)
     step = {k: statistics.median(v) for k, v in rounds_s.items()}
     fastest = min((v for v in torch_variants if not v.endswith(PLAIN)), key=step.__getitem__)
-    key = "autopar (1,) / eager" if size == 1 else "auto / fastest torch"
-    ratios[f"auto / {fastest}"] = (key, ratio_in_rounds(rounds_s[auto_label], rounds_s[fastest]))
+    pairs[f"auto / {fastest}"] = ("autopar (1,) / eager" if size == 1 else "auto / fastest torch", auto_label, fastest)
+    ratios = {}
+    for name, (kind, variant, peer) in pairs.items():
+        r = ratio_in_rounds(rounds_s[variant], rounds_s[peer])
+        ratios[name] = {"target": kind, "ratio": r, "interval_90": ratio_interval(rounds_s[variant], rounds_s[peer]),
+                        "limit": TARGETS[kind], "met": r <= TARGETS[kind]}
     return ratios
 
 
@@ -240,7 +243,9 @@ def main() -> None:
             for k, v in sorted(r["step_s"].items(), key=lambda kv: kv[1]):
                 print(f"  {k:32s} {v * 1e3:8.1f} ms")
             for k, v in r["ratios"].items():
-                print(f"  {k:48s} {v['ratio']:.2f}  ({'PASS' if v['met'] else 'FAIL'}: <= {v['limit']:.2f})", flush=True)
+                low, high = v["interval_90"]
+                print(f"  {k:48s} {v['ratio']:.2f} [{low:.2f}, {high:.2f}]  ({'PASS' if v['met'] else 'FAIL'}: "
+                      f"<= {v['limit']:.2f})", flush=True)
             met = all(v["met"] for r in results for v in r["ratios"].values())
             save_results(a.out, command, {"results": results, "targets": TARGETS, "all_met": met,
                                             "complete": len(results) == len(meshes) * len(a.models.split(","))},

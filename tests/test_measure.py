@@ -18,6 +18,7 @@ from autopar.profiling.measure import (
     loss_of,
     measure_training,
     ratio_in_rounds,
+    ratio_interval,
     slowest_rank_steps,
     time_in_turns,
     turn_order,
@@ -320,3 +321,16 @@ def test_a_ratio_of_variants_is_taken_within_each_round():
     assert ratio_in_rounds([10.0, 30.0, 12.0], [5.0, 20.0, 10.0]) == pytest.approx(1.5)
     with pytest.raises(ValueError):
         ratio_in_rounds([1.0, 2.0], [1.0])
+
+
+def test_a_ratio_interval_holds_the_ratio_and_narrows_with_rounds():
+    """The bootstrap interval of the in-round ratio holds the ratio, is reproducible, is a point
+    where every round agrees, and narrows as rounds are added (the same spread, four times as many)."""
+    peer = [10.0] * 12
+    variant = [10.0, 11.0, 9.5, 10.8, 10.2, 9.9, 11.4, 10.1, 10.5, 9.7, 10.9, 10.3]
+    low, high = ratio_interval(variant, peer)
+    assert low <= ratio_in_rounds(variant, peer) <= high and low < high
+    assert ratio_interval(variant, peer) == (low, high)
+    assert ratio_interval([12.0] * 5, [10.0] * 5) == pytest.approx((1.2, 1.2))
+    many_low, many_high = ratio_interval(variant * 4, peer * 4)
+    assert many_high - many_low < high - low

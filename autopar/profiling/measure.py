@@ -232,6 +232,21 @@ def ratio_in_rounds(variant: Sequence[float], peer: Sequence[float]) -> float:
     return statistics.median(v / p for v, p in zip(variant, peer, strict=True))
 
 
+def ratio_interval(variant: Sequence[float], peer: Sequence[float], level: float = 0.9, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """How far ``ratio_in_rounds`` could move with other rounds: the ``level`` percentile
+    bootstrap interval of the median of in-round ratios (rounds resampled with replacement,
+    ``draws`` times, a fixed ``seed``: the same rounds give the same interval). A ratio whose
+    interval straddles its target is not measured to meet it or to miss it."""
+    import random
+
+    ratios = [v / p for v, p in zip(variant, peer, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    tail = (1.0 - level) / 2
+    return medians[int(tail * (draws - 1))], medians[int((1.0 - tail) * (draws - 1))]
+
+
 def turn_order(n: int, r: int) -> list[int]:
     """The order of ``n`` runs in round ``r``: the rows of a balanced Latin square (Williams'
     design), in which each run comes right after each other run once every ``n`` rounds (``n``

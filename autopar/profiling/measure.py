@@ -19,6 +19,7 @@ before profiling started are not reported, so the CPU figure can only err high, 
 from __future__ import annotations
 
 import gc
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -238,8 +239,6 @@ def ratio_interval(variant: Sequence[float], peer: Sequence[float], level: float
     bootstrap interval of the median of in-round ratios (rounds resampled with replacement,
     ``draws`` times, a fixed ``seed``: the same rounds give the same interval). A ratio whose
     interval straddles its target is not measured to meet it or to miss it."""
-    import random
-
     ratios = [v / p for v, p in zip(variant, peer, strict=True)]
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))

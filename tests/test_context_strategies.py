@@ -34,6 +34,7 @@ from cost_models.profile_ops import op_call
 from tests.equivalence import (
     ATOL,
     RTOL,
+    TOLERANCES,
     build,
     check_training,
     gloo_runner,
@@ -439,12 +440,14 @@ def _train_each(mesh, cases: list[tuple[str, str, list]]) -> list[tuple[list[flo
     return out
 
 
-def _check_as_one_device(label: str, name: str, batches: list, losses: list[float], state: dict) -> None:
-    ref_losses, ref_state = train_reference(name, batches)
-    assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"{label}: losses"
+def _check_as_one_device(label: str, name: str, batches: list, losses: list[float], state: dict,
+                         precision: str = "fp32") -> None:
+    rtol, loss_atol, atol = TOLERANCES[precision]
+    ref_losses, ref_state = train_reference(name, batches, precision)
+    assert losses == pytest.approx(ref_losses, rel=rtol, abs=loss_atol), f"{label}: losses"
     assert state.keys() == ref_state.keys(), label
     for key, want in ref_state.items():
-        torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{label} {key}: {m}")
+        torch.testing.assert_close(state[key], want, rtol=rtol, atol=atol, msg=lambda m, key=key: f"{label} {key}: {m}")
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -500,6 +503,33 @@ def test_models_as_built_split_by_sequence_beside_data_or_tensor_parallelism_on_
     for k, (label, name, batches) in enumerate(cases):
         for r, per_plan in enumerate(results):
             _check_as_one_device(f"{label} rank {r}", name, batches, *per_plan[k])
+
+
+@slow
+def test_attention_split_by_sequence_trains_in_bf16_and_inside_pipeline_stages():
+    """HF Llama as built: the ring and Ulysses forced over 2 gloo processes in bf16 (against one
+    device in bf16), and a pipeline of 2 stages whose rings run over the other axis of 2 x 2
+    (fp32): every rank as one device, each launch training its plans in turn."""
+    name = "llama-tiny"
+    batches = make_batches(name, 2, CP_SEQ)
+    half = MeshSpec((2,), ("cp",))
+    plans = [(name, autopar.plan(build(name), half, *batches[0], profile=None, progress=False, precision="bf16",
+                                 context_parallel={"axis": "cp", "kind": kind}).to_json(), batches)
+             for kind in ("ring", "ulysses")]
+    results = run_on_gloo_mesh(_train_each, half.shape, plans, axis_names=half.axis_names, start_method="forkserver",
+                               timeout_s=600)
+    for k, kind in enumerate(("ring", "ulysses")):
+        for r, per_plan in enumerate(results):
+            _check_as_one_device(f"bf16 {kind} rank {r}", name, batches, *per_plan[k], precision="bf16")
+    staged = MeshSpec((2, 2), ("pp", "cp"))
+    batches = make_batches(name, 4, CP_SEQ)
+    plan = autopar.plan(build(name), staged, *batches[0], profile=None, progress=False,
+                        pipeline={"axis": "pp", "microbatches": 2}, context_parallel={"axis": "cp", "kind": "ring"})
+    assert plan.pipeline is not None and plan.context_parallel is not None
+    results = run_on_gloo_mesh(_train_each, staged.shape, [(name, plan.to_json(), batches)],
+                               axis_names=staged.axis_names, start_method="forkserver", timeout_s=600)
+    for r, (trained,) in enumerate(results):
+        _check_as_one_device(f"pipeline x ring rank {r}", name, batches, *trained)
 
 
 def test_a_sequence_the_axis_cannot_split_evenly_is_refused_saying_how_to_pad_it():

@@ -74,6 +74,9 @@ MODELS = {"gpt-tiny": (16, 64), "gpt2-tiny": (16, 64), "llama-tiny": (16, 64), "
           "mixtral-tiny": (16, 64), "autopar.models.moe:build": (16, 64)}
 MESHES = ((4,), (2, 2), (1,))
 ROUNDS = 15
+#: A launch's time limit: building and compiling its variants, then a share for each round of them
+#: (a round of every tiny model's variants takes seconds): more rounds, a longer launch.
+LAUNCH_S, ROUND_S = 300, 20
 WARMUP_STEPS = {"gpt2-125m": (1, 3)}   # (warmup, timed) steps a round; others (2, 20): its steps take seconds here
 STATE_BYTES_PER_PARAM = 16   # fp32 parameter, gradient and AdamW's two states
 SEED = 1234
@@ -193,7 +196,8 @@ def _time_in_rounds(name: str, mesh: tuple[int, ...], axis_names: tuple[str, ...
         for group in launches[r % len(launches):] + launches[:r % len(launches)]:
             ranks = run_on_gloo_mesh(_worker, mesh, name, batch, seq, [v for v in group if v in torch_variants],
                                      {k: plans[k].to_json() for k in group if k in plans}, rounds if together else 1,
-                                     axis_names=axis_names, start_method="forkserver")
+                                     axis_names=axis_names, start_method="forkserver",
+                                     timeout_s=LAUNCH_S + ROUND_S * (rounds if together else 1))
             for k in ranks[0]:
                 rounds_s.setdefault(k, []).extend(slowest_rank_steps([rank[k] for rank in ranks]))
     return rounds_s

@@ -512,13 +512,13 @@ def test_attention_split_by_sequence_trains_in_bf16_and_inside_pipeline_stages()
     (fp32): every rank as one device, each launch training its plans in turn."""
     name = "llama-tiny"
     batches = make_batches(name, 2, CP_SEQ)
-    half = MeshSpec((2,), ("cp",))
+    half, kinds = MeshSpec((2,), ("cp",)), ("ring", "ulysses")
     plans = [(name, autopar.plan(build(name), half, *batches[0], profile=None, progress=False, precision="bf16",
                                  context_parallel={"axis": "cp", "kind": kind}).to_json(), batches)
-             for kind in ("ring", "ulysses")]
+             for kind in kinds]
     results = run_on_gloo_mesh(_train_each, half.shape, plans, axis_names=half.axis_names, start_method="forkserver",
                                timeout_s=600)
-    for k, kind in enumerate(("ring", "ulysses")):
+    for k, kind in enumerate(kinds):
         for r, per_plan in enumerate(results):
             _check_as_one_device(f"bf16 {kind} rank {r}", name, batches, *per_plan[k], precision="bf16")
     staged = MeshSpec((2, 2), ("pp", "cp"))

@@ -74,8 +74,8 @@ class ShardedModule(nn.Module):
         self.code = self._forwards.first.code.source
         self._expect_inputs(captured.in_spec)
         self._device = torch.device(mesh.device_type)
-        if plan.gather_outputs and not one_process():
-            prepare_reads(mesh)   # split outputs are gathered when read, on groups of their own
+        if not one_process():   # a loss read before its backward, split outputs gathered: on groups of their own
+            prepare_reads(mesh)
         self._shard_state(plan, captured, mesh, self._forwards.first.code, bucket_bytes)
 
     def _adopt(self, model: nn.Module) -> None:

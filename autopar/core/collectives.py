@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core import launched
@@ -149,6 +150,30 @@ def _part_of(whole_value: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placeme
     """This rank's part, placed ``have`` (never partial), of a tensor every rank holds whole."""
     with planned():
         return as_dtensor(whole_value, mesh, [Replicate()] * mesh.ndim, shape).redistribute(mesh, for_dtensor(have)).to_local()
+
+
+def as_output(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
+    """An output kept sharded (``gather_outputs=False``): ``as_dtensor``, except that a sum still
+    on its way (the loss, ``launched.summed``) stays so inside its replicated DTensor, carried in
+    the gradients' all-reduce as under the default outputs (``as_dtensor`` would take a view of it,
+    an op that waits: a blocking all-reduce in every forward)."""
+    if isinstance(x, launched.Pending) and all(isinstance(p, Replicate) for p in have):
+        return _Replicated.apply(x, mesh, tuple(shape))
+    return as_dtensor(x, mesh, have, shape)
+
+
+class _Replicated(torch.autograd.Function):
+    """A ``Pending`` as the replicated DTensor holding it unread; its gradient goes back local."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> DTensor:
+        meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), x.dtype)
+        return DTensor(x, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta),  # type: ignore[call-arg]
+                       requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None, None
 
 
 def as_dtensor(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:

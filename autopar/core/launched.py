@@ -37,6 +37,7 @@ import atexit
 import functools
 import gc
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -329,21 +330,23 @@ def prepare_reads(mesh: DeviceMesh) -> None:
                                                                 group_desc=f"autopar_reads_{a}")
         groups[None] = dist.new_group(timeout=READ_TIMEOUT, group_desc="autopar_reads")
         _READ_GROUPS[key] = groups
-    mesh.__dict__[_READS] = groups   # found again per forward without rebuilding the key
+    _BY_MESH[id(mesh)] = (weakref.ref(mesh), groups)   # found again per forward without rebuilding the key
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple:
     return mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), id(dist.group.WORLD)
 
 
-#: The attribute of a mesh ``prepare_reads`` keeps its read groups in (building ``_mesh_key``
-#: walks the mesh's layout: about 0.3 ms, once per forward otherwise).
-_READS = "_autopar_read_groups"
+#: Each mesh's read groups, by the mesh's ``id`` (building ``_mesh_key`` walks the mesh's layout:
+#: about 0.3 ms, once per forward otherwise); not an attribute of the mesh, which ``torch.compile``
+#: guards on where a graph redistributes over it (and cannot copy a process group).
+_BY_MESH: dict[int, tuple[weakref.ref, dict[tuple[int, ...] | None, dist.ProcessGroup]]] = {}
 
 
 def _read_groups(mesh: DeviceMesh) -> dict[tuple[int, ...] | None, dist.ProcessGroup] | None:
     """The read groups ``prepare_reads`` made for ``mesh`` (this very mesh), or None."""
-    return mesh.__dict__.get(_READS)
+    entry = _BY_MESH.get(id(mesh))
+    return entry[1] if entry is not None and entry[0]() is mesh else None
 
 
 def gathered(x: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int],

@@ -19,6 +19,7 @@ from autopar.core.mesh import MeshSpec, as_mesh_spec, split_first_axis
 from autopar.core.microbatch import batch_size, microbatch_capture
 from autopar.core.plan import Plan
 from autopar.core.progress import log_summary
+from autopar.core.routing import measured_if_asked
 from autopar.core.together import one_process, together
 from autopar.planning.clock import Clock, charge_capture
 from autopar.planning.options import PlanOptions
@@ -45,6 +46,7 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     with Clock(options.time_limit, start=start, deterministic=options.deterministic).shown("planning", options.progress) as clock:
         with clock.stage("capture") as timed:
             captured = capture(model, args, example_kwargs, precision=options.precision)
+        options = measured_if_asked(options, captured, model, args, example_kwargs, spec.shape)
         charge_capture(clock, captured, timed.seconds)
         return plan_captured(captured, spec, options, clock=clock,
                              recapture=microbatch_capture(model, args, example_kwargs, options.precision))

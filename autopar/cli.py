@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.core.units import fmt
 
     spec, options, entry = _planning_inputs(args)
-    model, example_args, example_kwargs = _built(entry, args, "meta")
+    model, example_args, example_kwargs = _built(entry, args, _plan_device(entry, options))
     plan_call = autopar.plan   # the planner's modules load here, not in the time the plan reports
     _say_planning(spec, options, args)
     plan = plan_call(model, spec, example_args, example_kwargs, options=options)
@@ -177,6 +177,19 @@ def _planning_inputs(args: argparse.Namespace) -> tuple[Any, PlanOptions, Any]:
     _check_positive(batch=args.batch, seq=args.seq, memory_budget_gib=args.memory_budget,
                     time_limit=args.time_limit)
     return spec, _plan_options(args), get_model(args.model)
+
+
+def _plan_device(entry: Any, options: PlanOptions) -> str:
+    """Where ``autopar plan`` builds the model: ``meta``, or the CPU where its router is to be run
+    (``--expert-skew measured``: its freshly initialised weights), if its fp32 weights take at most
+    half of this host's memory."""
+    if options.expert_skew != "measured":
+        return "meta"
+    if 4 * entry.num_params > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2:
+        raise AutoparError(f"--expert-skew measured runs {entry.name}'s router on its weights, and its "
+                           f"{_fmt_count(entry.num_params)} parameters do not fit in half of this host's memory: "
+                           "give the skew as a number")
+    return "cpu"
 
 
 def _built(entry: Any, args: argparse.Namespace, device: str) -> tuple[Any, Any, Any]:

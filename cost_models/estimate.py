@@ -194,7 +194,8 @@ class CostModel:
     recompute: str | Mapping[str, RecomputeMode] = "none"   # "full": every repeated block recomputed in the backward; "selective": their attention cores; or per block
     reduce_precision: Precision = "fp32"   # the dtype gradient synchronisation sums in (``PlanOptions``)
     offload: bool = False            # ZeRO-2/3 parameters' shards, gradients and optimizer states in host memory
-    expert_skew: float = 1.0         # the busiest expert-parallel rank's routed rows over the mean (``PlanOptions``)
+    expert_skew: float | Mapping[int, float] = 1.0   # the busiest expert-parallel rank's routed rows over the mean,
+                                     # or such factors by expert-axis size (``PlanOptions``, measured)
     hw: Hardware = field(init=False)
 
     def __post_init__(self) -> None:
@@ -544,7 +545,13 @@ class CostModel:
         """The share of the mean work this op's busiest rank does (``OpEntry.imbalance``): 1 but
         for experts split by expert under a skewed router."""
         entry = entry_for(nc.node)
-        return 1.0 if entry is None or entry.imbalance is None else entry.imbalance(s, self.expert_skew)
+        return 1.0 if entry is None or entry.imbalance is None else entry.imbalance(s, self.skew_on)
+
+    def skew_on(self, axis: int) -> float:
+        """The router's skew priced on experts split by expert over mesh ``axis`` (``expert_skew``:
+        one factor, or one per axis size: 1 for a size it does not name)."""
+        skew = self.expert_skew
+        return float(skew) if isinstance(skew, (int, float)) else float(skew.get(self.mesh.shape[axis], 1.0))
 
     def _working_bytes(self, nc: NodeChoices, s: Strategy) -> float:
         """Local bytes an op's forward reads and writes: its inputs and its output."""

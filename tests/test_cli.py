@@ -79,6 +79,19 @@ def test_a_pipeline_with_extra_fields_exits_2(capsys):
     assert "--pipeline takes at most" in err and "Traceback" not in err
 
 
+def test_a_router_measured_on_the_command_line(capsys):
+    """``--expert-skew measured`` builds a model small enough on the CPU and reports the factor it
+    priced; one too large to build here is refused before anything is built, and so is a bad value."""
+    assert main(["plan", "--model", "mixtral-tiny", "--mesh", "4", "--expert-parallel", "x", "--expert-skew", "measured",
+                 "--time-limit", "30"]) == 0
+    assert re.search(r"busiest rank receiving 1\.\d+x the mean of the rows routed", capsys.readouterr().out)
+    for flag, said in (("measured", "do not fit in half of this host's memory"), ("0.5", "expert_skew is the busiest")):
+        with pytest.raises(SystemExit) as exc:
+            main(["plan", "--model", "mixtral-8x7b", "--mesh", "8x8", "--expert-skew", flag])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and said in err and "Traceback" not in err and "building" not in err, err
+
+
 def test_models_lists_zoo(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -600,3 +600,44 @@ def test_a_gate_of_the_models_own_is_priced_keeping_what_autograd_keeps_of_it():
         kept.append(CostModel(space.mesh, space)._kept(nc, nc.strategies[0], None)[1])
     rows = 8 * 2
     assert kept[1] - kept[0] == rows * (7 - 4) * 6 * 4
+
+
+def _routed_by_hooks(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Rows per expert of each transformers experts module, seen by a hook on its inputs."""
+    seen: list[torch.Tensor] = []
+
+    def hook(module, hook_args, hook_kwargs):
+        ids = hook_args[1] if len(hook_args) > 1 else hook_kwargs["top_k_index"]
+        seen.append(torch.bincount(ids.flatten(), minlength=module.num_experts))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if type(m).__name__.endswith("Experts")]
+    with torch.no_grad():
+        model(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def test_a_router_measured_on_the_example_batch_is_priced_per_expert_axis_size():
+    """``expert_skew="measured"``: the captured graph run on the model's weights counts what a hook
+    on transformers' experts modules sees (a freshly built Mixtral's router is uneven on 4 x 16
+    tokens), priced per expert-axis size (2 ranks, 4) and recorded in the plan; a model on meta is
+    refused, saying to give a number."""
+    from autopar.core.routing import busiest_over_mean
+
+    args, kwargs = make_batches(NAME, 4, 16)[0]
+    torch.manual_seed(0)
+    model = build(NAME)
+    rows = _routed_by_hooks(model, args, kwargs)
+    want = {n: sum(busiest_over_mean(r, n) for r in rows) / len(rows) for n in (2, 4)}
+    assert want[2] != want[4] and min(want.values()) > 1.05, want   # uneven, unlike per size: the check can fail
+    options = dict(expert_parallel="auto", hand_plans=False, time_limit=None, profile=None, pipeline=False,
+                   microbatches=1, recompute="none")
+    plans = {shape: autopar.plan(model, MeshSpec(shape, ("x", "y")[:len(shape)]), args, kwargs, expert_skew="measured",
+                                 **{**options, "expert_parallel": {"axis": "x"}}) for shape in ((2,), (4,))}
+    for shape, plan in plans.items():
+        assert plan.expert_parallel["skew"] == pytest.approx(want[shape[0]], abs=1e-3), (shape, plan.expert_parallel)
+    on_meta = build(NAME).to("meta")
+    with pytest.raises(AutoparError, match="meta device.*as a number"):
+        autopar.plan(on_meta, MeshSpec((2,)), args, kwargs, expert_skew="measured", **options)

@@ -47,6 +47,7 @@ from autopar.core.microbatch import microbatch_capture
 from autopar.core.ops import moe
 from autopar.core.ops.attention import BALANCED_RING, SDPA
 from autopar.core.plan import Plan
+from autopar.core.routing import measured_if_asked
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
 from autopar.planning.clock import Clock, Deadline
@@ -89,6 +90,7 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
     args = as_args(example_inputs)
     k = 1 if options.microbatches == "auto" else options.microbatches
     whole = capture(model, args, example_kwargs, precision=options.precision)
+    options = measured_if_asked(options, whole, model, args, example_kwargs, spec.shape)
     captured = whole if k == 1 else microbatch_capture(model, args, example_kwargs, options.precision)(k)
     planning = prepare(captured, spec, options, timings={"capture": time.perf_counter() - t0}, microbatches=k,
                        whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,

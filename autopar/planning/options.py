@@ -117,6 +117,31 @@ def check_expert_parallel(value: Any) -> None:
                            f"both (two different axes); got {value!r}")
 
 
+#: ``PlanOptions.expert_skew``: one factor, "measured" on the example batch, or per expert-axis
+#: size (what "measured" becomes once measured: ``autopar.core.routing``).
+ExpertSkew = float | Literal["measured"] | dict[int, float]
+
+
+def _skew_from_text(text: str) -> ExpertSkew:
+    """``--expert-skew``: a factor, or measured."""
+    if text == "measured":
+        return "measured"
+    try:
+        return float(text)
+    except ValueError:
+        raise AutoparError(f"--expert-skew is a factor (>= 1.0) or 'measured', got {text!r}") from None
+
+
+def check_expert_skew(value: Any) -> None:
+    """Refuse an ``expert_skew`` that is not a factor >= 1, "measured", or such factors by axis size."""
+    factors = value.values() if isinstance(value, dict) else [value]
+    if value == "measured" or (all(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 1.0 for f in factors)
+                               and (not isinstance(value, dict) or all(isinstance(n, int) for n in value))):
+        return
+    raise AutoparError(f"expert_skew is the busiest rank's routed rows over the mean (>= 1.0), 'measured', or such "
+                       f"factors by expert-axis size; got {value!r}")
+
+
 def _pipeline_from_text(text: str) -> str | bool | dict:
     """``--pipeline``: auto, none, or SCHEDULE[:AXIS[:MICROBATCHES[:STAGES_PER_RANK]]]."""
     if text in ("auto", "none"):
@@ -240,11 +265,14 @@ class PlanOptions:
         Flag(to_option=_expert_parallel_from_text, metavar="auto|none|AXIS|within:AXIS|AXIS,within:AXIS",
              note="Here: auto, none, the mesh axis to split the experts over, within:AXIS to split each "
                   "expert within, or both."))
-    expert_skew: float = _option(
+    expert_skew: ExpertSkew = _option(
         1.0, "The router's token imbalance, priced where experts are split by expert: the busiest rank of the "
         "expert axis receives this many times the mean of the rows routed (1.0: uniform routing). Its "
-        "experts' GEMMs, all-to-alls and dispatched rows are priced that much larger: give a measured value "
-        "(the most rows any rank of the axis received over the mean, from a training run) to plan for it.")
+        "experts' GEMMs, all-to-alls and dispatched rows are priced that much larger: give a value from a "
+        "training run (the most rows any rank of the axis received over the mean), or \"measured\": the "
+        "router run once on the model's own weights and the example inputs, per expert-axis size "
+        "(``autopar.core.routing``; not for a model on meta).",
+        Flag(to_option=_skew_from_text, type=str, metavar="X|measured"))
     progress: bool = _option(
         True, "While planning, a status line on stderr says what runs, for how long and what is left of "
         "``time_limit`` (rank 0, where stderr is a terminal, unless the environment sets "
@@ -269,9 +297,7 @@ class PlanOptions:
         pipeline_choice(self.pipeline)
         context_choice(self.context_parallel)
         check_expert_parallel(self.expert_parallel)
-        if not self.expert_skew >= 1.0:
-            raise AutoparError(f"expert_skew is the busiest rank's routed rows over the mean (>= 1.0), got "
-                               f"{self.expert_skew!r}")
+        check_expert_skew(self.expert_skew)
 
     def device_budget(self, hardware: str) -> float:
         """Bytes per device a plan may hold: ``memory_budget``, else the memory of ``hardware``'s preset."""

@@ -113,6 +113,14 @@ class Planning:
         return self._bounds
 
 
+def _skew(options: PlanOptions) -> float | dict[int, float]:
+    """``options.expert_skew`` as the cost model takes it: measured already (``autopar.core.routing``)."""
+    if options.expert_skew == "measured":
+        raise AutoparError("expert_skew='measured' runs the model's router, and only the model's planning call has the "
+                           "model: plan with autopar.plan or candidates, or give the skew as a number")
+    return options.expert_skew
+
+
 def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = PlanOptions(), *,
             timings: dict[str, float] | None = None, forced: dict[str, Strategy] | None = None,
             microbatches: int = 1, whole: CapturedGraph | None = None, recompute: RecomputeMode | dict[str, RecomputeMode] = "none",
@@ -143,7 +151,7 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
                           microbatches=microbatches, recompute=recompute, reduce_precision=options.reduce_precision,
-                          offload=offload, expert_skew=options.expert_skew)
+                          offload=offload, expert_skew=_skew(options))
         timeline = Timeline(space, overlap_efficiency=model.overlap_efficiency, block_of=model.block_of,
                             accumulating=microbatches > 1)
         budget = options.device_budget(mesh.hardware)
@@ -397,7 +405,7 @@ def _make_plan(planning: Planning, choices: Sequence[int], solution: Solution, n
                 warnings=captured.warnings + space.warnings, name=name, gather_outputs=model.gather_outputs,
                 precision=captured.precision, reduce_precision=model.reduce_precision,
                 batch_size=captured_rows(captured) * planning.microbatches, microbatches=planning.microbatches,
-                recompute=dict(planning.recompute), expert_parallel=moe.expert_parallel_of(space, chosen, model.expert_skew),
+                recompute=dict(planning.recompute), expert_parallel=moe.expert_parallel_of(space, chosen, model.skew_on),
                 feasible=sim.peak_bytes <= planning.budget,
                 shortfall_bytes=max(0.0, sim.peak_bytes - planning.budget))
     return plan, sim

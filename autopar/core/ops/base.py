@@ -145,7 +145,7 @@ CollectivesFn = Callable[[fx.Node, Placed, Sequence[int], bool, "str | None"], l
 SavedFn = Callable[[fx.Node, tuple[bool, ...]], "Kept | None"]
 WorkingFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 RuleKeyFn = Callable[[fx.Node], Hashable]
-ImbalanceFn = Callable[[Placed, float], float]
+ImbalanceFn = Callable[[Placed, Callable[[int], float]], float]
 FlopShareFn = Callable[[fx.Node, Placed, Sequence[int]], float]
 
 

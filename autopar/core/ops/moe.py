@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -200,12 +200,13 @@ def all_to_alls(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: 
 
 
 @imbalance(MOE)
-def busiest_rank(placed: Placed, skew: float) -> float:
+def busiest_rank(placed: Placed, skew_on: Callable[[int], float]) -> float:
     """Split by expert, the router decides how many rows each rank receives: the busiest gets
-    ``skew`` times the mean (``PlanOptions.expert_skew``), and its experts, its all-to-alls and
-    its dispatched rows take that much longer and more memory. Split by token, each rank runs its
-    own rows: no imbalance."""
-    return skew if expert_axis(placed) is not None else 1.0
+    ``skew_on(axis)`` times the mean (``PlanOptions.expert_skew`` for the expert axis's size), and
+    its experts, its all-to-alls and its dispatched rows take that much longer and more memory.
+    Split by token, each rank runs its own rows: no imbalance."""
+    axis = expert_axis(placed)
+    return skew_on(axis) if axis is not None else 1.0
 
 @saved(MOE)
 def dispatched(node: fx.Node, flags: tuple[bool, ...]) -> Kept | None:
@@ -361,8 +362,8 @@ def narrowed(space: StrategySpace, choice: str | bool | dict[str, str]) -> Strat
     return replace(space, nodes=nodes)
 
 
-def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy], skew: float = 1.0
-                       ) -> ExpertParallelPlan | None:
+def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy],
+                       skew_on: Callable[[int], float] = lambda axis: 1.0) -> ExpertParallelPlan | None:
     """``Plan.expert_parallel``: the layout most MoE layers split their experts in (the mesh axis
     splitting them by expert and the experts each rank holds; the axis splitting each within),
     how many layers of how many do, and the router's skew priced where not uniform and some
@@ -379,6 +380,6 @@ def expert_parallel_of(space: StrategySpace, chosen: Sequence[Strategy], skew: f
         found = {"axis": names[a], "experts_per_rank": e // space.mesh.shape[a], **found}
     if w is not None:
         found = {**found, "within": names[w]}
-    if skew != 1.0 and a is not None:
-        found["skew"] = skew
+    if a is not None and skew_on(a) != 1.0:
+        found["skew"] = skew_on(a)
     return found

@@ -46,8 +46,10 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     with Clock(options.time_limit, start=start, deterministic=options.deterministic).shown("planning", options.progress) as clock:
         with clock.stage("capture") as timed:
             captured = capture(model, args, example_kwargs, precision=options.precision)
-        options = measured_if_asked(options, captured, model, args, example_kwargs, spec.shape)
         charge_capture(clock, captured, timed.seconds)
+        if options.expert_skew == "measured":
+            with clock.stage("router", "running the router on the example batch (expert_skew='measured')"):
+                options = measured_if_asked(options, captured, model, args, example_kwargs, spec.shape)
         return plan_captured(captured, spec, options, clock=clock,
                              recapture=microbatch_capture(model, args, example_kwargs, options.precision))
 

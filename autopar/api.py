@@ -90,6 +90,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwa
         captured = None
         if plan is None:
             captured = whole()
+            if options.expert_skew == "measured":
+                options = together("running the router on the example batch", lambda: measured_if_asked(
+                    options, captured, model, args, example_kwargs, spec.shape))
             plan = _plan_shared_by_all_ranks(captured, spec, mesh, options, recapture)
         mesh = _formed_as_planned(mesh, spec, plan)
         spec = as_mesh_spec(mesh, spec.hardware)

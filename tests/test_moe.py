@@ -23,6 +23,7 @@ from autopar.core.ops.moe import MOE
 from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
 from autopar.planning.options import PlanOptions
+from autopar.profiling.launch import run_on_local_tensor_mesh
 from tests.equivalence import (
     build,
     check_training,
@@ -641,3 +642,24 @@ def test_a_router_measured_on_the_example_batch_is_priced_per_expert_axis_size()
     on_meta = build(NAME).to("meta")
     with pytest.raises(AutoparError, match="meta device.*as a number"):
         autopar.plan(on_meta, MeshSpec((2,)), args, kwargs, expert_skew="measured", **options)
+
+
+def _compiled_skew(mesh, model, batch) -> dict:
+    args, kwargs = batch
+    pmodel = autopar.compile(model, mesh, args, kwargs, expert_skew="measured", expert_parallel={"axis": "x"},
+                             hand_plans=False, time_limit=None, profile=None, pipeline=False, microbatches=1,
+                             recompute="none")
+    return pmodel.plan.expert_parallel
+
+
+def test_compile_measures_the_router_too():
+    """``autopar.compile(..., expert_skew="measured")`` (ranks simulated in one process) prices the
+    factor ``autopar.plan`` measures on the same weights and batch."""
+    args, kwargs = make_batches(NAME, 4, 16)[0]
+    torch.manual_seed(0)
+    planned = autopar.plan(build(NAME), MeshSpec((2,), ("x",)), args, kwargs, expert_skew="measured",
+                           expert_parallel={"axis": "x"}, hand_plans=False, time_limit=None, profile=None,
+                           pipeline=False, microbatches=1, recompute="none")
+    torch.manual_seed(0)
+    compiled = run_on_local_tensor_mesh(_compiled_skew, (2,), build(NAME), (args, kwargs))
+    assert compiled["skew"] == planned.expert_parallel["skew"] > 1.0, (compiled, planned.expert_parallel)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from torch.utils import _pytree as pytree
 
 from autopar.core.capture import CapturedGraph
@@ -59,7 +60,7 @@ def routed_rows(captured: CapturedGraph, model: torch.nn.Module, args: tuple, kw
                       else captured.program.constants[captured.constant_of[name]] if name in captured.constant_of
                       else next(inputs))
     counting = _Counting(captured.program.graph_module)
-    with torch.no_grad():
+    with torch.no_grad(), maybe_disable_local_tensor_mode():   # the real model, whatever mode compiles it
         counting.run(*values)
     return counting.rows
 

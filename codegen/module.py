@@ -42,7 +42,7 @@ GENERATED_GLOBALS = {
     "Partial": Partial, "redistribute": runtime.redistribute, "move": runtime.move, "move_balanced": runtime.move_balanced,
     "balance": balance, "full_balanced": collectives.full_balanced, "param_shard": runtime.param_shard,
     "shard_of": runtime.shard_of, "held": runtime.held, "on_device": runtime.on_device, "expect": runtime.expect,
-    "uneven_reshape": runtime.uneven_reshape, "full": collectives.full, "kept_sharded": runtime.kept_sharded,
+    "uneven_reshape": runtime.uneven_reshape, "full": collectives.full, "kept_sharded": collectives.kept_sharded,
     "gather_params": gather_params, "recompute": recompute, "once": runtime.once, "kernels": Kernels(),
 }
 

@@ -32,7 +32,6 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.core.collectives import (
     all_reduce,
     as_dtensor,
-    as_output,
     axes_group,
     contiguous_stride,
     planned,
@@ -411,16 +410,6 @@ def sum_in_place(x: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> Laun
     if len(axes) == 1 or spans_job(mesh, axes):
         return Launched(x, dist.all_reduce(x, group=axes_group(mesh, axes), async_op=True))
     return Launched(all_reduce(x, mesh, axes), functional=True)
-
-
-@torch.compiler.disable
-def kept_sharded(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
-    """An output kept sharded: ``as_dtensor``, made outside any ``torch.compile`` graph. AOT autograd
-    takes a DTensor output's gradient to be a DTensor, and where the loss's backward does not read
-    that output (the logits returned beside the loss) the gradient comes as plain zeros, which it
-    rejects; so the graph returns this rank's part, wrapped here (a loss whose sum is on its way
-    stays so: ``as_output``)."""
-    return as_output(x, mesh, have, shape)
 
 
 def sync_grad_to(param: DTensor, reduce_precision: str = "fp32") -> None:

@@ -152,11 +152,15 @@ def _part_of(whole_value: torch.Tensor, mesh: DeviceMesh, have: Sequence[Placeme
         return as_dtensor(whole_value, mesh, [Replicate()] * mesh.ndim, shape).redistribute(mesh, for_dtensor(have)).to_local()
 
 
-def as_output(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
-    """An output kept sharded (``gather_outputs=False``): ``as_dtensor``, except that a sum still
-    on its way (the loss, ``launched.summed``) stays so inside its replicated DTensor, carried in
-    the gradients' all-reduce as under the default outputs (``as_dtensor`` would take a view of it,
-    an op that waits: a blocking all-reduce in every forward)."""
+@torch.compiler.disable
+def kept_sharded(x: Any, mesh: DeviceMesh, have: Sequence[Placement], shape: Sequence[int]) -> Any:
+    """An output kept sharded (``gather_outputs=False``): ``as_dtensor``, made outside any
+    ``torch.compile`` graph. AOT autograd takes a DTensor output's gradient to be a DTensor, and
+    where the loss's backward does not read that output (the logits returned beside the loss) the
+    gradient comes as plain zeros, which it rejects; so the graph returns this rank's part, wrapped
+    here. A sum still on its way (the loss, ``launched.summed``) stays so inside its replicated
+    DTensor, carried in the gradients' all-reduce as under the default outputs (``as_dtensor``
+    would take a view of it, an op that waits: a blocking all-reduce in every forward)."""
     if isinstance(x, launched.Pending) and all(isinstance(p, Replicate) for p in have):
         return _Replicated.apply(x, mesh, tuple(shape))
     return as_dtensor(x, mesh, have, shape)

@@ -23,6 +23,7 @@ from autopar.core.microbatch import batch_size, split
 from autopar.core.ops import Kernels
 from autopar.core.placements import ShardBlocks
 from autopar.core.plan import Plan
+from autopar.core.stacked_params import stacked_value, unstacked
 from autopar.core.together import one_process
 from codegen.generate import GeneratedCode, OutputMode, generate
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES, Carried, GradSync
@@ -121,6 +122,7 @@ class ShardedModule(nn.Module):
         the others from a hook. Frozen ones (``CapturedGraph.trains``) stay frozen: no gradient,
         nothing to synchronise. ``keep``: the FQNs this rank holds (a pipeline stage's); the
         others are dropped from the module."""
+        self._stack_parameters(captured.stacked, keep)
         direct_grads = code.direct
         gathered = {f: g for g in code.gathered for f in g.fqns}
         used = {captured.param_of[n.name] for n in captured.graph.nodes if n.name in captured.param_of and n.users}
@@ -153,6 +155,21 @@ class ShardedModule(nn.Module):
             setattr(mod, leaf, sharded[id(p)])
         return direct
 
+    def _stack_parameters(self, stacked: dict[str, tuple[str, ...]], keep: set[str] | None) -> None:
+        """Each parameter the graph reads stacked (``autopar.core.stacked_params``) registered
+        stacked in its parts' place (those in ``keep``, where given); the parts dropped from the
+        module (``full_state_dict`` gives them back)."""
+        self._autopar_stacked = stacked
+        for fqn, parts in stacked.items():
+            owner, _, leaf = fqn.rpartition(".")
+            trains = self.get_parameter(parts[0]).requires_grad
+            held = keep is None or fqn in keep
+            self.get_submodule(owner).register_parameter(
+                leaf, nn.Parameter(stacked_value(self, parts), requires_grad=trains) if held else None)
+            for part in parts:
+                path, _, name = part.rpartition(".")
+                setattr(self.get_submodule(path), name, None)
+
     def _refuse_refrozen(self) -> None:
         """The plan syncs (and prices) the gradients of the parameters trainable when the model was
         captured: one frozen or unfrozen since would train wrong (a gradient never synchronised,
@@ -182,7 +199,8 @@ class ShardedModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict (``autopar.full_state_dict``)."""
-        return {k: runtime.whole(v, self._device) if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+        whole = {k: runtime.whole(v, self._device) if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+        return unstacked(whole, self._autopar_stacked)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's outputs for the whole batch given (one forward, whatever ``plan.microbatches``)."""

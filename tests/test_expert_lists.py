@@ -44,10 +44,13 @@ def test_the_loop_over_experts_is_captured_as_one_op_on_their_weights_stacked():
     assert len(moes) == TINY.layers
     gate_up, down = moes[0].args[3:]
     assert tuple(gate_up.meta["val"].shape) == (TINY.experts, 2 * TINY.intermediate, TINY.hidden)
-    gate, up = (captured.param_of[p.name] for p in (gate_up.args[0][0].args[0][0], gate_up.args[0][1].args[0][0]))
-    assert (gate, up) == ("blocks.0.moe.experts.0.w1.weight", "blocks.0.moe.experts.0.w3.weight")
-    assert [captured.param_of[p.name] for p in down.args[0]] == [
-        f"blocks.0.moe.experts.{e}.w2.weight" for e in range(TINY.experts)]
+    gate, up = (captured.param_of[p.name] for p in gate_up.args[0])   # cat([gate, up], 1): each a stacked parameter
+    assert (gate, up) == ("blocks.0.moe.experts.w1_weight", "blocks.0.moe.experts.w3_weight")
+    assert captured.param_of[down.name] == "blocks.0.moe.experts.w2_weight"
+    assert captured.stacked[gate] == tuple(f"blocks.0.moe.experts.{e}.w1.weight" for e in range(TINY.experts))
+    assert captured.stacked["blocks.1.moe.experts.w2_weight"] == tuple(
+        f"blocks.1.moe.experts.{e}.w2.weight" for e in range(TINY.experts))
+    assert not any(n.target is torch.ops.aten.stack.default for n in captured.graph.nodes)
     assert not any(n.target is torch.ops.aten.where.default for n in captured.graph.nodes)
     assert sum("hand-written list of 4 experts (gated silu MLPs)" in w for w in captured.warnings) == TINY.layers
 
@@ -76,7 +79,7 @@ def test_sequential_experts_with_biases_are_captured_with_their_biases_stacked()
     (moe,) = [n for n in captured.graph.nodes if n.target is MOE]
     assert moe.args[5] == "gelu" and [tuple(a.meta["val"].shape) for a in moe.args[3:5] + moe.args[6:]] == [
         (4, 4 * TINY.hidden, TINY.hidden), (4, TINY.hidden, 4 * TINY.hidden), (4, 4 * TINY.hidden), (4, TINY.hidden)]
-    assert [captured.param_of[p.name] for p in moe.args[7].args[0]] == [f"experts.{e}.2.bias" for e in range(4)]
+    assert captured.stacked[captured.param_of[moe.args[7].name]] == tuple(f"experts.{e}.2.bias" for e in range(4))
 
 
 @pytest.mark.parametrize("name, choice", [
@@ -93,8 +96,10 @@ def test_plain_experts_train_exactly_split_by_expert_and_within(name, choice):
                           profile=None, pipeline=False, microbatches=1, recompute="none")
     plan = autopar.plan(build(name), MeshSpec((2, 2)), args, kwargs, options=options)
     assert plan.expert_parallel == {**choice, "experts_per_rank": 2, "layers": 2, "of": 2}
-    moes = [n for n in capture(build(name), args, kwargs).graph.nodes if n.target is MOE]
-    assert [n.args[5] for n in moes] == [name.split("_")[1]] * 2 and moes[0].args[3].target is torch.ops.aten.stack.default
+    captured = capture(build(name), args, kwargs)
+    moes = [n for n in captured.graph.nodes if n.target is MOE]
+    assert [n.args[5] for n in moes] == [name.split("_")[1]] * 2
+    assert captured.param_of[moes[0].args[3].name] == "blocks.0.moe.experts.w1_weight"
     check_training(name, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
@@ -153,15 +158,17 @@ def test_a_loop_over_experts_that_computes_something_else_is_refused_saying_why(
 
 
 def test_the_report_counts_each_layers_experts_in_one_row_per_choice():
-    """Parameters of a list in a list of layers (each layer's experts) share a row per choice,
+    """Each layer's experts' weights, stacked, share a row per choice with the other layers',
     counted; one that differs gets its own row, by name."""
     from dataclasses import replace
 
-    plan = _plan((2,), "x")
-    odd = "blocks.1.moe.experts.2.w2.weight"
+    plan = _plan((4,), "x")
+    rows = [line.split() for line in plan.report().splitlines() if "experts.w2_weight" in line]
+    assert [r[:2] for r in rows] == [["blocks.*.moe.experts.w2_weight", "x2"]], rows
+    odd = "blocks.1.moe.experts.w2_weight"
     plan.nodes = [replace(n, strategy="odd one out") if n.fqn == odd else n for n in plan.nodes]
-    rows = [line.split() for line in plan.report().splitlines() if ".w2.weight" in line]
-    assert [r[:2] for r in rows] == [["blocks.*.moe.experts.*.w2.weight", "x7"], [odd, "odd"]], rows
+    rows = [line.split() for line in plan.report().splitlines() if "experts.w2_weight" in line]
+    assert [r[:2] for r in rows] == [["blocks.0.moe.experts.w2_weight", "shard-dim0"], [odd, "odd"]], rows
 
 
 def test_the_report_says_what_every_layers_list_runs_as_once():
@@ -227,20 +234,25 @@ def test_a_folded_module_computes_its_forward_and_runs_it_on_other_shapes():
     torch.testing.assert_close(slow, layer(other), rtol=0, atol=0)
 
 
-def test_the_experts_weights_of_a_list_are_one_decision():
-    """Each role's weights of a list of experts, stacked, share one decision of the solver (with
-    their casts under a precision policy), as the experts are used alike."""
+def test_a_list_whose_experts_train_unlike_keeps_its_stack_as_one_decision():
+    """Experts' weights that do not all train alike (one expert frozen) stay parameters of their
+    own, stacked in the graph; each role's share one decision of the solver (with their casts
+    under a precision policy), as the experts are used alike. The other layer's are stored stacked."""
     import numpy as np
 
     from autopar.core.strategies import build_space
     from autopar.planning.shrink import group
 
     args, kwargs = BATCHES[0]
-    space = build_space(capture(build(NAME), args, kwargs, precision="bf16"), MeshSpec((2, 2)))
+    model = build(NAME)
+    model.blocks[0].moe.experts[1].requires_grad_(False)
+    captured = capture(model, args, kwargs, precision="bf16")
+    assert sorted(captured.stacked) == [f"blocks.1.moe.experts.{w}_weight" for w in ("w1", "w2", "w3")]
+    space = build_space(captured, MeshSpec((2, 2)))
     grouping = group(space, lambda i: np.zeros(len(space.nodes[i].strategies)),
                      lambda i, j, k: np.zeros((len(space.nodes[i].strategies), len(space.nodes[j].strategies))))
     stacks = [nc for nc in space.nodes if nc.node.target is torch.ops.aten.stack.default]
-    assert len(stacks) == 3 * TINY.layers
+    assert len(stacks) == 3
     for nc in stacks:
         params = [space.index[u.args[0]] for u in nc.inputs]   # (each input a cast of a parameter)
         assert len({grouping.owner[i] for i in params}) == 1 and len({grouping.owner[space.index[u]] for u in nc.inputs}) == 1
@@ -260,3 +272,54 @@ def test_microbatches_captured_again_on_a_fake_copy_fold_once_too(monkeypatch):
     plan = autopar.plan(build(NAME), MeshSpec((2, 2)), *batches[0], options=options)
     check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=batches)
     assert len(found) >= 3 and all(found), found
+
+
+def _held_then_resumed(mesh, root, plans, batches):
+    """Compiled by expert (``plans["ep"]``), two steps, saved; compiled by the other plan, loaded,
+    one step. What each rank holds of the first layer's experts, the losses and the whole state."""
+    from autopar.core.plan import Plan
+    from tests.equivalence import EPS, LR
+
+    args, kwargs = batches[0]
+    losses, held = [], {}
+    for name, steps, load, save in (("ep", batches[:2], False, True), ("other", batches[2:3], True, False)):
+        pmodel = autopar.compile(build(NAME), mesh, args, kwargs, plan=Plan.from_json(plans[name]))
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
+        if load:
+            autopar.load(pmodel, opt, root)
+        experts = pmodel.blocks[0].moe.experts
+        held[name] = ([tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape) for p in
+                       (experts.w1_weight, experts.w2_weight)], [e.w1.weight is None for e in experts],
+                      "stack(" in pmodel.code)
+        for a, k in steps:
+            losses.append(float(pmodel.train_step(*a, **k)))
+            opt.step()
+            opt.zero_grad()
+        if save:
+            autopar.save(pmodel, opt, root)
+    return losses, held, autopar.full_state_dict(pmodel)
+
+
+def test_experts_split_by_expert_are_stored_by_expert_and_checkpoint_into_another_plan(tmp_path):
+    """Split by expert over two ranks, each rank holds its two experts' weights alone (stacked,
+    the per-expert parameters gone from the module), and no stack is made in the step; a
+    checkpoint of that plan resumes in the data-parallel one exactly, and the whole state has each
+    expert's weights under their own names."""
+    from autopar.profiling.launch import run_on_gloo_mesh
+    from tests.equivalence import ATOL, RTOL, train_reference
+
+    batches = make_batches(NAME, 2, 4, steps=3)
+    args, kwargs = batches[0]
+    plans = {"ep": _plan((2,), "x").to_json(),
+             "other": autopar.plan(build(NAME), MeshSpec((2,)), args, kwargs, expert_parallel=False,
+                                   profile=None, time_limit=None).to_json()}
+    ref_losses, ref_state = train_reference(NAME, batches)
+    results = run_on_gloo_mesh(_held_then_resumed, (2,), tmp_path / "ckpt", plans, batches, start_method="forkserver")
+    i, h = TINY.intermediate, TINY.hidden
+    for losses, held, state in results:
+        assert held["ep"] == ([(2, i, h), (2, h, i)], [True] * TINY.experts, False), held
+        assert held["other"][0] == [(TINY.experts, i, h), (TINY.experts, h, i)], held   # (replicated there)
+        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+        assert state.keys() == ref_state.keys()
+        for key, value in ref_state.items():
+            torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{key}: {m}")

@@ -34,6 +34,7 @@ from autopar.core.expert_lists import fold_expert_lists
 from autopar.core.expert_parallel import experts_as_one_op
 from autopar.core.moe_modules import folded_once
 from autopar.core.precision import ComputeIn, Precision, check_precision
+from autopar.core.stacked_params import stack_parameters
 
 
 @dataclass
@@ -56,6 +57,7 @@ class CapturedGraph:
     precision: Precision = "fp32"     # policy the graph computes under (``autopar.core.precision``)
     warnings: list[str] = field(default_factory=list)
     frozen: frozenset[str] = frozenset()   # FQNs of the parameters that do not train (``frozen_parameters``)
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)   # a stacked parameter's FQN -> its parts' (``stack_parameters``)
 
     @property
     def graph(self) -> fx.Graph:
@@ -64,7 +66,7 @@ class CapturedGraph:
     def trains(self, fqn: str) -> bool:
         """Does parameter ``fqn`` train? The one notion of trainable that planning and code
         generation share: it was not frozen (``requires_grad``) when the model was captured."""
-        return fqn not in self.frozen
+        return fqn not in self.frozen and not any(part in self.frozen for part in self.stacked.get(fqn, ()))
 
     def trained_params(self) -> set[fx.Node]:
         """The placeholders of the parameters that train: where gradients start (``needs_grad``)."""
@@ -502,12 +504,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     folded, why_not = fold_expert_lists(program, model)
     folded = once + folded
     _refuse_value_dependent_sizes(program, type(model).__name__, why_not)
+    frozen = frozen_parameters(model)
+    stacked = stack_parameters(program, frozen)
     _free_generated_names(program)
     param_of, buffer_of, constant_of, user_inputs = _inputs_by_kind(program.graph_signature)
     notes = _notes(model, added, len(checkpoints)) + folded
     name = type(model).__name__
     _refuse_buffer_writes(program.graph_signature, name)
-    frozen = frozen_parameters(model)
     return CapturedGraph(
         program=program,
         param_of=param_of,
@@ -521,6 +524,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         precision=precision,
         warnings=notes,
         frozen=frozen,
+        stacked=stacked,
     )
 
 

@@ -15,9 +15,9 @@ and the experts' weights). It checks on random values that those ops compute wha
 computes from the same inputs with the experts' weights stacked (gate and up [E, 2I, H], or up
 [E, I, H]; down [E, H, I]) and their activation, some expert receiving no token (``_agrees``), and only then puts that one op in their
 place (``_rewrite``). The layer is then planned, priced and split as transformers' fused experts
-are. The weights are stacked in the graph from the model's own parameters each step, so the model,
-its state dict and its optimizer keep their per-expert parameters; split by expert, every rank
-holds every expert's weights (it slices their stack) and their gradients are gathered back.
+are. The weights are stacked in the graph from the model's own parameters; capture then makes
+each stack one parameter (``autopar.core.stacked_params``), so that split by expert a rank holds
+its experts alone.
 """
 from __future__ import annotations
 

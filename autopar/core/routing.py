@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.core.capture import CapturedGraph
 from autopar.core.errors import AutoparError
 from autopar.core.ops.moe import IDS, MOE, num_experts
+from autopar.core.stacked_params import stacked_value
 
 
 class _Counting(fx.Interpreter):
@@ -45,6 +46,8 @@ def routed_rows(captured: CapturedGraph, model: torch.nn.Module, args: tuple, kw
     inputs: ``captured``'s graph run once, without gradients, on ``model``'s parameters and
     buffers. Refused for a model on ``meta`` (no weights to route with)."""
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    state.update({fqn: stacked_value(model, parts) for fqn, parts in captured.stacked.items()
+                  if all(state[p].device.type != "meta" for p in parts)})
     if any(t.device.type == "meta" for t in state.values()):
         raise AutoparError("expert_skew='measured' runs the model's router on the example inputs, and this model is on "
                            "the meta device (no weights). Give the skew as a number (the busiest rank's rows over the "

@@ -37,7 +37,7 @@ from autopar.core.gradients import computed_from_parameters
 from autopar.core.hardware import Hardware, get_hardware
 from autopar.core.mesh import MeshSpec
 from autopar.core.ops import entry_for  # (its attention entry teaches FlopCounterMode CPU fused attention)
-from autopar.core.ops.base import CollectiveKind
+from autopar.core.ops.base import CollectiveKind, InStep
 from autopar.core.placements import (
     Placements,
     evenly_split,
@@ -213,6 +213,9 @@ class CostModel:
         # (its latency: the ranks' arrival after a whole backward of their own; its bytes move at
         # the link's bandwidth, as in lockstep).
         self.comm_scale = calibration.get(calibration_key("comm", self.mesh.shape), 1.0)
+        # The experts' dispatch and combine follow whole blocks of compute: a factor of their own
+        # (``Collective.in_step``), fitted on a mixture of experts split by expert; else comm's.
+        self.experts_scale = calibration.get(calibration_key("experts", self.mesh.shape), self.comm_scale)
         self.sync_scale = calibration.get(calibration_key("sync", self.mesh.shape), 1.0)
         # A gradient bucket holds at most the model's parameters: a small model syncs in one.
         params = sum(_bytes(tensor_val(nc.node)) for nc in self.space.nodes if nc.kind == "param")
@@ -227,7 +230,7 @@ class CostModel:
     # ------------------------------------------------------------ communication
     def redistribute(self, shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements, *,
                      queued: bool = False, batched: bool = False, once: bool = False,
-                     kind: CollectiveKind | None = None) -> Cost:
+                     kind: CollectiveKind | None = None, in_step: InStep = "comm") -> Cost:
         """Time and bytes of moving a tensor from placement ``src`` to ``dst`` (axis by axis):
         blocking (``comm_s``, at its in-step factor), or a gradient synchronisation queued during
         the backward (``queued``: ``overlap_s``, no staging buffers of its own) on the axes where
@@ -235,9 +238,10 @@ class CostModel:
         collective with others, a bucket: each pays its share of the collective's latency (a
         queued one at its in-step factor). A blocking one runs once per microbatch, or ``once`` a
         step (a ZeRO-2 gather). ``kind``: the collective an op's kernel runs for the move instead
-        of DTensor's (``Collective.kind``)."""
+        of DTensor's (``Collective.kind``); ``in_step``: the in-step factor of a blocking one
+        (``Collective.in_step``)."""
         shape = tuple(_dim(s) for s in shape)   # symbolic sizes (SymInt) do not hash
-        key = (shape, dtype, src, dst, queued, batched, once, kind)
+        key = (shape, dtype, src, dst, queued, batched, once, kind, in_step)
         if key not in self._moves:
             full = _numel(shape) * _itemsize(dtype)
             times = 1 if once else self.microbatches
@@ -252,7 +256,8 @@ class CostModel:
             if queued and self._summed_by_job(src) and self._summed_by_job(dst, into=True):
                 waiting, measured = self._job_all_reduce(full)
             largest = max(shard_fraction(src, self.mesh.shape), shard_fraction(dst, self.mesh.shape))
-            self._moves[key] = Cost(comm_s=blocking * self.comm_scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
+            scale = self.experts_scale if in_step == "experts" else self.comm_scale
+            self._moves[key] = Cost(comm_s=blocking * scale * times, overlap_s=waiting, comm_bytes=tuple(sent),
                                     # a float here (a sympy expression in symbolic costs); arrays are edge_grid's
                                     transient_bytes=_collective_buffers(full, largest) if blocking else 0.0,  # type: ignore[arg-type]
                                     measured=frozenset({"comm"}) if measured else frozenset())
@@ -533,7 +538,7 @@ class CostModel:
         inside = entry.collectives(nc.node, s, self.mesh.shape, grad, self.space.loss_with_gradients)
         blocking, hideable, share, buffers = Cost(), Cost(), 0.0, 0.0
         for c in inside:
-            moved = self.redistribute(c.shape, c.dtype, c.src, c.dst, kind=c.kind)
+            moved = self.redistribute(c.shape, c.dtype, c.src, c.dst, kind=c.kind, in_step=c.in_step)
             if c.hidden_by:
                 hideable, share = hideable + replace(moved, transient_bytes=0.0), max(share, c.hidden_by)
             else:

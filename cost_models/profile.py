@@ -30,7 +30,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.mesh import MeshSpec, hardware_for_device
 from cost_models.comm import COLLECTIVE_KINDS, Link
 
-PROFILE_VERSION = 20   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
+PROFILE_VERSION = 21   # 2: op times include making results contiguous; 3: calibrated on whole steps, collectives too;
                       # 4: collective factors per mesh shape; 5: op keys say which inputs need a gradient,
                       # runtime overheads of ops without one; 6: the overheads factor covers per-parameter
                       # and per-step costs too; 7: generated code on local tensors (ops as timed, moves
@@ -50,7 +50,8 @@ PROFILE_VERSION = 20   # 2: op times include making results contiguous; 3: calib
                       # workload too, whose stretches of compute between collectives are real models';
                       # 18: a move's local copies (``relayout_per_mib``, ``fresh_per_mib``); 19: a gradient
                       # bucket summed over every axis of the job priced as the one all-reduce it is (refitted);
-                      # 20: that all-reduce measured on a mesh of several axes before calibration (``JOB_KINDS``)
+                      # 20: that all-reduce measured on a mesh of several axes before calibration (``JOB_KINDS``);
+                      # 21: the experts' all-to-alls at an in-step factor of their own (``EXPERT_CALIBRATION``)
 
 #: A collective kind profiles of an earlier autopar lack -> the measured kind that prices it there:
 #: the same exchange, run as DTensor runs it (on gloo an all-gather and a chunk: an upper bound),
@@ -242,7 +243,7 @@ def missing_kinds(profile: Profile | None, shape: Sequence[int]) -> tuple[str, .
 
 
 def calibration_key(factor: str, shape: tuple[int, ...]) -> str:
-    """Key of an in-step collective factor ("comm" or "sync") of one mesh shape. It is fitted per
+    """Key of an in-step collective factor ("comm", "experts" or "sync") of one mesh shape. It is fitted per
     shape, not per process count: which ranks wait for which, and how far apart they arrive,
     differs between a 2x2 and a 4 mesh of the same four processes."""
     return f"{factor}@{'x'.join(map(str, shape))}"

@@ -340,7 +340,8 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
     """Split by expert, the counts and the rows (there and back, again in the backward) are the
     kernel's ``all_to_all_single``: priced on the profile's link of that kind, each rank's buffer
     1/n of the rows; a profile measured before that kind prices them on DTensor's all-to-all's.
-    Where its layer is recomputed, the forward's run again."""
+    Where its layer is recomputed, the forward's run again. In a step they are priced at the
+    experts' in-step factor, where the profile has one, else at that of blocking collectives."""
     from autopar.core.capture import tensor_val
     from autopar.core.ops.moe import DOWN, HIDDEN, IDS, all_to_alls, expert_axis
     from autopar.core.strategies import build_space
@@ -358,8 +359,9 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
     assert tensor_val(nc.node.args[DOWN]).shape[0] == 4   # 4 experts: [n, 4] int64 counts
     dtensor, single = Link(bandwidth=1e7, latency=1e-3), Link(bandwidth=1e9, latency=1e-4)
 
-    def inside(links: dict[str, Link]) -> float:
-        profile = Profile({"device": "cpu"}, collectives={collective_key(k, n): v for k, v in links.items()})
+    def inside(links: dict[str, Link], calibration: dict[str, float] | None = None) -> float:
+        profile = Profile({"device": "cpu"}, collectives={collective_key(k, n): v for k, v in links.items()},
+                          calibration=calibration or {})
         return CostModel(space.mesh, space, profile=profile)._inside(nc, split, 0.0).comm_s
 
     def priced(link: Link) -> float:
@@ -367,6 +369,9 @@ def test_the_experts_all_to_alls_are_priced_on_the_link_of_the_call_the_kernel_m
 
     assert inside({"all_to_all": dtensor, "all_to_all_single": single}) == pytest.approx(priced(single))
     assert inside({"all_to_all": dtensor}) == pytest.approx(priced(dtensor))
+    assert inside({"all_to_all_single": single}, {f"comm@{n}": 1.5}) == pytest.approx(1.5 * priced(single))
+    assert inside({"all_to_all_single": single}, {f"comm@{n}": 1.5, f"experts@{n}": 2.5}) == pytest.approx(
+        2.5 * priced(single))
     # recomputed (its layer checkpointed), its forward runs the counts and the rows' two again
     profile = Profile({"device": "cpu"}, collectives={collective_key("all_to_all_single", n): single})
     plain, full = (CostModel(space.mesh, space, profile=profile, recompute=r).node(nc, split) for r in ("none", "full"))

@@ -171,12 +171,17 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
 
     asked = []
 
-    def rows(spec, path, workloads, replicated, collective_workloads):
+    def rows(spec, path, workloads, replicated, collective_workloads, expert_workloads):
         asked.append(replicated)
-        return [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
-                     ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)
-                for name, sizes in (*workloads, *collective_workloads) for batch, seq in sizes
-                for comm, sync in [(0.001 * batch, 0.0005 * seq)]]
+        talking = [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * comm + 2.0 * sync,
+                        ops=0.01, overheads=0.005, comm=comm, sync=sync, rest=0.02)
+                   for name, sizes in (*workloads, *collective_workloads) for batch, seq in sizes
+                   for comm, sync in [(0.001 * batch, 0.0005 * seq)]]
+        # the experts' all-to-alls at 1.7x beside other collectives at the factors above
+        routed = [_Row(f"{name} {batch}x{seq} ddp", "ddp", 0.02 + 1.2 * 0.01 + 1.0 * 0.005 + 3.0 * 0.002 + 2.0 * 0.001
+                       + 1.7 * experts, ops=0.01, overheads=0.005, comm=0.002, sync=0.001, rest=0.02, experts=experts)
+                  for name, sizes in expert_workloads for batch, seq in sizes for experts in [0.0004 * batch]]
+        return talking + routed
 
     monkeypatch.setattr(profiling, "_calibration_rows", rows)
     known = {"ops": 1.2, "overheads": 1.0, "comm@4": 1.5, "sync@4": 0.7, "overlap": 0.3}
@@ -185,7 +190,8 @@ def test_collectives_are_calibrated_per_mesh_shape(monkeypatch, tmp_path):
     assert not _uncalibrated(Profile({}, calibration=known), MeshSpec((4,), hardware="cpu"))
     factors = _calibrate(square, tmp_path / "p.json", lambda line: None, known)
     assert asked and not any(asked)   # ops and overheads known: no replicated plan timed
-    assert factors == pytest.approx({"ops": 1.2, "overheads": 1.0, "comm@2x2": 3.0, "sync@2x2": 2.0})
+    assert factors == pytest.approx({"ops": 1.2, "overheads": 1.0, "comm@2x2": 3.0, "sync@2x2": 2.0,
+                                     "experts@2x2": 1.7})
     assert not _uncalibrated(Profile({}, calibration={**known, **factors}), square)
 
 
@@ -242,4 +248,6 @@ def test_collective_factors_are_fitted_on_a_heavier_workload_too(monkeypatch, tm
     heavy = {key[3] for key in timed if (key[0], (key[1], key[2])) in {(heavy_model, s) for s in heavy_sizes}}
     assert heavy == {"ddp", "tp"}
     assert {key[3] for key in timed} == {"replicated", "ddp", "tp"}
-    assert {"ops", "overheads", calibration_key("comm", (2,)), calibration_key("sync", (2,))} <= set(factors)
+    assert {"ops", "overheads", *(calibration_key(f, (2,)) for f in ("comm", "sync", "experts"))} <= set(factors)
+    (moe_model, moe_sizes), = profiling.EXPERT_CALIBRATION
+    assert {key[1:] for key in timed if key[0] == moe_model} == {(*s, "ddp") for s in moe_sizes}

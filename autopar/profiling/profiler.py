@@ -52,7 +52,7 @@ from cost_models.profile import (
     missing_kinds,
 )
 from cost_models.profile_ops import OpCall, op_calls
-from cost_models.schedule import Timeline, parameter_saving, step_costs
+from cost_models.schedule import StepPrediction, Timeline, parameter_saving, step_costs
 
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)
@@ -153,6 +153,13 @@ CALIBRATION = (("gpt-tiny", ((4, 16), (12, 48), (24, 64))), ("bert-tiny", ((4, 1
 #: 'tp' step 22% low and gpt2-125m's 25% low, and the planner chose that plan for gpt2-125m,
 #: measured 1.16x 'ddp'.
 COLLECTIVE_CALIBRATION = (("gpt-tiny", ((256, 64),)),)
+#: And for the experts' dispatch and combine (``Collective.in_step``): a mixture of experts written
+#: by hand (not the transformers models cost_accuracy checks the factor on), split by expert over
+#: the mesh's last axis. Those all-to-alls follow whole blocks of compute, after which ranks
+#: arrive further apart than at a tensor-parallel step's collectives: priced at the factor fitted
+#: there, mixtral-tiny's and gpt-oss-tiny's expert-parallel steps were all under-predicted (median
+#: 15.7%), and in place ranks waited 0.6-1.1 ms at each.
+EXPERT_CALIBRATION = (("autopar.models.moe:build", ((16, 64), (32, 64))),)
 CALIBRATION_STEPS = 6
 #: Each plan is timed in this many rounds, taking turns with the others; the median of all its
 #: steps counts.
@@ -177,6 +184,7 @@ class _Row:
     sync: float       # the exposed gradient synchronisation's fixed cost (its buckets' latency)
     rest: float       # the other predicted parts (its bytes at the links' bandwidth, optimizer memory traffic,
                       # ops the profile lacks), not fitted
+    experts: float = 0.0   # the experts' dispatch and combine (the profile's links, in lockstep); not in ``comm``
 
     @property
     def unfitted(self) -> float:
@@ -192,7 +200,7 @@ def _uncalibrated(profile: Profile, spec: MeshSpec) -> bool:
 
 def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float]) -> dict[str, float]:
     """In-step factors for what the profile measures alone, from whole training steps of the
-    calibration workloads (``_calibration_rows``), fitted by least squares in two stages:
+    calibration workloads (``_calibration_rows``), fitted by least squares in stages:
 
     * every op replicated (no communication): ``measured = a * ops_alone + b * overheads + rest``
       (``ops_alone``: the ops that fit in cache, ``CostModel.calibrated``; the others are in ``rest``),
@@ -207,11 +215,15 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
       and CPU ranks share their cores with the compute of others. A gradient bucket's bytes are
       not scaled: the calibration models' buckets are nearly all latency, and a factor on their
       whole time priced a large model's bandwidth-bound ones several times too high (gpt2-125m
-      on 4 gloo processes: 'ddp' predicted 9.3 s a step, measured 6.5 s).
+      on 4 gloo processes: 'ddp' predicted 9.3 s a step, measured 6.5 s);
+    * then, on the plans of ``EXPERT_CALIBRATION`` (experts split by expert), what all the above
+      leave, ``e * the experts' all-to-alls``: their own factor (``Collective.in_step``).
 
     Not run on a GPU host (``profile_model``): the calibration steps would run on its CPU."""
     replicated = "ops" not in known
-    rows = _calibration_rows(spec, path, CALIBRATION, replicated, COLLECTIVE_CALIBRATION if spec.size > 1 else ())
+    several = spec.size > 1
+    rows = _calibration_rows(spec, path, CALIBRATION, replicated, COLLECTIVE_CALIBRATION if several else (),
+                             EXPERT_CALIBRATION if several else ())
     for r in rows:
         say(f"calibration {r.label}: step {r.measured * 1e3:.1f} ms; ops in cache alone {r.ops * 1e3:.1f}, runtime overheads "
             f"{r.overheads * 1e3:.1f}, blocking comm {r.comm * 1e3:.1f}, gradient sync {r.sync * 1e3:.1f}, "
@@ -223,12 +235,19 @@ def _calibrate(spec: MeshSpec, path: Path, say: Progress, known: dict[str, float
     else:
         a, b = known["ops"], known["overheads"]
     factors = {"ops": a, "overheads": b}
-    talking = [r for r in rows if r.comm or r.sync]
+    talking = [r for r in rows if (r.comm or r.sync) and not r.experts]
+    c, d = 1.0, 1.0
     if talking:
         c, d = _fit(talking, lambda r: (r.comm, r.sync), lambda r: r.unfitted - a * r.ops - b * r.overheads)
         factors.update({calibration_key("comm", spec.shape): c, calibration_key("sync", spec.shape): d})
         say(f"calibrated on {spec.describe()}: blocking collectives take {c:.2f}x their lockstep timings, a "
             f"gradient bucket's latency {d:.2f}x")
+    routed = [r for r in rows if r.experts]
+    if routed:
+        e, _ = _fit(routed, lambda r: (r.experts, 0.0),
+                    lambda r: r.unfitted - a * r.ops - b * r.overheads - c * r.comm - d * r.sync)
+        factors[calibration_key("experts", spec.shape)] = e
+        say(f"calibrated on {spec.describe()}: the experts' all-to-alls take {e:.2f}x their lockstep timings")
     return factors
 
 
@@ -253,13 +272,15 @@ Workloads = Sequence[tuple[str, Sequence[tuple[int, int]]]]
 
 
 def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicated: bool,
-                      collective_workloads: Workloads = ()) -> list[_Row]:
+                      collective_workloads: Workloads = (), expert_workloads: Workloads = ()) -> list[_Row]:
     """Each workload (model, sizes) at each size: every op replicated (if ``replicated``), and on
-    several devices the calibration hand plans (of ``collective_workloads`` those alone), each
+    several devices the calibration hand plans (of ``collective_workloads`` those alone; of
+    ``expert_workloads`` 'ddp' with the experts split by expert over the last axis), each
     planned with the profile's uncalibrated numbers; all of them timed in one launch on this
     mesh, taking turns (``_calibration_worker``)."""
     t0 = time.perf_counter()
-    hands_only = set(_sized(collective_workloads)) - set(_sized(workloads))
+    routed = set(_sized(expert_workloads))
+    hands_only = (set(_sized(collective_workloads)) | routed) - set(_sized(workloads))
     sized = _sized(workloads) + sorted(hands_only)
     with quiet("autopar.core.strategies"):   # the calibration models' ops without rules are not the user's concern
         captured = {w: capture(*_calibration_model(*w)) for w in sized}
@@ -270,38 +291,56 @@ def _calibration_rows(spec: MeshSpec, path: Path, workloads: Workloads, replicat
         profile = replace(profile, calibration={k: v for k, v in profile.calibration.items() if k == "overlap"})
         plans = {}   # (model, batch, seq, plan name) -> (plan, its cost model, space, chosen strategies)
         for w, c in captured.items():
-            plans.update(_calibration_plans(spec, profile, w, c, spaces[w], replicated and w not in hands_only))
+            plans.update(_calibration_plans(spec, profile, w, c, spaces[w], replicated and w not in hands_only,
+                                            experts=w in routed))
     measured = run_on_gloo_mesh(_calibration_worker, spec.shape, [(key, p[0].to_json()) for key, p in plans.items()],
                                 axis_names=spec.axis_names, start_method="forkserver")
-    rows = []
-    for key, (plan, cost, plan_space, chosen) in plans.items():
-        name, batch, seq, hand = key
-        # the ops the factor scales (CostModel.calibrated); the others are in ``rest``
-        scaled = [(nc, s) for nc, s in zip(plan_space.nodes, chosen, strict=True) if nc.kind == "op" and cost.calibrated(nc, s)]
-        alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in scaled) if t is not None)
-        params = sum(nc.kind == "param" for nc in plan_space.nodes) * (
-            cost.param_overhead() - parameter_saving(plan_space, chosen, cost.plain_saving()))
-        overhead = _moves_overhead(cost, plan_space, chosen) + params + cost.step_overhead()
-        p = plan.predicted
-        latency = p.exposed_comm_s - _exposed_without_latency(cost, plan_space, chosen)
-        typical = statistics.median(slowest_rank_steps([m[key] for m in measured]))
-        rows.append(_Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s, latency,
-                         p.step_time_s - alone - overhead - p.comm_s - latency))
-    return rows
+    return [_row(key, *planned, statistics.median(slowest_rank_steps([m[key] for m in measured])),
+                 experts=key[:3] in routed) for key, planned in plans.items()]
+
+
+def _row(key: tuple[str, int, int, str], plan: Plan, cost: CostModel, space: StrategySpace,
+         chosen: Sequence[Strategy], typical: float, experts: bool) -> _Row:
+    """A timed calibration plan's row: its typical step and its predicted parts (``experts``: its
+    experts' all-to-alls apart from the other blocking collectives)."""
+    name, batch, seq, hand = key
+    # the ops the factor scales (CostModel.calibrated); the others are in ``rest``
+    scaled = [(nc, s) for nc, s in zip(space.nodes, chosen, strict=True) if nc.kind == "op" and cost.calibrated(nc, s)]
+    alone = sum(t.total_s for t in (cost.measured_time(nc, s) for nc, s in scaled) if t is not None)
+    params = sum(nc.kind == "param" for nc in space.nodes) * (
+        cost.param_overhead() - parameter_saving(space, chosen, cost.plain_saving()))
+    overhead = _moves_overhead(cost, space, chosen) + params + cost.step_overhead()
+    p = plan.predicted
+    latency = p.exposed_comm_s - _exposed_without_latency(cost, space, chosen)
+    routed = _experts_comm(cost, space, chosen) if experts else 0.0
+    return _Row(f"{name} {batch}x{seq} {hand}", hand, typical, alone, overhead, p.comm_s - routed, latency,
+                p.step_time_s - alone - overhead - p.comm_s - latency, routed)
 
 
 def _sized(workloads: Workloads) -> list[tuple[str, int, int]]:
     return [(name, batch, seq) for name, sizes in workloads for batch, seq in sizes]
 
 
+def _simulated(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy], factor: str, value: float
+               ) -> StepPrediction:
+    """A plan's step priced with the in-step ``factor`` of this mesh shape set to ``value``."""
+    priced = replace(cost, profile=replace(cost.profile, calibration={
+        **cost.profile.calibration, calibration_key(factor, cost.mesh.shape): value}))
+    costs, queued = step_costs(space, priced, chosen)
+    timeline = Timeline(space, overlap_efficiency=priced.overlap_efficiency, block_of=priced.block_of)
+    return timeline.simulate(costs, queued, priced.step_overhead())
+
+
 def _exposed_without_latency(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:
     """A plan's exposed gradient synchronisation were its buckets' latency free: what of it the
     sync factor does not scale."""
-    free = replace(cost, profile=replace(cost.profile, calibration={
-        **cost.profile.calibration, calibration_key("sync", cost.mesh.shape): 0.0}))
-    costs, queued = step_costs(space, free, chosen)
-    timeline = Timeline(space, overlap_efficiency=free.overlap_efficiency, block_of=free.block_of)
-    return timeline.simulate(costs, queued, free.step_overhead()).exposed_s
+    return _simulated(cost, space, chosen, "sync", 0.0).exposed_s
+
+
+def _experts_comm(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:
+    """The experts' dispatch and combine in a plan's blocking communication, at their lockstep
+    timings: what the experts factor scales (none in a plan without experts split by expert)."""
+    return _simulated(cost, space, chosen, "experts", 1.0).comm_s - _simulated(cost, space, chosen, "experts", 0.0).comm_s
 
 
 def _moves_overhead(cost: CostModel, space: StrategySpace, chosen: Sequence[Strategy]) -> float:
@@ -320,11 +359,12 @@ def _calibration_model(name: str, batch: int, seq: int) -> tuple[nn.Module, tupl
 
 
 def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, int, int], captured: CapturedGraph,
-                       space: StrategySpace, replicated: bool
+                       space: StrategySpace, replicated: bool, experts: bool = False
                        ) -> dict[tuple[str, int, int, str], tuple[Plan, CostModel, StrategySpace, list[Strategy]]]:
     """One workload (model, batch, seq), captured, with its strategy space: the replicated plan (if
-    ``replicated``) and on several devices the calibration hand plans, each with its cost model,
-    space and strategies."""
+    ``replicated``) and on several devices the calibration hand plans (``experts``: 'ddp' alone,
+    its experts split by expert over the mesh's last axis), each with its cost model, space and
+    strategies."""
     plans = {}
     if replicated:
         chosen = [next(s for s in nc.strategies if all_replicated(s)) for nc in space.nodes]   # every node has one
@@ -333,9 +373,10 @@ def _calibration_plans(spec: MeshSpec, profile: Profile, workload: tuple[str, in
             plan_captured(captured, spec, PlanOptions(profile=profile, hand_plans=False), forced=forced),
             CostModel(spec, space, profile=profile), space, chosen)
     if spec.size > 1:
-        planning = prepare(captured, spec, PlanOptions(profile=profile))
+        routed = {"expert_parallel": {"axis": spec.axis_names[-1]}} if experts else {}
+        planning = prepare(captured, spec, PlanOptions(profile=profile, **routed))  # type: ignore[arg-type]
         for hand, (plan, choices) in hand_plans(planning).items():  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
-            if _calibration_plan(hand):
+            if hand == "ddp" if experts else _calibration_plan(hand):
                 chosen = [nc.strategies[k] for nc, k in zip(planning.space.nodes, planning.grouping.strategies(choices), strict=True)]
                 plans[workload + (hand,)] = (plan, planning.model, planning.space, chosen)
     return plans

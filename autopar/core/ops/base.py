@@ -63,6 +63,8 @@ class LocalCall(NamedTuple):
 
 #: The collective a kernel runs itself, where not DTensor's (``Collective.kind``).
 CollectiveKind = Literal["all_to_all_single"]
+#: The in-step factor a blocking collective is priced at (``Collective.in_step``).
+InStep = Literal["comm", "experts"]
 
 
 class Collective(NamedTuple):
@@ -73,7 +75,11 @@ class Collective(NamedTuple):
     collective the kernel runs (a ``cost_models.comm.COLLECTIVE_KINDS`` name) where it is not
     the one DTensor's redistribution from ``src`` to ``dst`` runs (None: that one): a kernel
     calling ``all_to_all_single`` itself is priced on that collective's link, not on DTensor's
-    all-to-all (on gloo, an all-gather and a chunk)."""
+    all-to-all (on gloo, an all-gather and a chunk). ``in_step``: which calibrated in-step factor
+    prices it (``CostModel.redistribute``): "comm", that of blocking collectives, fitted on
+    tensor-parallel steps whose collectives follow a matmul or two; "experts", the experts'
+    dispatch and combine, which follow whole blocks of compute (attention and the router; the
+    experts), after which ranks arrive further apart."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -81,6 +87,7 @@ class Collective(NamedTuple):
     dst: Placements
     hidden_by: float = 0.0
     kind: CollectiveKind | None = None
+    in_step: InStep = "comm"
 
 
 class Kept(NamedTuple):

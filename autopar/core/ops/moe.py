@@ -186,16 +186,18 @@ def all_to_alls(node: fx.Node, placed: Placed, mesh_shape: Sequence[int], grad: 
     row [T*k, H] sent to its expert's rank and the result sent back (two all-to-alls), each again
     in the backward; priced as an all-to-all of the rows on the axis (uniform routing: each rank
     sends and receives T*k/n rows). Each is the ``all_to_all_single`` the kernel calls, priced
-    on that collective's link (not DTensor's all-to-all, which gloo runs as an all-gather)."""
+    on that collective's link (not DTensor's all-to-all, which gloo runs as an all-gather), at
+    the experts' in-step factor (``Collective.in_step``)."""
     axis = expert_axis(placed)
     if axis is None:
         return []
     hidden, ids = tensor_val(node.args[HIDDEN]), tensor_val(node.args[IDS])
     rows = (hidden.shape[0] * ids.shape[1], hidden.shape[1])
     tokens = placed.ins[HIDDEN]
-    move = Collective(rows, hidden.dtype, tokens, _with(tokens, axis, Shard(1)), kind="all_to_all_single")
+    move = Collective(rows, hidden.dtype, tokens, _with(tokens, axis, Shard(1)), kind="all_to_all_single",
+                      in_step="experts")
     counts = Collective((mesh_shape[axis], num_experts(node)), torch.int64, _with(tokens, axis, Shard(0)),
-                        _with(tokens, axis, Shard(1)), kind="all_to_all_single")
+                        _with(tokens, axis, Shard(1)), kind="all_to_all_single", in_step="experts")
     return [counts, move, move] + ([move, move] if grad else [])
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.core.capture import capture
@@ -323,3 +324,57 @@ def test_experts_split_by_expert_are_stored_by_expert_and_checkpoint_into_anothe
         assert state.keys() == ref_state.keys()
         for key, value in ref_state.items():
             torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@slow
+def test_experts_split_by_expert_train_exactly_zero_sharded_over_the_other_axis():
+    """A memory budget that replicating cannot meet: the list's stacked weights, split by expert
+    over tp, are sharded over dp as well (ZeRO: what Megatron's distributed optimizer does with
+    the expert parameters over the data axis that does not hold them)."""
+    from tests.equivalence import tight_budget
+
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel={"axis": "tp"}, hand_plans=False, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute="none",
+                          memory_budget=0.7 * tight_budget(NAME, 0, 0, (2, 2), batches=BATCHES))
+    plan = autopar.plan(build(NAME), MeshSpec((2, 2)), args, kwargs, options=options)
+    experts = [n for n in plan.nodes if n.fqn is not None and ".moe.experts." in n.fqn]
+    assert experts and all(n.storage[1] == Shard(0) for n in experts), [(n.fqn, n.storage) for n in experts]
+    assert any(n.storage[0] != Replicate() for n in experts), [(n.fqn, n.storage) for n in experts]
+    check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=BATCHES)
+
+
+@pytest.mark.parametrize("recompute, precision", [("full", "fp32"), ("none", "bf16")])
+def test_experts_split_by_expert_train_exactly_recomputed_and_in_bf16(recompute, precision):
+    """Split by expert over tp beside data parallelism: each block recomputed in the backward
+    (the dispatch and combine run again), or under the bf16 policy (against one device's)."""
+    args, kwargs = BATCHES[0]
+    options = PlanOptions(expert_parallel={"axis": "tp"}, hand_plans=False, time_limit=None, profile=None,
+                          pipeline=False, microbatches=1, recompute=recompute, precision=precision)
+    plan = autopar.plan(build(NAME), MeshSpec((2, 2)), args, kwargs, options=options)
+    assert plan.expert_parallel["axis"] == "tp" and plan.precision == precision
+    assert plan.recompute_mode == recompute
+    check_training(NAME, 0, 0, (2, 2), local_runner, {"plan": plan}, batches=BATCHES)
+
+
+@slow
+def test_experts_split_by_expert_train_exactly_in_pipeline_stages():
+    """Two pipeline stages (1F1B, a block each) whose experts split by expert over the other axis."""
+    from autopar.profiling.launch import run_on_gloo_mesh
+    from tests.equivalence import ATOL, RTOL, train_reference
+    from tests.test_pipeline import _train_each
+
+    batches = make_batches(NAME, 4, 4)
+    args, kwargs = batches[0]
+    mesh = MeshSpec((2, 2), ("pp", "ep"))
+    options = PlanOptions(expert_parallel={"axis": "ep"}, hand_plans=False, time_limit=None, profile=None,
+                          pipeline={"axis": "pp", "schedule": "Schedule1F1B", "microbatches": 2}, recompute="none")
+    plan = autopar.plan(build(NAME), mesh, args, kwargs, options=options)
+    assert plan.pipeline is not None and plan.expert_parallel["axis"] == "ep"
+    ref_losses, ref_state = train_reference(NAME, batches)
+    results = run_on_gloo_mesh(_train_each, mesh.shape, NAME, [plan.to_json()], batches, axis_names=mesh.axis_names,
+                               start_method="forkserver", timeout_s=600)
+    for r, ((losses, state, _),) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), f"rank {r}"
+        for key, want in ref_state.items():
+            torch.testing.assert_close(state[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, key=key: f"{key}: {m}")

@@ -143,8 +143,8 @@ def unstacked(state: dict[str, torch.Tensor], stacked: dict[str, tuple[str, ...]
     names, in its place: the model's own state dict."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        for part, piece in zip(stacked.get(key, ()), value.unbind(0) if key in stacked else (), strict=True):
-            out[part] = piece.clone()
-        if key not in stacked:
+        if key in stacked:
+            out.update({part: piece.clone() for part, piece in zip(stacked[key], value.unbind(0), strict=True)})
+        else:
             out[key] = value
     return out

@@ -157,8 +157,7 @@ COLLECTIVE_CALIBRATION = (("gpt-tiny", ((256, 64),)),)
 #: by hand (not the transformers models cost_accuracy checks the factor on), split by expert over
 #: the mesh's last axis. Those all-to-alls follow whole blocks of compute, after which ranks
 #: arrive further apart than at a tensor-parallel step's collectives: priced at the factor fitted
-#: there, mixtral-tiny's and gpt-oss-tiny's expert-parallel steps were all under-predicted (median
-#: 15.7%), and in place ranks waited 0.6-1.1 ms at each.
+#: there, every expert-parallel step cost_accuracy ran was under-predicted (benchmarks/RESULTS.md).
 EXPERT_CALIBRATION = (("autopar.models.moe:build", ((16, 64), (32, 64))),)
 CALIBRATION_STEPS = 6
 #: Each plan is timed in this many rounds, taking turns with the others; the median of all its

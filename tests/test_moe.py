@@ -482,21 +482,25 @@ def _as_global(key: str, rank: int, local: int) -> str:
     return f"{head}.experts.{rank * local + int(index)}.{rest}" if sep and index.isdigit() else key
 
 
-@pytest.mark.parametrize("name", [NAME, "autopar.models.moe:build"])
-def test_torch_expert_parallel_reference_trains_as_one_device(name):
+@pytest.mark.parametrize("name, shape", [(NAME, (2,)), ("autopar.models.moe:build", (2,)),
+                                         pytest.param("autopar.models.moe:build", (2, 2), marks=slow)])
+def test_torch_expert_parallel_reference_trains_as_one_device(name, shape):
     """The hand-written torch EP that benchmarks/peer_runtime.py times autopar against (experts
-    split by expert, tokens dispatched by all-to-all, DDP for the rest) trains as one device
-    does on 2 gloo processes: losses, and each rank's slice of every parameter; for transformers'
-    fused experts and for a hand-written list of them."""
+    split by expert, tokens dispatched by all-to-all, DDP for the rest; on 2x2 the experts'
+    gradients summed over dp as they are ready) trains as one device does on gloo processes:
+    losses, and each rank's slice of every parameter; for transformers' fused experts and for a
+    hand-written list of them."""
     from autopar.profiling.launch import run_on_gloo_mesh
 
-    batches = BATCHES if name == NAME else make_batches(name, 2, 4)
+    batches = BATCHES if name == NAME else make_batches(name, 2 * shape[0], 4)
     ref_losses, ref_state = _reference("fp32") if name == NAME else _one_device(name, batches)
     model = build(name)
     equivalence.loss_of(model(*batches[0][0], **batches[0][1])).backward()
     ref_grads = {k: p.grad for k, p in model.named_parameters()}
-    ranks = run_on_gloo_mesh(_torch_ep_worker, (2,), name, batches, axis_names=("ep",), start_method="forkserver")
-    for r, (losses, state, grads) in enumerate(ranks):
+    ranks = run_on_gloo_mesh(_torch_ep_worker, shape, name, batches, axis_names=("dp", "ep")[-len(shape):],
+                             start_method="forkserver")
+    for rank, (losses, state, grads) in enumerate(ranks):
+        r = rank % shape[-1]   # (its rank on ep)
         torch.testing.assert_close(losses, ref_losses, rtol=equivalence.RTOL, atol=equivalence.ATOL)
         for got, ref in ((state, ref_state), (grads, ref_grads)):
             got = {_as_global(k, r, 2): v for k, v in got.items()}   # (4 experts, 2 a rank)

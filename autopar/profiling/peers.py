@@ -214,10 +214,25 @@ def expert_parallel(model: nn.Module, batch: Batch, mesh: DeviceMesh) -> tuple[n
     return DistributedDataParallel(model), rank_batch(batch, world, dist.get_rank())
 
 
+#: The experts' gradient all-reduces on their way in this backward (``_average_expert_grad``).
+_EXPERT_SYNCS: list[dist.Work] = []
+
+
 def _average_expert_grad(p: torch.Tensor, dp: dist.ProcessGroup | None, world: int) -> None:
-    if dp is not None:
-        dist.all_reduce(p.grad, group=dp)
+    """An expert's gradient divided by the ranks (as DDP's average), then summed over ``dp``
+    asynchronously, as its gradient is ready: it overlaps the rest of the backward, as DDP's
+    buckets and torchtitan's FSDP over the data axis do, and is waited for at the backward's end."""
     p.grad.div_(world)
+    if dp is None:
+        return
+    if not _EXPERT_SYNCS:
+        torch.autograd.Variable._execution_engine.queue_callback(_wait_expert_syncs)
+    _EXPERT_SYNCS.append(dist.all_reduce(p.grad, group=dp, async_op=True))
+
+
+def _wait_expert_syncs() -> None:
+    while _EXPERT_SYNCS:
+        _EXPERT_SYNCS.pop().wait()
 
 
 #: torch's wrappers by the name results give them.

@@ -98,6 +98,7 @@ class Cost:
     ``cost_models.schedule`` and summed by the planner into the ILP's costs and memory rows."""
 
     compute_s: float = 0.0        # forward + backward compute, runtime overhead included
+    timed_s: float = 0.0          # of compute_s, what the profile measured: ops' times, runtime overheads
     backward_s: float = 0.0       # the part of compute_s in the backward (it can hide gradient sync)
     comm_s: float = 0.0           # blocking communication
     overlap_s: float = 0.0        # gradient synchronisation queued during the backward
@@ -121,7 +122,8 @@ class Cost:
     def busier(self, factor: float) -> "Cost":
         """This cost on a rank doing ``factor`` times the mean work (``CostModel.expert_skew``):
         its seconds, bytes moved and working memory scaled."""
-        return replace(self, compute_s=self.compute_s * factor, backward_s=self.backward_s * factor,
+        return replace(self, compute_s=self.compute_s * factor, timed_s=self.timed_s * factor,
+                       backward_s=self.backward_s * factor,
                        comm_s=self.comm_s * factor, overlap_s=self.overlap_s * factor,
                        transient_bytes=self.transient_bytes * factor, comm_bytes=tuple(b * factor for b in self.comm_bytes))
 
@@ -407,6 +409,7 @@ class CostModel:
             again = compute.compute_s / self.microbatches - compute.backward_s
             rerun = self._inside(nc, s, again * self.microbatches, grad=False).busier(load)
             compute = replace(compute, compute_s=compute.compute_s + again * self.microbatches,
+                              timed_s=compute.timed_s * (1 + again * self.microbatches / (compute.compute_s or 1.0)),
                               backward_s=compute.backward_s + again) + replace(rerun, transient_bytes=0.0)
         out_bytes = _bytes(val) * shard_fraction(s.out, self.mesh.shape)
         if self._grad(nc.node):
@@ -472,11 +475,12 @@ class CostModel:
             copies = (gathers + reductions) * (local / self.hw.host_bandwidth + self.hw.op_overhead_s)
             update = (opt.update_bytes * local / self.hw.host_memory_bandwidth + self.hw.op_overhead_s
                       + self.param_overhead()) if nc.trains else 0.0
-            cost = Cost(compute_s=update, comm_s=copies, transient_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
+            cost = Cost(compute_s=update, timed_s=self.param_overhead() if nc.trains else 0.0, comm_s=copies,
+                        transient_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
         elif nc.trains:
             update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
             update += self.param_overhead()
-            cost = Cost(compute_s=update, state_bytes=local * (1 + opt.states), grad_bytes=local,
+            cost = Cost(compute_s=update, timed_s=self.param_overhead(), state_bytes=local * (1 + opt.states), grad_bytes=local,
                         transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         else:
             cost = Cost(state_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
@@ -498,8 +502,8 @@ class CostModel:
         timed = self.measured_time(nc, s)
         if timed is not None:
             scale = self.profile.calibration.get("ops", 1.0) if self.calibrated(nc, s) else 1.0
-            return Cost(compute_s=timed.total_s * scale * self.microbatches, backward_s=timed.bwd_s * scale,
-                        measured=frozenset({"compute"}))
+            seconds = timed.total_s * scale * self.microbatches
+            return Cost(compute_s=seconds, timed_s=seconds, backward_s=timed.bwd_s * scale, measured=frozenset({"compute"}))
         if nc.node.target in VIEW_OPS:
             return Cost()
         split = 1
@@ -790,7 +794,7 @@ class CostModel:
         if runtime_overhead(self.profile, {"move": 1, "param_read": 1}):
             wrapping = again * np.array([[self._wrapping(src, out, storage, inp, grad) for inp, grad in dst_reps]
                                          for out, storage, *_ in src_reps])
-            grid = replace(grid, compute_s=grid.compute_s + wrapping)  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
+            grid = replace(grid, compute_s=grid.compute_s + wrapping, timed_s=grid.timed_s + wrapping)  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
             blocking.append(Term(*every, wrapping))
         return EdgeGrid(rows, cols, grid, tuple(blocking))
 

@@ -305,7 +305,8 @@ def _assemble(space: StrategySpace, node: Callable[[int], Cost], edge: Callable[
     costs = [node(idx) + incoming.get(idx, Cost()) for idx in range(len(space.nodes))]
     for idx, nc in enumerate(space.nodes):
         if nc.kind == "param" and saving:
-            costs[idx] = replace(costs[idx], compute_s=costs[idx].compute_s - saving)
+            costs[idx] = replace(costs[idx], compute_s=costs[idx].compute_s - saving,
+                                 timed_s=max(0.0, costs[idx].timed_s - saving))
     return costs, queued
 
 

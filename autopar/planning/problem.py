@@ -418,20 +418,20 @@ def _described(node: fx.Node) -> str:
 
 
 def _source(c: Cost) -> str:
-    """Where a node's time figures came from: the profile ("measured") or the roofline presets."""
+    """Where a node's time figures came from: the profile ("measured": most of its compute time,
+    op times or the runtime's overheads, ``Cost.timed_s``) or the roofline presets."""
     parts = []
     if c.compute_s > 0:
-        parts.append("measured" if "compute" in c.measured else "roofline")
+        parts.append("measured" if c.timed_s >= c.compute_s / 2 else "roofline")
     if c.comm_s + c.overlap_s > 0:
         parts.append("measured comm" if "comm" in c.measured else "roofline comm")
     return ", ".join(parts) or "-"
 
 
 def _measured_share(costs: list[Cost]) -> float:
-    """The share of the plan's compute time the profile measured."""
-    timed = [c for c in costs if c.compute_s > 0]
-    measured = sum(c.compute_s for c in timed if "compute" in c.measured)
-    return measured / (sum(c.compute_s for c in timed) or 1.0)
+    """The share of the plan's compute time the profile measured: ops' times and the runtime's
+    overheads (per parameter, per move, per step), which are most of a small model's step."""
+    return sum(c.timed_s for c in costs) / (sum(c.compute_s for c in costs) or 1.0)
 
 
 def _overall_source(costs: list[Cost], model: CostModel) -> str:

@@ -163,7 +163,14 @@ def run(name: str, mesh: tuple[int, ...], rounds: int, profile: str) -> dict:
     return {"model": name, "mesh": list(mesh), "batch": batch, "seq": seq, "plan_s": plan_s,
             "auto_plan": kept or "solver", "launches": "one" if together else "one per variant, in turns",
             "step_s": step, "rounds_s": rounds_s,
-            "ratios": ratios}
+            "ratios": ratios, "parameters": _parameter_strategies(plans)}
+
+
+def _parameter_strategies(plans: dict[str, autopar.Plan]) -> dict[str, dict[str, str]]:
+    """Each timed plan's strategy per parameter: what a later run's figures are set beside
+    (each run plans on its own host's profile)."""
+    return {label: {n.fqn or n.name: n.strategy for n in plan.nodes if n.op == "parameter"}
+            for label, plan in plans.items()}
 
 
 def _variants(model: nn.Module, spec: autopar.MeshSpec, args: tuple, kwargs: dict, options: autopar.PlanOptions,

@@ -110,7 +110,7 @@ class Cost:
     transient_bytes: float = 0.0  # working memory while the node runs
     synced_bytes: float = 0.0     # a parameter gradient all-reduced in a bucket: the sum's copy (``schedule``)
     comm_bytes: tuple[float, ...] = ()   # per mesh axis
-    measured: frozenset[str] = frozenset()   # which of "compute", "comm" came from the profile
+    measured: frozenset[str] = frozenset()   # "comm" where the links came from the profile (compute: ``timed_s``)
 
     def __add__(self, o: "Cost") -> "Cost":
         n = max(len(self.comm_bytes), len(o.comm_bytes))
@@ -468,19 +468,19 @@ class CostModel:
         opt = self.optimizer
         # reduce-scatters of its gradient a step
         reductions = 0 if not nc.trains else 1 if self._accumulates(s) else self.microbatches
+        overhead = self.param_overhead() if nc.trains else 0.0   # measured by the profile's micro-benchmarks
         if self.offloads(s) and self.hw.host_bandwidth > 0:
             # the shard copied to the device for each gather (once a step if kept, again for a
             # recomputed block's backward), each reduced gradient back; the update on the host
             gathers = 1 if s.kept else self.microbatches * (2 if nc.node in self.block_of else 1)
             copies = (gathers + reductions) * (local / self.hw.host_bandwidth + self.hw.op_overhead_s)
             update = (opt.update_bytes * local / self.hw.host_memory_bandwidth + self.hw.op_overhead_s
-                      + self.param_overhead()) if nc.trains else 0.0
-            cost = Cost(compute_s=update, timed_s=self.param_overhead() if nc.trains else 0.0, comm_s=copies,
-                        transient_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
+                      + overhead) if nc.trains else 0.0
+            cost = Cost(compute_s=update, timed_s=overhead, comm_s=copies, transient_bytes=local,
+                        comm_bytes=(0.0,) * self.mesh.ndim)
         elif nc.trains:
-            update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype)
-            update += self.param_overhead()
-            cost = Cost(compute_s=update, timed_s=self.param_overhead(), state_bytes=local * (1 + opt.states), grad_bytes=local,
+            update = compute_time(0, opt.update_bytes * local, self.hw, val.dtype) + overhead
+            cost = Cost(compute_s=update, timed_s=overhead, state_bytes=local * (1 + opt.states), grad_bytes=local,
                         transient_bytes=local * opt.temp, comm_bytes=(0.0,) * self.mesh.ndim)
         else:
             cost = Cost(state_bytes=local, comm_bytes=(0.0,) * self.mesh.ndim)
@@ -503,7 +503,7 @@ class CostModel:
         if timed is not None:
             scale = self.profile.calibration.get("ops", 1.0) if self.calibrated(nc, s) else 1.0
             seconds = timed.total_s * scale * self.microbatches
-            return Cost(compute_s=seconds, timed_s=seconds, backward_s=timed.bwd_s * scale, measured=frozenset({"compute"}))
+            return Cost(compute_s=seconds, timed_s=seconds, backward_s=timed.bwd_s * scale)
         if nc.node.target in VIEW_OPS:
             return Cost()
         split = 1

@@ -429,8 +429,9 @@ def _source(c: Cost) -> str:
 
 
 def _measured_share(costs: list[Cost]) -> float:
-    """The share of the plan's compute time the profile measured: ops' times and the runtime's
-    overheads (per parameter, per move, per step), which are most of a small model's step."""
+    """The share of the nodes' compute time the profile measured: ops' times and the runtime's
+    overheads per parameter and per move, most of a small model's step (the per-step overhead
+    is the timeline's, in no node's cost)."""
     return sum(c.timed_s for c in costs) / (sum(c.compute_s for c in costs) or 1.0)
 
 

@@ -58,6 +58,21 @@ def test_the_wall_clock_is_a_hard_stop_that_the_plan_owns_up_to():
     assert not clock.reproducible and clock.cut_short == [HARD_STOP]
 
 
+def test_work_is_begun_only_where_the_wall_clock_affords_it_at_the_hosts_pace():
+    """A host running its charged work at half the charges' speed: work the search's time still
+    affords is refused where, at that pace, it would end past the hard stop (GPT-3 175B captured
+    in 13 of 15 s on such a host and then began an ILP build of 2.6 s)."""
+    fake = FakeTime()
+    clock = Clock(10.0, now=fake, deterministic=True)
+    clock.charge("capture", 2.0, graph_nodes=0)         # charged 0.525 s, took 2 s of wall
+    fake.now = 2.0
+    whole = clock.deadline()
+    assert clock.pace() == pytest.approx(2.0 / clock.charged)
+    assert whole.affords(1.0) and clock.reproducible     # 1 s charged: 3.8 s of wall, 7.4 s left
+    assert whole.left() >= 5.0 and not whole.affords(5.0)
+    assert not clock.reproducible and clock.cut_short == [HARD_STOP]
+
+
 class _Graph:
     def __init__(self, nodes: int) -> None:
         self.graph = type("G", (), {"nodes": range(nodes)})()

@@ -147,6 +147,8 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
             if forced:
                 _force(space, forced)
         space = moe.narrowed(space, options.expert_parallel)
+    if clock is not None:
+        _afford_pricing(clock, space, what)
     with _stage(timings, "costs", line, what) as costs_s:
         model = CostModel(mesh, space, profile=resolve_profile(options.profile, mesh),
                           optimizer=get_optimizer(options.optimizer), gather_outputs=options.gather_outputs,
@@ -163,6 +165,17 @@ def prepare(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions = Plan
         _charge_build(clock, space, problem, built, (strategies_s, costs_s, ilp_s))
     return Planning(captured, space, model, timeline, budget, cuts, problem, grouping, node_costs, priced, timings,
                     microbatches, (whole or captured).fingerprint, blocks)
+
+
+def _afford_pricing(clock: Clock, space: StrategySpace, what: str) -> None:
+    """Refuse (``PlanningTimeout``) to price and build the ILP of ``space`` where the call's
+    deadline does not afford their charge by its strategies, at the host's pace: neither can be
+    stopped once begun, and the first problem's build has no estimate of its own."""
+    strategies = sum(len(nc.strategies) for nc in space.nodes)
+    needed = work.seconds("costs", strategies=strategies) + work.seconds("ilp", strategies=strategies)
+    if not clock.deadline().affords(needed):
+        raise PlanningTimeout(f"no time was left to price and build the problem {what} "
+                              f"(about {needed * clock.pace():.1f} s at this host's pace)")
 
 
 def _charge_build(clock: Clock, space: StrategySpace, problem: Problem, built: bool,

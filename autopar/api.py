@@ -23,7 +23,7 @@ from autopar.core.routing import measured_if_asked
 from autopar.core.together import one_process, together
 from autopar.planning.clock import Clock, charge_capture
 from autopar.planning.options import PlanOptions
-from autopar.planning.planner import memoized, plan_captured, priced_workloads
+from autopar.planning.planner import memoized, plan_captured, priced_workloads, timed
 from autopar.profiling.missing_ops import measure_host, measure_missing_ops
 from codegen.grad_sync import DEFAULT_BUCKET_BYTES
 from codegen.module import ShardedModule, full_state_dict
@@ -44,14 +44,16 @@ def plan(model: nn.Module, mesh: DeviceMesh | MeshSpec, example_inputs: Any, exa
     spec = as_mesh_spec(mesh)
     args = as_args(example_inputs)
     with Clock(options.time_limit, start=start, deterministic=options.deterministic).shown("planning", options.progress) as clock:
-        with clock.stage("capture") as timed:
+        with clock.stage("capture") as took, clock.stops_capture("capturing the model"):
             captured = capture(model, args, example_kwargs, precision=options.precision)
-        charge_capture(clock, captured, timed.seconds)
+        charge_capture(clock, captured, took.seconds)
         if options.expert_skew == "measured":
             with clock.stage("router", "running the router on the example batch (expert_skew='measured')"):
                 options = measured_if_asked(options, captured, model, args, example_kwargs, spec.shape)
-        return plan_captured(captured, spec, options, clock=clock,
-                             recapture=microbatch_capture(model, args, example_kwargs, options.precision))
+        planned = plan_captured(captured, spec, options, clock=clock,
+                                recapture=microbatch_capture(model, args, example_kwargs, options.precision))
+        del captured
+    return timed(planned, clock)
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, example_kwargs: dict | None = None, *,

@@ -59,18 +59,36 @@ def test_the_wall_clock_is_a_hard_stop_that_the_plan_owns_up_to():
 
 
 def test_work_is_begun_only_where_the_wall_clock_affords_it_at_the_hosts_pace():
-    """A host running its charged work at half the charges' speed: work the search's time still
-    affords is refused where, at that pace, it would end past the hard stop (GPT-3 175B captured
-    in 13 of 15 s on such a host and then began an ILP build of 2.6 s)."""
+    """A host running its captures at a quarter of their charges' speed: a capture the search's
+    time still affords is refused where, at that pace, it would end past the hard stop (GPT-3
+    175B captured in 13 of 15 s on a slow host, then began an ILP build of 2.6 s); work of
+    another kind is judged at its own pace (none seen: its charge)."""
     fake = FakeTime()
     clock = Clock(10.0, now=fake, deterministic=True)
-    clock.charge("capture", 2.0, graph_nodes=0)         # charged 0.525 s, took 2 s of wall
-    fake.now = 2.0
+    clock.charge("capture", 2.0, graph_nodes=0)          # charged 0.525 s, took 2 s of wall
     whole = clock.deadline()
-    assert clock.pace() == pytest.approx(2.0 / clock.charged)
-    assert whole.affords(1.0) and clock.reproducible     # 1 s charged: 3.8 s of wall, 7.4 s left
-    assert whole.left() >= 5.0 and not whole.affords(5.0)
+    assert clock.pace("capture") == pytest.approx(2.0 / 0.525) and clock.pace("ilp") == 1.0
+    fake.now = 7.0                                       # 2.4 s of wall left, 8.9 s of charged time
+    assert whole.affords_kind("capture") and clock.reproducible
+    fake.now = 8.0                                       # 1.4 s: a capture of 2 s no longer fits
+    assert whole.affords(1.0) and not whole.affords_kind("capture")
     assert not clock.reproducible and clock.cut_short == [HARD_STOP]
+
+
+def test_a_capture_stops_at_its_first_module_call_past_the_hard_stop():
+    """``torch.export`` cannot be stopped from outside: the capture is stopped from inside, at
+    the first module it calls past the hard stop, and only while the block runs."""
+    import torch
+
+    fake = FakeTime()
+    clock = Clock(10.0, now=fake)
+    layer = torch.nn.Linear(2, 2)
+    with clock.stops_capture("capturing the model"):
+        layer(torch.ones(2))                                 # 9.4 s to the hard stop
+        fake.now = 9.5
+        with pytest.raises(PlanningTimeout, match="capturing the model ran past the time limit"):
+            layer(torch.ones(2))
+    layer(torch.ones(2))
 
 
 class _Graph:
@@ -108,17 +126,21 @@ def _planned_within(model, args, kwargs, mesh: MeshSpec, limit: float, **options
 @slow
 def test_time_limit_bounds_the_whole_call_on_a_model_that_hits_it():
     """GPT-3 175B at 1536 x 2048 on 128x8 A100 (bf16), whose search takes minutes unbounded: a
-    15 s limit is kept within 5%, capture and recaptures included (before: the pipeline's
-    recapture and schedule simulations ran uncounted past the limit, 14% over at 60 s). No
-    absolute slack: 5% of 15 s is 0.75 s, more than the plan built after the last solve takes."""
+    30 s limit is kept within 5%, capture and recaptures included (before: the pipeline's
+    recapture and schedule simulations ran uncounted past the limit, 14% over at 60 s; on a host
+    where the capture alone took 13 s of 15, an ILP build begun at the hard stop, 9% over). 30 s:
+    that capture took 26 s on a loaded host, and a search must be left to cut short. No absolute
+    slack: 5% of 30 s is 1.5 s, more than the plan built after the last solve takes."""
     model, args, kwargs = meta_model("gpt-175b", 1536, 2048)
     mesh = MeshSpec((128, 8), hardware="a100-80gb")
-    limit = 15.0
+    limit = 30.0
     plan, wall = _planned_within(model, args, kwargs, mesh, limit, precision="bf16", gather_outputs=False)
     assert wall <= (1 + OVER) * limit, f"planning took {wall:.1f} s under a {limit:.0f} s limit"
     if plan is not None:
-        assert sum(plan.timings.values()) == pytest.approx(wall, abs=0.5)   # the call's wall time, broken down
-        assert plan.solver["time_limit"]["cut_short"], "a 175B model in 15 s: the limit must have cut something"
+        # the call's wall time, broken down; Python's collection of the 175B graph's cycles (0.6 s)
+        # may come after the call's last reading, within the limit's 5%
+        assert sum(plan.timings.values()) == pytest.approx(wall, abs=OVER * limit)
+        assert plan.solver["time_limit"]["cut_short"], "a 175B model in 30 s: the limit must have cut something"
         assert "Time limit" in plan.report() and "cut short" in plan.report()
 
 

@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from autopar.core import lean_loss
-from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError
+from autopar.core.errors import BufferWriteError, CaptureError, InputMismatchError, PlanningTimeout
 from autopar.core.execution import GENERATED_NAMES, IDENTITY_OPS, private_write
 from autopar.core.expert_lists import fold_expert_lists
 from autopar.core.expert_parallel import experts_as_one_op
@@ -542,6 +542,8 @@ def _export(model: torch.nn.Module, traced: torch.nn.Module, args: tuple, kwargs
         # around the caller must not see that tracing.
         with maybe_disable_local_tensor_mode(), _lean_tracing(), experts_as_one_op(), once as notes:
             return torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False), notes
+    except PlanningTimeout:   # the planning call's time limit (``Clock.stops_capture``), not the model
+        raise
     except Exception as e:  # export raises many types; all mean "not traceable"
         simulated = _simulated_state_error(model)
         if simulated is not None:

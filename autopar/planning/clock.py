@@ -15,7 +15,7 @@ past its parent's.
 Work that cannot be stopped once begun (a capture, an ILP build, a pipeline schedule's
 simulation) is only begun where the deadline ``affords`` it, judged by what the last of its kind
 was charged (``Clock.estimate``) or, for an ILP build, by its strategies, and where the wall
-clock affords it too at the host's pace (``Clock.wall_affords``); a solve is bounded by branch-and-bound nodes
+clock affords it too, at the host's pace for that kind of work (``Clock.pace``); a solve is bounded by branch-and-bound nodes
 (``work.node_limit``) and by the wall clock's hard stop.
 
 The clock is also what the call tells the user while it runs: ``Clock.shown`` draws a status line
@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 from autopar.core import progress
 from autopar.core.errors import PlanningTimeout
@@ -65,7 +67,7 @@ class Clock:
     timings: dict[str, float] = field(default_factory=dict)      # wall seconds per stage
     took: dict[str, float] = field(default_factory=dict)         # the last charge of each kind of work
     charged: float = 0.0                                         # seconds charged by size
-    walled: float = 0.0                                          # wall seconds of the work charged
+    paces: dict[str, tuple[float, float]] = field(default_factory=dict)   # wall and charged seconds per kind
     cut_short: list[str] = field(default_factory=list)
     line: progress.StatusLine | None = None   # the call's status line, while ``shown``
 
@@ -99,17 +101,20 @@ class Clock:
             self.note(HARD_STOP)
         return True
 
-    def pace(self) -> float:
-        """Wall seconds per charged second of the work charged so far (1 before any, and where the
-        charges are wall seconds): how fast this host runs against the charges."""
-        return self.walled / self.charged if self.deterministic and self.charged > 0 else 1.0
+    def pace(self, kind: str | None = None) -> float:
+        """Wall seconds per charged second of the work of ``kind`` charged so far: how fast this
+        host runs it against its charges (1 before any, for no kind, and where the charges are
+        wall seconds). Each kind its own: on a 2-core host captures ran at 1.8 and ILP builds at
+        0.4-0.8 against charges fitted on a faster one."""
+        wall, charged = self.paces.get(kind or "", (1.0, 1.0))
+        return wall / charged if self.deterministic and charged > 0 else 1.0
 
-    def wall_affords(self, seconds: float) -> bool:
-        """Would work charged ``seconds``, begun now and run at the host's ``pace``, end before the
-        hard stop? Where not (a slow or loaded host), a deterministic search says the wall clock
-        stopped it (``HARD_STOP``): GPT-3 175B on a host 2x slower than the fit captured in 13 of
-        15 s and began an ILP build of 2.6 s."""
-        if self.wall_left() >= seconds * self.pace():
+    def wall_affords(self, wall_s: float) -> bool:
+        """Would work of ``wall_s`` wall seconds begun now end before the hard stop? Where not (a
+        slow or loaded host), a deterministic search says the wall clock stopped it
+        (``HARD_STOP``): GPT-3 175B on a host 2x slower than the fit captured in 13 of 15 s and
+        then began an ILP build of 2.6 s."""
+        if self.wall_left() >= wall_s:
             return True
         if self.deterministic:
             self.note(HARD_STOP)
@@ -136,7 +141,8 @@ class Clock:
         the next of its kind. Returns the charge."""
         seconds = work.seconds(kind, **features) if self.deterministic else wall_s
         self.charged += seconds
-        self.walled += wall_s
+        wall, charged = self.paces.get(kind, (0.0, 0.0))
+        self.paces[kind] = (wall + wall_s, charged + seconds)
         self.took[kind] = seconds
         work.log(f"{os.getpid()}@{self.start:.6f}", kind, wall_s, seconds, **features)
         return seconds
@@ -151,6 +157,25 @@ class Clock:
                 yield self
             finally:
                 self.line = None
+
+    @contextmanager
+    def stops_capture(self, what: str) -> Iterator[None]:
+        """A capture in the block stops (``PlanningTimeout``) at its first module call past the
+        hard stop: ``torch.export`` cannot be stopped from outside, and GPT-3 175B's took 13-26 s
+        of a 15 s limit on a slow or loaded host."""
+        if self.limit is None:
+            yield
+            return
+
+        def check(module: torch.nn.Module, args: object) -> None:
+            if self.wall_left() <= 0:
+                raise PlanningTimeout(f"{what} ran past the time limit ({self.limit:g} s with a {RESERVE:.0%} "
+                                      "reserve); give a larger time_limit")
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def doing(self, what: str) -> contextlib.AbstractContextManager[None]:
         """``what`` runs for the block (on the status line; logged with its seconds), not timed:
@@ -223,14 +248,17 @@ class Deadline:
             return self
         return Deadline(self.clock.spent + max(self.left(), 0.0) * fraction, self.clock)
 
-    def affords(self, seconds: float) -> bool:
+    def affords(self, seconds: float, wall_s: float | None = None) -> bool:
         """Would work of ``seconds`` (of the search's time) begun now end before the deadline, and
-        before the wall clock's hard stop at the host's pace (``Clock.wall_affords``)?"""
-        return self.left() >= seconds and self.clock.wall_affords(seconds)
+        its ``wall_s`` (default: as many as it is charged) before the wall clock's hard stop
+        (``Clock.wall_affords``)?"""
+        return self.left() >= seconds and self.clock.wall_affords(seconds if wall_s is None else wall_s)
 
     def affords_kind(self, kind: str, default: float = 0.0) -> bool:
-        """Would work of ``kind`` (``Clock.estimate``) begun now end before the deadline?"""
-        return self.affords(self.clock.estimate(kind, default))
+        """Would work of ``kind`` (``Clock.estimate``) begun now end before the deadline, and at
+        the host's pace for it (``Clock.pace``) before the hard stop?"""
+        seconds = self.clock.estimate(kind, default)
+        return self.affords(seconds, seconds * self.clock.pace(kind))
 
     def solve_seconds(self) -> float | None:
         """Seconds (of the search's time) a solve begun now may take: to this deadline, at least ``MIN_SOLVE_S``
@@ -266,7 +294,8 @@ class Once:
             if deadline is not None and not deadline.affords_kind(self.stage):
                 raise PlanningTimeout(f"no time was left for the {self.stage} of {key} microbatches "
                                       f"(the last was charged {self.clock.estimate(self.stage):.1f} s)")
-            with self.clock.stage(self.stage, f"capturing one of {key} microbatches") as timed:
+            what = f"capturing one of {key} microbatches"
+            with self.clock.stage(self.stage, what) as timed, self.clock.stops_capture(what):
                 self.done[key] = self.work(key)
             charge_capture(self.clock, self.done[key], timed.seconds)
         return self.done[key]

@@ -172,10 +172,11 @@ def _afford_pricing(clock: Clock, space: StrategySpace, what: str) -> None:
     deadline does not afford their charge by its strategies, at the host's pace: neither can be
     stopped once begun, and the first problem's build has no estimate of its own."""
     strategies = sum(len(nc.strategies) for nc in space.nodes)
-    needed = work.seconds("costs", strategies=strategies) + work.seconds("ilp", strategies=strategies)
-    if not clock.deadline().affords(needed):
+    charges = {kind: work.seconds(kind, strategies=strategies) for kind in ("costs", "ilp")}
+    wall_s = sum(seconds * clock.pace(kind) for kind, seconds in charges.items())
+    if not clock.deadline().affords(sum(charges.values()), wall_s):
         raise PlanningTimeout(f"no time was left to price and build the problem {what} "
-                              f"(about {needed * clock.pace():.1f} s at this host's pace)")
+                              f"(about {wall_s:.1f} s at this host's pace)")
 
 
 def _charge_build(clock: Clock, space: StrategySpace, problem: Problem, built: bool,

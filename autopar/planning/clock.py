@@ -15,8 +15,9 @@ past its parent's.
 Work that cannot be stopped once begun (a capture, an ILP build, a pipeline schedule's
 simulation) is only begun where the deadline ``affords`` it, judged by what the last of its kind
 was charged (``Clock.estimate``) or, for an ILP build, by its strategies, and where the wall
-clock affords it too, at the host's pace for that kind of work (``Clock.pace``); a solve is bounded by branch-and-bound nodes
-(``work.node_limit``) and by the wall clock's hard stop.
+clock affords it too, at the host's pace for that kind of work (``Clock.pace``); a capture
+running at the hard stop is stopped from inside (``Clock.stops_capture``); a solve is bounded by
+branch-and-bound nodes (``work.node_limit``) and by the wall clock's hard stop.
 
 The clock is also what the call tells the user while it runs: ``Clock.shown`` draws a status line
 (``autopar.core.progress``) for the call, each stage and each ``doing`` says what it does on it

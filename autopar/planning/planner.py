@@ -91,8 +91,8 @@ def plan_captured(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions 
 
 def timed(plan: Plan, clock: Clock) -> Plan:
     """``plan`` with the call's ``timings`` and what its time limit cut short, as of now: called
-    again by ``autopar.plan`` once its status line is gone and its capture freed (0.6 s after the
-    search on GPT-3 175B, under load)."""
+    again by ``autopar.plan`` once its status line is gone and its capture freed, so that they
+    cover the whole call."""
     plan.timings = clock.breakdown()
     if clock.limit is not None:
         plan.solver["time_limit"] = {"limit_s": clock.limit, "wall_s": clock.wall(), "charged_s": clock.spent,

@@ -171,12 +171,16 @@ def _afford_pricing(clock: Clock, space: StrategySpace, what: str) -> None:
     """Refuse (``PlanningTimeout``) to price and build the ILP of ``space`` where the call's
     deadline does not afford their charge by its strategies, at the host's pace: neither can be
     stopped once begun, and the first problem's build has no estimate of its own."""
-    strategies = sum(len(nc.strategies) for nc in space.nodes)
-    charges = {kind: work.seconds(kind, strategies=strategies) for kind in ("costs", "ilp")}
+    charges = {kind: work.seconds(kind, strategies=_strategies(space)) for kind in ("costs", "ilp")}
     wall_s = sum(seconds * clock.pace(kind) for kind, seconds in charges.items())
     if not clock.deadline().affords(sum(charges.values()), wall_s):
         raise PlanningTimeout(f"no time was left to price and build the problem {what} "
                               f"(about {wall_s:.1f} s at this host's pace)")
+
+
+def _strategies(space: StrategySpace) -> int:
+    """The strategies of every node of ``space``: what pricing and the ILP build are charged by."""
+    return sum(len(nc.strategies) for nc in space.nodes)
 
 
 def _charge_build(clock: Clock, space: StrategySpace, problem: Problem, built: bool,
@@ -193,7 +197,7 @@ def _charge_build(clock: Clock, space: StrategySpace, problem: Problem, built: b
 def _size(space: StrategySpace, problem: Problem) -> dict[str, float]:
     """What a problem's build is charged by: its graph's nodes, their strategies, the ILP's
     choices and the pairs its edges price."""
-    return {"graph_nodes": len(space.nodes), "strategies": sum(len(nc.strategies) for nc in space.nodes),
+    return {"graph_nodes": len(space.nodes), "strategies": _strategies(space),
             "choices": sum(len(c) for c in problem.costs),
             "edge_pairs": sum(int(np.size(e.cost)) for e in problem.edges)}
 

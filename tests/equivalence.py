@@ -194,7 +194,7 @@ def expert_parallel_plan(name: str, batches: list, mesh_shape: tuple[int, ...], 
     options = PlanOptions(expert_parallel={"axis": axis}, hand_plans=hand is not None, time_limit=None, profile=None,
                           pipeline=False, microbatches=1, recompute="none")
     if hand is not None:
-        return candidates(build(name), MeshSpec(mesh_shape), args, kwargs, options=options)[hand]
+        return candidates(build(name), MeshSpec(mesh_shape), args, kwargs, options=options, names=[hand])[hand]
     return autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, options=options)
 
 

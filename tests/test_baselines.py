@@ -181,10 +181,27 @@ def test_ddp_hand_plan_communicates_as_ddp_does(name):
 
     args, kwargs = make_batches(name, 8, 16, steps=1)[0]
     model = build(name)
-    plan = candidates(model, MeshSpec((4,)), args, kwargs)["ddp"]
+    plan = candidates(model, MeshSpec((4,)), args, kwargs, names=["ddp"])["ddp"]
     code = generate(capture(model, args, kwargs), plan)
     moves = [line for line in code.source.splitlines() if "move(" in line]
     assert all("# local slice on x; backward: all-gather" in line for line in moves), moves
     assert "param_shard(" not in code.source and "redistribute(" not in code.source
     assert code.source.count("summed_over=(0,)") == 1
     assert all(isinstance(g[0], type(Partial())) for g in code.direct.values())
+
+
+def test_candidates_cost_only_the_plans_named():
+    """``names`` costs the plans asked for (a pipeline by its full name too) and no other, each as
+    the whole list costs it; a name the mesh has no plan of is refused with the names it has."""
+    model, args, kwargs = meta_model("gpt-tiny", 8, 32)
+    mesh = MeshSpec((2, 2), hardware="h100-80gb")
+    every = candidates(model, mesh, args, kwargs, profile=None, deterministic=True)
+    pipeline = next(name for name in every if name.startswith("pp("))
+    asked = ["fsdp(dp) x tp(tp)", pipeline]
+    some = candidates(model, mesh, args, kwargs, profile=None, deterministic=True, names=asked)
+    assert list(some) == asked
+    for name in asked:
+        assert some[name].parameters == every[name].parameters
+        assert some[name].predicted.step_time_s == pytest.approx(every[name].predicted.step_time_s)
+    with pytest.raises(AutoparError, match=r"no hand plan named 'tp\(dp\)'.*'fsdp\(dp\) x tp\(tp\)'"):
+        candidates(model, mesh, args, kwargs, profile=None, names=["tp(dp)"])

@@ -391,7 +391,7 @@ def test_torchtitans_context_parallel_hand_plans_are_candidates():
     assert [plan_name(cube, roles) for roles in context_role_sets(cube, {1})] == ["fsdp(dp) x fsdp+cp(cp) x tp(tp)"]
     assert context_role_sets(mesh, set()) == []
     batch, line = _batches(1, batch=1)[0][0], MeshSpec((2,), ("cp",))
-    plan = candidates(CausalLM(), line, batch, profile=None, progress=False)["fsdp+cp"]
+    plan = candidates(CausalLM(), line, batch, profile=None, progress=False, names=["fsdp+cp"])["fsdp+cp"]
     assert plan.context_parallel is not None and plan.context_parallel.kind == "ring"
     assert all(isinstance(n.storage[0], Shard) for n in plan.nodes if n.op == "parameter")   # FSDP on that axis
     off = candidates(CausalLM(), line, batch, profile=None, progress=False, context_parallel=False)
@@ -478,7 +478,7 @@ def _ulysses_beside_batch(name: str, mesh: MeshSpec, batches: list) -> str:
 
 
 def _hand_plan(name: str, mesh: MeshSpec, batches: list, which: str) -> str:
-    plan = candidates(build(name), mesh, *batches[0], profile=None, progress=False)[which]
+    plan = candidates(build(name), mesh, *batches[0], profile=None, progress=False, names=[which])[which]
     assert plan.context_parallel is not None and plan.context_parallel.kind == "ring", which
     return plan.to_json()
 
@@ -655,7 +655,7 @@ def test_models_as_built_with_a_balanced_ring_beside_data_parallelism_train_as_o
     plans = []
     for name, batches in cases:
         plan = candidates(build(name), mesh, *batches[0], profile=None, progress=False,
-                          context_parallel={"load_balance": "balanced"})["fsdp(a) x fsdp+cp(b)"]
+                          context_parallel={"load_balance": "balanced"}, names=["fsdp(a) x fsdp+cp(b)"])["fsdp(a) x fsdp+cp(b)"]
         assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced", name
         plans.append((name, plan.to_json(), batches))
     results = run_on_gloo_mesh(_train_each, mesh.shape, plans, axis_names=mesh.axis_names,

@@ -336,7 +336,7 @@ def test_plan_with_overlap_charges_only_exposed_communication():
     with torch.device("meta"):
         model = MLP(512, 2048)
     # DDP: the gradient all-reduces are queued under the backward
-    plan = candidates(model, MeshSpec((4,), hardware="h100-80gb"), (torch.empty(4096, 512, device="meta"),))["ddp"]
+    plan = candidates(model, MeshSpec((4,), hardware="h100-80gb"), (torch.empty(4096, 512, device="meta"),), names=["ddp"])["ddp"]
     p = plan.predicted
     assert p.overlapped_comm_s > 0
     assert 0 <= p.exposed_comm_s <= p.overlapped_comm_s
@@ -615,7 +615,7 @@ def test_gradients_all_reduced_in_buckets_are_held_twice_when_the_backward_ends(
     with torch.device("meta"):
         model = entry.build()
     args, kwargs = entry.example(8, 32, device="meta")
-    plan = candidates(model, MeshSpec((4,), hardware="cpu"), args, kwargs, profile=None, gather_outputs=False)["ddp"]
+    plan = candidates(model, MeshSpec((4,), hardware="cpu"), args, kwargs, profile=None, gather_outputs=False, names=["ddp"])["ddp"]
     p = plan.predicted
     assert p.peak_at == "backward: gradient buckets", p.peak_at
     grads = p.memory_breakdown["gradients"]

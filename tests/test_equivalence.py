@@ -74,7 +74,7 @@ def test_the_loss_sum_over_ranks_does_not_block_the_forward():
     slowest in the middle of the step); training stays exact."""
     name = "gpt2-tiny"
     batches = padded_batches(name)
-    plan = candidates(build(name), MeshSpec((2,)), *batches[0])["ddp"]
+    plan = candidates(build(name), MeshSpec((2,)), *batches[0], names=["ddp"])["ddp"]
     results = run_on_gloo_mesh(_loss_of_one_forward, (2,), name, batches[0], plan.to_json(), start_method="forkserver")
     assert [r[:2] for r in results] == [(True, True)] * 2
     assert results[0][2] == pytest.approx(train_reference(name, batches[:1])[0][0], rel=RTOL, abs=ATOL)
@@ -217,7 +217,7 @@ def test_a_batch_split_unevenly_and_flattened_trains_exactly(hand):
     """5 rows of 16 tokens split 3 and 2, then flattened for the loss: ranks hold 48 and 32 rows,
     not the even 40 a split of 80 would give (the view infers its split dimension)."""
     batches = [make_batches("gpt-tiny", b, 16, steps=2)[i] for i, b in enumerate((6, 5))]
-    plan = candidates(build("gpt-tiny"), MeshSpec((2,)), *batches[0], profile=None)[hand]
+    plan = candidates(build("gpt-tiny"), MeshSpec((2,)), *batches[0], profile=None, names=[hand])[hand]
     check_training("gpt-tiny", 6, 16, (2,), local_runner, {"plan": plan}, batches)
 
 
@@ -235,7 +235,7 @@ def test_targets_flattened_then_split_meet_an_uneven_batch_in_whole_rows():
 
     batches = [make_batches("gpt-tiny", b, 16, steps=3)[i] for i, b in enumerate((6, 5, 5))]
     model = build("gpt-tiny")
-    ddp = candidates(model, MeshSpec((2,)), *batches[0], profile=None)["ddp"]
+    ddp = candidates(model, MeshSpec((2,)), *batches[0], profile=None, names=["ddp"])["ddp"]
     flattened = next(n.name for n in capture(model, *batches[0]).graph.nodes
                      if n.op == "call_function" and n.args and getattr(n.args[0], "name", None) == "targets")
     whole = {n.name: replace(n, ins=tuple((Replicate(),) for _ in n.ins), out=(Replicate(),))
@@ -273,7 +273,7 @@ def _compiled_worker(mesh, batches):
     import autopar
     from tests.equivalence import build, train
 
-    plan = candidates(build("gpt-tiny"), MeshSpec(mesh.shape, mesh.mesh_dim_names), *batches[0], profile=None)["ddp"]
+    plan = candidates(build("gpt-tiny"), MeshSpec(mesh.shape, mesh.mesh_dim_names), *batches[0], profile=None, names=["ddp"])["ddp"]
     pm = autopar.compile(build("gpt-tiny"), mesh, *batches[0], plan=plan)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -334,7 +334,7 @@ def test_zero3_parameters_gathered_in_prefetched_groups(mesh_shape):
     from codegen.generate import generate
 
     batches = make_batches("gpt2-tiny", 8, 16)
-    plan = candidates(build("gpt2-tiny"), MeshSpec(mesh_shape), *batches[0])["fsdp"]
+    plan = candidates(build("gpt2-tiny"), MeshSpec(mesh_shape), *batches[0], names=["fsdp"])["fsdp"]
     group_bytes = 32 * 1024
     code = generate(capture(build("gpt2-tiny"), *batches[0]), plan, group_bytes=group_bytes)
     grouped = sum(len(g.fqns) for g in code.gathered)
@@ -354,7 +354,7 @@ def test_tensor_parallel_weights_under_zero3_are_gathered_in_groups():
 
     name = "llama-tiny"
     batches = make_batches(name, 8, 16)
-    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0])["fsdp(dp) x tp(tp)"]
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], names=["fsdp(dp) x tp(tp)"])["fsdp(dp) x tp(tp)"]
     code = generate(capture(build(name), *batches[0]), plan)
     grouped = {f for g in code.gathered for f in g.fqns}
     projections = [f for f in plan.parameters if f.endswith("proj.weight") or f == "lm_head.weight"]

@@ -87,7 +87,7 @@ class _Folds(nn.Module):
 def test_what_is_folded():
     x = torch.randn(6)
     captured = capture(_Folds(), (x,), {})
-    plan = candidates(_Folds(), MeshSpec((2,)), (x,), profile=None)["ddp"]
+    plan = candidates(_Folds(), MeshSpec((2,)), (x,), profile=None, names=["ddp"])["ddp"]
     names = foldable(captured, {n.name: n for n in plan.nodes}, {n.name for n in written_aliases(captured.graph)})
     folded = [n for n in captured.graph.nodes if n.name in names]
     assert sorted(str(n.target) for n in folded) == ["aten.arange.default", "aten.arange.default",

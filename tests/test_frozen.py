@@ -109,7 +109,7 @@ def test_a_frozen_parameter_sharded_and_gathered_with_trained_ones_gets_no_gradi
     from codegen.generate import generate
 
     batches = make_batches("gpt-tiny", 6, 16)
-    plan = candidates(gpt_frozen_embedding(), MeshSpec(MESH), *batches[0], time_limit=SOLVE_S)["fsdp"]
+    plan = candidates(gpt_frozen_embedding(), MeshSpec(MESH), *batches[0], time_limit=SOLVE_S, names=["fsdp"])["fsdp"]
     code = generate(capture(gpt_frozen_embedding(), *batches[0]), plan)
     group = next(g for g in code.gathered if EMBEDDING in g.fqns)
     assert group.frozen == {EMBEDDING} and len(group.fqns) > 1

@@ -31,7 +31,7 @@ def test_generated_code_is_the_golden_one():
     captured = capture(model, args, kwargs)
     update = os.environ.get(UPDATE_ENV) == "1"
     if update:
-        PLAN_FILE.write_text(candidates(model, MESH, args, kwargs)[HAND].to_json() + "\n")
+        PLAN_FILE.write_text(candidates(model, MESH, args, kwargs, names=[HAND])[HAND].to_json() + "\n")
     plan = Plan.from_json(PLAN_FILE.read_text())
     if plan.fingerprint != captured.fingerprint:
         pytest.fail(f"{PLAN_FILE.name} was made for another capture of {NAME} (the capture changed). {HOW}")

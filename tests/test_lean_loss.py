@@ -104,7 +104,7 @@ def test_llama_trains_with_the_lean_loss_in_chunks_like_one_device(monkeypatch):
     parameters over 3 AdamW steps equal one device's (aten's loss)."""
     monkeypatch.setattr(ce, "CHUNK_BYTES", 5 * 256 * 4)
     batches = make_batches("llama-tiny", 4, 16)
-    plan = candidates(build("llama-tiny"), MeshSpec((2,)), *batches[0])["ddp"]
+    plan = candidates(build("llama-tiny"), MeshSpec((2,)), *batches[0], names=["ddp"])["ddp"]
     check_training("llama-tiny", 4, 16, (2,), local_runner, {"plan": plan}, batches=batches)
     loss = next(n for n in plan.nodes if n.op == "autopar.cross_entropy.default")
     assert loss.ins[0] == (Shard(0),)

@@ -65,7 +65,7 @@ def test_padded_batch_on_gloo_processes_with_a_data_parallel_plan():
     """Real processes: the DDP buckets skip their all-reduce until the last microbatch."""
     name = "gpt2-tiny"
     batches = padded_batches(name)
-    plan = candidates(build(name), MeshSpec((2,)), *batches[0], microbatches=2)["ddp"]
+    plan = candidates(build(name), MeshSpec((2,)), *batches[0], microbatches=2, names=["ddp"])["ddp"]
     assert plan.microbatches == 2
     check_training(name, 8, 16, (2,), gloo_runner, {"plan": plan}, batches=batches)
 
@@ -107,7 +107,7 @@ def test_gradients_are_reduced_once_per_step(monkeypatch):
         monkeypatch.setattr(module, "all_reduce", lambda *a, _f=all_reduce, **k: launched.append(1) or _f(*a, **k))
     counts = {}
     for k in (1, 4):
-        plan = candidates(build(name), MeshSpec((2,)), *batch, microbatches=k)["ddp"]
+        plan = candidates(build(name), MeshSpec((2,)), *batch, microbatches=k, names=["ddp"])["ddp"]
         model = build(name)
 
         def body(mesh, model=model, plan=plan):
@@ -133,7 +133,7 @@ def test_gradient_buckets_accumulate_across_backwards_and_are_reused():
     reference = build(name)
     for args, kwargs in batches:
         loss_of(reference(*args, **kwargs)).backward()
-    plan = candidates(build(name), MeshSpec((2,)), *batches[0])["ddp"]
+    plan = candidates(build(name), MeshSpec((2,)), *batches[0], names=["ddp"])["ddp"]
     model = build(name)
 
     def body(mesh):
@@ -286,7 +286,7 @@ def test_recomputation_with_zero3_tensor_parallelism_and_microbatches(name):
     backward; with microbatches on top."""
     batches = make_batches(name, 8, 16)
     plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], recompute="full",
-                      microbatches=2)["fsdp(dp) x tp+sp(tp)"]
+                      microbatches=2, names=["fsdp(dp) x tp+sp(tp)"])["fsdp(dp) x tp+sp(tp)"]
     assert plan.microbatches == 2 and plan.recompute
     check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
     assert "recompute(block_" in autopar_code(name, plan, batches)
@@ -304,8 +304,8 @@ def test_recomputation_costs():
     """Full recomputation: activations of one block at a time instead of all, about a third more
     compute (the forward again), the same communication bytes of data parallelism."""
     model, args, kwargs = meta_model("gpt-tiny", 16, 64)
-    plain = candidates(model, MeshSpec((2,)), args, kwargs, profile=None)["ddp"]
-    again = candidates(model, MeshSpec((2,)), args, kwargs, profile=None, recompute="full")["ddp"]
+    plain = candidates(model, MeshSpec((2,)), args, kwargs, profile=None, names=["ddp"])["ddp"]
+    again = candidates(model, MeshSpec((2,)), args, kwargs, profile=None, recompute="full", names=["ddp"])["ddp"]
     assert again.recompute == {"transformer.h.0": "full", "transformer.h.1": "full"}
     p, q = plain.predicted, again.predicted
     assert q.peak_memory_bytes < p.peak_memory_bytes
@@ -365,7 +365,7 @@ def test_planner_recomputes_only_the_blocks_it_needs_to():
     assert auto.feasible and auto.recompute == {"transformer.h.0": "full"} and "1 of 2 blocks" in auto.solver["recompute_blocks"]
     assert auto.predicted.step_time_s < full.predicted.step_time_s
     batches = make_batches("gpt2-tiny", 8, 16)
-    some = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], recompute="full")["fsdp(dp) x tp+sp(tp)"]
+    some = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], recompute="full", names=["fsdp(dp) x tp+sp(tp)"])["fsdp(dp) x tp+sp(tp)"]
     some = dataclasses.replace(some, recompute={"transformer.h.1": "full"})
     check_training("gpt2-tiny", 8, 16, (2, 2), local_runner, {"plan": some}, batches=batches)
     code = autopar_code("gpt2-tiny", some, batches)
@@ -408,7 +408,7 @@ def test_attention_cores_are_found_where_attention_is_not_fused():
 def test_selective_recomputation_trains_like_one_device():
     batches = make_batches("bloom-tiny", 8, 16)
     plan = candidates(build("bloom-tiny"), MeshSpec((2, 2)), *batches[0], recompute="selective",
-                      microbatches=2)["dp(dp) x tp+sp(tp)"]
+                      microbatches=2, names=["dp(dp) x tp+sp(tp)"])["dp(dp) x tp+sp(tp)"]
     assert set(plan.recompute.values()) == {"selective"}
     check_training("bloom-tiny", 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
     assert "recompute(attention_core_transformer_h_1" in autopar_code("bloom-tiny", plan, batches)
@@ -420,7 +420,7 @@ def test_selective_recomputation_costs_and_choice():
     extra compute; the planner takes it where nothing fits without it and it does."""
     model, args, kwargs = meta_model("bloom-tiny", 1, 512)   # one row: microbatches cannot help
     mesh = MeshSpec((2,))
-    plans = {mode: candidates(model, mesh, args, kwargs, profile=None, recompute=mode)["ddp"].predicted
+    plans = {mode: candidates(model, mesh, args, kwargs, profile=None, recompute=mode, names=["ddp"])["ddp"].predicted
              for mode in ("none", "selective", "full")}
     assert plans["full"].peak_memory_bytes < plans["selective"].peak_memory_bytes < plans["none"].peak_memory_bytes
     assert plans["none"].compute_s < plans["selective"].compute_s < plans["full"].compute_s
@@ -440,7 +440,7 @@ def test_zero2_with_microbatches_trains_like_one_device(name):
     """The kept copy serves every microbatch of a step and is gathered again after each
     optimizer step (a stale copy would train on old weights)."""
     batches = make_batches(name, 8, 16)
-    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], microbatches=2)["zero2"]
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], microbatches=2, names=["zero2"])["zero2"]
     assert any(p.kept for p in plan.parameters.values())
     check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
@@ -457,7 +457,7 @@ def test_zero1_reduces_gradients_once_a_step_and_trains_like_one_device(monkeypa
     batches = make_batches("gpt2-tiny", 8, 16)
     counts = {}
     for stage in ("zero1", "zero2"):
-        plan = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], microbatches=2)[stage]
+        plan = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], microbatches=2, names=[stage])[stage]
         assert all(p.accumulated == (stage == "zero1") for p in plan.parameters.values() if p.kept)
         launched.clear()
         check_training("gpt2-tiny", 8, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
@@ -496,7 +496,7 @@ def test_offloaded_optimizer_states_train_like_one_device(name, hand_plan):
     """Offloaded ZeRO-3 and ZeRO-2 parameters, gathered alone and in groups small enough that an
     offloaded group hands its gradient over while the backward goes on, over microbatches."""
     batches = make_batches(name, 8, 16)
-    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], offload="optimizer", microbatches=2)[hand_plan]
+    plan = candidates(build(name), MeshSpec((2, 2)), *batches[0], offload="optimizer", microbatches=2, names=[hand_plan])[hand_plan]
     zero = [p for p in plan.parameters.values() if p.storage != p.out]
     assert zero and all(p.offloaded for p in zero) and not any(p.offloaded for p in plan.parameters.values() if p not in zero)
     check_training(name, 8, 16, (2, 2), local_runner, {"plan": plan, "bucket_bytes": 4096}, batches=batches)
@@ -520,7 +520,7 @@ def test_offload_costs():
     report = off["fsdp"].report(top=None)
     assert "in host memory" in report and "offload         optimizer: " in report
     assert autopar.Plan.from_json(off["fsdp"].to_json()).offloaded == off["fsdp"].offloaded
-    cpu = [candidates(model, MeshSpec((4,)), args, kwargs, profile=None, offload=mode)["fsdp"] for mode in ("none", "optimizer")]
+    cpu = [candidates(model, MeshSpec((4,)), args, kwargs, profile=None, offload=mode, names=["fsdp"])["fsdp"] for mode in ("none", "optimizer")]
     assert cpu[1].offloaded and cpu[1].predicted == cpu[0].predicted
 
 

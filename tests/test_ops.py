@@ -92,7 +92,7 @@ def test_an_error_while_generating_code_names_the_node_and_its_source_line(monke
     from codegen.generate import generate
 
     model, inputs = _Classifier(), (torch.randn(8, 4), torch.randint(0, 3, (8,)))
-    plan = candidates(model, MeshSpec((2,)), inputs, profile=None)["ddp"]
+    plan = candidates(model, MeshSpec((2,)), inputs, profile=None, names=["ddp"])["ddp"]
 
     def broken(em, site):
         raise AutoparError("the loss cannot be emitted")

@@ -152,7 +152,7 @@ def test_split_outputs_read_unlike_are_told():
     spec = autopar.MeshSpec((2,), ("dp",), hardware="cpu")
     batches = make_batches(NAME, 4, 16)
     torch.manual_seed(0)
-    text = candidates(get_model(NAME).build(), spec, *batches[0], options=autopar.PlanOptions(profile=None))["ddp"].to_json()
+    text = candidates(get_model(NAME).build(), spec, *batches[0], options=autopar.PlanOptions(profile=None), names=["ddp"])["ddp"].to_json()
     ranks = run_on_gloo_mesh(_reads_that_differ, (2,), text, batches, axis_names=("dp",), start_method="forkserver")
     assert "did not read it within 3 s" in ranks[0]["alone"] and "alone" not in ranks[1]
     assert "read the loss before its backward" in ranks[0]["loss alone"] and "loss alone" not in ranks[1]
@@ -195,7 +195,7 @@ def test_a_sharded_outputs_loss_rides_with_the_gradients():
     batches = make_batches(NAME, 4, 16)[:STEPS]
     torch.manual_seed(0)
     options = autopar.PlanOptions(profile=None, gather_outputs=False)
-    text = candidates(get_model(NAME).build(), spec, *batches[0], options=options)["ddp"].to_json()
+    text = candidates(get_model(NAME).build(), spec, *batches[0], options=options, names=["ddp"])["ddp"].to_json()
     want = _reference(batches)
     for r, (read, unlaunched, left) in enumerate(run_on_gloo_mesh(_sharded_plain_loop, (2,), text, batches,
                                                                    axis_names=("dp",), start_method="forkserver")):

@@ -21,7 +21,7 @@ SHARDED = "fsdp(dp) x tp+sp(tp)"   # ZeRO-3 over one axis, Megatron TP with sequ
 
 
 def _hand_plan(name: str, mesh_shape: tuple[int, ...], which: str, batches) -> autopar.Plan:
-    return candidates(build(name), MeshSpec(mesh_shape), *batches[0], precision="bf16")[which]
+    return candidates(build(name), MeshSpec(mesh_shape), *batches[0], precision="bf16", names=[which])[which]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -88,7 +88,7 @@ def test_bf16_gradient_reduction(mesh_shape, which, precision):
     loss_of((reference if precision == "fp32" else ComputeIn(reference, precision))(*batch[0], **batch[1])).backward()
     grads = {}
     for reduce in ("fp32", "bf16"):
-        plan = candidates(build(name), MeshSpec(mesh_shape), *batch, precision=precision, reduce_precision=reduce)[which]
+        plan = candidates(build(name), MeshSpec(mesh_shape), *batch, precision=precision, reduce_precision=reduce, names=[which])[which]
         assert plan.reduce_precision == reduce
         grads[reduce] = run_on_local_tensor_mesh(_first_gradients, mesh_shape, build(name), batch, {"plan": plan})
     rounded = 0
@@ -105,7 +105,7 @@ def test_bf16_gradient_reduction(mesh_shape, which, precision):
 def test_bf16_gradient_reduction_trains_like_one_device():
     batches = make_batches("gpt2-tiny", 6, 16)
     plan = candidates(build("gpt2-tiny"), MeshSpec((2, 2)), *batches[0], precision="bf16",
-                      reduce_precision="bf16")["zero2(dp) x tp+sp(tp)"]
+                      reduce_precision="bf16", names=["zero2(dp) x tp+sp(tp)"])["zero2(dp) x tp+sp(tp)"]
     check_training("gpt2-tiny", 6, 16, (2, 2), local_runner, {"plan": plan}, batches=batches)
 
 
@@ -115,7 +115,7 @@ def test_bf16_gradient_reduction_halves_the_gradient_sync():
     all-reduce): half the bytes, in less time."""
     model, args, kwargs = meta_model("gpt2-125m", 8, 512)
     mesh = MeshSpec((4,), hardware="h100-80gb")
-    plans = {r: candidates(model, mesh, args, kwargs, precision="bf16", reduce_precision=r, gather_outputs=False)["ddp"]
+    plans = {r: candidates(model, mesh, args, kwargs, precision="bf16", reduce_precision=r, gather_outputs=False, names=["ddp"])["ddp"]
              for r in ("fp32", "bf16")}
     fp32, bf16 = (plans[r].predicted for r in ("fp32", "bf16"))
     assert bf16.comm_bytes["x"] == pytest.approx(fp32.comm_bytes["x"] / 2, rel=0.02)
@@ -131,7 +131,7 @@ def test_bf16_costs_halve_activations_and_keep_fp32_state():
     cost less (its gradient sync of replicated weights stays fp32); compute runs at the bf16 peak."""
     model, args, kwargs = meta_model("gpt2-125m", 8, 512)
     mesh = MeshSpec((2, 2), hardware="h100-80gb")
-    plans = [candidates(model, mesh, args, kwargs, precision=p)["dp(dp) x tp(tp)"] for p in ("fp32", "bf16")]
+    plans = [candidates(model, mesh, args, kwargs, precision=p, names=["dp(dp) x tp(tp)"])["dp(dp) x tp(tp)"] for p in ("fp32", "bf16")]
     state = [sum(n.memory_bytes for n in plan.nodes if n.op == "parameter") for plan in plans]
     fp32, bf16 = (plan.predicted for plan in plans)
     assert state[1] == pytest.approx(state[0])   # parameter, gradient and AdamW states per device

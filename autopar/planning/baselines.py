@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -78,12 +78,14 @@ HAND_PLAN_TIME_SHARE = 0.4
 
 
 def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs: dict | None = None, *,
-               options: PlanOptions | None = None, **option_values: Any) -> dict[str, Plan]:
+               names: Collection[str] | None = None, options: PlanOptions | None = None,
+               **option_values: Any) -> dict[str, Plan]:
     """Every standard strategy for ``mesh`` as a ``Plan``, costed like the auto plan (the same
     ``PlanOptions`` as ``autopar.plan``; ``microbatches`` and ``recompute`` "auto" plan the whole
     batch without recomputation, a count that many microbatches, "full" recomputes every block;
     ``offload`` "optimizer" offloads the ZeRO plans' states, "auto" does not); each can be
-    compiled and run (``autopar.compile(plan=...)``)."""
+    compiled and run (``autopar.compile(plan=...)``). ``names``: only these plans are costed
+    (e.g. ``["ddp", "fsdp(dp) x tp(tp)"]``); one the mesh has none of is an ``AutoparError``."""
     options = PlanOptions.of(options, **option_values)
     spec = as_mesh_spec(mesh)
     t0 = time.perf_counter()
@@ -96,11 +98,25 @@ def candidates(model: nn.Module, mesh: Any, example_inputs: Any, example_kwargs:
                        whole=whole, recompute="none" if options.recompute == "auto" else options.recompute,
                        offload=options.offload == "optimizer")
     deadline = Clock(options.time_limit, start=t0, deterministic=options.deterministic).deadline()
-    plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0).items()}  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
-    if pipeline_choice(options.pipeline) is not None:
+    flat = None if names is None else [n for n in names if not n.startswith("pp(")]
+    plans = {name: plan for name, (plan, _) in hand_plans(planning, deadline=deadline, share=1.0,  # type: ignore[misc]  # cost_unfit (the default): every value is a (plan, choices) pair
+                                                          names=flat).items()}
+    if pipeline_choice(options.pipeline) is not None and (names is None or len(flat or ()) < len(names)):
         recapture = microbatch_capture(model, args, example_kwargs, options.precision)
-        plans.update(pipeline_hand_plans(whole, spec, options, recapture, deadline))
+        plans.update(pipeline_hand_plans(whole, spec, options, recapture, deadline, names=names))
+    _check_named(names, plans, spec)
     return plans
+
+
+def _check_named(names: Collection[str] | None, plans: dict[str, Plan], mesh: MeshSpec) -> None:
+    """Refuse a name asked of ``candidates`` that no costed plan has, listing the mesh's."""
+    missing = [n for n in names or () if n not in plans]
+    if missing:
+        known = [plan_name(mesh, roles) for roles in role_sets(mesh)]
+        raise AutoparError(f"no hand plan named {', '.join(map(repr, missing))} was costed on mesh {mesh.shape}: "
+                           f"its plans are {', '.join(map(repr, known))}, torchtitan's context-parallel ones "
+                           "where attention can be split by sequence, and pipelines named "
+                           "'pp(<axis>[=<degree>], <schedule>) x <stage plan>'; or the time limit ran out first")
 
 
 #: Megatron's pipeline schedules: 1F1B, and interleaved 1F1B with two stages per rank.
@@ -108,14 +124,15 @@ PIPELINE_SCHEDULES = (("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2))
 
 
 def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOptions,
-                        recapture: Callable[[int], CapturedGraph], deadline: Deadline | None = None) -> dict[str, Plan]:
+                        recapture: Callable[[int], CapturedGraph], deadline: Deadline | None = None,
+                        names: Collection[str] | None = None) -> dict[str, Plan]:
     """Megatron's 3-D plans: pipeline stages over a factor of the mesh's first axis (the degrees
     the planner weighs, ``pipeline.pipeline_layouts``: each data-parallel rank's share of a
     microbatch one row), run by 1F1B and by interleaved 1F1B (two stages per rank), each stage one
     of the hand plans of the other axes (tensor parallel inside a node, data parallel or ZeRO
     across); a ``PipelineChoice`` in ``options.pipeline`` sets the axis, schedule, microbatches and
     stages per rank instead. None where no axis or the model cannot carry stages. Named
-    ``"pp(<axis>[=<degree>], <schedule>) x <stage plan>"``."""
+    ``"pp(<axis>[=<degree>], <schedule>) x <stage plan>"``; ``names``: only these."""
     choice = pipeline_choice(options.pipeline)
     choice = choice if isinstance(choice, PipelineChoice) else PipelineChoice(axis="auto")
     try:
@@ -136,7 +153,8 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
                            recompute="none" if options.recompute == "auto" else options.recompute,
                            offload=options.offload == "optimizer")
         # a stage's plans: Megatron's (its pipelines run no context parallelism)
-        for name, entry in hand_plans(planning, deadline=deadline, share=1.0, context=False).items():
+        stages = None if names is None else [n.split(") x ", 1)[-1] for n in names if n.startswith("pp(")]
+        for name, entry in hand_plans(planning, deadline=deadline, share=1.0, context=False, names=stages).items():
             if isinstance(entry, InfeasibleError):
                 continue
             for schedule, virtual in schedules:
@@ -147,7 +165,8 @@ def pipeline_hand_plans(captured: CapturedGraph, mesh: MeshSpec, options: PlanOp
                     continue
                 short = schedule.removeprefix("Schedule")
                 plan.name = f"pp({shaped.axis_names[axis]}{'' if shaped is mesh else f'={ranks}'}, {short}) x {name}"
-                out[plan.name] = plan
+                if names is None or plan.name in names:
+                    out[plan.name] = plan
     return out
 
 
@@ -209,7 +228,8 @@ def plan_name(mesh: MeshSpec, roles: Sequence[Role]) -> str:
 
 
 def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: float = HAND_PLAN_TIME_SHARE,
-               cost_unfit: bool = True, context: bool = True) -> dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError]:
+               cost_unfit: bool = True, context: bool = True,
+               names: Collection[str] | None = None) -> dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError]:
     """Every hand plan of ``planning``'s mesh: name -> (plan, choice per decision). One no choice
     of which fits the budget is costed without it (``cost_unfit``), or stands as the solver's
     error, which says the least memory it needs: the planner only compares plans that fit, and a
@@ -219,7 +239,7 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
     of what the ones before left (those the memory bound rules out take none); those the time does
     not reach are left out (the deadline's clock says so): a solve past the share would eat the
     auto plan's time. ``context``: torchtitan's context-parallel plans too, where attention can
-    be split by sequence (``context_role_sets``)."""
+    be split by sequence (``context_role_sets``). ``names``: only the plans so named."""
     mesh = planning.space.mesh
     # torchtitan's context-parallel plans costed first: where a long sequence makes them the ones
     # that fit, the time share must not run out before they are; listed last (ties go to the rest)
@@ -229,6 +249,7 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
     traits = [_traits(planning.space, nc, i in on_batch) for i, nc in enumerate(planning.space.nodes)]
     out: dict[str, tuple[Plan, tuple[int, ...]] | InfeasibleError] = {}
     end = deadline.share(share) if deadline is not None else None
+    sets = [roles for roles in sets if names is None or plan_name(mesh, roles) in names]
     named = [(plan_name(mesh, roles), _allowed(planning, roles, traits)) for roles in sets]
     least = [planning.bounds().least(allowed) for _, allowed in named]
     # known without a solve (which took 0.5 s to say so on Llama-2 70B); the time goes to the rest

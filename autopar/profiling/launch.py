@@ -324,9 +324,11 @@ def _gloo_context(start_method: str) -> Any:
         # Children fork from a server that has torch imported already: ~0.1 s per
         # run instead of ~1-2 s of CPU per rank for `import torch` (the server itself
         # starts once per parent process). Only effective before the server starts.
-        # (torch._dynamo is imported lazily by the first DTensor op: ~1 s.)
+        # (torch._dynamo is imported lazily by the first DTensor op: ~1 s; torch.export's tracer by
+        # the first capture: ~0.4 s a rank, and compile captures on every rank.)
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", __name__, *_PRELOADED,
+            ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.export._trace",
+             __name__, *_PRELOADED,
              *(m for m in sys.modules if m in _PRELOADED_IF_IMPORTED or m.startswith(_MODELS_IF_IMPORTED))]
         )
     return ctx
@@ -335,8 +337,9 @@ def _gloo_context(start_method: str) -> Any:
 #: What every rank that compiles or plans imports (autopar's modules), preloaded by the forkserver.
 _PRELOADED = ("autopar.api", "codegen.module", "autopar.planning.planner")
 #: Preloaded where the parent process has imported them already: Hugging Face's model classes
-#: cost a rank ~1.7 s of CPU to import (the models the parent builds, its ranks build too).
-_PRELOADED_IF_IMPORTED = ("transformers", "transformers.modeling_utils")
+#: cost a rank ~1.7 s of CPU to import (the models the parent builds, its ranks build too);
+#: pytest ~0.3 s (a function a test runs on the ranks is unpickled by importing its test module).
+_PRELOADED_IF_IMPORTED = ("transformers", "transformers.modeling_utils", "pytest")
 _MODELS_IF_IMPORTED = "transformers.models."
 
 

@@ -33,17 +33,24 @@ __all__ = ["compile", "plan", "full_state_dict", "save", "load", "PlanOptions", 
            "LossWeightError", "MeshError", "PlanFileError"]
 
 
+#: Where each public name lives: a module is imported when one of its names is first used
+#: (checkpoint's, torch.distributed.checkpoint with them, only by a script that saves or loads).
+_HOME = {"compile": "autopar.api", "plan": "autopar.api", "full_state_dict": "autopar.api",
+         "save": "autopar.checkpoint", "load": "autopar.checkpoint", "PlanOptions": "autopar.planning.options",
+         "MeshSpec": "autopar.core.mesh", "Plan": "autopar.core.plan", "ComputeIn": "autopar.core.precision",
+         **{name: "autopar.core.errors" for name in __all__ if name.endswith("Error")}}
+
+
 def __getattr__(name: str) -> _Any:
     """The public names load on first use: ``import autopar.core.errors`` runs this file first,
     and must not pull in the planner, ortools and the code generator with it."""
     if name not in __all__:
         raise AttributeError(f"module 'autopar' has no attribute {name!r}")
-    from autopar import api, checkpoint
-    from autopar.core import errors, mesh, plan as plan_data, precision
-    from autopar.planning import options
-    for module in (api, checkpoint, errors, mesh, plan_data, options, precision):
-        globals().update({k: getattr(module, k) for k in __all__ if hasattr(module, k)})
-    return globals()[name]
+    import importlib
+
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

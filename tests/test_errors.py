@@ -36,6 +36,23 @@ def test_dir_lists_the_public_api():
     assert "Any" not in names and "annotations" not in names
 
 
+def test_each_public_name_loads_its_own_module_only():
+    """Every name of ``autopar.__all__`` is the object its module defines; using ``compile`` (as
+    each rank of a launch does) loads neither checkpointing nor torch.distributed.checkpoint."""
+    import subprocess
+    import sys
+
+    code = ("import sys, autopar; autopar.compile; print(sorted(m for m in ('autopar.checkpoint', "
+            "'torch.distributed.checkpoint') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from autopar import api, checkpoint
+    from autopar.core import errors
+    assert autopar.save is checkpoint.save and autopar.full_state_dict is api.full_state_dict
+    assert all(getattr(autopar, name) is getattr(errors, name) for name in autopar.__all__ if name.endswith("Error"))
+    assert {getattr(autopar, name).__name__ for name in autopar.__all__} == set(autopar.__all__)
+
+
 # ------------------------------------------------------------------ plan files: the model first, then the mesh
 def _compile_error(model_name: str, mesh_shape: tuple[int, ...], plan: autopar.Plan) -> Exception:
     model = build(model_name)

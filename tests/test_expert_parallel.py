@@ -176,3 +176,16 @@ def test_routing_the_layer_cannot_split_is_refused():
     d = ep.dispatch(tokens, torch.zeros(3, 2, dtype=torch.long), 4, None)
     with pytest.raises(AutoparError, match="T\\*k = 6"):
         ep.combine(d.tokens, d, torch.ones(3, 1))
+
+
+def test_a_model_of_ones_own_is_captured_without_importing_transformers():
+    """transformers' experts registry is routed only where transformers is loaded (a model of its
+    classes loads it): capture does not cost every rank its import otherwise."""
+    import subprocess
+    import sys
+
+    code = ("import sys, autopar; from autopar.models.zoo import get_model; from autopar.core.mesh import MeshSpec; "
+            "e = get_model('gpt-tiny'); a, k = e.example(4, 16); autopar.plan(e.build(), MeshSpec((2,)), a, k); "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"

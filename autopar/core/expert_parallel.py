@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -429,10 +430,15 @@ def experts_as_one_op() -> Iterator[None]:
     """While it is open, transformers 5's experts (classes decorated ``@use_experts_implementation``,
     whichever of "eager", "batched_mm" or "grouped_mm" their config picks) run as ``moe_experts``
     where it computes them (``_interface_args``), else as they would. Capture exports
-    under it; the registry of implementations is restored after, the model itself untouched."""
+    under it; the registry of implementations is restored after, the model itself untouched.
+    Where transformers was never imported the model holds none of its classes: nothing to route
+    (and no ~0.8 s import in every rank that captures a model of its own)."""
+    if "transformers" not in sys.modules:
+        yield
+        return
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    except ImportError:   # no transformers (or one without the experts interface): nothing to route
+    except ImportError:   # a transformers without the experts interface: nothing to route
         yield
         return
     local = ALL_EXPERTS_FUNCTIONS._local_mapping

@@ -329,7 +329,8 @@ def _gloo_context(start_method: str) -> Any:
         ctx.set_forkserver_preload(
             ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.export._trace",
              __name__, *_PRELOADED,
-             *(m for m in sys.modules if m in _PRELOADED_IF_IMPORTED or m.startswith(_MODELS_IF_IMPORTED))]
+             *(m for m in sys.modules if m in _PRELOADED_IF_IMPORTED or m.startswith(_MODELS_IF_IMPORTED)),
+             *(_WITH_TRANSFORMERS if "transformers" in sys.modules else ())]
         )
     return ctx
 
@@ -341,6 +342,9 @@ _PRELOADED = ("autopar.api", "codegen.module", "autopar.planning.planner")
 #: pytest ~0.3 s (a function a test runs on the ranks is unpickled by importing its test module).
 _PRELOADED_IF_IMPORTED = ("transformers", "transformers.modeling_utils", "pytest")
 _MODELS_IF_IMPORTED = "transformers.models."
+#: Preloaded where the parent has imported transformers: what capturing one of its models imports
+#: (its experts' registry, ``autopar.core.expert_parallel.experts_as_one_op``: ~0.8 s a rank).
+_WITH_TRANSFORMERS = ("transformers.integrations.moe",)
 
 
 def _start_ranks(ctx: Any, procs: list[Any], worker_args: tuple, n: int) -> None:

@@ -37,6 +37,9 @@ that saves at least ``_TERMS_MIN_SAVING``x the variables (3-D meshes); elsewhere
 tighter whole-edge pairing proves optimality sooner.
 Single-choice nodes get no variables at all.
 
+The relaxation is solved first (``_relaxed``): where its one-hot variables come out integral,
+that is the optimum, in about half the MIP's time; else the MIP runs.
+
 The model is built as a ``ModelProto`` with numpy and handed to math_opt's solver as is (``_run``):
 its Python ``Model`` adds, exports and hints ~10^5 variables one at a time, seconds per solve. (We use math_opt rather than pywraplp because pywraplp drops the HiGHS
 incumbent when the time limit is hit.)
@@ -54,7 +57,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import numpy as np
-from ortools.math_opt import model_parameters_pb2, model_pb2, result_pb2, solution_pb2
+from ortools.math_opt import model_parameters_pb2, model_pb2, parameters_pb2, result_pb2, solution_pb2
 from ortools.math_opt.python import mathopt
 from pybind11_abseil.status import StatusNotOk
 
@@ -85,6 +88,9 @@ APART_VARIABLES = 200_000
 #: Seconds a solve apart may take past its time limit before it is stopped (the child's start, the
 #: solver's own stop).
 APART_GRACE_S = 0.5
+#: How far from 0 or 1 a one-hot variable of the LP relaxation may be and still count as integral
+#: (HiGHS's own integrality tolerance is 1e-6).
+_INTEGRAL_TOL = 1e-7
 
 
 @dataclass(frozen=True)
@@ -860,7 +866,10 @@ def solve(problem: Problem, time_limit: float | None = None, solver: SolverName 
 
     params, hard_stop = _parameters(relative_gap, time_limit, start, node_limit)
     hinted = _hint_values(built, red, data, hint)
-    result = _run(built, hinted, SOLVERS[solver], params, hard_stop)
+    result = _relaxed(built, SOLVERS[solver], params) if _relax_first(built, solver, hard_stop, node_limit) else None
+    if result is None:   # not tried, not integral or cut short: the MIP, in what the time leaves
+        params, hard_stop = _parameters(relative_gap, time_limit, start, node_limit)
+        result = _run(built, hinted, SOLVERS[solver], params, hard_stop)
     if result is None:   # stopped at the limit before it answered: the hint stands
         reason, values = mathopt.TerminationReason.FEASIBLE, hinted
     else:
@@ -1005,6 +1014,42 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
         raise SolverError(f"the solver rejected the model: {e}") from None
     except RuntimeError as e:   # (its process failed)
         raise SolverError(str(e)) from None
+
+
+def _relax_first(built: _Model, solver: str, hard_stop: float | None, node_limit: int | None) -> bool:
+    """Whether to solve the LP relaxation before the MIP: with HiGHS, in this process (a model
+    solved apart is stopped at its limit, and its root LP is most of its time), and where the
+    branch and bound may run at all (``node_limit=0`` asks for the hint)."""
+    return solver == "highs" and node_limit != 0 and not (
+        hard_stop is not None and len(built.proto.variables.ids) >= APART_VARIABLES)
+
+
+def _relaxed(built: _Model, solver: mathopt.SolverType,
+             params: mathopt.SolveParameters) -> result_pb2.SolveResultProto | None:
+    """The LP relaxation's optimum by dual simplex, where its one-hot variables come out integral:
+    then it is the ILP's optimum (its bound is the relaxation's), found without the MIP's
+    presolve, heuristics and cuts, in about half HiGHS's time on the planner's problems, whose
+    relaxation is tight wherever no memory budget binds (every hand plan of gpt2-tiny and
+    llama-tiny on 2x2, and their auto plans). None where it is fractional or was cut short:
+    the MIP solves it (a budget that binds; the relaxation cost 10-15% of the MIP's time there)."""
+    relaxed = model_pb2.ModelProto()
+    relaxed.CopyFrom(built.proto)
+    del relaxed.variables.integers[:]
+    relaxed.variables.integers.extend([False] * len(built.proto.variables.ids))
+    lp = params.to_proto()
+    lp.ClearField("node_limit")
+    lp.lp_algorithm = parameters_pb2.LP_ALGORITHM_DUAL_SIMPLEX
+    model_params = model_parameters_pb2.ModelSolveParametersProto()
+    model_params.variable_values_filter.filter_by_ids = True
+    model_params.variable_values_filter.filtered_ids.extend(i for ids in built.x_ids.values() for i in ids)
+    try:
+        result = solve_proto(relaxed, solver.value, lp, model_params)
+    except StatusNotOk as e:
+        raise SolverError(f"the solver rejected the model: {e}") from None
+    if mathopt.TerminationReason(result.termination.reason) != mathopt.TerminationReason.OPTIMAL:
+        return None
+    values = _primal_values(result)
+    return result if values is not None and np.all(np.abs(values - np.round(values)) <= _INTEGRAL_TOL) else None
 
 
 def _primal_values(result: result_pb2.SolveResultProto) -> np.ndarray | None:

@@ -220,6 +220,24 @@ def test_chain_forces_consistent_choice() -> None:
         check_solution(problem, sol)
 
 
+def test_a_tight_relaxation_is_the_optimum_and_a_loose_one_goes_to_the_mip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relaxation is solved first. A chain's is integral: that is the answer, with no branch
+    and bound. An odd cycle of nodes that each want another choice than their neighbours (a
+    frustrated triangle) has a fractional relaxation (every choice at one half costs nothing):
+    decoding it would put every node on one choice (cost 3, the hint here, so that it cannot
+    cover for it); the MIP finds a cost of 1."""
+    chain = Problem(((1.0, 1.2), (1.1, 1.0), (1.0, 1.3)), ((1.0, 1.0),) * 3,
+                    tuple(Edge(i, i + 1, ((0.0, 5.0), (5.0, 0.0))) for i in range(2)))
+    sol = solve(chain)
+    assert sol.choices == (0, 0, 0) and sol.status == "optimal" and sol.gap == 0.0 and sol.nodes == 0
+    same = ((1.0, 0.0), (0.0, 1.0))
+    triangle = Problem(((0.0, 0.0),) * 3, ((1.0, 1.0),) * 3, (Edge(0, 1, same), Edge(1, 2, same), Edge(0, 2, same)))
+    monkeypatch.setattr(ilp, "_hint", lambda problem, data, red: [0, 0, 0])
+    sol = solve(triangle)
+    check_solution(triangle, sol)
+    assert sol.objective == pytest.approx(brute_force(triangle)[0]) == 1.0 and sol.status == "optimal"
+
+
 def test_memory_budget_changes_choice() -> None:
     # Choice 0 is fast but memory-hungry; under a tight budget some nodes must switch.
     n = 4

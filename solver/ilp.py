@@ -88,6 +88,10 @@ APART_VARIABLES = 200_000
 #: Seconds a solve apart may take past its time limit before it is stopped (the child's start, the
 #: solver's own stop).
 APART_GRACE_S = 0.5
+#: The share of a limited solve's time its relaxation may take: where it is fractional or cut
+#: short, the MIP has the rest (a fractional one took 1.3 of the 2.7 s llama-tiny's auto plan had
+#: on 2x2 at 4 x 16 tokens, whose MIP needs minutes to close).
+_RELAXATION_SHARE = 0.25
 #: How far from 0 or 1 a one-hot variable of the LP relaxation may be and still count as integral
 #: (HiGHS's own integrality tolerance is 1e-6).
 _INTEGRAL_TOL = 1e-7
@@ -534,6 +538,7 @@ class _Model:
     t_id: int | None  # largest transient, in units of t_scale bytes
     t_scale: float
     exposed_id: int | None  # exposed communication, seconds
+    budget_binds: bool = False  # memory rows were added: some moment's worst case exceeds the budget
 
 
 class _Builder:
@@ -556,6 +561,7 @@ class _Builder:
         self.e_ids: list[int] = []
         self.t_id: int | None = None
         self.exposed_id: int | None = None
+        self.budget_binds = False
         self.mscale = 1.0
         self.offset = red.offset   # the objective's constant, before scaling
         self.costs: list[tuple[range, np.ndarray]] = []   # (variable ids, their costs), before scaling
@@ -636,6 +642,7 @@ class _Builder:
         binding = _binding_moments(self.problem, self.data)
         if not binding:
             return
+        self.budget_binds = True
         data = self.data
         # Only memory above each node's minimum competes for the slack of each moment.
         self.mscale = max(float(data.moment(r, i).max()) for r in binding for i in range(len(data.k))) or 1.0
@@ -710,7 +717,7 @@ class _Builder:
         mat.row_ids.extend(self.rows)
         mat.column_ids.extend(self.cols)
         mat.coefficients.extend(self.coefs)
-        return _Model(proto, self.x_ids, self.e_ids, self.t_id, self.mscale, self.exposed_id)
+        return _Model(proto, self.x_ids, self.e_ids, self.t_id, self.mscale, self.exposed_id, self.budget_binds)
 
 
 def _build(problem: Problem, data: _Data, red: _Reduced) -> _Model:
@@ -1017,10 +1024,11 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
 
 
 def _relax_first(built: _Model, solver: str, hard_stop: float | None, node_limit: int | None) -> bool:
-    """Whether to solve the LP relaxation before the MIP: with HiGHS, in this process (a model
-    solved apart is stopped at its limit, and its root LP is most of its time), and where the
-    branch and bound may run at all (``node_limit=0`` asks for the hint)."""
-    return solver == "highs" and node_limit != 0 and not (
+    """Whether to solve the LP relaxation before the MIP: with HiGHS, where no memory budget
+    binds (with one, every relaxation tried was fractional), in this process (a model solved
+    apart is stopped at its limit, and its root LP is most of its time), and where the branch
+    and bound may run at all (``node_limit=0`` asks for the hint)."""
+    return solver == "highs" and node_limit != 0 and not built.budget_binds and not (
         hard_stop is not None and len(built.proto.variables.ids) >= APART_VARIABLES)
 
 
@@ -1029,15 +1037,18 @@ def _relaxed(built: _Model, solver: mathopt.SolverType,
     """The LP relaxation's optimum by dual simplex, where its one-hot variables come out integral:
     then it is the ILP's optimum (its bound is the relaxation's), found without the MIP's
     presolve, heuristics and cuts, in about half HiGHS's time on the planner's problems, whose
-    relaxation is tight wherever no memory budget binds (every hand plan of gpt2-tiny and
-    llama-tiny on 2x2, and their auto plans). None where it is fractional or was cut short:
-    the MIP solves it (a budget that binds; the relaxation cost 10-15% of the MIP's time there)."""
+    relaxation is mostly tight where no memory budget binds (every hand plan of gpt2-tiny and
+    llama-tiny on 2x2 at 16 x 64 tokens, and their auto plans). None where it is fractional or
+    was cut short (``_RELAXATION_SHARE`` of a limited solve's time): the MIP solves it."""
     relaxed = model_pb2.ModelProto()
     relaxed.CopyFrom(built.proto)
     del relaxed.variables.integers[:]
     relaxed.variables.integers.extend([False] * len(built.proto.variables.ids))
     lp = params.to_proto()
     lp.ClearField("node_limit")
+    if lp.HasField("time_limit"):   # most of a limited solve's time stays the MIP's, should it be needed
+        seconds = (lp.time_limit.seconds + lp.time_limit.nanos / 1e9) * _RELAXATION_SHARE
+        lp.time_limit.seconds, lp.time_limit.nanos = int(seconds), int(seconds % 1 * 1e9)
     lp.lp_algorithm = parameters_pb2.LP_ALGORITHM_DUAL_SIMPLEX
     model_params = model_parameters_pb2.ModelSolveParametersProto()
     model_params.variable_values_filter.filter_by_ids = True

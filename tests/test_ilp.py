@@ -238,6 +238,26 @@ def test_a_tight_relaxation_is_the_optimum_and_a_loose_one_goes_to_the_mip(monke
     assert sol.objective == pytest.approx(brute_force(triangle)[0]) == 1.0 and sol.status == "optimal"
 
 
+def test_the_relaxation_is_skipped_where_the_budget_binds_and_limited_to_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binding memory budget made every relaxation tried fractional: the MIP alone runs. Under
+    a time limit the relaxation gets its share of it, the rest left to the MIP."""
+    limits: dict[str, list[float]] = {"lp": [], "mip": []}
+    solve_proto = ilp.solve_proto
+
+    def spy(model, solver_type, params, model_params):
+        lp = not any(model.variables.integers)
+        limits["lp" if lp else "mip"].append(params.time_limit.seconds + params.time_limit.nanos / 1e9)
+        return solve_proto(model, solver_type, params, model_params)
+
+    monkeypatch.setattr(ilp, "solve_proto", spy)
+    problem = random_problem(3, n=6, num_edges=9, budget_frac=0.15)
+    assert solve(problem).status == "optimal" and limits == {"lp": [], "mip": [0.0]}
+    free = replace(problem, memory_budget=None)
+    sol = solve(free, time_limit=100.0)
+    assert sol.objective == pytest.approx(brute_force(free)[0])
+    assert len(limits["lp"]) == 1 and limits["lp"][0] == pytest.approx(100.0 * ilp._RELAXATION_SHARE, rel=0.05)
+
+
 def test_memory_budget_changes_choice() -> None:
     # Choice 0 is fast but memory-hungry; under a tight budget some nodes must switch.
     n = 4

@@ -48,6 +48,7 @@ incumbent when the time limit is hit.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 import numbers
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import numpy as np
-from ortools.math_opt import model_parameters_pb2, model_pb2, parameters_pb2, result_pb2, solution_pb2
+from ortools.math_opt import model_parameters_pb2, model_pb2, result_pb2, solution_pb2
 from ortools.math_opt.python import mathopt
 from pybind11_abseil.status import StatusNotOk
 
@@ -1006,12 +1007,10 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
     and hinting it goes variable by variable, seconds per solve on 3-D meshes' 0.6M variables.
     A model of ``APART_VARIABLES`` or more with a time limit is solved in a process of its own,
     stopped ``hard_stop`` seconds from now (None: it did not answer by then; ``solver.apart``)."""
-    model_params = model_parameters_pb2.ModelSolveParametersProto()
+    model_params = _one_hot_values_only(built)
     values = model_params.solution_hints.add().variable_values
     values.ids.extend(built.proto.variables.ids)
     values.values.extend(hint.tolist())
-    model_params.variable_values_filter.filter_by_ids = True
-    model_params.variable_values_filter.filtered_ids.extend(i for ids in built.x_ids.values() for i in ids)
     try:
         if hard_stop is not None and len(built.proto.variables.ids) >= APART_VARIABLES:
             with contextlib.suppress(OSError):   # (no interpreter to start: solved here, unstoppable)
@@ -1021,6 +1020,14 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
         raise SolverError(f"the solver rejected the model: {e}") from None
     except RuntimeError as e:   # (its process failed)
         raise SolverError(str(e)) from None
+
+
+def _one_hot_values_only(built: _Model) -> model_parameters_pb2.ModelSolveParametersProto:
+    """Model parameters asking the solver for the one-hot variables' values only: the choices."""
+    model_params = model_parameters_pb2.ModelSolveParametersProto()
+    model_params.variable_values_filter.filter_by_ids = True
+    model_params.variable_values_filter.filtered_ids.extend(i for ids in built.x_ids.values() for i in ids)
+    return model_params
 
 
 def _relax_first(built: _Model, solver: str, hard_stop: float | None, node_limit: int | None) -> bool:
@@ -1042,19 +1049,14 @@ def _relaxed(built: _Model, solver: mathopt.SolverType,
     was cut short (``_RELAXATION_SHARE`` of a limited solve's time): the MIP solves it."""
     relaxed = model_pb2.ModelProto()
     relaxed.CopyFrom(built.proto)
-    del relaxed.variables.integers[:]
+    relaxed.variables.ClearField("integers")
     relaxed.variables.integers.extend([False] * len(built.proto.variables.ids))
-    lp = params.to_proto()
-    lp.ClearField("node_limit")
-    if lp.HasField("time_limit"):   # most of a limited solve's time stays the MIP's, should it be needed
-        seconds = (lp.time_limit.seconds + lp.time_limit.nanos / 1e9) * _RELAXATION_SHARE
-        lp.time_limit.seconds, lp.time_limit.nanos = int(seconds), int(seconds % 1 * 1e9)
-    lp.lp_algorithm = parameters_pb2.LP_ALGORITHM_DUAL_SIMPLEX
-    model_params = model_parameters_pb2.ModelSolveParametersProto()
-    model_params.variable_values_filter.filter_by_ids = True
-    model_params.variable_values_filter.filtered_ids.extend(i for ids in built.x_ids.values() for i in ids)
+    # most of a limited solve's time stays the MIP's, should it be needed
+    time_limit = params.time_limit * _RELAXATION_SHARE if params.time_limit is not None else None
+    lp = dataclasses.replace(params, node_limit=None, time_limit=time_limit,
+                             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX)
     try:
-        result = solve_proto(relaxed, solver.value, lp, model_params)
+        result = solve_proto(relaxed, solver.value, lp.to_proto(), _one_hot_values_only(built))
     except StatusNotOk as e:
         raise SolverError(f"the solver rejected the model: {e}") from None
     if mathopt.TerminationReason(result.termination.reason) != mathopt.TerminationReason.OPTIMAL:

@@ -107,6 +107,19 @@ def test_gloo_all_reduce_4_ranks():
         torch.testing.assert_close(t, torch.full((3,), 2.0 * (0 + 1 + 2 + 3)))
 
 
+def _collector_reach(mesh):
+    import gc
+
+    return gc.get_freeze_count(), len(gc.get_objects())
+
+
+def test_a_ranks_inherited_heap_is_out_of_the_collectors_reach():
+    """What a rank forks with (torch and autopar preloaded) is frozen: a full collection walks only
+    what the rank made, instead of every inherited object and the pages they sit on."""
+    for frozen, tracked in run_on_gloo_mesh(_collector_reach, (2,), timeout_s=120, start_method="forkserver"):
+        assert frozen > 100_000 and frozen > 5 * tracked
+
+
 @slow
 def test_gloo_2x2_named_axis_dtensor():
     results = run_on_gloo_mesh(

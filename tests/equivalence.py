@@ -7,6 +7,7 @@ Adam normalises; a larger eps keeps that noise from turning into lr-sized steps 
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import pytest
@@ -80,11 +81,37 @@ def train(model: torch.nn.Module, batches) -> list[torch.Tensor]:
     return losses
 
 
-def train_reference(name: str, batches, precision: str = "fp32") -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One device's losses and final state, under the precision policy the sharded run uses."""
-    model = build(name)
-    losses = train(model if precision == "fp32" else ComputeIn(model, precision), batches)
-    return [l.item() for l in losses], {k: v.detach().clone() for k, v in model.state_dict().items()}
+def train_reference(name: str | Callable[[], torch.nn.Module], batches, precision: str = "fp32"
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One device's losses and final state, under the precision policy the sharded run uses; a
+    zoo model's computed once per process for the same batches (tests on several meshes share it;
+    read it, do not write to it)."""
+    key = (name, _digest(batches), precision) if isinstance(name, str) else None
+    if key not in _REFERENCES:
+        model = build(name)
+        losses = train(model if precision == "fp32" else ComputeIn(model, precision), batches)
+        result = [l.item() for l in losses], {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if key is None:
+            return result
+        _REFERENCES[key] = result
+    losses, state = _REFERENCES[key]
+    return list(losses), dict(state)
+
+
+_REFERENCES: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
+def _digest(batches) -> str:
+    """What identifies ``batches``: their structure and every value (tensors by their bytes)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(batches)
+    h = hashlib.sha256(repr(spec).encode())
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            h.update(repr((leaf.dtype, tuple(leaf.shape))).encode())
+            h.update(leaf.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
 
 
 def train_steps(pmodel, batches) -> list[torch.Tensor]:
@@ -174,12 +201,21 @@ def tight_budget(name, batch, seq, mesh_shape, batches: list | None = None) -> f
     """Halfway between the least memory any plan needs on this mesh and what full replication
     needs (the planner's own estimates): replicating everything does not fit, so the planner
     must shard (TP and/or ZeRO-3). ``batches``: as ``check_training`` takes them (a model
-    outside the zoo), planned for the first."""
+    outside the zoo), planned for the first; a zoo model's computed once per process."""
     args, kwargs = (batches or make_batches(name, batch, seq, steps=1))[0]
+    key = (name, tuple(mesh_shape), _digest((args, kwargs))) if isinstance(name, str) else None
+    if key in _BUDGETS:
+        return _BUDGETS[key]
     replicated = autopar.plan(build(name), MeshSpec((1,)), args, kwargs).predicted.peak_memory_bytes
     with pytest.raises(InfeasibleError) as info:
         autopar.plan(build(name), MeshSpec(mesh_shape), args, kwargs, memory_budget=1.0)
-    return info.value.min_memory_bytes + 0.5 * (replicated - info.value.min_memory_bytes)
+    budget = info.value.min_memory_bytes + 0.5 * (replicated - info.value.min_memory_bytes)
+    if key is not None:
+        _BUDGETS[key] = budget
+    return budget
+
+
+_BUDGETS: dict[tuple, float] = {}
 
 
 def expert_parallel_plan(name: str, batches: list, mesh_shape: tuple[int, ...], axis: str,

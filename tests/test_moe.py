@@ -38,20 +38,6 @@ from tests.tiers import slow
 
 NAME = "mixtral-tiny"   # 4 experts, top-2, 2 layers
 BATCHES = make_batches(NAME, 2, 4)   # 8 tokens a step: few per rank, so some experts get none from some rank
-_one_device = equivalence.train_reference
-
-
-@functools.cache
-def _reference(precision: str) -> tuple:
-    return _one_device(NAME, BATCHES, precision)
-
-
-@pytest.fixture(autouse=True)
-def _shared_reference(monkeypatch):
-    """One device's training of ``BATCHES``, computed once for every mesh."""
-    monkeypatch.setattr(equivalence, "train_reference",
-                        lambda name, batches, precision="fp32": _reference(precision) if batches is BATCHES
-                        else _one_device(name, batches, precision))
 
 
 def _plan(mesh_shape: tuple[int, ...], axis: str, hand: str | None = None) -> Plan:
@@ -493,7 +479,7 @@ def test_torch_expert_parallel_reference_trains_as_one_device(name, shape):
     from autopar.profiling.launch import run_on_gloo_mesh
 
     batches = BATCHES if name == NAME else make_batches(name, 2 * shape[0], 4)
-    ref_losses, ref_state = _reference("fp32") if name == NAME else _one_device(name, batches)
+    ref_losses, ref_state = equivalence.train_reference(name, batches)
     model = build(name)
     equivalence.loss_of(model(*batches[0][0], **batches[0][1])).backward()
     ref_grads = {k: p.grad for k, p in model.named_parameters()}

@@ -214,6 +214,35 @@ class _Data:
         work = max((float(t[c]) for t, c in zip(self.transient, choices, strict=True)), default=0.0) if self.transient else 0.0
         return max(moments) + work
 
+    def restricted(self, keep: list[np.ndarray], ends: Sequence[tuple[int, int]]) -> "_Data":
+        """These arrays limited to node ``i``'s choices ``keep[i]``, renumbered as ``restrict``
+        does (``ends``: each edge's source and destination); terms keep their cores."""
+        def row(nodes: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+            return {i: v[keep[i]] for i, v in nodes.items()}
+
+        return _Data(
+            costs=[c[keep[i]] for i, c in enumerate(self.costs)],
+            memory=[m[keep[i]] for i, m in enumerate(self.memory)],
+            edges=[m[keep[u]][:, keep[v]] for m, (u, v) in zip(self.edges, ends, strict=True)],
+            terms=[[Term(np.asarray(t.rows)[keep[u]], np.asarray(t.cols)[keep[v]], t.core) for t in ts]
+                   for ts, (u, v) in zip(self.terms, ends, strict=True)],
+            memory_rows=[row(r) for r in self.memory_rows],
+            transient=None if self.transient is None else [t[keep[i]] for i, t in enumerate(self.transient)],
+            exposed=[(row(nodes), constant) for nodes, constant in self.exposed],
+        )
+
+    def as_problem(self, like: Problem) -> Problem:
+        """``like`` (its edges' ends, names, budget, warm start) over these arrays."""
+        def row(nodes: dict[int, np.ndarray], constant: float = 0.0) -> Row:
+            return Row(tuple((i, cast(tuple, v)) for i, v in nodes.items()), constant)
+
+        return dataclasses.replace(
+            like, costs=cast(tuple, tuple(self.costs)), memory=cast(tuple, tuple(self.memory)),
+            edges=tuple(Edge(e.src, e.dst, m, tuple(ts)) for e, m, ts in zip(like.edges, self.edges, self.terms, strict=True)),
+            memory_rows=tuple(row(r) for r in self.memory_rows),
+            transient=None if self.transient is None else cast(tuple, tuple(self.transient)),
+            exposed_rows=tuple(row(nodes, constant) for nodes, constant in self.exposed))
+
     def exposed_time(self, choices: Sequence[int]) -> float:
         """max(0, max over exposed rows) for an assignment."""
         return max([0.0, *(constant + sum(float(v[choices[i]]) for i, v in nodes.items())
@@ -232,7 +261,25 @@ class MemoryBounds:
     from one validation (hand plans restrict one problem many times)."""
 
     def __init__(self, problem: Problem) -> None:
+        self._problem = problem
         self._data = _validate(problem)
+
+    def data_of(self, problem: Problem) -> _Data | None:
+        """``problem``'s validated arrays from these, where it shares this problem's node and edge
+        data (``dataclasses.replace`` of it: another budget, warm start or memory rows), else None."""
+        mine = self._problem
+        if not (problem.costs is mine.costs and problem.memory is mine.memory and problem.edges is mine.edges
+                and problem.transient is mine.transient):
+            return None
+        _validate_budget_and_start(problem, self._data.costs)
+        if problem.memory_rows is mine.memory_rows and problem.exposed_rows is mine.exposed_rows:
+            return self._data
+        k = self._data.k
+        rows = [_row(problem, row, f"memory row {r}", k) for r, row in enumerate(problem.memory_rows)]
+        if any(constant for _, constant in rows):
+            raise SolverError("a memory row may only have node terms")
+        exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
+        return dataclasses.replace(self._data, memory_rows=[nodes for nodes, _ in rows], exposed=exposed)
 
     def least(self, allowed: Sequence[Sequence[int] | None] | None = None) -> float:
         """The least peak any assignment (``allowed``: as ``restrict``'s) needs: ``solve``
@@ -812,9 +859,7 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     def row(r: Row) -> Row:
         return Row(tuple((i, pick(v, i)) for i, v in r.nodes), r.constant)
 
-    warm = None
-    if problem.warm_start is not None and all(c in k for c, k in zip(problem.warm_start, keep, strict=True)):
-        warm = tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(problem.warm_start, keep, strict=True))
+    warm = _restricted_start(problem.warm_start, keep)
     return Problem(
         costs=tuple(pick(c, i) for i, c in enumerate(problem.costs)),
         memory=tuple(pick(m, i) for i, m in enumerate(problem.memory)),
@@ -832,6 +877,31 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     )
 
 
+def _restricted_start(warm_start: tuple[int, ...] | None, keep: list[np.ndarray]) -> tuple[int, ...] | None:
+    """A warm start renumbered into the choices ``keep`` kept (None where one of them is not kept)."""
+    if warm_start is None or not all(c in k for c, k in zip(warm_start, keep, strict=True)):
+        return None
+    return tuple(int(np.flatnonzero(k == c)[0]) for c, k in zip(warm_start, keep, strict=True))
+
+
+def _prepared(problem: Problem, allowed: Sequence[Sequence[int] | None] | None,
+              validated: MemoryBounds | None) -> tuple[Problem, _Data]:
+    """``restrict(problem, allowed)`` and its validated arrays: ``validated``'s restricted where
+    ``problem`` shares their node and edge data (``MemoryBounds.data_of``), without converting
+    or validating them again (hand plans restrict one problem many times)."""
+    base = validated.data_of(problem) if validated is not None else None
+    if base is None:
+        problem = restrict(problem, allowed) if allowed is not None else problem
+        return problem, _validate(problem)
+    if allowed is None or all(a is None for a in allowed):
+        return problem, base
+    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(base.costs, allowed, strict=True)]
+    if any(len(k) == 0 for k in keep):
+        raise SolverError("restrict: every node needs at least one allowed choice")
+    data = base.restricted(keep, [(e.src, e.dst) for e in problem.edges])
+    return data.as_problem(dataclasses.replace(problem, warm_start=_restricted_start(problem.warm_start, keep))), data
+
+
 # --------------------------------------------------------------------------- solve
 
 
@@ -847,7 +917,8 @@ def _evaluate(problem: Problem, data: _Data, choices: Sequence[int]) -> tuple[fl
 
 
 def solve(problem: Problem, time_limit: float | None = None, solver: SolverName = "highs",
-          relative_gap: float = 1e-6, node_limit: int | None = None) -> Solution:
+          relative_gap: float = 1e-6, node_limit: int | None = None, *,
+          allowed: Sequence[Sequence[int] | None] | None = None, validated: MemoryBounds | None = None) -> Solution:
     """Solve the sharding ILP, to within ``relative_gap`` of the optimum.
 
     ``time_limit`` (seconds) covers the whole call, model building included; the solver may
@@ -857,10 +928,14 @@ def solve(problem: Problem, time_limit: float | None = None, solver: SolverName 
     stopped it. Solves that end by the gap or the node limit are deterministic (fixed seed,
     deterministic hint; HiGHS's branch and bound is deterministic, and math_opt refuses
     ``threads`` for it); one the time limit stops ends where the machine's speed let it get.
+
+    ``allowed``: solve ``restrict(problem, allowed)`` (its choices numbered so); ``validated``:
+    a ``MemoryBounds`` of ``problem`` before a ``replace`` of its budget, warm start or memory
+    rows, whose arrays are then restricted instead of converted and validated again.
     """
     start = time.perf_counter()
     _check_arguments(solver, time_limit)
-    data = _validate(problem)
+    problem, data = _prepared(problem, allowed, validated)
     budget = problem.memory_budget
     if budget is not None and data.min_memory() > budget:
         raise _infeasible(problem, data, "No sharding plan fits in memory")

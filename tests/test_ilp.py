@@ -144,6 +144,33 @@ def test_memory_bounds_of_a_restriction_need_no_new_problem(seed: int) -> None:
         assert least <= min(evaluate(problem, c)[1] for c in itertools.product(*options)) * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_restriction_solved_on_validated_arrays_is_the_restricted_problems_solve(seed: int) -> None:
+    """``solve(problem, allowed=..., validated=MemoryBounds(...))`` (hand plans, memory repairs)
+    gives what solving ``restrict(problem, allowed)`` gives, with another budget, warm start and
+    memory rows than the validated problem's; a problem with other node data is validated anew."""
+    rng = random.Random(seed)
+    base = step_problem(seed, None)
+    bounds = MemoryBounds(base)
+    k = [len(c) for c in base.costs]
+    for trial in range(4):
+        allowed = [None if rng.random() < 0.3 else sorted(rng.sample(range(ki), rng.randint(1, ki))) for ki in k]
+        rows = base.memory_rows if trial % 2 else base.memory_rows[:1]
+        budget = None if trial == 0 else evaluate(replace(base, memory_rows=rows), [0] * len(k))[1] * rng.uniform(0.8, 1.5)
+        problem = replace(base, memory_budget=budget, memory_rows=rows, warm_start=tuple(rng.randrange(ki) for ki in k))
+        try:
+            want = solve(restrict(problem, allowed))
+        except InfeasibleProblem:
+            with pytest.raises(InfeasibleProblem):
+                solve(problem, allowed=allowed, validated=bounds)
+            continue
+        got = solve(problem, allowed=allowed, validated=bounds)
+        assert (got.choices, got.objective, got.memory) == (want.choices, pytest.approx(want.objective), pytest.approx(want.memory))
+    other = replace(base, costs=tuple(tuple(2 * c for c in cs) for cs in base.costs))
+    assert bounds.data_of(other) is None
+    assert solve(other, validated=bounds).objective == pytest.approx(solve(other).objective)
+
+
 def test_peak_and_exposed_semantics() -> None:
     # Two nodes, no choice: peak = always-live + worst moment + largest transient;
     # exposed = max(0, worst row).

@@ -45,7 +45,6 @@ from solver import (
     SolverError,
     SolverTimeout,
     Term,
-    restrict,
     solve,
 )
 
@@ -231,7 +230,7 @@ def solve_planning(planning: Planning, *, deadline: Deadline | None = None,
             + (f" (memory repair {attempt})" if attempt else "")
         # the deadline covers every solve of the repair loop together
         with _stage(planning.timings, stage, deadline.clock.line if deadline is not None else None, said) as timed:
-            solution = _solve(restrict(problem, allowed), allowance, deadline, planning.captured.precision)
+            solution = _solve(problem, allowed, planning.bounds(), allowance, deadline, planning.captured.precision)
             choices = tuple(c if a is None else int(a[c]) for c, a in zip(solution.choices, allowed, strict=True))
             plan, sim = _make_plan(planning, choices, solution, name)
         if deadline is not None:
@@ -282,19 +281,22 @@ def _charge_solve(clock: Clock, solution: Solution, graph_nodes: int, wall_s: fl
         clock.note(f"the {name!r} solve stopped at its time limit (gap {gap})")
 
 
-def _solve(problem: Problem, allowance: float | None, deadline: Deadline | None, precision: Precision) -> Solution:
-    """The ILP within ``allowance`` seconds of the search's time (for a ``deterministic`` search,
+def _solve(problem: Problem, allowed: Sequence[Sequence[int] | None], bounds: MemoryBounds, allowance: float | None,
+           deadline: Deadline | None, precision: Precision) -> Solution:
+    """``restrict(problem, allowed)``'s ILP (``bounds``: the planning problem's, whose arrays it
+    restricts) within ``allowance`` seconds of the search's time (for a ``deterministic`` search,
     charged: its branch-and-bound nodes, with the wall clock's hard stop past them), its errors
     told in autopar's terms: how much memory any plan needs and what to do (an fp32 plan is told
     that bf16 compute halves activations)."""
     deterministic = deadline is not None and deadline.clock.deterministic
     wall = deadline.clock.wall_left() if deadline is not None else math.inf
-    nodes = work.node_limit(allowance, sum(len(c) for c in problem.costs)) \
+    choices = sum(len(c) if a is None else len(a) for c, a in zip(problem.costs, allowed, strict=True))
+    nodes = work.node_limit(allowance, choices) \
         if deterministic and allowance is not None else None
     seconds = wall if deterministic or allowance is None else min(allowance, wall)
     try:
         return solve(problem, time_limit=max(seconds, 0.01) if math.isfinite(seconds) else None,
-                     relative_gap=RELATIVE_GAP, node_limit=nodes)
+                     relative_gap=RELATIVE_GAP, node_limit=nodes, allowed=allowed, validated=bounds)
     except InfeasibleProblem as e:
         who = ", ".join(f"{h.label}: {fmt(h.min_bytes, 'B')}" for h in e.largest)
         raise InfeasibleError(

@@ -137,6 +137,8 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     Each fake solve uses all of its time, on a fake clock; once the share is spent, no hand plan
     is solved past it (each used to get the least solve time again), and the clock says which."""
 
+    from types import SimpleNamespace
+
     from autopar.core.capture import capture
     from autopar.planning import baselines
     from autopar.planning.clock import Clock
@@ -149,7 +151,7 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
     def fake_solve(planning, *, deadline, **kwargs):   # each solve is charged all its part
         given.append(deadline.left())
         deadline.clock.spent = deadline.end
-        return None, ()
+        return SimpleNamespace(context_parallel=None), ()   # a plan with no ring to check
 
     monkeypatch.setattr(baselines, "solve_planning", fake_solve)
     clock = Clock(100.0, deterministic=True)
@@ -161,7 +163,7 @@ def test_hand_plans_together_keep_to_their_share_of_the_deadline(monkeypatch):
 
     def overrunning(planning, *, deadline, **kwargs):           # the first solve is charged the whole share
         deadline.clock.spent = deadline.end + 0.4 * left
-        return None, ()
+        return SimpleNamespace(context_parallel=None), ()
 
     monkeypatch.setattr(baselines, "solve_planning", overrunning)
     clock = Clock(100.0, deterministic=True)

@@ -483,6 +483,28 @@ def _hand_plan(name: str, mesh: MeshSpec, batches: list, which: str) -> str:
     return plan.to_json()
 
 
+@pytest.mark.parametrize("presolve", [True, False])
+def test_a_context_hand_plan_runs_its_rings_in_one_layout_however_ties_fall(presolve, monkeypatch):
+    """Each attention of a context-parallel hand plan picks its ring's layout, so where they cost
+    alike the solver may mix them (HiGHS without presolve does, on gpt-tiny): the hand plan is then
+    solved again with its rings contiguous, as the planner's own plan is, and runs."""
+    from ortools.math_opt import parameters_pb2
+
+    from autopar.core.seq_layout import balanced_layout
+    from solver import ilp
+
+    real = ilp.solve_proto
+    if not presolve:   # the same problems, their ties broken another way
+        monkeypatch.setattr(ilp, "solve_proto", lambda model, kind, params, *rest: (
+            params.__setattr__("presolve", parameters_pb2.EMPHASIS_OFF), real(model, kind, params, *rest))[1])
+    mesh = MeshSpec((2, 2), ("a", "b"))
+    args, kwargs = make_batches("gpt-tiny", 2, CP_SEQ, steps=1)[0]
+    which = "fsdp(a) x fsdp+cp(b)"
+    plan = candidates(build("gpt-tiny"), mesh, args, kwargs, profile=None, progress=False, names=[which])[which]
+    assert plan.context_parallel is not None and plan.context_parallel.kind == "ring"
+    balanced_layout(capture(build("gpt-tiny"), args, kwargs), {n.name: n for n in plan.nodes}, mesh.shape)
+
+
 @slow
 def test_models_as_built_split_by_sequence_beside_data_or_tensor_parallelism_on_2x2():
     """On a 2 x 2 mesh of gloo processes, one launch: each model with its attention split by

@@ -48,6 +48,7 @@ from autopar.core.ops import moe
 from autopar.core.ops.attention import BALANCED_RING, SDPA
 from autopar.core.plan import Plan
 from autopar.core.routing import measured_if_asked
+from autopar.core.seq_layout import BalancedLayoutError, balanced_layout
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
 from autopar.planning.clock import Clock, Deadline
@@ -277,8 +278,40 @@ def hand_plans(planning: Planning, *, deadline: Deadline | None = None, share: f
 
 def _solved(planning: Planning, deadline: Deadline | None, allowed: list[list[int] | None], name: str,
             budget: bool) -> tuple[Plan, tuple[int, ...]]:
-    """One hand plan's solve (``budget=False``: costed without the memory budget)."""
-    return solve_planning(planning, deadline=deadline, allowed=allowed, name=name, budget=budget, stage="hand plans")
+    """One hand plan's solve (``budget=False``: costed without the memory budget); solved again with
+    its causal rings contiguous where their balanced layout cannot run (each attention picks its
+    ring's layout, so equal costs may mix them), as the planner's own plan is (``_runs_in_order``)."""
+    plan, choices = solve_planning(planning, deadline=deadline, allowed=allowed, name=name, budget=budget,
+                                   stage="hand plans")
+    if plan.context_parallel is None:   # no ring
+        return plan, choices
+    try:
+        balanced_layout(planning.captured, {n.name: n for n in plan.nodes}, plan.mesh.shape,
+                        pipelined=plan.pipeline is not None)
+    except BalancedLayoutError as e:
+        contiguous = _contiguous_rings(planning, allowed)
+        if contiguous is None:   # the options force the balanced layout: the plan stands, refused where run
+            return plan, choices
+        plan, choices = solve_planning(planning, deadline=deadline, allowed=contiguous, name=name, budget=budget,
+                                       stage="hand plans")
+        plan.warnings.append(f"the plan's causal rings run contiguous: the balanced layout was refused ({e})")
+    return plan, choices
+
+
+def _contiguous_rings(planning: Planning, allowed: list[list[int] | None]) -> list[list[int] | None] | None:
+    """``allowed`` without the choices that run an attention as a balanced ring; None where that
+    leaves a decision no choice (the options force the balanced layout)."""
+    grouping, out = planning.grouping, list(allowed)
+    for i, nc in enumerate(planning.space.nodes):
+        balanced = np.array([BALANCED_RING in s.names for s in nc.strategies])
+        if not balanced.any():
+            continue
+        d = grouping.owner[i]
+        ok = ~balanced[grouping.choice[i]]
+        out[d] = [c for c in (range(grouping.sizes[d]) if out[d] is None else out[d]) if ok[c]]
+        if not out[d]:
+            return None
+    return out
 
 
 def _allowed(planning: Planning, roles: Sequence[Role], traits: Sequence[Traits]) -> list[list[int] | None]:

@@ -274,12 +274,8 @@ class MemoryBounds:
         _validate_budget_and_start(problem, self._data.costs)
         if problem.memory_rows is mine.memory_rows and problem.exposed_rows is mine.exposed_rows:
             return self._data
-        k = self._data.k
-        rows = [_row(problem, row, f"memory row {r}", k) for r, row in enumerate(problem.memory_rows)]
-        if any(constant for _, constant in rows):
-            raise SolverError("a memory row may only have node terms")
-        exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
-        return dataclasses.replace(self._data, memory_rows=[nodes for nodes, _ in rows], exposed=exposed)
+        memory_rows, exposed = _validated_rows(problem, self._data.k)
+        return dataclasses.replace(self._data, memory_rows=memory_rows, exposed=exposed)
 
     def least(self, allowed: Sequence[Sequence[int] | None] | None = None) -> float:
         """The least peak any assignment (``allowed``: as ``restrict``'s) needs: ``solve``
@@ -340,14 +336,20 @@ def _validate(problem: Problem) -> _Data:
     edges, terms = _validated_edges(problem, costs)
     _validate_budget_and_start(problem, costs)
     k = [c.size for c in costs]
+    memory_rows, exposed = _validated_rows(problem, k)
+    return _Data(costs, memory, edges, terms, memory_rows, _validated_transient(problem, k), exposed)
+
+
+def _validated_rows(problem: Problem, k: list[int]
+                    ) -> tuple[list[dict[int, np.ndarray]], list[tuple[dict[int, np.ndarray], float]]]:
+    """The memory rows' node terms and the exposed rows (node terms, constant), validated."""
     memory_rows = []
     for r, row in enumerate(problem.memory_rows):
         nodes, constant = _row(problem, row, f"memory row {r}", k)
         if constant:
             raise SolverError(f"memory row {r} may only have node terms")
         memory_rows.append(nodes)
-    exposed = [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
-    return _Data(costs, memory, edges, terms, memory_rows, _validated_transient(problem, k), exposed)
+    return memory_rows, [_row(problem, row, f"exposed row {r}", k) for r, row in enumerate(problem.exposed_rows)]
 
 
 def _validated_nodes(problem: Problem) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -849,9 +851,7 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     ``allowed[i][c]`` of the original (hand plans as pinned versions of the planner's problem)."""
     if all(a is None for a in allowed):
         return problem
-    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(problem.costs, allowed, strict=True)]
-    if any(len(k) == 0 for k in keep):
-        raise SolverError("restrict: every node needs at least one allowed choice")
+    keep = _keep([len(c) for c in problem.costs], allowed)
 
     def pick(values, i):
         return tuple(np.asarray(values, dtype=float)[keep[i]].tolist())
@@ -877,6 +877,14 @@ def restrict(problem: Problem, allowed: Sequence[Sequence[int] | None]) -> Probl
     )
 
 
+def _keep(k: Sequence[int], allowed: Sequence[Sequence[int] | None]) -> list[np.ndarray]:
+    """Per node of ``k[i]`` choices, the index of those ``allowed[i]`` keeps (all where None)."""
+    keep = [np.arange(ki) if a is None else np.asarray(a, dtype=int) for ki, a in zip(k, allowed, strict=True)]
+    if any(len(c) == 0 for c in keep):
+        raise SolverError("restrict: every node needs at least one allowed choice")
+    return keep
+
+
 def _restricted_start(warm_start: tuple[int, ...] | None, keep: list[np.ndarray]) -> tuple[int, ...] | None:
     """A warm start renumbered into the choices ``keep`` kept (None where one of them is not kept)."""
     if warm_start is None or not all(c in k for c, k in zip(warm_start, keep, strict=True)):
@@ -895,9 +903,7 @@ def _prepared(problem: Problem, allowed: Sequence[Sequence[int] | None] | None,
         return problem, _validate(problem)
     if allowed is None or all(a is None for a in allowed):
         return problem, base
-    keep = [np.arange(len(c)) if a is None else np.asarray(a, dtype=int) for c, a in zip(base.costs, allowed, strict=True)]
-    if any(len(k) == 0 for k in keep):
-        raise SolverError("restrict: every node needs at least one allowed choice")
+    keep = _keep(base.k, allowed)
     data = base.restricted(keep, [(e.src, e.dst) for e in problem.edges])
     return data.as_problem(dataclasses.replace(problem, warm_start=_restricted_start(problem.warm_start, keep))), data
 

@@ -25,6 +25,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 from torch.distributed.tensor import Shard
@@ -35,6 +36,9 @@ from autopar.core.execution import IDENTITY_OPS
 from autopar.core.ops.attention import SDPA, causal_attention, context_layout, context_of
 from autopar.core.ops.shapes import RESHAPES
 from autopar.core.placements import Placements
+
+if TYPE_CHECKING:
+    from autopar.core.plan import Plan
 
 Element = tuple[str, int]   # (value name, dim)
 
@@ -172,6 +176,11 @@ def balanced_layout(captured: CapturedGraph, plan: Mapping, mesh_shape: Sequence
     return layout
 
 
+def plan_layout(captured: CapturedGraph, plan: Plan) -> BalancedLayout | None:
+    """``balanced_layout`` of a whole ``Plan``: what a planner checks before it keeps a plan."""
+    return balanced_layout(captured, {n.name: n for n in plan.nodes}, plan.mesh.shape, pipelined=plan.pipeline is not None)
+
+
 def _check(captured: CapturedGraph, plan: Mapping, layout: BalancedLayout) -> None:
     """Refuse what the balanced order cannot run exactly (see the module's docstring)."""
     nodes = {n.name: n for n in captured.graph.nodes}
@@ -201,4 +210,4 @@ def _check_op(node: fx.Node, np_, head: str) -> None:
                                       "order, beside a balanced ring: plan every one balanced, or none")
 
 
-__all__ = ["BalancedLayout", "BalancedLayoutError", "balanced_layout"]
+__all__ = ["BalancedLayout", "BalancedLayoutError", "balanced_layout", "plan_layout"]

@@ -48,7 +48,7 @@ from autopar.core.ops import moe
 from autopar.core.ops.attention import BALANCED_RING, SDPA
 from autopar.core.plan import Plan
 from autopar.core.routing import measured_if_asked
-from autopar.core.seq_layout import BalancedLayoutError, balanced_layout
+from autopar.core.seq_layout import BalancedLayoutError, plan_layout
 from autopar.core.strategies import NodeChoices, NodeKind, Strategy
 from autopar.core.units import fmt
 from autopar.planning.clock import Clock, Deadline
@@ -286,8 +286,7 @@ def _solved(planning: Planning, deadline: Deadline | None, allowed: list[list[in
     if plan.context_parallel is None:   # no ring
         return plan, choices
     try:
-        balanced_layout(planning.captured, {n.name: n for n in plan.nodes}, plan.mesh.shape,
-                        pipelined=plan.pipeline is not None)
+        plan_layout(planning.captured, plan)
     except BalancedLayoutError as e:
         contiguous = _contiguous_rings(planning, allowed)
         if contiguous is None:   # the options force the balanced layout: the plan stands, refused where run

@@ -21,7 +21,7 @@ from autopar.core.microbatch import captured_rows, fewest_at_least, microbatch_r
 from autopar.core.ops import moe
 from autopar.core.ops.attention import BALANCED_RING
 from autopar.core.plan import HandPlanSummary, Plan
-from autopar.core.seq_layout import BalancedLayoutError, balanced_layout
+from autopar.core.seq_layout import BalancedLayoutError, plan_layout
 from autopar.core.strategies import Strategy, StrategySpace
 from autopar.core.units import fmt
 from autopar.planning.baselines import hand_plans as standard_plans
@@ -108,7 +108,7 @@ def _runs_in_order(captured: CapturedGraph, options: PlanOptions, planned: Calla
     ``forced`` pins a node to a balanced ring."""
     plan = planned(options)
     try:
-        balanced_layout(captured, {n.name: n for n in plan.nodes}, plan.mesh.shape, pipelined=plan.pipeline is not None)
+        plan_layout(captured, plan)
         return plan
     except BalancedLayoutError as e:
         pinned = any(BALANCED_RING in s.names for s in (forced or {}).values())

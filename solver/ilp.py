@@ -1126,8 +1126,10 @@ def _relaxed(built: _Model, solver: mathopt.SolverType,
     then it is the ILP's optimum (its bound is the relaxation's), found without the MIP's
     presolve, heuristics and cuts, in about half HiGHS's time on the planner's problems, whose
     relaxation is mostly tight where no memory budget binds (every hand plan of gpt2-tiny and
-    llama-tiny on 2x2 at 16 x 64 tokens, and their auto plans). None where it is fractional or
-    was cut short (``_RELAXATION_SHARE`` of a limited solve's time): the MIP solves it."""
+    llama-tiny on 2x2 at 16 x 64 tokens, and their auto plans). Without presolve, which took
+    2-4x the simplex's own time on these problems (tiny models and published sizes alike). None
+    where it is fractional or was cut short (``_RELAXATION_SHARE`` of a limited solve's time):
+    the MIP solves it."""
     relaxed = model_pb2.ModelProto()
     relaxed.CopyFrom(built.proto)
     relaxed.variables.ClearField("integers")
@@ -1135,7 +1137,7 @@ def _relaxed(built: _Model, solver: mathopt.SolverType,
     # most of a limited solve's time stays the MIP's, should it be needed
     time_limit = params.time_limit * _RELAXATION_SHARE if params.time_limit is not None else None
     lp = dataclasses.replace(params, node_limit=None, time_limit=time_limit,
-                             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX)
+                             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX, presolve=mathopt.Emphasis.OFF)
     try:
         result = solve_proto(relaxed, solver.value, lp.to_proto(), _one_hot_values_only(built))
     except StatusNotOk as e:

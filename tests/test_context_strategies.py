@@ -641,7 +641,9 @@ def test_a_balanced_ring_trains_as_one_device_on_simulated_ranks():
                                                                 "profile": None}, batches=batches)
     assert plan.context_parallel is not None and plan.context_parallel.load_balance == "balanced"
     source = generate(capture(build(CausalLM), *batches[0]), plan).source
-    assert "layout='balanced'" in source and "move_balanced(ids" in source and "move_balanced(arange" in source
+    assert "layout='balanced'" in source and "move_balanced(arange" in source
+    # the ids permuted where split: as they come in, or moved later (the two cost alike here)
+    assert "ids = balance(ids" in source or "move_balanced(ids" in source
 
 
 def _balanced_plan(name: str, mesh: MeshSpec, batches: list, axis: str = "cp") -> str:

@@ -156,8 +156,14 @@ def check_training(name: str | Callable[[], torch.nn.Module], batch: int, seq: i
     """Train ``name`` on one device and sharded (``runner``: ``local_runner`` or ``gloo_runner``)
     with the same batches (by default ``STEPS`` of ``batch`` x ``seq``, given for a model outside
     the zoo, which ``name`` then builds: see ``build``; the sharded module is
-    compiled for the first); every rank's losses and final parameters must equal one device's."""
+    compiled for the first); every rank's losses and final parameters must equal one device's.
+    Without a memory budget, planned without hand plans unless ``plan_options`` says
+    (``hand_plans``): the solve is optimal, so they change only how ties fall, and they cost a
+    tenth of these tests' time; every hand plan is trained in tests/test_baselines.py. Under a
+    budget they stay: their warm start is what closes a tight MIP within the tests' time limits."""
     batches = batches or make_batches(name, batch, seq)
+    if "plan" not in plan_options and "memory_budget" not in plan_options:
+        plan_options = {"hand_plans": False, **plan_options}
     precision = plan_options["plan"].precision if "plan" in plan_options else plan_options.get("precision", "fp32")
     rtol, loss_atol, atol = TOLERANCES[precision]
     ref_losses, ref_state = train_reference(name, batches, precision)

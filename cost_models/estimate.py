@@ -155,6 +155,30 @@ def _rows_dropped(grid: Cost, blocking: Sequence[Term], dropped: np.ndarray, hel
     return Cost(**fields_, comm_bytes=moved, measured=grid.measured), terms  # type: ignore[arg-type]  # a grid of costs: arrays in Cost's fields
 
 
+#: FLOPs per op signature (target, argument shapes and values), counted once per process: the
+#: count depends on nothing else, and tests and repeated plans (microbatches, hand plans' models,
+#: ``autopar compare``) price the same ops again. (flops, why counting failed, or None.)
+_FLOP_COUNTS: dict[tuple, tuple[float, str | None]] = {}
+_FLOP_COUNTS_MAX = 100_000
+
+
+def _counted_flops(node: fx.Node) -> tuple[float, str | None]:
+    """Forward FLOPs of ``node``'s whole op on fake tensors (FlopCounterMode), and why they could
+    not be counted (then 0) where the counter cannot run it."""
+    args = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    key = (node.target, repr(torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), args)))
+    if key not in _FLOP_COUNTS:
+        if len(_FLOP_COUNTS) >= _FLOP_COUNTS_MAX:
+            _FLOP_COUNTS.clear()
+        try:
+            with tensor_val(node).fake_mode, FlopCounterMode(display=False) as counter:
+                node.target(*args[0], **args[1])
+            _FLOP_COUNTS[key] = (as_amount(counter.get_total_flops()), None)
+        except Exception as e:  # noqa: BLE001 - any op the counter cannot run on fake tensors
+            _FLOP_COUNTS[key] = (0.0, f"{type(e).__name__}: {e}")
+    return _FLOP_COUNTS[key]
+
+
 @dataclass
 class CostModel:
     """Prices every strategy of a ``StrategySpace`` on ``mesh``: each node's compute (the profile's
@@ -222,7 +246,7 @@ class CostModel:
         # A gradient bucket holds at most the model's parameters: a small model syncs in one.
         params = sum(_bytes(tensor_val(nc.node)) for nc in self.space.nodes if nc.kind == "param")
         self.bucket_bytes = min(float(BUCKET_BYTES), params) or float(BUCKET_BYTES)
-        self._flops: dict[tuple, float] = {}
+        self._flop_failures: set[str] = set()
         self._node_flops: dict[fx.Node, float] = {}
         self._moves: dict[tuple, Cost] = {}
         self.block_of = recomputed_blocks(self.space, self.recompute)
@@ -678,26 +702,19 @@ class CostModel:
         return readers
 
     def flops(self, node: fx.Node) -> float:
-        """Forward FLOPs of the whole (unsharded) op, counted by PyTorch's FlopCounterMode (once per
-        node, and once per signature: identical layers share the count)."""
-        if node in self._node_flops:
-            return self._node_flops[node]
-        args = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-        key = (node.target, repr(torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: tuple(t.shape), args)))
-        if key not in self._flops:
-            val = tensor_val(node)
-            try:
-                with val.fake_mode, FlopCounterMode(display=False) as counter:
-                    node.target(*args[0], **args[1])
-                self._flops[key] = as_amount(counter.get_total_flops())
-            except Exception as e:  # noqa: BLE001 - any op the counter cannot run on fake tensors
-                msg = (f"cannot count the FLOPs of {node.target} ({node.name}: {type(e).__name__}: {e}); "
+        """Forward FLOPs of the whole (unsharded) op, counted by PyTorch's FlopCounterMode once per
+        node and once per process for each signature (``_counted_flops``): identical layers, and
+        every plan of the same model, share the count."""
+        if node not in self._node_flops:
+            flops, failure = _counted_flops(node)
+            if failure is not None and failure not in self._flop_failures:
+                msg = (f"cannot count the FLOPs of {node.target} ({node.name}: {failure}); "
                        "it is costed as memory-bound (0 FLOPs): run `autopar profile` to measure it")
+                self._flop_failures.add(failure)
                 self.space.warnings.append(msg)
                 log.warning("autopar: %s", msg)
-                self._flops[key] = 0.0
-        self._node_flops[node] = self._flops[key]
-        return self._flops[key]
+            self._node_flops[node] = flops
+        return self._node_flops[node]
 
     # ------------------------------------------------------------ edges
     def edge(self, src: NodeChoices, s: Strategy, dst: NodeChoices, d: Strategy, i: int) -> Cost:

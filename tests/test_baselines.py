@@ -45,6 +45,17 @@ def test_standard_strategies_are_what_they_say():
     assert set(auto.solver["hand_plans"]) == set(plans) - piped
 
 
+def test_data_parallel_hand_plans_never_split_attention_by_sequence():
+    """'dp', 'fsdp' and ZeRO split the batch; attention run as a ring over their axis (split by
+    sequence, keys and values passed round) is context parallelism, which only the "cp" plans
+    are. On llama-tiny at 2x2, rings tie with the batch split here and 'ddp' once ran one."""
+    model, args, kwargs = meta_model("llama-tiny", 6, 16)
+    names = ["ddp", "fsdp", "zero1", "dp(dp) x fsdp(tp)", "fsdp(dp) x fsdp+cp(tp)"]
+    plans = candidates(model, MeshSpec((2, 2)), args, kwargs, names=names)
+    assert set(plans) == set(names)
+    assert [n for n, p in plans.items() if p.context_parallel is not None] == ["fsdp(dp) x fsdp+cp(tp)"]
+
+
 @slow
 def test_hand_plan_that_does_not_fit_is_kept_with_its_shortfall():
     model, args, kwargs = meta_model("gpt-tiny", 8, 32)

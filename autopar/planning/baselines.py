@@ -3,7 +3,8 @@
 A hand plan gives each mesh axis a role:
 
 * ``dp``: data parallel: parameters replicated, the batch split, no op on the batch computed twice
-  (DDP; what does not depend on the inputs, such as position ids, is computed on every rank);
+  (DDP; what does not depend on the inputs, such as position ids, is computed on every rank),
+  attention never run as a ring (split by sequence: that is ``cp``);
 * ``fsdp``: the same, with parameters stored sharded and gathered on use (ZeRO-3/FSDP);
 * ``zero2``: the same, with parameters gathered once a step and kept (ZeRO-2: gradients and
   optimizer states sharded), on every axis at once, as DeepSpeed runs it, or on the data axes
@@ -388,7 +389,7 @@ def _obeys_context(kind: NodeKind, traits: Traits, s: Strategy, a: int) -> bool:
 
 def _obeys_role(kind: NodeKind, traits: Traits, s: Strategy, a: int, role: Role) -> bool:
     """Does ``s`` obey ``role`` (one of ``ROLES`` or ZeRO) on axis ``a``?"""
-    on_batch, matmul_weight, residual_add, weights, tables, _, expert_weight = traits
+    on_batch, matmul_weight, residual_add, weights, tables, attention, expert_weight = traits
     if kind == "param":
         use, stored = s.out[a], s.storage[a]
         if role in DATA_ROLES and expert_weight and use == stored == Shard(0):
@@ -409,6 +410,8 @@ def _obeys_role(kind: NodeKind, traits: Traits, s: Strategy, a: int, role: Role)
         replicated = s.out[a] == R and all(p[a] == R for p in s.ins)
         if role in DATA_ROLES and on_batch == replicated:
             return False   # an op on the batch computed on every rank, or one without it split
+        if role in DATA_ROLES and attention and s.names[a] in RINGS:
+            return False   # split by sequence, passing keys and values round: context parallelism ("cp")
         if role in DATA_ROLES and any(s.ins[k][a] != R for k in weights + tables) and s.names[a] != moe.EXPERTS:
             return False   # data parallelism uses every weight whole (embedding tables too: DDP's do), but experts by expert
         if role.startswith("tp") and any(s.ins[k][a] == R for k in weights):

@@ -246,7 +246,7 @@ class CostModel:
         # A gradient bucket holds at most the model's parameters: a small model syncs in one.
         params = sum(_bytes(tensor_val(nc.node)) for nc in self.space.nodes if nc.kind == "param")
         self.bucket_bytes = min(float(BUCKET_BYTES), params) or float(BUCKET_BYTES)
-        self._flop_failures: set[str] = set()
+        self._flop_failures: set[tuple[str, str]] = set()
         self._node_flops: dict[fx.Node, float] = {}
         self._moves: dict[tuple, Cost] = {}
         self.block_of = recomputed_blocks(self.space, self.recompute)
@@ -707,10 +707,10 @@ class CostModel:
         every plan of the same model, share the count."""
         if node not in self._node_flops:
             flops, failure = _counted_flops(node)
-            if failure is not None and failure not in self._flop_failures:
+            if failure is not None and (str(node.target), failure) not in self._flop_failures:
                 msg = (f"cannot count the FLOPs of {node.target} ({node.name}: {failure}); "
                        "it is costed as memory-bound (0 FLOPs): run `autopar profile` to measure it")
-                self._flop_failures.add(failure)
+                self._flop_failures.add((str(node.target), failure))   # said once per op and cause
                 self.space.warnings.append(msg)
                 log.warning("autopar: %s", msg)
             self._node_flops[node] = flops

@@ -18,7 +18,7 @@ import torch
 
 # The workers share the host's cores (CI: -n 2 on two): one intra-op thread each where they fill
 # them. An idle OpenMP thread spins in its barrier after every parallel op, taking a core the
-# other worker needed (a sixth of a worker's CPU on CI's host).
+# other worker needed (a sixth of a worker's CPU in a cold CI run on a 2-core VM).
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 os.environ["AUTOPAR_PROFILE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-profiles-")
 atexit.register(shutil.rmtree, os.environ["AUTOPAR_PROFILE_DIR"], ignore_errors=True)   # one per worker; left none behind

@@ -490,7 +490,7 @@ def test_a_context_hand_plan_runs_its_rings_in_one_layout_however_ties_fall(pres
     solved again with its rings contiguous, as the planner's own plan is, and runs."""
     from ortools.math_opt import parameters_pb2
 
-    from autopar.core.seq_layout import balanced_layout
+    from autopar.core.seq_layout import plan_layout
     from solver import ilp
 
     real = ilp.solve_proto
@@ -502,7 +502,7 @@ def test_a_context_hand_plan_runs_its_rings_in_one_layout_however_ties_fall(pres
     which = "fsdp(a) x fsdp+cp(b)"
     plan = candidates(build("gpt-tiny"), mesh, args, kwargs, profile=None, progress=False, names=[which])[which]
     assert plan.context_parallel is not None and plan.context_parallel.kind == "ring"
-    balanced_layout(capture(build("gpt-tiny"), args, kwargs), {n.name: n for n in plan.nodes}, mesh.shape)
+    plan_layout(capture(build("gpt-tiny"), args, kwargs), plan)
 
 
 @slow

@@ -83,9 +83,13 @@ _SEPARABLE_RTOL = 1e-12
 _TERMS_MIN_SAVING = 4
 # Local search sweeps used to polish the solution hint (each sweep visits every node once).
 _MAX_SWEEPS = 50
-#: A model of this many variables or more, solved under a time limit, is solved in a process of its
-#: own and stopped at the limit (``solver.apart``): HiGHS overran an 11 s limit by 34 s at 0.7M.
-APART_VARIABLES = 200_000
+#: A MIP of this many variables or more, solved under a time limit, is solved in a process of its
+#: own and stopped at the limit (``solver.apart``): HiGHS overran an 11 s limit by 34 s at 0.7M, and
+#: a 13 s limit by 15 s at 103k (Mixtral 8x7B on 8x8).
+APART_VARIABLES = 50_000
+#: Under a time limit, a model of this many variables or more goes straight to its MIP apart: its
+#: root LP is most of that solve's time, and a relaxation tried here first could not be stopped.
+RELAX_HERE_VARIABLES = 200_000
 #: Seconds a solve apart may take past its time limit before it is stopped (the child's start, the
 #: solver's own stop).
 APART_GRACE_S = 0.5
@@ -1113,11 +1117,12 @@ def _one_hot_values_only(built: _Model) -> model_parameters_pb2.ModelSolveParame
 
 def _relax_first(built: _Model, solver: str, hard_stop: float | None, node_limit: int | None) -> bool:
     """Whether to solve the LP relaxation before the MIP: with HiGHS, where no memory budget
-    binds (with one, every relaxation tried was fractional), in this process (a model solved
-    apart is stopped at its limit, and its root LP is most of its time), and where the branch
-    and bound may run at all (``node_limit=0`` asks for the hint)."""
+    binds (with one, every relaxation tried was fractional), where the branch and bound may run
+    at all (``node_limit=0`` asks for the hint), and, under a time limit, on models under
+    ``RELAX_HERE_VARIABLES`` (the relaxation runs in this process, within its share of the limit;
+    a MIP after it may still be solved apart)."""
     return solver == "highs" and node_limit != 0 and not built.budget_binds and not (
-        hard_stop is not None and len(built.proto.variables.ids) >= APART_VARIABLES)
+        hard_stop is not None and len(built.proto.variables.ids) >= RELAX_HERE_VARIABLES)
 
 
 def _relaxed(built: _Model, solver: mathopt.SolverType,

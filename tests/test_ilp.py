@@ -464,19 +464,40 @@ def test_invalid_solver_and_time_limit() -> None:
         solve(problem, time_limit=0)
 
 
+def _all_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every timed model counts as large: straight to its MIP, solved apart."""
+    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    monkeypatch.setattr(ilp, "RELAX_HERE_VARIABLES", 0)
+
+
 def test_a_large_model_is_solved_apart_as_it_would_be_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above ``APART_VARIABLES`` (here: every model) a timed solve runs in a process of its own,
     and gives what the same solve gives in this one."""
-    import solver.ilp as ilp
-
     problem = step_problem(3, 0.7)
     here = solve(problem, time_limit=60.0)
     started = []
-    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    _all_apart(monkeypatch)
     monkeypatch.setattr(ilp, "solve_apart", lambda *a: started.append(1) or solve_apart(*a))
     apart = solve(problem, time_limit=60.0)
     assert started and apart.choices == here.choices and apart.status == here.status == "optimal"
     assert apart.objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)
+
+
+def test_a_mid_sized_model_relaxes_here_and_solves_its_mip_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between ``APART_VARIABLES`` and ``RELAX_HERE_VARIABLES`` a timed solve tries its relaxation
+    in this process; where that is fractional (a frustrated triangle) the MIP, which HiGHS may
+    not stop at its limit, runs apart; where it is integral (a chain) nothing is started."""
+    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    started: list[int] = []
+    monkeypatch.setattr(ilp, "solve_apart", lambda *a: started.append(1) or solve_apart(*a))
+    chain = Problem(((1.0, 1.2), (1.1, 1.0), (1.0, 1.3)), ((1.0, 1.0),) * 3,
+                    tuple(Edge(i, i + 1, ((0.0, 5.0), (5.0, 0.0))) for i in range(2)))
+    assert solve(chain, time_limit=30.0).choices == (0, 0, 0) and not started
+    same = ((1.0, 0.0), (0.0, 1.0))
+    triangle = Problem(((0.0, 0.0),) * 3, ((1.0, 1.0),) * 3, (Edge(0, 1, same), Edge(1, 2, same), Edge(0, 2, same)))
+    monkeypatch.setattr(ilp, "_hint", lambda problem, data, red: [0, 0, 0])
+    sol = solve(triangle, time_limit=30.0)
+    assert started == [1] and sol.objective == pytest.approx(1.0) and sol.status == "optimal"
 
 
 def test_a_solver_that_overruns_its_time_limit_is_stopped_and_the_hint_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -488,7 +509,7 @@ def test_a_solver_that_overruns_its_time_limit_is_stopped_and_the_hint_kept(monk
     from solver.apart import STALL_ENV
 
     problem = step_problem(3, 0.7)
-    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    _all_apart(monkeypatch)
     monkeypatch.setenv(STALL_ENV, "30")
     start = time.perf_counter()
     sol = solve(problem, time_limit=1.0)
@@ -498,9 +519,7 @@ def test_a_solver_that_overruns_its_time_limit_is_stopped_and_the_hint_kept(monk
 
 
 def test_a_failing_solver_process_is_a_solver_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import solver.ilp as ilp
-
-    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    _all_apart(monkeypatch)
     monkeypatch.setenv("AUTOPAR_SOLVE_APART_STALL_S", "not a number")
     with pytest.raises(SolverError, match="(?s)the solver's process failed .*not a number"):
         solve(step_problem(3, 0.7), time_limit=30.0)
@@ -509,9 +528,7 @@ def test_a_failing_solver_process_is_a_solver_error(monkeypatch: pytest.MonkeyPa
 def test_without_an_interpreter_to_start_a_large_model_is_solved_here(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    import solver.ilp as ilp
-
     problem = step_problem(3, 0.7)
-    monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
+    _all_apart(monkeypatch)
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     assert solve(problem, time_limit=30.0).objective == pytest.approx(brute_force(problem)[0], rel=1e-6, abs=1e-9)

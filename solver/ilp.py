@@ -1097,7 +1097,7 @@ def _run(built: _Model, hint: np.ndarray, solver: mathopt.SolverType, params: ma
     values.ids.extend(built.proto.variables.ids)
     values.values.extend(hint.tolist())
     try:
-        if hard_stop is not None and len(built.proto.variables.ids) >= APART_VARIABLES:
+        if _timed_and_at_least(built, hard_stop, APART_VARIABLES):
             with contextlib.suppress(OSError):   # (no interpreter to start: solved here, unstoppable)
                 return solve_apart(built.proto, solver.value, params.to_proto(), model_params, hard_stop)
         return solve_proto(built.proto, solver.value, params.to_proto(), model_params)
@@ -1121,8 +1121,13 @@ def _relax_first(built: _Model, solver: str, hard_stop: float | None, node_limit
     at all (``node_limit=0`` asks for the hint), and, under a time limit, on models under
     ``RELAX_HERE_VARIABLES`` (the relaxation runs in this process, within its share of the limit;
     a MIP after it may still be solved apart)."""
-    return solver == "highs" and node_limit != 0 and not built.budget_binds and not (
-        hard_stop is not None and len(built.proto.variables.ids) >= RELAX_HERE_VARIABLES)
+    return (solver == "highs" and node_limit != 0 and not built.budget_binds
+            and not _timed_and_at_least(built, hard_stop, RELAX_HERE_VARIABLES))
+
+
+def _timed_and_at_least(built: _Model, hard_stop: float | None, variables: int) -> bool:
+    """Is the solve under a time limit (a hard stop) and the model of ``variables`` or more?"""
+    return hard_stop is not None and len(built.proto.variables.ids) >= variables
 
 
 def _relaxed(built: _Model, solver: mathopt.SolverType,

@@ -247,18 +247,29 @@ def test_chain_forces_consistent_choice() -> None:
         check_solution(problem, sol)
 
 
+def _chain() -> Problem:
+    """Three nodes in a chain whose LP relaxation is integral: the optimum is (0, 0, 0)."""
+    return Problem(((1.0, 1.2), (1.1, 1.0), (1.0, 1.3)), ((1.0, 1.0),) * 3,
+                   tuple(Edge(i, i + 1, ((0.0, 5.0), (5.0, 0.0))) for i in range(2)))
+
+
+def _frustrated_triangle() -> Problem:
+    """Three nodes each wanting another choice than both neighbours: a fractional relaxation
+    (every choice at one half costs nothing), an optimum of 1."""
+    same = ((1.0, 0.0), (0.0, 1.0))
+    return Problem(((0.0, 0.0),) * 3, ((1.0, 1.0),) * 3, (Edge(0, 1, same), Edge(1, 2, same), Edge(0, 2, same)))
+
+
 def test_a_tight_relaxation_is_the_optimum_and_a_loose_one_goes_to_the_mip(monkeypatch: pytest.MonkeyPatch) -> None:
     """The relaxation is solved first. A chain's is integral: that is the answer, with no branch
     and bound. An odd cycle of nodes that each want another choice than their neighbours (a
     frustrated triangle) has a fractional relaxation (every choice at one half costs nothing):
     decoding it would put every node on one choice (cost 3, the hint here, so that it cannot
     cover for it); the MIP finds a cost of 1."""
-    chain = Problem(((1.0, 1.2), (1.1, 1.0), (1.0, 1.3)), ((1.0, 1.0),) * 3,
-                    tuple(Edge(i, i + 1, ((0.0, 5.0), (5.0, 0.0))) for i in range(2)))
+    chain = _chain()
     sol = solve(chain)
     assert sol.choices == (0, 0, 0) and sol.status == "optimal" and sol.gap == 0.0 and sol.nodes == 0
-    same = ((1.0, 0.0), (0.0, 1.0))
-    triangle = Problem(((0.0, 0.0),) * 3, ((1.0, 1.0),) * 3, (Edge(0, 1, same), Edge(1, 2, same), Edge(0, 2, same)))
+    triangle = _frustrated_triangle()
     monkeypatch.setattr(ilp, "_hint", lambda problem, data, red: [0, 0, 0])
     sol = solve(triangle)
     check_solution(triangle, sol)
@@ -490,11 +501,9 @@ def test_a_mid_sized_model_relaxes_here_and_solves_its_mip_apart(monkeypatch: py
     monkeypatch.setattr(ilp, "APART_VARIABLES", 0)
     started: list[int] = []
     monkeypatch.setattr(ilp, "solve_apart", lambda *a: started.append(1) or solve_apart(*a))
-    chain = Problem(((1.0, 1.2), (1.1, 1.0), (1.0, 1.3)), ((1.0, 1.0),) * 3,
-                    tuple(Edge(i, i + 1, ((0.0, 5.0), (5.0, 0.0))) for i in range(2)))
+    chain = _chain()
     assert solve(chain, time_limit=30.0).choices == (0, 0, 0) and not started
-    same = ((1.0, 0.0), (0.0, 1.0))
-    triangle = Problem(((0.0, 0.0),) * 3, ((1.0, 1.0),) * 3, (Edge(0, 1, same), Edge(1, 2, same), Edge(0, 2, same)))
+    triangle = _frustrated_triangle()
     monkeypatch.setattr(ilp, "_hint", lambda problem, data, red: [0, 0, 0])
     sol = solve(triangle, time_limit=30.0)
     assert started == [1] and sol.objective == pytest.approx(1.0) and sol.status == "optimal"
@@ -505,7 +514,6 @@ def test_a_solver_that_overruns_its_time_limit_is_stopped_and_the_hint_kept(monk
     stopped at the limit, and the solve returns its hint (a feasible plan), saying time stopped it."""
     import time
 
-    import solver.ilp as ilp
     from solver.apart import STALL_ENV
 
     problem = step_problem(3, 0.7)

@@ -38,10 +38,9 @@ CORPUS = [
 #: its attention is split by samples only and 8 x 2048 needs 75.9 GiB per device: 4 x 2048.
 PLAN_BATCH = {"Falcon": 4}
 PLAN_SEQ = 2048
-# Seconds of charged planning work for the published size (``deterministic``): Mixtral's router
-# splits by token since capture runs its in-place renormalisation out of place, and the search
-# that finds its better plan (0.83 s a step predicted, against 1.99 s) needs about 12 s of solve.
-PLAN_LIMIT = {"Mixtral": 25.0}
+# Seconds of planning for the published size (``deterministic``; 20 s elsewhere): Mixtral 8x7B's
+# capture alone took 13 s of a 25 s limit beside CI's other worker, and left no time for a solve.
+PLAN_LIMIT = {"Mixtral": 32.0}
 GLOO = {"gpt2-tiny", "opt-tiny", "bloom-tiny", "qwen2-tiny", "vit-tiny"}
 #: Ops that run replicated for want of a rule, per architecture (none elsewhere): none today.
 REPLICATED: dict[str, set[str]] = {}
